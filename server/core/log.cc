@@ -8,18 +8,18 @@
 
 namespace arfuse {
 namespace {
-constexpr std::array<std::string_view, 7> kLevels = {"trace", "debug", "info",    "warn",
+constexpr std::array<absl::string_view, 7> kLevels = {"trace", "debug", "info",    "warn",
                                                      "error", "critical", "off"};
 }  // namespace
 
-bool IsValidLogLevel(std::string_view level) {
+bool IsValidLogLevel(absl::string_view level) {
   for (auto l : kLevels) {
     if (l == level) return true;
   }
   return false;
 }
 
-absl::Status InitLogging(std::string_view level) {
+absl::Status InitLogging(absl::string_view level) {
   if (!IsValidLogLevel(level)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown log level \"", level,

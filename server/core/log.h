@@ -3,7 +3,7 @@
 #pragma once
 
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 
@@ -11,9 +11,9 @@ namespace arfuse {
 
 // Sets up the process-wide logger on stderr with the given level ("trace", "debug", "info",
 // "warn", "error", "critical", "off"). Returns INVALID_ARGUMENT for an unknown level.
-absl::Status InitLogging(std::string_view level);
+absl::Status InitLogging(absl::string_view level);
 
 // True when `level` names a spdlog level.
-bool IsValidLogLevel(std::string_view level);
+bool IsValidLogLevel(absl::string_view level);
 
 }  // namespace arfuse

@@ -1,0 +1,43 @@
+// Plain types shared by the kernels, the CPU implementation and the server libraries.
+// No CUDA and no protobuf here: this header is included on machines without the toolkit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace arfuse {
+
+enum class DType : uint8_t { kBF16 = 1, kFP16 = 2, kFP32 = 3 };
+
+// Keep an enum so quantized-output patterns can be added.
+enum class Pattern : uint8_t {
+  kAllReduce = 1,                // out = sum over ranks of input
+  kAllReduceResidualRmsNorm = 2  // residual_out = sum + residual_in; norm_out = rmsnorm(...) * gamma
+};
+
+inline constexpr size_t DTypeSize(DType t) { return t == DType::kFP32 ? 4 : 2; }
+
+inline constexpr const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kBF16: return "bf16";
+    case DType::kFP16: return "fp16";
+    case DType::kFP32: return "fp32";
+  }
+  return "unknown";
+}
+
+inline constexpr const char* PatternName(Pattern p) {
+  switch (p) {
+    case Pattern::kAllReduce: return "allreduce";
+    case Pattern::kAllReduceResidualRmsNorm: return "allreduce_residual_rmsnorm";
+  }
+  return "unknown";
+}
+
+// World sizes the fused kernels support.
+inline constexpr bool IsSupportedWorldSize(int n) { return n == 2 || n == 4 || n == 8 || n == 16; }
+inline constexpr int kMaxWorldSize = 16;
+// Elements per 16-byte vector of the narrowest dtype: hidden must be a multiple of this.
+inline constexpr int kHiddenMultiple = 8;
+
+}  // namespace arfuse

@@ -1,0 +1,51 @@
+// The small interface every cross-rank handshake goes through: workspace handle exchange, the
+// NCCL unique id, the config vote. Implemented by the sidecars' peer channel (gRPC to rank 0)
+// and by in-process harnesses in tests. No gRPC and no CUDA here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace arfuse {
+
+struct VoteResult {
+  bool all_yes = false;
+  // "rank N: reason" for every rank that voted no, in rank order.
+  std::vector<std::string> reasons;
+};
+
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Ranks on this rank's node share IPC handles and file descriptors directly.
+  virtual int nnodes() const { return 1; }
+
+  // Every rank contributes `payload` under `tag`; returns all payloads indexed by rank.
+  // Tags must be used in the same order on every rank. DEADLINE_EXCEEDED or UNAVAILABLE (naming
+  // the missing ranks) when the group does not complete before `deadline`.
+  virtual absl::StatusOr<std::vector<std::string>> Allgather(const std::string& tag,
+                                                             const std::string& payload,
+                                                             absl::Time deadline) = 0;
+
+  virtual absl::Status Barrier(const std::string& tag, absl::Time deadline) = 0;
+
+  // Logical AND across ranks; all ranks get the same result.
+  virtual absl::StatusOr<VoteResult> Vote(const std::string& tag, bool yes,
+                                          const std::string& reason, absl::Time deadline) = 0;
+
+  // Sends open file descriptors to every other rank of this node and receives theirs (POSIX-FD
+  // VMM handles travel this way, with SCM_RIGHTS). Returns one fd per rank (this rank's own entry
+  // is a dup of `fd`); the caller owns and closes them. UNIMPLEMENTED where the channel cannot
+  // pass descriptors.
+  virtual absl::StatusOr<std::vector<int>> AllgatherFd(const std::string& tag, int fd,
+                                                       absl::Time deadline) = 0;
+};
+
+}  // namespace arfuse
