@@ -6,6 +6,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "fmt/format.h"
 
 namespace arfuse {
 
@@ -17,3 +18,13 @@ absl::Status InitLogging(absl::string_view level);
 bool IsValidLogLevel(absl::string_view level);
 
 }  // namespace arfuse
+
+// Debian's abseil has its own string_view type; let spdlog/fmt format it like std::string_view.
+template <>
+struct fmt::formatter<absl::string_view> : fmt::formatter<fmt::string_view> {
+  template <typename FormatContext>
+  auto format(absl::string_view value, FormatContext& ctx) const {
+    return fmt::formatter<fmt::string_view>::format(fmt::string_view(value.data(), value.size()),
+                                                    ctx);
+  }
+};

@@ -1,0 +1,397 @@
+#include "server/daemon/options.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "server/core/log.h"
+#include "server/core/status_macros.h"
+
+ABSL_FLAG(std::string, socket, "",
+          "Unix socket of the main gRPC server (Config, Fusion, Admin, Peer). Default: "
+          "$XDG_RUNTIME_DIR/arfuse/arfused.sock, else /run/arfuse/arfused.sock (rank N > 0 adds "
+          "'.rankN'). Created with mode 0660; a stale socket left by a dead process is replaced.");
+ABSL_FLAG(int, health_port, 0,
+          "Plaintext TCP port serving only grpc.health.v1 for Kubernetes probes; 0 picks a free "
+          "port and logs it. Entry \"\" is liveness, \"arfuse.v1.Fusion\" readiness.");
+ABSL_FLAG(std::string, health_host, "0.0.0.0", "Address the health port binds to.");
+ABSL_FLAG(int, metrics_port, -1,
+          "TCP port for Prometheus metrics (/metrics); -1 turns metrics off, 0 picks a free port.");
+ABSL_FLAG(std::string, device, "",
+          "cuda (fused kernels on this rank's GPU) or host (host shared memory and the CPU "
+          "implementation, for machines without a GPU). Default: cuda when a GPU is present.");
+ABSL_FLAG(int, rank, 0, "This sidecar's rank in the tensor-parallel group (0-based).");
+ABSL_FLAG(int, gpu, -1,
+          "CUDA device index of this rank; -1 picks rank % visible GPUs (ranks share GPUs when "
+          "there are fewer GPUs than ranks; run MPS then).");
+ABSL_FLAG(int, world_size, 1, "Ranks in the tensor-parallel group (tp size).");
+ABSL_FLAG(int, nnodes, 1, "Nodes the group spans.");
+ABSL_FLAG(std::string, peer_dir, "",
+          "Directory where the sidecars of one node meet (Unix sockets, file-descriptor passing). "
+          "Default: the socket's directory.");
+ABSL_FLAG(std::string, peer_addr, "",
+          "host:port where rank 0 serves the peer rendezvous over TCP (groups across nodes).");
+ABSL_FLAG(std::string, group, "arfuse", "Name of the group; sidecars of one group share it.");
+ABSL_FLAG(double, peer_timeout, 60,
+          "Seconds to wait for every peer to join; past it the missing ranks are named.");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
+ABSL_FLAG(std::optional<std::string>, flashinfer_allreduce_fusion_backend, std::nullopt,
+          "Fused-allreduce backend: auto, trtllm or mnnvl (SGLang's flag). Unset: off, unless "
+          "auto-enabled (SM100 family with world size > 1).");
+ABSL_FLAG(bool, enable_flashinfer_allreduce_fusion, false,
+          "Deprecated: use --flashinfer-allreduce-fusion-backend=auto. Maps to auto when the "
+          "backend is unset.");
+ABSL_FLAG(bool, enforce_disable_flashinfer_allreduce_fusion, false,
+          "Turns fusion off whatever else is given (the unfused path runs).");
+ABSL_FLAG(bool, enable_deterministic_inference, false,
+          "Deterministic inference: clears the backend, the unfused path always runs.");
+ABSL_FLAG(std::optional<int>, sm, std::nullopt,
+          "Compute capability as major*10+minor (90, 100, ...); overrides the GPU's (tests, CPU "
+          "machines).");
+ABSL_FLAG(std::string, cuda_graph_mode, "full",
+          "The CUDA-graph mode clients ask for by default: none, piecewise or full.");
+ABSL_FLAG(bool, mnnvl_capture_safe, true,
+          "Whether the mnnvl kernels may be captured in piecewise CUDA graphs (ours compare "
+          "sentinel bits, so they are; false for older builds and tests).");
+ABSL_FLAG(int, max_tokens, 2048, "Workspace capacity in tokens.");
+ABSL_FLAG(int, hidden, 8192, "Workspace capacity in hidden size (a multiple of 8).");
+ABSL_FLAG(std::string, dtype, "bf16", "Workspace dtype sizing: bf16, fp16 or fp32.");
+ABSL_FLAG(double, spin_timeout, 5,
+          "Seconds any cross-rank wait may take before it gives up and poisons the workspace.");
+ABSL_FLAG(double, grace_period, 10,
+          "Seconds in-flight calls get to finish on SIGTERM/SIGINT before they are cancelled.");
+ABSL_FLAG(double, default_deadline, 10, "Deadline in seconds for calls that carry none.");
+ABSL_FLAG(std::vector<std::string>, allowed_uids, {},
+          "Comma-separated uids allowed on the main socket besides the sidecar's own (checked "
+          "with SO_PEERCRED).");
+ABSL_FLAG(std::string, config, "",
+          "File of 'name=value' lines (same names as the flags); CLI and ARFUSE_* environment "
+          "variables take precedence.");
+ABSL_FLAG(bool, help, false, "Show this help and exit.");
+ABSL_FLAG(bool, version, false, "Print the version and exit.");
+
+namespace arfuse {
+namespace {
+
+// Flags defined in this file, in the order --help lists them.
+const std::vector<std::string>& OwnFlagNames() {
+  static const std::vector<std::string> names = {
+      "socket", "health_port", "health_host", "metrics_port", "device", "rank", "gpu", "world_size",
+      "nnodes", "peer_dir", "peer_addr", "group", "peer_timeout", "log_level",
+      "flashinfer_allreduce_fusion_backend", "enable_flashinfer_allreduce_fusion",
+      "enforce_disable_flashinfer_allreduce_fusion", "enable_deterministic_inference", "sm",
+      "cuda_graph_mode", "mnnvl_capture_safe", "max_tokens", "hidden", "dtype", "spin_timeout",
+      "grace_period", "default_deadline", "allowed_uids", "config", "help", "version"};
+  return names;
+}
+
+std::string Hyphenated(absl::string_view name) { return absl::StrReplaceAll(name, {{"_", "-"}}); }
+
+std::string EnvName(absl::string_view name) {
+  return absl::StrCat("ARFUSE_", absl::AsciiStrToUpper(name));
+}
+
+bool IsOwnFlag(absl::string_view name) {
+  for (const auto& n : OwnFlagNames()) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
+// Sets one flag from text; `origin` names where the text came from in the error.
+absl::Status SetFlag(absl::string_view name, absl::string_view value, absl::string_view origin,
+                     std::map<std::string, std::string>& sources, absl::string_view source) {
+  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  if (flag == nullptr || !IsOwnFlag(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(origin, ": unknown flag --", Hyphenated(name), " (see --help)"));
+  }
+  std::string error;
+  if (!flag->ParseFrom(value, &error)) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": bad value \"", value, "\" for --",
+                                                   Hyphenated(name), ": ", error));
+  }
+  sources[std::string(name)] = std::string(source);
+  return absl::OkStatus();
+}
+
+absl::Status ApplyConfigFile(const std::string& path, std::map<std::string, std::string>& sources) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("--config: cannot read ", path));
+  }
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty() || text[0] == '#') continue;
+    absl::ConsumePrefix(&text, "--");
+    std::pair<std::string, std::string> kv = absl::StrSplit(text, absl::MaxSplits('=', 1));
+    std::string name = absl::StrReplaceAll(absl::StripAsciiWhitespace(kv.first), {{"-", "_"}});
+    std::string value(absl::StripAsciiWhitespace(kv.second));
+    if (name == "config" || name == "help" || name == "version") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", lineno, ": --", Hyphenated(name), " is not allowed in a file"));
+    }
+    ARFUSE_RETURN_IF_ERROR(
+        SetFlag(name, value, absl::StrCat(path, ":", lineno), sources, "file"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyEnvironment(std::map<std::string, std::string>& sources) {
+  for (const auto& name : OwnFlagNames()) {
+    if (name == "config" || name == "help" || name == "version") continue;
+    const char* value = std::getenv(EnvName(name).c_str());
+    if (value == nullptr) continue;
+    ARFUSE_RETURN_IF_ERROR(SetFlag(name, value, EnvName(name), sources, "env"));
+  }
+  return absl::OkStatus();
+}
+
+struct CliFlag {
+  std::string name;
+  std::optional<std::string> value;
+};
+
+// Splits "--name=value", "--name value", "--bool", "--nobool" into (name, value).
+absl::StatusOr<std::vector<CliFlag>> TokenizeCommandLine(int argc, char** argv) {
+  std::vector<CliFlag> out;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument \"", arg, "\" (arfused takes only flags; see --help)"));
+    }
+    if (arg.empty()) {
+      return absl::InvalidArgumentError("empty flag \"--\" (see --help)");
+    }
+    CliFlag flag;
+    size_t eq = arg.find('=');
+    flag.name = absl::StrReplaceAll(arg.substr(0, eq), {{"-", "_"}});
+    if (eq != absl::string_view::npos) flag.value = std::string(arg.substr(eq + 1));
+    absl::CommandLineFlag* f = absl::FindCommandLineFlag(flag.name);
+    if ((f == nullptr || !IsOwnFlag(flag.name)) && absl::StartsWith(flag.name, "no")) {
+      // --noflag for booleans.
+      std::string base = flag.name.substr(2);
+      absl::CommandLineFlag* b = absl::FindCommandLineFlag(base);
+      if (b != nullptr && IsOwnFlag(base) && b->IsOfType<bool>() && !flag.value) {
+        out.push_back({base, "false"});
+        continue;
+      }
+    }
+    if (f == nullptr || !IsOwnFlag(flag.name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", Hyphenated(flag.name), " (see --help)"));
+    }
+    if (!flag.value) {
+      if (f->IsOfType<bool>()) {
+        flag.value = "true";
+      } else if (i + 1 < argc) {
+        flag.value = argv[++i];
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("flag --", Hyphenated(flag.name), " needs a value"));
+      }
+    }
+    out.push_back(std::move(flag));
+  }
+  return out;
+}
+
+absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
+                        std::initializer_list<absl::string_view> allowed) {
+  for (auto a : allowed) {
+    if (value == a) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("bad value \"", value, "\" for --", flag,
+                                                 ": expected one of ",
+                                                 absl::StrJoin(allowed, ", ")));
+}
+
+absl::Status Validate(const DaemonOptions& o) {
+  if (!o.device.empty()) ARFUSE_RETURN_IF_ERROR(CheckOneOf("device", o.device, {"cuda", "host"}));
+  if (o.world_size < 1 || o.world_size > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--world-size must be between 1 and 64, got ", o.world_size));
+  }
+  if (o.rank < 0 || o.rank >= o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--rank must be in [0, ", o.world_size,
+                                                   ") for --world-size=", o.world_size,
+                                                   ", got ", o.rank));
+  }
+  if (o.nnodes < 1 || o.nnodes > o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--nnodes must be between 1 and --world-size (",
+                                                   o.world_size, "), got ", o.nnodes));
+  }
+  if (o.health_port < 0 || o.health_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--health-port must be between 0 and 65535, got ", o.health_port));
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-port must be -1 (off) or between 0 and 65535, got ",
+                     o.metrics_port));
+  }
+  if (!IsValidLogLevel(o.log_level)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad value \"", o.log_level,
+        "\" for --log-level: expected trace, debug, info, warn, error, critical or off"));
+  }
+  if (o.fusion_backend) {
+    ARFUSE_RETURN_IF_ERROR(CheckOneOf("flashinfer-allreduce-fusion-backend", *o.fusion_backend,
+                                      {"auto", "trtllm", "mnnvl"}));
+  }
+  ARFUSE_RETURN_IF_ERROR(
+      CheckOneOf("cuda-graph-mode", o.cuda_graph_mode, {"none", "piecewise", "full"}));
+  ARFUSE_RETURN_IF_ERROR(CheckOneOf("dtype", o.dtype, {"bf16", "fp16", "fp32"}));
+  if (o.sm && (*o.sm < 10 || *o.sm > 199)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--sm must be major*10+minor (for example 90 or 100), got ", *o.sm));
+  }
+  if (o.max_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-tokens must be positive, got ", o.max_tokens));
+  }
+  if (o.hidden < 8 || o.hidden % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--hidden must be a positive multiple of 8, got ", o.hidden));
+  }
+  for (auto [name, v] : {std::pair<const char*, double>{"peer-timeout", o.peer_timeout_s},
+                         {"spin-timeout", o.spin_timeout_s},
+                         {"grace-period", o.grace_period_s},
+                         {"default-deadline", o.default_deadline_s}}) {
+    if (!(v > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " must be a positive number of seconds, got ", v));
+    }
+  }
+  for (const auto& uid : o.allowed_uids) {
+    unsigned long parsed = 0;
+    if (uid.empty() || uid.find_first_not_of("0123456789") != std::string::npos ||
+        (parsed = std::strtoul(uid.c_str(), nullptr, 10)) > 0xFFFFFFFEul) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad value \"", uid, "\" in --allowed-uids: expected numeric uids"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string DefaultSocketPath(int rank) {
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  std::string dir = (xdg != nullptr && xdg[0] != '\0') ? absl::StrCat(xdg, "/arfuse")
+                                                       : std::string("/run/arfuse");
+  std::string path = absl::StrCat(dir, "/arfused.sock");
+  if (rank > 0) absl::StrAppend(&path, ".rank", rank);
+  return path;
+}
+
+absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) {
+  ParsedCommandLine parsed;
+  auto& sources = parsed.options.sources;
+  for (const auto& name : OwnFlagNames()) sources[name] = "default";
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<CliFlag> cli, TokenizeCommandLine(argc, argv));
+  // The config file is named on the command line or in the environment; read it first so that
+  // the environment and the command line override it.
+  std::string config_path;
+  if (const char* env = std::getenv("ARFUSE_CONFIG")) config_path = env;
+  for (const auto& f : cli) {
+    if (f.name == "config") config_path = *f.value;
+  }
+  for (const auto& f : cli) {
+    if (f.name == "help" && *f.value != "false") {
+      parsed.outcome = ParseOutcome::kHelp;
+      return parsed;
+    }
+    if (f.name == "version" && *f.value != "false") {
+      parsed.outcome = ParseOutcome::kVersion;
+      return parsed;
+    }
+  }
+  if (!config_path.empty()) {
+    ARFUSE_RETURN_IF_ERROR(ApplyConfigFile(config_path, sources));
+    sources["config"] = "cli";
+  }
+  ARFUSE_RETURN_IF_ERROR(ApplyEnvironment(sources));
+  for (const auto& f : cli) {
+    ARFUSE_RETURN_IF_ERROR(SetFlag(f.name, *f.value, "command line", sources, "cli"));
+  }
+
+  DaemonOptions& o = parsed.options;
+  o.health_port = absl::GetFlag(FLAGS_health_port);
+  o.health_host = absl::GetFlag(FLAGS_health_host);
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.rank = absl::GetFlag(FLAGS_rank);
+  o.gpu = absl::GetFlag(FLAGS_gpu);
+  o.world_size = absl::GetFlag(FLAGS_world_size);
+  o.nnodes = absl::GetFlag(FLAGS_nnodes);
+  o.peer_dir = absl::GetFlag(FLAGS_peer_dir);
+  o.peer_addr = absl::GetFlag(FLAGS_peer_addr);
+  o.group = absl::GetFlag(FLAGS_group);
+  o.peer_timeout_s = absl::GetFlag(FLAGS_peer_timeout);
+  o.log_level = absl::GetFlag(FLAGS_log_level);
+  o.fusion_backend = absl::GetFlag(FLAGS_flashinfer_allreduce_fusion_backend);
+  o.enable_flashinfer_allreduce_fusion = absl::GetFlag(FLAGS_enable_flashinfer_allreduce_fusion);
+  o.enforce_disable_fusion = absl::GetFlag(FLAGS_enforce_disable_flashinfer_allreduce_fusion);
+  o.deterministic = absl::GetFlag(FLAGS_enable_deterministic_inference);
+  o.sm = absl::GetFlag(FLAGS_sm);
+  o.cuda_graph_mode = absl::GetFlag(FLAGS_cuda_graph_mode);
+  o.mnnvl_capture_safe = absl::GetFlag(FLAGS_mnnvl_capture_safe);
+  o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  o.hidden = absl::GetFlag(FLAGS_hidden);
+  o.dtype = absl::GetFlag(FLAGS_dtype);
+  o.spin_timeout_s = absl::GetFlag(FLAGS_spin_timeout);
+  o.grace_period_s = absl::GetFlag(FLAGS_grace_period);
+  o.default_deadline_s = absl::GetFlag(FLAGS_default_deadline);
+  o.allowed_uids = absl::GetFlag(FLAGS_allowed_uids);
+  ARFUSE_RETURN_IF_ERROR(Validate(o));
+  o.socket = absl::GetFlag(FLAGS_socket);
+  if (o.socket.empty()) o.socket = DefaultSocketPath(o.rank);
+  return parsed;
+}
+
+std::string DaemonUsage() {
+  std::string out =
+      "arfused: the arfuse sidecar of one GPU rank (fused allreduce + residual add + RMSNorm).\n"
+      "usage: arfused [--flag=value ...]\n\n"
+      "Every flag may also come from the environment (ARFUSE_<NAME>, e.g. ARFUSE_HEALTH_PORT)\n"
+      "or a --config file; precedence: command line > environment > file > default.\n\nflags:\n";
+  for (const auto& name : OwnFlagNames()) {
+    absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    if (f == nullptr) continue;
+    std::string def = f->DefaultValue();
+    absl::StrAppend(&out, "  --", Hyphenated(name), "  (default: ", def.empty() ? "unset" : def,
+                    "; env ", EnvName(name), ")\n      ", f->Help(), "\n");
+  }
+  return out;
+}
+
+std::string DescribeOptions(const DaemonOptions& options) {
+  std::vector<std::string> parts;
+  for (const auto& name : OwnFlagNames()) {
+    if (name == "help" || name == "version") continue;
+    absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    if (f == nullptr) continue;
+    auto it = options.sources.find(name);
+    parts.push_back(absl::StrCat(name, "=", f->CurrentValue(), "(",
+                                 it == options.sources.end() ? "default" : it->second, ")"));
+  }
+  return absl::StrJoin(parts, " ");
+}
+
+}  // namespace arfuse

@@ -1,0 +1,72 @@
+// arfused's configuration: every flag, from the command line, an ARFUSE_* environment variable or
+// a config file (precedence CLI > environment > file > default), each value's source recorded.
+// Flag names take SGLang's hyphenated spellings (--flashinfer-allreduce-fusion-backend); the
+// underscore form is accepted too.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace arfuse {
+
+struct DaemonOptions {
+  std::string socket;  // resolved default when empty on the command line
+  int health_port = 0;
+  std::string health_host = "0.0.0.0";
+  int metrics_port = -1;  // -1: off
+  std::string device;     // "cuda" or "host"
+  int rank = 0;
+  int gpu = -1;  // -1: rank % visible GPUs
+  int world_size = 1;
+  int nnodes = 1;
+  std::string peer_dir;
+  std::string peer_addr;  // rank 0's host:port for groups across nodes
+  std::string group;
+  double peer_timeout_s = 60;
+  std::string log_level = "info";
+  // Fusion flags as SGLang spells them.
+  std::optional<std::string> fusion_backend;
+  bool enable_flashinfer_allreduce_fusion = false;
+  bool enforce_disable_fusion = false;
+  bool deterministic = false;
+  std::optional<int> sm;
+  std::string cuda_graph_mode = "full";
+  bool mnnvl_capture_safe = true;
+  int max_tokens = 2048;
+  int hidden = 8192;
+  std::string dtype = "bf16";
+  double spin_timeout_s = 5;
+  double grace_period_s = 10;
+  double default_deadline_s = 10;
+  std::vector<std::string> allowed_uids;
+  // name -> "cli", "env", "file" or "default", for the start-up log line.
+  std::map<std::string, std::string> sources;
+};
+
+// What to do after parsing.
+enum class ParseOutcome { kRun, kHelp, kVersion };
+
+struct ParsedCommandLine {
+  ParseOutcome outcome = ParseOutcome::kRun;
+  DaemonOptions options;
+};
+
+// Parses argv (and the environment and --config file). INVALID_ARGUMENT with one line naming the
+// problem: unknown flag, malformed value, value out of range, positional argument.
+absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv);
+
+// --help text: every flag with its hyphenated name, default and explanation.
+std::string DaemonUsage();
+
+// The socket path used when --socket is not given: $XDG_RUNTIME_DIR/arfuse/arfused.sock when
+// XDG_RUNTIME_DIR is set, else /run/arfuse/arfused.sock (rank > 0 appends ".rank<N>").
+std::string DefaultSocketPath(int rank);
+
+// One line per option with its source, for the start-up log.
+std::string DescribeOptions(const DaemonOptions& options);
+
+}  // namespace arfuse
