@@ -1,0 +1,299 @@
+// arfused as a process: flags and their errors, the socket cases, health on both endpoints,
+// graceful shutdown.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/support/subprocess.h"
+
+namespace arfuse {
+namespace {
+
+using ::arfuse::testing::BinaryPath;
+using ::arfuse::testing::MakeTempDir;
+using ::arfuse::testing::RunToCompletion;
+using ::arfuse::testing::Subprocess;
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+std::string Arfused() { return BinaryPath("server/daemon/arfused"); }
+
+// A running arfused on a fresh socket; waits for its "ready to accept" line.
+struct Daemon {
+  explicit Daemon(std::vector<std::string> extra = {}, std::vector<std::string> env = {})
+      : dir(MakeTempDir()), socket(dir + "/a.sock") {
+    std::vector<std::string> argv = {Arfused(), "--socket=" + socket, "--health-port=0",
+                                     "--device=host"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc = std::make_unique<Subprocess>(argv, env);
+    ready = proc->WaitForOutput("ready to accept", 30s);
+    std::smatch m;
+    std::string out = proc->Stdout();
+    if (std::regex_search(out, m, std::regex("health_port=(\\d+)"))) {
+      health_port = std::stoi(m[1]);
+    }
+  }
+  std::string dir;
+  std::string socket;
+  std::unique_ptr<Subprocess> proc;
+  bool ready = false;
+  int health_port = 0;
+};
+
+grpc::Status Check(const std::string& addr, const std::string& service,
+                   HealthCheckResponse* response) {
+  auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
+  auto stub = Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  HealthCheckRequest request;
+  request.set_service(service);
+  return stub->Check(&ctx, request, response);
+}
+
+TEST(DaemonFlags, UnknownFlagExits2WithOneLine) {
+  auto [code, out] = RunToCompletion({Arfused(), "--bogus-flag=1"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("unknown flag --bogus-flag"));
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
+}
+
+TEST(DaemonFlags, MalformedValueExits2) {
+  auto [code, out] = RunToCompletion({Arfused(), "--rank=x"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("bad value \"x\" for --rank"));
+}
+
+TEST(DaemonFlags, RankOutsideWorldSizeExits2) {
+  auto [code, out] = RunToCompletion({Arfused(), "--rank=2", "--world-size=2"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("--rank must be in [0, 2)"));
+}
+
+TEST(DaemonFlags, BadEnumValuesExit2) {
+  auto [code, out] = RunToCompletion({Arfused(), "--device=tpu"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("--device: expected one of cuda, host"));
+  auto [code2, out2] = RunToCompletion({Arfused(), "--flashinfer-allreduce-fusion-backend=nccl"});
+  EXPECT_EQ(code2, 2);
+  EXPECT_THAT(out2, HasSubstr("expected one of auto, trtllm, mnnvl"));
+  auto [code3, out3] = RunToCompletion({Arfused(), "--log-level=loud"});
+  EXPECT_EQ(code3, 2);
+  EXPECT_THAT(out3, HasSubstr("--log-level"));
+}
+
+TEST(DaemonFlags, PositionalArgumentExits2) {
+  auto [code, out] = RunToCompletion({Arfused(), "serve"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("unexpected argument \"serve\""));
+}
+
+TEST(DaemonFlags, MissingValueExits2) {
+  auto [code, out] = RunToCompletion({Arfused(), "--socket"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("flag --socket needs a value"));
+}
+
+TEST(DaemonFlags, HelpExplainsHyphenatedFlags) {
+  auto [code, out] = RunToCompletion({Arfused(), "--help"});
+  EXPECT_EQ(code, 0);
+  for (const char* flag : {"--socket", "--health-port", "--device", "--rank", "--world-size",
+                           "--nnodes", "--peer-dir", "--log-level",
+                           "--flashinfer-allreduce-fusion-backend",
+                           "--enable-flashinfer-allreduce-fusion"}) {
+    EXPECT_THAT(out, HasSubstr(flag)) << flag;
+  }
+  EXPECT_THAT(out, HasSubstr("Deprecated"));
+}
+
+TEST(DaemonFlags, VersionPrintsVersion) {
+  auto [code, out] = RunToCompletion({Arfused(), "--version"});
+  EXPECT_EQ(code, 0);
+  EXPECT_THAT(out, HasSubstr("arfused 0."));
+  EXPECT_THAT(out, HasSubstr("api 1."));
+}
+
+TEST(DaemonFlags, EnvironmentValueIsCheckedAndNamed) {
+  auto [code, out] = RunToCompletion({Arfused(), "--device=host"}, {"ARFUSE_HEALTH_PORT=abc"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("ARFUSE_HEALTH_PORT"));
+}
+
+TEST(DaemonFlags, ConfigFileErrorsNameFileAndLine) {
+  std::string dir = MakeTempDir();
+  std::ofstream(dir + "/arfused.conf") << "# comment\nlog-level=debug\nno_such_flag=1\n";
+  auto [code, out] = RunToCompletion({Arfused(), "--config=" + dir + "/arfused.conf"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("arfused.conf:3: unknown flag --no-such-flag"));
+}
+
+TEST(DaemonFlags, PrecedenceCliOverEnvOverFile) {
+  std::string dir = MakeTempDir();
+  std::ofstream(dir + "/arfused.conf") << "group=from-file\nmax-tokens=64\nhidden=1024\n";
+  Daemon d({"--config=" + dir + "/arfused.conf", "--hidden=512"},
+           {"ARFUSE_MAX_TOKENS=128", "ARFUSE_HIDDEN=256"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  std::string log = d.proc->Stderr();
+  EXPECT_THAT(log, HasSubstr("group=from-file(file)"));
+  EXPECT_THAT(log, HasSubstr("max_tokens=128(env)"));
+  EXPECT_THAT(log, HasSubstr("hidden=512(cli)"));
+}
+
+TEST(DaemonSocket, TooLongPathExits2) {
+  std::string path = "/tmp/" + std::string(120, 'x') + ".sock";
+  auto [code, out] = RunToCompletion({Arfused(), "--socket=" + path, "--device=host"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("longer than the 107"));
+}
+
+TEST(DaemonSocket, MissingDirectoryExits2) {
+  auto [code, out] =
+      RunToCompletion({Arfused(), "--socket=/tmp/arfuse-no-such-dir-9/a.sock", "--device=host"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("socket directory /tmp/arfuse-no-such-dir-9 does not exist"));
+}
+
+TEST(DaemonSocket, SecondDaemonOnLiveSocketExits2) {
+  Daemon first;
+  ASSERT_TRUE(first.ready) << first.proc->Stderr();
+  auto [code, out] = RunToCompletion(
+      {Arfused(), "--socket=" + first.socket, "--health-port=0", "--device=host"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("another arfused is already serving on"));
+  // The first one is untouched.
+  HealthCheckResponse response;
+  EXPECT_TRUE(Check("unix:" + first.socket, "", &response).ok());
+}
+
+TEST(DaemonSocket, StaleSocketIsReplaced) {
+  std::string dir = MakeTempDir();
+  std::string path = dir + "/a.sock";
+  // A socket file with nobody listening, as a killed process leaves it.
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);
+  Subprocess p({Arfused(), "--socket=" + path, "--health-port=0", "--device=host"});
+  ASSERT_TRUE(p.WaitForOutput("ready to accept", 30s)) << p.Stderr();
+  EXPECT_THAT(p.Stderr(), HasSubstr("event=stale_socket_removed"));
+  HealthCheckResponse response;
+  EXPECT_TRUE(Check("unix:" + path, "", &response).ok());
+}
+
+TEST(DaemonSocket, HealthPortInUseExits2) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  std::string dir = MakeTempDir();
+  auto [code, out] = RunToCompletion({Arfused(), "--socket=" + dir + "/a.sock",
+                                      "--health-port=" + std::to_string(port), "--device=host"});
+  ::close(fd);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("cannot listen on health port"));
+}
+
+TEST(DaemonHealth, BothEntriesOnSocketAndPort) {
+  Daemon d;
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  ASSERT_GT(d.health_port, 0);
+  struct stat st {};
+  ASSERT_EQ(::stat(d.socket.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660);
+  for (const std::string& addr :
+       {"unix:" + d.socket, "127.0.0.1:" + std::to_string(d.health_port)}) {
+    HealthCheckResponse response;
+    ASSERT_TRUE(Check(addr, "", &response).ok()) << addr;
+    EXPECT_EQ(response.status(), HealthCheckResponse::SERVING) << addr;
+    // A one-rank group is complete at once, so readiness follows.
+    bool ready = false;
+    for (int i = 0; i < 200 && !ready; ++i) {
+      ASSERT_TRUE(Check(addr, "arfuse.v1.Fusion", &response).ok()) << addr;
+      ready = response.status() == HealthCheckResponse::SERVING;
+      if (!ready) std::this_thread::sleep_for(50ms);
+    }
+    EXPECT_TRUE(ready) << addr;
+    grpc::Status unknown = Check(addr, "no.such.Service", &response);
+    EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << addr;
+  }
+}
+
+TEST(DaemonHealth, ReadinessWaitsForPeers) {
+  // Rank 0 of two, with rank 1 never started: alive, not ready.
+  std::string peers = MakeTempDir();
+  Daemon d({"--world-size=2", "--rank=0", "--peer-dir=" + peers, "--peer-timeout=300"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  HealthCheckResponse response;
+  ASSERT_TRUE(Check("unix:" + d.socket, "", &response).ok());
+  EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
+  ASSERT_TRUE(Check("unix:" + d.socket, "arfuse.v1.Fusion", &response).ok());
+  EXPECT_EQ(response.status(), HealthCheckResponse::NOT_SERVING);
+}
+
+TEST(DaemonShutdown, SigtermWithWatchInFlightExitsZeroWithinGrace) {
+  Daemon d({"--grace-period=2"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  auto channel = grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials());
+  auto stub = Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  HealthCheckRequest request;
+  request.set_service("arfuse.v1.Fusion");
+  auto reader = stub->Watch(&ctx, request);
+  HealthCheckResponse update;
+  // Wait until the watcher sees SERVING, then ask the daemon to stop.
+  bool serving = false;
+  while (!serving && reader->Read(&update)) serving = update.status() == HealthCheckResponse::SERVING;
+  ASSERT_TRUE(serving);
+  auto start = std::chrono::steady_clock::now();
+  d.proc->Signal(SIGTERM);
+  // The in-flight watch sees readiness go NOT_SERVING before its stream ends.
+  bool saw_not_serving = false;
+  while (reader->Read(&update)) {
+    if (update.status() == HealthCheckResponse::NOT_SERVING) saw_not_serving = true;
+  }
+  reader->Finish();
+  EXPECT_TRUE(saw_not_serving);
+  auto code = d.proc->Wait(30s);
+  ASSERT_TRUE(code.has_value()) << "arfused did not exit after SIGTERM";
+  EXPECT_EQ(*code, 0) << d.proc->Stderr();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+  EXPECT_THAT(d.proc->Stderr(), HasSubstr("event=shutdown_done exit_code=0"));
+}
+
+TEST(DaemonShutdown, SigintExitsZero) {
+  Daemon d;
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  d.proc->Signal(SIGINT);
+  auto code = d.proc->Wait(30s);
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(d.proc->Stderr(), HasSubstr("reason=\"SIGINT\""));
+}
+
+}  // namespace
+}  // namespace arfuse
