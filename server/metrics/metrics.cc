@@ -1,0 +1,146 @@
+#include "server/metrics/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+
+namespace arfuse {
+
+struct Metrics::Families {
+  prometheus::Family<prometheus::Counter>& ops;
+  prometheus::Family<prometheus::Histogram>& latency;
+  prometheus::Family<prometheus::Counter>& bytes;
+  prometheus::Gauge& regions;
+  prometheus::Gauge& region_bytes;
+  prometheus::Gauge& workspace_bytes;
+  prometheus::Family<prometheus::Gauge>& backend;
+  prometheus::Counter& poisonings;
+  prometheus::Counter& reinits;
+  prometheus::Gauge& peers_ready;
+  prometheus::Gauge& mps;
+  prometheus::Gauge& doorbell_hop;
+  prometheus::Gauge& ready;
+  std::mutex backend_mu;
+  prometheus::Gauge* backend_gauge = nullptr;
+};
+
+namespace {
+
+// Latency buckets from 2 µs (a doorbell op) to 1 s (a stuck peer hitting its deadline).
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  return {2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2, 1e-1, 1.0};
+}
+
+}  // namespace
+
+Metrics::Metrics(int rank, int world_size, const std::string& device, const std::string& version)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& r = *registry_;
+  const std::map<std::string, std::string> constant = {{"rank", std::to_string(rank)}};
+  families_.reset(new Families{
+      prometheus::BuildCounter().Name("arfuse_ops_total")
+          .Help("Ops by data plane, backend, path, reason class and result")
+          .Labels(constant).Register(r),
+      prometheus::BuildHistogram().Name("arfuse_op_latency_seconds")
+          .Help("Op latency seen by the sidecar, from request to enqueue or completion")
+          .Labels(constant).Register(r),
+      prometheus::BuildCounter().Name("arfuse_bytes_reduced_total")
+          .Help("Input bytes reduced (this rank's contribution)").Labels(constant).Register(r),
+      prometheus::BuildGauge().Name("arfuse_regions").Help("Registered regions")
+          .Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_region_bytes").Help("Bytes of registered regions")
+          .Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_workspace_bytes")
+          .Help("Workspace bytes allocated on this rank").Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_backend_info")
+          .Help("The group's backend (1 for the current one)").Labels(constant).Register(r),
+      prometheus::BuildCounter().Name("arfuse_poisonings_total")
+          .Help("Workspaces poisoned by a timed-out or aborted wait").Labels(constant)
+          .Register(r).Add({}),
+      prometheus::BuildCounter().Name("arfuse_reinitializations_total")
+          .Help("Collective workspace re-initializations").Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_peers_ready")
+          .Help("Ranks of the group that have joined").Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_mps_detected")
+          .Help("1 when CUDA MPS serves this GPU").Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_doorbell_hop_seconds")
+          .Help("Doorbell hop measured by the self-test").Labels(constant).Register(r).Add({}),
+      prometheus::BuildGauge().Name("arfuse_ready")
+          .Help("1 when readiness is SERVING").Labels(constant).Register(r).Add({}),
+  });
+  prometheus::BuildGauge()
+      .Name("arfuse_build_info")
+      .Help("Build and group information")
+      .Labels(constant)
+      .Register(r)
+      .Add({{"version", version}, {"device", device},
+            {"world_size", std::to_string(world_size)}})
+      .Set(1);
+}
+
+Metrics::~Metrics() = default;
+
+absl::Status Metrics::Serve(int port) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on port ", port, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  auto ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void Metrics::RecordOp(const OpSample& s) {
+  std::map<std::string, std::string> labels = {{"plane", s.plane},
+                                               {"backend", s.backend},
+                                               {"path", s.path},
+                                               {"reason", s.reason},
+                                               {"result", s.ok ? "ok" : "error"}};
+  families_->ops.Add(labels).Increment();
+  families_->latency.Add({{"plane", s.plane}, {"path", s.path}}, LatencyBuckets())
+      .Observe(s.latency_s);
+  if (s.ok) families_->bytes.Add({{"path", s.path}}).Increment(static_cast<double>(s.bytes));
+}
+
+void Metrics::SetRegions(uint64_t count, uint64_t bytes) {
+  families_->regions.Set(static_cast<double>(count));
+  families_->region_bytes.Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetWorkspaceBytes(uint64_t bytes) {
+  families_->workspace_bytes.Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetBackend(const std::string& backend, bool fusion_enabled) {
+  std::lock_guard<std::mutex> lock(families_->backend_mu);
+  if (families_->backend_gauge != nullptr) families_->backend_gauge->Set(0);
+  families_->backend_gauge = &families_->backend.Add(
+      {{"backend", backend}, {"fusion_enabled", fusion_enabled ? "true" : "false"}});
+  families_->backend_gauge->Set(1);
+}
+
+void Metrics::IncPoisonings() { families_->poisonings.Increment(); }
+void Metrics::IncReinitializations() { families_->reinits.Increment(); }
+void Metrics::SetPeersReady(int ready) { families_->peers_ready.Set(ready); }
+void Metrics::SetMps(bool detected, double hop_s) {
+  families_->mps.Set(detected ? 1 : 0);
+  families_->doorbell_hop.Set(hop_s);
+}
+void Metrics::SetReady(bool ready) { families_->ready.Set(ready ? 1 : 0); }
+
+std::string Metrics::Render() const {
+  prometheus::TextSerializer serializer;
+  return serializer.Serialize(registry_->Collect());
+}
+
+}  // namespace arfuse
