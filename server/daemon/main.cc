@@ -2,6 +2,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "server/core/log.h"
@@ -68,5 +69,9 @@ int main(int argc, char** argv) {
   // The signal thread may still be in sigwait when shutdown came from elsewhere; wake it.
   pthread_kill(signal_thread.native_handle(), SIGTERM);
   signal_thread.join();
-  return code;
+  // The group supervisor may still be waiting for peers (bounded by --peer-timeout); exit without
+  // running destructors that would wait for it.
+  spdlog::shutdown();
+  std::fflush(nullptr);
+  std::_Exit(code);
 }

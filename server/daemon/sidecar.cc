@@ -2,17 +2,22 @@
 
 #include <sys/stat.h>
 
+#include <filesystem>
+
 #include <chrono>
 
-
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
-#include "server/daemon/unix_socket.h"
-#include "server/engine/engine.h"
-#include "server/peers/exchange.h"
-#include "server/services/health/health_service.h"
 #include "server/core/log.h"
+#include "server/core/status_macros.h"
+#include "server/core/version.h"
+#include "server/daemon/unix_socket.h"
+#include "server/peers/exchange.h"
+#include "server/metrics/metrics.h"
+#include "server/services/config/config_service.h"
+#include "server/services/fusion/fusion_service.h"
+#include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -21,7 +26,23 @@ Sidecar::Sidecar(DaemonOptions options) : options_(std::move(options)) {}
 
 Sidecar::~Sidecar() {
   RequestShutdown("destroyed");
-  if (init_thread_.joinable()) init_thread_.join();
+  // The supervisor may be blocked joining peers; the process exits without waiting for it.
+  if (supervisor_.joinable()) supervisor_.detach();
+}
+
+int Sidecar::metrics_port() const { return metrics_ == nullptr ? -1 : metrics_->port(); }
+
+config::Topology Sidecar::OwnTopology() const {
+  return config::Topology{options_.sm.value_or(gpu_.sm), options_.world_size, options_.nnodes};
+}
+
+config::FusionFlags Sidecar::OwnFlags() const {
+  config::FusionFlags flags;
+  flags.backend = options_.fusion_backend;
+  flags.enable_deprecated = options_.enable_flashinfer_allreduce_fusion;
+  flags.enforce_disable = options_.enforce_disable_fusion;
+  flags.deterministic = options_.deterministic;
+  return flags;
 }
 
 absl::Status Sidecar::Start() {
@@ -34,16 +55,76 @@ absl::Status Sidecar::Start() {
     return absl::FailedPreconditionError(
         "--device=cuda but no GPU is visible (use --device=host on machines without a GPU)");
   }
-  if (options_.device == "cuda" && options_.gpu < 0) {
-    options_.gpu = options_.rank % gpu_.device_count;
+  if (options_.device == "cuda") {
+    if (options_.gpu < 0) options_.gpu = options_.rank % gpu_.device_count;
+    if (options_.gpu >= gpu_.device_count) {
+      return absl::InvalidArgumentError(absl::StrCat("--gpu=", options_.gpu, " but only ",
+                                                     gpu_.device_count, " GPU(s) are visible"));
+    }
     gpu_ = ProbeGpu(options_.gpu);
   }
+
+  // The deprecated flag and enforce-disable are migrated once, with warnings in the log.
+  config::MigratedFlags migrated = config::MigrateFlags(OwnFlags());
+  for (const auto& w : migrated.warnings) spdlog::warn("event=flag_migration warning=\"{}\"", w);
+  flags_ = migrated.flags;
+
+  metrics_ = std::make_unique<Metrics>(options_.rank, options_.world_size, options_.device,
+                                       kVersion);
+  if (options_.metrics_port >= 0) ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_port));
 
   health_main_ = std::make_unique<HealthService>(&health_);
   health_probe_ = std::make_unique<HealthService>(&health_);
   // Liveness answers as soon as the process serves; readiness waits for the group.
   health_.Set("", true);
   health_.Set(kReadinessService, false);
+
+  // Services of the main socket.
+  ConfigServiceOptions config_options;
+  config_options.topology = OwnTopology();
+  config_options.flags = flags_;
+  {
+    auto mode = config::ParseCudaGraphMode(options_.cuda_graph_mode);
+    config_options.capture.mode = mode.ok() ? *mode : config::CudaGraphMode::kFull;
+  }
+  config_options.capture.mnnvl_capture_safe = options_.mnnvl_capture_safe;
+  config_options.snapshot = [this]() -> absl::StatusOr<ConfigSnapshot> {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!decided_) {
+      return absl::UnavailableError(absl::StrCat("the group has not decided yet: ",
+                                                 not_ready_reason_));
+    }
+    ConfigSnapshot snap;
+    snap.decision = decision_;
+    snap.device = options_.device == "cuda" ? v1::DEVICE_KIND_CUDA : v1::DEVICE_KIND_HOST;
+    snap.rank = options_.rank;
+    snap.world_size = options_.world_size;
+    snap.mps_detected = mps_detected_;
+    return snap;
+  };
+  services_.push_back(std::make_unique<ConfigService>(std::move(config_options)));
+
+  FusionServiceOptions fusion_options;
+  fusion_options.device = options_.device == "cuda" ? MemoryKind::kCudaIpc : MemoryKind::kHostShm;
+  fusion_options.device_id = options_.device == "cuda" ? options_.gpu : 0;
+  fusion_options.rank = options_.rank;
+  fusion_options.world_size = options_.world_size;
+  fusion_options.nnodes = options_.nnodes;
+  fusion_options.default_deadline = absl::Seconds(options_.default_deadline_s);
+  fusion_options.max_tokens = options_.max_tokens;
+  fusion_options.max_hidden = options_.hidden;
+  fusion_options.sm = OwnTopology().sm;
+  fusion_options.mps_detected = mps_detected_;
+  if (options_.dtype == "fp16") fusion_options.dtype = DType::kFP16;
+  if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
+  ARFUSE_ASSIGN_OR_RETURN(fusion_,
+                          FusionService::Create(fusion_options, [this] { return &gate_; }));
+  auto peer_service =
+      std::make_unique<PeerService>(absl::Seconds(options_.peer_timeout_s));
+  peer_service_ = peer_service.get();
+  services_.push_back(std::move(peer_service));
+  services_.push_back(std::make_unique<AdminService>(this,
+                                                     absl::Seconds(options_.default_deadline_s)));
 
   // The health-only server: plaintext TCP for Kubernetes probes, nothing but grpc.health.v1.
   {
@@ -69,6 +150,7 @@ absl::Status Sidecar::Start() {
     // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
     builder.SetMaxReceiveMessageSize(1 << 20);
     builder.RegisterService(health_main_.get());
+    builder.RegisterService(fusion_.get());
     for (auto& service : services_) builder.RegisterService(service.get());
     main_server_ = builder.BuildAndStart();
     if (main_server_ == nullptr) {
@@ -79,14 +161,30 @@ absl::Status Sidecar::Start() {
     ::chmod(options_.socket.c_str(), 0660);
   }
 
-  spdlog::info("event=listening socket={} health_port={} device={} rank={} world_size={} sm={}",
-               options_.socket, health_port_, options_.device, options_.rank,
-               options_.world_size, gpu_.sm);
-  init_thread_ = std::thread([this] { InitializeGroup(); });
+  spdlog::info(
+      "event=listening socket={} health_port={} metrics_port={} device={} gpu={} rank={} "
+      "world_size={} nnodes={} sm={}",
+      options_.socket, health_port_, metrics_port(), options_.device, options_.gpu,
+      options_.rank, options_.world_size, options_.nnodes, OwnTopology().sm);
+  supervisor_ = std::thread([this] { SuperviseGroup(); });
   return absl::OkStatus();
 }
 
-void Sidecar::SetReadiness(bool serving) { health_.Set(kReadinessService, serving); }
+void Sidecar::SetReadiness(bool serving) {
+  health_.Set(kReadinessService, serving);
+  metrics_->SetReady(serving);
+}
+
+bool Sidecar::ShutdownRequested() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_requested_;
+}
+
+void Sidecar::WaitFor(absl::Duration d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, absl::ToChronoNanoseconds(d),
+               [this] { return shutdown_requested_ || reinit_requested_.load(); });
+}
 
 void Sidecar::RequestShutdown(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -109,17 +207,19 @@ void Sidecar::ShutdownNow() {
   spdlog::info("event=shutdown_begin reason=\"{}\" grace_s={}", shutdown_reason_,
                options_.grace_period_s);
   SetReadiness(false);
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(options_.grace_period_s * 1e3));
-  // In-flight calls get the grace period; after it gRPC cancels them. Spins are then aborted so
-  // no handler stays blocked on a peer that will never come.
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(options_.grace_period_s * 1e3));
+  // Ops in flight get the grace period to finish; after it every spin is aborted so no handler
+  // stays blocked on a peer that will never come, and gRPC cancels what is left.
   std::thread aborter([this, deadline] {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_until(lock, deadline, [this] { return main_server_ == nullptr; });
-    if (Engine* engine = engine_ptr_.load()) engine->Abort();
+    gate_.Abort();
   });
   if (main_server_ != nullptr) main_server_->Shutdown(deadline);
-  if (Engine* engine = engine_ptr_.load()) engine->Abort();
+  if (fusion_ != nullptr) fusion_->Shutdown();
+  gate_.Abort();
   health_.Shutdown();
   if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   {
@@ -128,7 +228,6 @@ void Sidecar::ShutdownNow() {
     cv_.notify_all();
   }
   aborter.join();
-  if (init_thread_.joinable()) init_thread_.join();
   health_server_.reset();
   spdlog::info("event=shutdown_done exit_code={}", exit_code_);
 }

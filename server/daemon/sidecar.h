@@ -1,5 +1,6 @@
 // One arfused process: the main gRPC server on a Unix socket, the health-only server on a TCP
-// port, the group's initialization (peers, config decision and vote, engine) and shutdown.
+// port, metrics, and the group supervisor (peers, the config decision and its vote, the engine,
+// recovery after a poisoning, the live backend switch) and shutdown.
 #pragma once
 
 #include <atomic>
@@ -14,58 +15,103 @@
 #include <grpcpp/impl/service_type.h>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "server/config/fusion_config.h"
 #include "server/daemon/device_probe.h"
+#include "server/daemon/gated_engine.h"
 #include "server/daemon/options.h"
+#include "server/services/admin/admin_service.h"
 #include "server/services/health/health_service.h"
 
 namespace arfuse {
 
-class Engine;
 class Exchange;
+class FusionService;
+class Metrics;
+class PeerService;
 
 // The readiness entry of the health service (the main API's service name).
 inline constexpr char kReadinessService[] = "arfuse.v1.Fusion";
 
-class Sidecar {
+class Sidecar final : public AdminControl {
  public:
   explicit Sidecar(DaemonOptions options);
-  ~Sidecar();
+  ~Sidecar() override;
   Sidecar(const Sidecar&) = delete;
   Sidecar& operator=(const Sidecar&) = delete;
 
-  // Binds the Unix socket and the health port, starts both servers, and starts the group's
-  // initialization in the background (readiness stays NOT_SERVING until it completes).
-  // INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE name the problem; the caller exits with 2.
+  // Binds the Unix socket, the health port and the metrics port, starts the servers, and starts
+  // the group supervisor in the background (readiness stays NOT_SERVING until the group is
+  // complete). INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE / FAILED_PRECONDITION name the
+  // problem; the caller exits with 2.
   absl::Status Start();
 
   int health_port() const { return health_port_; }
+  int metrics_port() const;
   const std::string& socket_path() const { return options_.socket; }
 
   // Begins a graceful shutdown (readiness NOT_SERVING, in-flight calls get the grace period).
   // Safe to call from any thread, more than once.
   void RequestShutdown(const std::string& why);
 
-  // Blocks until shutdown completes; returns the process exit code.
+  // Blocks until shutdown completes; returns the process exit code. The group supervisor may
+  // still be waiting for peers (bounded by --peer-timeout); the caller exits without joining it.
   int Wait();
 
+  // AdminControl.
+  v1::GetStatsResponse Stats() override;
+  absl::StatusOr<uint32_t> Drain(absl::Duration timeout) override;
+  absl::StatusOr<v1::SetBackendResponse> SetBackend(const std::string& backend,
+                                                    absl::Time deadline) override;
+  absl::StatusOr<v1::ReinitializeResponse> Reinitialize(absl::Time deadline) override;
+
  private:
-  void InitializeGroup();
+  // The supervisor: forms the group, serves, and re-forms it after a poisoning or on request.
+  void SuperviseGroup();
+  absl::Status FormGroup();
+  // Builds and initializes an engine for `decision` (collective over exchange_).
+  absl::StatusOr<std::unique_ptr<Engine>> BuildEngine(const config::Decision& decision,
+                                                      absl::Time deadline);
+  config::Topology OwnTopology() const;
+  config::FusionFlags OwnFlags() const;
+  void Publish(const config::Decision& decision, bool ready);
   void SetReadiness(bool serving);
+  bool ShutdownRequested();
+  // Sleeps up to `d`, returning early on shutdown or a re-initialization request.
+  void WaitFor(absl::Duration d);
   void ShutdownNow();
 
   DaemonOptions options_;
   GpuProbe gpu_;
+  bool mps_detected_ = false;
   int health_port_ = 0;
+  absl::Time started_ = absl::Now();
   HealthState health_;
   std::unique_ptr<HealthService> health_main_;
   std::unique_ptr<HealthService> health_probe_;
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<grpc::Server> main_server_;
   std::unique_ptr<grpc::Server> health_server_;
+  std::unique_ptr<FusionService> fusion_;
+  PeerService* peer_service_ = nullptr;  // owned by services_
   std::vector<std::unique_ptr<grpc::Service>> services_;
+  GatedEngine gate_;
   std::unique_ptr<Exchange> exchange_;
-  std::unique_ptr<Engine> engine_;
-  std::atomic<Engine*> engine_ptr_{nullptr};
-  std::thread init_thread_;
+  std::thread supervisor_;
+
+  // The group's decision and state, read by the Config service and Stats.
+  mutable std::mutex state_mu_;
+  config::FusionFlags flags_;
+  config::Decision decision_;
+  bool decided_ = false;
+  std::string not_ready_reason_ = "the group is forming";
+  uint64_t poisonings_ = 0;
+  uint64_t reinitializations_ = 0;
+  uint64_t backend_switches_ = 0;
+
+  // One admin operation (switch, re-init, drain) at a time.
+  std::mutex admin_mu_;
+  std::atomic<bool> reinit_requested_{false};
 
   std::mutex mu_;
   std::condition_variable cv_;

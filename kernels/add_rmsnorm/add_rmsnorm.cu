@@ -1,0 +1,77 @@
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
+
+#include <algorithm>
+
+#include "kernels/add_rmsnorm/row_math.cuh"
+
+namespace arfuse {
+namespace {
+
+using device::kMaxVecPerThread;
+using device::Raw16;
+
+// One block per row, rows grid-strided. The input is the allreduced sum in dtype (NCCL's
+// output): step 3 of the reference numerics is only the -0.0 -> +0.0 mapping here.
+template <DType DT>
+__global__ void __launch_bounds__(1024) AddRmsNormKernel(const AddRmsNormParams p) {
+  __shared__ float scratch[32];
+  const uint32_t vecs_per_row = p.hidden / device::VecTraits<DT>::kElems;
+  const size_t row_bytes = static_cast<size_t>(p.hidden) * DTypeSize(DT);
+  for (uint32_t row = blockIdx.x; row < p.num_tokens; row += gridDim.x) {
+    const size_t offset = row * row_bytes;
+    Raw16 reduced[kMaxVecPerThread];
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const uint32_t v = threadIdx.x + k * blockDim.x;
+      if (v < vecs_per_row) {
+        reduced[k] = device::SanitizeNegativeZero<DT>(
+            device::LoadRaw(static_cast<const char*>(p.input) + offset + v * 16u));
+      }
+    }
+    device::ResidualRmsNormRow<DT>(reduced, vecs_per_row, p.hidden, p.eps,
+                                   static_cast<const char*>(p.residual_in) + offset,
+                                   static_cast<char*>(p.residual_out) + offset,
+                                   static_cast<char*>(p.norm_out) + offset, p.gamma, scratch);
+  }
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& p, const char** why) {
+  const char* problem = nullptr;
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16 && p.dtype != DType::kFP32) {
+    problem = "dtype is not bf16, fp16 or fp32";
+  } else if (p.hidden == 0 || p.hidden % kHiddenMultiple != 0) {
+    problem = "hidden is not a positive multiple of 8";
+  } else if (p.hidden > MaxAddRmsNormHidden(p.dtype)) {
+    problem = "hidden is above the largest supported row";
+  } else if (p.num_tokens > 0 && (p.input == nullptr || p.residual_in == nullptr ||
+                                  p.residual_out == nullptr || p.norm_out == nullptr ||
+                                  p.gamma == nullptr)) {
+    problem = "a tensor pointer is null";
+  } else if (!Aligned16(p.input) || !Aligned16(p.residual_in) || !Aligned16(p.residual_out) ||
+             !Aligned16(p.norm_out) || !Aligned16(p.gamma)) {
+    problem = "a tensor pointer is not 16-byte aligned";
+  }
+  if (why != nullptr) *why = problem;
+  return problem == nullptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchAddRmsNorm(const AddRmsNormParams& p, cudaStream_t stream) {
+  if (cudaError_t err = CheckAddRmsNormParams(p, nullptr); err != cudaSuccess) return err;
+  if (p.num_tokens == 0) return cudaSuccess;
+  const uint32_t vecs_per_row = p.hidden / (16u / static_cast<uint32_t>(DTypeSize(p.dtype)));
+  const int threads = device::RowBlockThreads(vecs_per_row);
+  // Enough rows in flight to cover the GPU a few times over; no cross-block waiting here.
+  const unsigned grid = std::min<uint32_t>(p.num_tokens, 4096u);
+  switch (p.dtype) {
+    case DType::kBF16: AddRmsNormKernel<DType::kBF16><<<grid, threads, 0, stream>>>(p); break;
+    case DType::kFP16: AddRmsNormKernel<DType::kFP16><<<grid, threads, 0, stream>>>(p); break;
+    case DType::kFP32: AddRmsNormKernel<DType::kFP32><<<grid, threads, 0, stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace arfuse

@@ -1,0 +1,222 @@
+// The doorbell data plane's device words and kernels (design.md §3, docs/doorbell.md).
+// Host-includable: no device code here, only layouts shared between processes and the launch
+// contract.
+//
+// One DoorbellSlot per doorbell plan, in sidecar-owned device memory that the client maps by
+// legacy CUDA IPC. Per op:
+//
+//   client (ring kernel, captured in its graph)      sidecar (kernels queued ahead on its stream)
+//   ───────────────────────────────────────────      ─────────────────────────────────────────────
+//   num_tokens = n                                     waiter: poll request == kDoorbellRequest
+//   st.release.sys request = kDoorbellRequest   ───►           CAS request -> kDoorbellReset
+//   poll ld.acquire.sys complete == kDoorbellComplete          (acquire), copy the plan's params
+//                                                      fused kernel (indirect): run the op
+//                                               ◄───   completion: st.release.sys complete =
+//   complete = kDoorbellReset (re-arm)                             kDoorbellComplete
+//
+// Every handshake value is a constant, so a captured graph replays forever. Each side resets
+// the word the OTHER side set (the sidecar the request word, the client the completion word), and
+// does so before the other side can set it again: the next request is stored only after the
+// client saw this op's completion, the next completion only after the sidecar saw the next
+// request.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+
+namespace arfuse {
+
+// Fixed handshake values (they travel to the client in CreatePlan's Doorbell message). Reset is
+// zero so that a freshly cudaMemset slot is armed.
+inline constexpr uint32_t kDoorbellReset = 0u;
+inline constexpr uint32_t kDoorbellRequest = 0x52494e47u;   // "RING"
+inline constexpr uint32_t kDoorbellComplete = 0x444f4e45u;  // "DONE"
+
+// Most plans (slots) one doorbell block serves: the waiter polls them with one warp.
+inline constexpr uint32_t kMaxDoorbellSlots = 32;
+// One cache line per hot word: the two sides poll different lines, so a poll by one never
+// fetches the line the other is storing to.
+inline constexpr size_t kDoorbellLineBytes = 128;
+
+// Codes of a slot's sticky error word (0 = healthy). Values below 0x100 are the doorbell's own;
+// kDoorbellFusionFailed | FusionError is an op the sidecar ran that failed in the fused kernel.
+enum class DoorbellError : uint32_t {
+  kNone = 0,
+  // The client's ring timed out before the sidecar took the request; the request was withdrawn
+  // and the op did NOT run.
+  kRingTimeout = 1,
+  // The client's ring timed out after the sidecar took the request: the op may still run and
+  // complete later. The slot must be reset by the sidecar before it is used again.
+  kRingTimeoutInFlight = 2,
+  // The sidecar's doorbell plane stopped (shutdown or the plan was removed).
+  kStopped = 3,
+  // The ring asked for more tokens than the plan's maximum; the op did not run.
+  kBadTokenCount = 4,
+  // Ring found a completion word that was already set: a late completion of an op whose ring
+  // timed out. The op did not run.
+  kDesynchronized = 5,
+  // The fused kernel failed (low byte: the FusionError); outputs are not valid and the
+  // sidecar's workspace is poisoned until every rank re-initializes.
+  kFusionFailed = 0x100,
+};
+// A static description of a slot error code (never NULL).
+const char* DoorbellErrorName(uint32_t code);
+
+// One plan's doorbell words. Shared between the client process (over IPC) and the sidecar's
+// kernels, so the layout is fixed.
+struct alignas(kDoorbellLineBytes) DoorbellSlot {
+  // Line 0: written by the client, polled by the sidecar's waiter. num_tokens shares the line
+  // with request on purpose: it is stored before the release of request and read after the
+  // acquire, so one line transfer carries both.
+  uint32_t request;
+  uint32_t num_tokens;
+  uint32_t reserved0[30];
+  // Line 1: written (kDoorbellComplete) by the sidecar, polled and re-armed by the client.
+  uint32_t complete;
+  uint32_t reserved1[31];
+  // Line 2: cold. `error` is sticky (first DoorbellError wins, by CAS from either side); while it
+  // is set the ring kernel does not ring. Only the sidecar clears it (DoorbellPlane::ResetSlots).
+  // `served` counts the ops the sidecar completed on this slot (wraps).
+  uint32_t error;
+  uint32_t served;
+  uint32_t reserved2[30];
+};
+static_assert(sizeof(DoorbellSlot) == 3 * kDoorbellLineBytes, "DoorbellSlot is shared over IPC");
+static_assert(alignof(DoorbellSlot) == kDoorbellLineBytes);
+static_assert(offsetof(DoorbellSlot, request) == 0);
+static_assert(offsetof(DoorbellSlot, num_tokens) == 4);
+static_assert(offsetof(DoorbellSlot, complete) == kDoorbellLineBytes);
+static_assert(offsetof(DoorbellSlot, error) == 2 * kDoorbellLineBytes);
+static_assert(offsetof(DoorbellSlot, served) == 2 * kDoorbellLineBytes + 4);
+
+// The exported allocation: slot i of plan i. The client gets (IPC handle of the block, byte
+// offset of its slot); the offset is i * sizeof(DoorbellSlot).
+struct DoorbellBlock {
+  DoorbellSlot slots[kMaxDoorbellSlots];
+};
+static_assert(sizeof(DoorbellBlock) == kMaxDoorbellSlots * 3 * kDoorbellLineBytes);
+inline constexpr uint64_t DoorbellSlotOffset(uint32_t slot) {
+  return static_cast<uint64_t>(slot) * sizeof(DoorbellSlot);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client side.
+
+// Enqueues the ring kernel (one block): unless the slot's error word is set, stores num_tokens,
+// release-stores kDoorbellRequest, acquire-polls for kDoorbellComplete (bounded by timeout_ns of
+// %globaltimer, and by the slot's error word, which the sidecar sets when it stops), then
+// re-arms the completion word. On timeout it withdraws the request when the sidecar has not
+// taken it yet, records kRingTimeout or kRingTimeoutInFlight in the error word and exits: it
+// never hangs. Capturable in a CUDA graph (no host state). cudaErrorInvalidValue (nothing
+// launched, no CUDA call made) for a null or misaligned slot or a zero timeout.
+cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns,
+                               cudaStream_t stream);
+// The same checks without launching; `why` (optional) gets a static message.
+cudaError_t CheckDoorbellRingArgs(const DoorbellSlot* slot, uint64_t timeout_ns,
+                                  const char** why = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// Sidecar side. The sidecar keeps triples queued on its stream:
+//   LaunchDoorbellWait -> LaunchAllReduceFusionIndirect (one per plan shape) -> LaunchDoorbellComplete
+// The waiter writes a DoorbellOp that the two kernels behind it read.
+
+// One entry of the device-side plan table (indexed like the slots).
+struct DoorbellPlanEntry {
+  // The op's params with every field set except num_tokens and algo (the waiter fills those).
+  FusionParams params;
+  // Largest token count a ring may ask for (<= what the workspace fits at params.hidden).
+  uint32_t max_tokens;
+  // Rings with num_tokens >= this run two-shot, others one-shot (0xffffffff: always one-shot).
+  uint32_t twoshot_min_tokens;
+};
+static_assert(sizeof(DoorbellPlanEntry) == 320, "DoorbellPlanEntry is read by the waiter");
+static_assert(offsetof(DoorbellPlanEntry, max_tokens) == sizeof(FusionParams));
+
+// What one waiter decided.
+enum class DoorbellOutcome : uint32_t {
+  kPending = 0,   // not written yet
+  kServed = 1,    // took a ring; params hold the op
+  kIdle = 2,      // deadline passed with no ring: nothing consumed
+  kKicked = 3,    // the host bumped the generation (plan set changed, pause): nothing consumed
+  kStopped = 4,   // the host's stop word: nothing consumed
+  kAborted = 5,   // the workspace abort word or the host abort word: nothing consumed
+  kRejected = 6,  // took a ring with num_tokens above the plan's maximum: the op does not run
+};
+const char* DoorbellOutcomeName(uint32_t outcome);
+
+// Written by the waiter, read by the kernels queued behind it on the same stream (stream order
+// makes the waiter's stores visible to them). params is first: its address is what
+// LaunchAllReduceFusionIndirect reads; params.num_tokens == 0 unless an op is to run.
+struct DoorbellOp {
+  FusionParams params;
+  uint32_t outcome;     // DoorbellOutcome
+  uint32_t slot;        // the slot served (kServed, kRejected)
+  uint32_t num_tokens;  // as rung
+  uint32_t reserved;
+};
+static_assert(offsetof(DoorbellOp, params) == 0);
+static_assert(sizeof(DoorbellOp) == 328);
+
+// Host-written control words, read by the waiter (host-mapped pinned memory: the host writes them
+// with plain stores, no CUDA call, so stopping works even while the stream is busy).
+struct DoorbellControl {
+  uint32_t stop;        // nonzero: every waiter exits kStopped
+  uint32_t generation;  // a waiter launched with another generation exits kKicked
+  uint32_t reserved[2];
+};
+static_assert(sizeof(DoorbellControl) == 16);
+
+// Written by the completion kernel for the host (host-mapped), one per queued triple.
+struct DoorbellReport {
+  uint32_t outcome;  // DoorbellOutcome
+  uint32_t slot;
+  uint32_t num_tokens;
+  uint32_t error;  // the DoorbellError written to the slot (0: the op succeeded)
+};
+static_assert(sizeof(DoorbellReport) == 16);
+
+struct DoorbellWaitParams {
+  DoorbellSlot* slots;             // the block (kMaxDoorbellSlots slots)
+  const DoorbellPlanEntry* plans;  // device plan table, kMaxDoorbellSlots entries
+  DoorbellOp* op;                  // written for the kernels behind
+  const DoorbellControl* control;  // device address of the host-mapped control words
+  const uint32_t* workspace_abort;  // optional: WorkspaceAbortWord of this rank
+  const uint32_t* host_abort;       // optional: FusionParams::host_abort
+  uint64_t idle_timeout_ns;        // from the waiter's start; 0 is refused
+  uint32_t slot_mask;              // bit i: slot i may be served by this waiter
+  uint32_t generation;             // see DoorbellControl::generation
+};
+static_assert(sizeof(DoorbellWaitParams) == 64);
+
+struct DoorbellCompleteParams {
+  DoorbellSlot* slots;
+  const DoorbellOp* op;
+  const uint32_t* workspace_error;  // optional: WorkspaceErrorWord of this rank
+  DoorbellReport* report;           // optional: device address of a host-mapped report
+};
+
+// One block of one warp: polls the request words of the slots in slot_mask (and, every few
+// microseconds, the control words, the abort words and the idle deadline), then writes the op.
+cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream);
+// One thread: for a served or rejected op records the slot's error (workspace error, bad token
+// count), counts the op, release-stores kDoorbellComplete; then fills the report. Does nothing to
+// any slot for an idle, kicked, stopped or aborted waiter.
+cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream);
+// Sets `code` into the error word of every slot in slot_mask whose error is still clear (CAS), so
+// rings in progress stop polling and later rings do not ring. Used when the plane stops.
+cudaError_t LaunchDoorbellSetError(DoorbellSlot* slots, uint32_t slot_mask, uint32_t code,
+                                   cudaStream_t stream);
+// Re-arms the slots in slot_mask: request, complete and error to their reset values. Only valid
+// while no kernel of either side uses them (DoorbellPlane::ResetSlots pauses first).
+cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask,
+                                     cudaStream_t stream);
+
+cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& params, const char** why = nullptr);
+cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& params,
+                                        const char** why = nullptr);
+
+}  // namespace arfuse

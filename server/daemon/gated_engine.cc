@@ -1,0 +1,90 @@
+#include "server/daemon/gated_engine.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace arfuse {
+
+absl::Status GatedEngine::Initialize(Exchange& /*exchange*/, absl::Time /*deadline*/) {
+  return absl::FailedPreconditionError("the daemon initializes engines before installing them");
+}
+
+absl::StatusOr<OpOutcome> GatedEngine::Execute(const OpArgs& op, const ExecContext& ctx) {
+  Engine* engine = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_ || inner_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat("not serving ops: ", closed_reason_));
+    }
+    engine = inner_.get();
+    ++in_flight_;
+  }
+  // The inner engine cannot be swapped while in_flight_ > 0 (Swap requires a drained gate).
+  absl::StatusOr<OpOutcome> result = engine->Execute(op, ctx);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--in_flight_ == 0) idle_.notify_all();
+  }
+  return result;
+}
+
+void GatedEngine::Abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (inner_ != nullptr) inner_->Abort();
+}
+
+EngineStatus GatedEngine::Status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (inner_ == nullptr) {
+    EngineStatus status;
+    status.state = WorkspaceState::kInitializing;
+    status.reason = closed_reason_;
+    return status;
+  }
+  EngineStatus status = inner_->Status();
+  if (!open_ && status.state != WorkspaceState::kPoisoned) status.state = WorkspaceState::kDraining;
+  return status;
+}
+
+absl::StatusOr<uint32_t> GatedEngine::Drain(absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  open_ = false;
+  closed_reason_ = "draining";
+  uint32_t waited = static_cast<uint32_t>(in_flight_);
+  while (in_flight_ > 0) {
+    if (idle_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
+        in_flight_ > 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("drain timed out with ", in_flight_, " op(s) still in flight"));
+    }
+  }
+  return waited;
+}
+
+void GatedEngine::Resume() {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_ = inner_ != nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> GatedEngine::Swap(std::unique_ptr<Engine> engine) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // An op still in flight would run on a destroyed engine.
+  if (in_flight_ > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot swap the engine with ", in_flight_, " op(s) in flight"));
+  }
+  std::swap(inner_, engine);
+  if (inner_ == nullptr) closed_reason_ = "the group is re-forming";
+  return engine;
+}
+
+bool GatedEngine::has_engine() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return inner_ != nullptr;
+}
+
+uint64_t GatedEngine::ops_in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
+}
+
+}  // namespace arfuse

@@ -1,0 +1,50 @@
+// The engine the Fusion service sees: a stable front over the group's current engine, which the
+// daemon can drain, swap (backend switch, re-initialization after a poisoning) and resume while
+// the Fusion service keeps one pointer. Ops arriving while it is drained or empty are refused
+// with UNAVAILABLE (retry the call), never queued without bound.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "server/engine/engine.h"
+
+namespace arfuse {
+
+class GatedEngine final : public Engine {
+ public:
+  GatedEngine() = default;
+
+  // Not used: the daemon initializes the inner engine before installing it.
+  absl::Status Initialize(Exchange& exchange, absl::Time deadline) override;
+  absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
+  void Abort() override;
+  EngineStatus Status() const override;
+
+  // Refuses new ops; waits until none is in flight or `deadline`. Returns how many ops were in
+  // flight when the drain began; DEADLINE_EXCEEDED when some are still running at the deadline
+  // (the gate stays closed).
+  absl::StatusOr<uint32_t> Drain(absl::Time deadline);
+  // Opens the gate again.
+  void Resume();
+  // Installs `engine` (may be null) and returns the previous one. The gate must be drained:
+  // FAILED_PRECONDITION while ops are in flight (the previous engine stays). The gate stays as it
+  // was (closed after Drain) until Resume.
+  absl::StatusOr<std::unique_ptr<Engine>> Swap(std::unique_ptr<Engine> engine);
+  // The inner engine's status, for readiness checks; kInitializing when empty.
+  bool has_engine() const;
+  uint64_t ops_in_flight() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable idle_;
+  std::unique_ptr<Engine> inner_;
+  bool open_ = false;
+  uint64_t in_flight_ = 0;
+  std::string closed_reason_ = "the group is initializing";
+};
+
+}  // namespace arfuse

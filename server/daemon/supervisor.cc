@@ -1,0 +1,329 @@
+// The group supervisor: peers, the config decision and its vote, the engine; recovery after a
+// poisoning; the live backend switch. Every rank runs the same steps in the same order, so the
+// collectives (tags) line up across ranks.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "server/core/log.h"
+#include "server/core/status_macros.h"
+#include "server/core/version.h"
+#include "server/daemon/sidecar.h"
+#include "server/host/host_engine.h"
+#include "server/metrics/metrics.h"
+#include "server/peers/local_exchange.h"
+#include "server/peers/peer_exchange.h"
+#include "server/services/fusion/fusion_service.h"
+#include "server/services/peer/peer_service.h"
+#include "spdlog/spdlog.h"
+#if ARFUSE_HAVE_CUDA
+#include "server/gpu/cuda_engine.h"
+#endif
+
+namespace arfuse {
+namespace {
+
+v1::WorkspaceState ToProtoState(WorkspaceState s) {
+  return static_cast<v1::WorkspaceState>(static_cast<int>(s));
+}
+
+}  // namespace
+
+void Sidecar::Publish(const config::Decision& decision, bool ready) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    decision_ = decision;
+    decided_ = true;
+    not_ready_reason_ = ready ? "" : not_ready_reason_;
+  }
+  metrics_->SetBackend(decision.backend, decision.fusion_enabled);
+  SetReadiness(ready);
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decision& decision,
+                                                             absl::Time deadline) {
+  EngineOptions eo;
+  eo.rank = options_.rank;
+  eo.world_size = options_.world_size;
+  eo.nnodes = options_.nnodes;
+  eo.backend = decision.fusion_enabled ? decision.backend : "none";
+  eo.max_tokens = options_.max_tokens;
+  eo.max_hidden = options_.hidden;
+  eo.dtype = options_.dtype == "fp32" ? DType::kFP32
+             : options_.dtype == "fp16" ? DType::kFP16
+                                        : DType::kBF16;
+  eo.spin_timeout = absl::Seconds(options_.spin_timeout_s);
+  std::unique_ptr<Engine> engine;
+  if (options_.device == "host") {
+    ARFUSE_ASSIGN_OR_RETURN(engine, MakeHostEngine(eo));
+  } else {
+#if ARFUSE_HAVE_CUDA
+    ARFUSE_ASSIGN_OR_RETURN(engine, MakeCudaEngine(eo));
+#else
+    return absl::FailedPreconditionError("this arfused was built without CUDA");
+#endif
+  }
+  // Collective: builds the workspace and votes, so all ranks fuse or none do.
+  ARFUSE_RETURN_IF_ERROR(engine->Initialize(*exchange_, deadline));
+  return engine;
+}
+
+absl::Status Sidecar::FormGroup() {
+  const absl::Time join_deadline = absl::Now() + absl::Seconds(options_.peer_timeout_s);
+  if (options_.world_size == 1) {
+    exchange_ = std::move(LocalExchangeGroup::Create(1)[0]);
+  } else {
+    PeerOptions po;
+    po.rank = options_.rank;
+    po.world_size = options_.world_size;
+    po.nnodes = options_.nnodes;
+    po.peer_dir = options_.peer_dir.empty()
+                      ? std::filesystem::path(options_.socket).parent_path().string()
+                      : options_.peer_dir;
+    po.rank0_address = options_.peer_addr;
+    po.group = options_.group;
+    po.timeout = absl::Seconds(options_.peer_timeout_s);
+    ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<PeerExchange> peers, ConnectPeers(po));
+    // Rank 0's coordinator also answers the gRPC Peer service on the main socket.
+    if (peers->coordinator() != nullptr) peer_service_->SetCoordinator(peers->coordinator());
+    exchange_ = std::move(peers);
+  }
+  metrics_->SetPeersReady(options_.world_size);
+  spdlog::info("event=group_joined rank={} world_size={}", options_.rank, options_.world_size);
+
+  // Every rank decides alike: each resolves locally, then the group takes one decision (or none
+  // for all, with every dissenting rank's reason).
+  config::RankReport report;
+  report.rank = options_.rank;
+  report.flags = flags_;
+  report.topology = OwnTopology();
+  absl::StatusOr<config::Decision> local = config::ResolveBackend(flags_, report.topology);
+  if (local.ok()) {
+    report.decision = *local;
+  } else {
+    report.failure = std::string(local.status().message());
+  }
+  ARFUSE_ASSIGN_OR_RETURN(
+      std::vector<std::string> payloads,
+      exchange_->Allgather("config-vote", config::EncodeRankReport(report), join_deadline));
+  std::vector<config::RankReport> reports;
+  for (const auto& p : payloads) {
+    ARFUSE_ASSIGN_OR_RETURN(config::RankReport r, config::DecodeRankReport(p));
+    reports.push_back(std::move(r));
+  }
+  ARFUSE_ASSIGN_OR_RETURN(config::Decision decision, config::Consensus(reports));
+  for (const auto& w : decision.warnings) spdlog::warn("event=config_warning warning=\"{}\"", w);
+  spdlog::info("event=config_decided backend={} fusion_enabled={} reasons=\"{}\"",
+               decision.backend, decision.fusion_enabled, absl::StrJoin(decision.reasons, "; "));
+
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, BuildEngine(decision, join_deadline));
+  EngineStatus es = engine->Status();
+  if (!es.fusion_enabled && decision.fusion_enabled) {
+    // The workspace vote turned fusion off on every rank: report it with the engine's reason.
+    decision.fusion_enabled = false;
+    decision.reasons.push_back(es.reason);
+  }
+  metrics_->SetWorkspaceBytes(es.workspace_bytes);
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> previous, gate_.Swap(std::move(engine)));
+  previous.reset();
+  gate_.Resume();
+  Publish(decision, true);
+  spdlog::info("event=ready backend={} fusion_enabled={} generation={} workspace_bytes={}",
+               es.backend, decision.fusion_enabled, es.generation, es.workspace_bytes);
+  return absl::OkStatus();
+}
+
+void Sidecar::SuperviseGroup() {
+  while (!ShutdownRequested()) {
+    reinit_requested_ = false;
+    absl::Status formed = FormGroup();
+    if (!formed.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(state_mu_);
+        not_ready_reason_ = std::string(formed.message());
+      }
+      SetReadiness(false);
+      spdlog::warn("event=group_not_ready error=\"{}\"", formed.message());
+      exchange_.reset();
+      WaitFor(absl::Seconds(1));
+      continue;
+    }
+    // Serving. Watch for a poisoned workspace (a peer died or stalled mid-op) or a request to
+    // re-initialize; either re-forms the group, which also waits for a restarted peer.
+    while (!ShutdownRequested() && !reinit_requested_) {
+      if (gate_.Status().state == WorkspaceState::kPoisoned) {
+        std::lock_guard<std::mutex> lock(state_mu_);
+        ++poisonings_;
+        not_ready_reason_ = "workspace poisoned; re-forming the group";
+        break;
+      }
+      WaitFor(absl::Milliseconds(50));
+    }
+    if (ShutdownRequested()) break;
+    bool poisoned = gate_.Status().state == WorkspaceState::kPoisoned;
+    if (poisoned) metrics_->IncPoisonings();
+    spdlog::warn("event=group_reform reason={}", poisoned ? "poisoned" : "requested");
+    SetReadiness(false);
+    gate_.Abort();
+    (void)gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
+    (void)gate_.Swap(nullptr);
+    exchange_.reset();
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      ++reinitializations_;
+    }
+    metrics_->IncReinitializations();
+  }
+}
+
+v1::GetStatsResponse Sidecar::Stats() {
+  v1::GetStatsResponse out;
+  EngineStatus es = gate_.Status();
+  std::lock_guard<std::mutex> lock(state_mu_);
+  out.set_state(ToProtoState(es.state));
+  out.set_backend(decided_ ? decision_.backend : "none");
+  out.set_poisonings(poisonings_);
+  out.set_reinitializations(reinitializations_);
+  out.set_sessions(static_cast<uint32_t>(fusion_->registry().session_count()));
+  out.set_uptime_seconds(static_cast<uint64_t>(absl::ToInt64Seconds(absl::Now() - started_)));
+  out.set_version(kVersion);
+  return out;
+}
+
+absl::StatusOr<uint32_t> Sidecar::Drain(absl::Duration timeout) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  SetReadiness(false);
+  return gate_.Drain(absl::Now() + timeout);
+}
+
+absl::StatusOr<v1::ReinitializeResponse> Sidecar::Reinitialize(absl::Time deadline) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  uint64_t before;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    before = reinitializations_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reinit_requested_ = true;
+    cv_.notify_all();
+  }
+  // Done when the group has re-formed and serves again (every rank must be asked, or be
+  // re-forming after a poisoning, for that to happen).
+  while (absl::Now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      if (reinitializations_ > before && health_.Get(kReadinessService) ==
+                                             grpc::health::v1::HealthCheckResponse::SERVING) {
+        v1::ReinitializeResponse out;
+        EngineStatus es = gate_.Status();
+        out.set_generation(es.generation);
+        out.set_state(ToProtoState(es.state));
+        return out;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      "re-initialization did not complete before the deadline (every rank must re-initialize)");
+}
+
+absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& backend,
+                                                           absl::Time deadline) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  config::Decision previous;
+  uint64_t switch_index;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!decided_ || exchange_ == nullptr ||
+        health_.Get(kReadinessService) != grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the group is not serving; backend unchanged (", not_ready_reason_, ")"));
+    }
+    previous = decision_;
+    switch_index = ++backend_switches_;
+  }
+  config::FusionFlags flags;
+  if (backend == "none") {
+    flags.enforce_disable = true;
+  } else {
+    flags.backend = backend;
+  }
+  flags.deterministic = flags_.deterministic;
+  // Every rank is asked for the same backend; the vote refuses the switch when they disagree or
+  // when any rank cannot build it, and the previous backend keeps serving.
+  config::RankReport report;
+  report.rank = options_.rank;
+  report.flags = flags;
+  report.topology = OwnTopology();
+  absl::StatusOr<config::Decision> local = config::ResolveBackend(flags, report.topology);
+  if (local.ok()) {
+    report.decision = *local;
+  } else {
+    report.failure = std::string(local.status().message());
+  }
+  const std::string tag = absl::StrCat("set-backend-", switch_index);
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
+                          exchange_->Allgather(tag, config::EncodeRankReport(report), deadline));
+  std::vector<config::RankReport> reports;
+  std::vector<std::string> disagreements;
+  for (const auto& p : payloads) {
+    ARFUSE_ASSIGN_OR_RETURN(config::RankReport r, config::DecodeRankReport(p));
+    if (!(r.flags == flags)) {
+      disagreements.push_back(absl::StrCat(
+          "rank ", r.rank, " asked for ",
+          r.flags.enforce_disable ? std::string("none") : r.flags.backend.value_or("unset")));
+    }
+    reports.push_back(std::move(r));
+  }
+  if (!disagreements.empty()) {
+    return absl::AbortedError(absl::StrCat("ranks disagree on the backend (",
+                                           absl::StrJoin(disagreements, "; "),
+                                           "); backend unchanged: ", previous.backend));
+  }
+  ARFUSE_ASSIGN_OR_RETURN(config::Decision decision, config::Consensus(reports));
+  if (backend != "none" && !decision.fusion_enabled) {
+    // Agreeing on a backend that cannot fuse here is refused rather than silently unfused.
+    // Every rank reaches this same answer from the same reports, so none builds an engine.
+    return absl::FailedPreconditionError(
+        absl::StrCat("backend ", backend, " is not feasible: ",
+                     absl::StrJoin(decision.reasons, "; "), "; backend unchanged: ",
+                     previous.backend));
+  }
+  absl::StatusOr<std::unique_ptr<Engine>> built = BuildEngine(decision, deadline);
+  std::string failure = built.ok() ? "" : std::string(built.status().message());
+  ARFUSE_ASSIGN_OR_RETURN(VoteResult vote,
+                          exchange_->Vote(tag + "-built", built.ok(), failure, deadline));
+  if (!vote.all_yes) {
+    return absl::AbortedError(absl::StrCat("the new backend could not be built on every rank (",
+                                           absl::StrJoin(vote.reasons, "; "),
+                                           "); backend unchanged: ", previous.backend));
+  }
+  // Swap: drain the old engine's ops, install the new one, serve again.
+  SetReadiness(false);
+  absl::StatusOr<uint32_t> drained =
+      gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
+  if (!drained.ok()) {
+    gate_.Resume();
+    SetReadiness(true);
+    return drained.status();
+  }
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> old, gate_.Swap(*std::move(built)));
+  old.reset();
+  gate_.Resume();
+  EngineStatus es = gate_.Status();
+  metrics_->SetWorkspaceBytes(es.workspace_bytes);
+  Publish(decision, true);
+  spdlog::info("event=backend_switched from={} to={} fusion_enabled={} generation={}",
+               previous.backend, decision.backend, decision.fusion_enabled, es.generation);
+  v1::SetBackendResponse out;
+  out.set_previous_backend(previous.backend);
+  out.set_backend(decision.backend);
+  out.set_fusion_enabled(decision.fusion_enabled);
+  for (const auto& r : decision.reasons) out.add_reasons(r);
+  out.set_generation(es.generation);
+  return out;
+}
+
+}  // namespace arfuse

@@ -1,0 +1,85 @@
+// Layout of the host-mode workspace: one POSIX shared-memory object per group and generation,
+// created by rank 0 and mapped by every rank of the node. Shared between processes, so every
+// field's size and offset is pinned here.
+//
+//   [HostWsHeader][HostRankSync x world_size] ... page ... [slot(buf 0, rank 0)] ... [slot(buf 1,
+//   rank world_size-1)]
+//
+// Two buffers alternate by call parity (seq & 1). A rank writes call s into buffer s & 1 only
+// after every rank finished reading call s - 2 from it (done_seq), so a fast rank never
+// overwrites a slot a slow rank still reads.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace arfuse::host {
+
+inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
+inline constexpr uint32_t kHostWsLayoutVersion = 1;
+inline constexpr int kHostWsBuffers = 2;
+inline constexpr size_t kHostWsSlotAlign = 64;
+inline constexpr size_t kHostWsDataAlign = 4096;
+
+// What a rank ran, so ranks can check they run the same op (a mismatch is refused on every
+// rank instead of summing unlike tensors).
+struct HostSlotDesc {
+  uint32_t hidden;
+  uint32_t num_tokens;
+  uint32_t eps_bits;
+  uint8_t pattern;
+  uint8_t dtype;
+  uint16_t reserved;
+};
+static_assert(sizeof(HostSlotDesc) == 16);
+static_assert(std::is_trivially_copyable_v<HostSlotDesc>);
+
+struct alignas(64) HostWsHeader {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t world_size;
+  uint64_t generation;
+  uint64_t slot_bytes;  // per rank per buffer, a multiple of kHostWsSlotAlign
+  uint64_t total_bytes;
+  // 0 while healthy; rank + 1 of the first rank that gave up (timeout or abort): every other
+  // rank's spin sees it and leaves at once instead of waiting out its own deadline.
+  std::atomic<uint32_t> abort_word;
+  uint32_t reserved;
+};
+static_assert(sizeof(HostWsHeader) == 64);
+static_assert(offsetof(HostWsHeader, abort_word) == 40);
+
+// One cache line per rank so ranks' flags never share a line.
+struct alignas(64) HostRankSync {
+  // The call (seq) whose input this rank's slot in buffer b holds; release-stored after the
+  // input and desc are written, acquire-loaded by readers.
+  std::atomic<uint64_t> written_seq[kHostWsBuffers];
+  // The last call this rank finished reading; release-stored after the op, acquire-loaded by a
+  // writer before it reuses a buffer.
+  std::atomic<uint64_t> done_seq;
+  uint64_t reserved;
+  HostSlotDesc desc[kHostWsBuffers];
+};
+static_assert(sizeof(HostRankSync) == 64);
+static_assert(offsetof(HostRankSync, done_seq) == 16);
+static_assert(offsetof(HostRankSync, desc) == 32);
+// Cross-process atomics must be lock-free (a lock would live in one process only).
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && sizeof(std::atomic<uint32_t>) == 4);
+
+inline constexpr size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline constexpr size_t HostWsDataOffset(int world_size) {
+  return AlignUp(sizeof(HostWsHeader) + sizeof(HostRankSync) * static_cast<size_t>(world_size),
+                 kHostWsDataAlign);
+}
+
+inline constexpr size_t HostWsTotalBytes(int world_size, size_t slot_bytes) {
+  return HostWsDataOffset(world_size) +
+         slot_bytes * static_cast<size_t>(world_size) * kHostWsBuffers;
+}
+
+}  // namespace arfuse::host

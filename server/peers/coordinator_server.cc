@@ -1,0 +1,433 @@
+#include "server/peers/coordinator_server.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "arfuse/v1/peer.pb.h"
+#include "server/core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace arfuse::peers {
+
+struct CoordinatorServer::Wake {
+  UniqueFd fd;
+  void Notify() {
+    uint64_t one = 1;
+    // A full eventfd counter still wakes the poller, so a failed write loses nothing.
+    [[maybe_unused]] ssize_t n = ::write(fd.get(), &one, sizeof(one));
+  }
+};
+
+struct CoordinatorServer::Conn {
+  struct Out {
+    std::string data;
+    std::vector<UniqueFd> fds;
+    size_t offset = 0;
+  };
+  uint64_t id = 0;
+  UniqueFd fd;
+  std::string in;
+  std::deque<UniqueFd> in_fds;
+  // Answers may be produced on other threads (a gRPC caller completing a collective), so the
+  // output queue has its own lock; only the I/O thread writes to the socket.
+  std::mutex out_mu;
+  std::deque<Out> out;
+  bool closed = false;  // guarded by out_mu: answers to a closed connection are dropped
+
+  void Push(std::string data, std::vector<UniqueFd> fds, Wake& wake) {
+    {
+      std::lock_guard<std::mutex> lock(out_mu);
+      if (closed) return;
+      out.push_back(Out{std::move(data), std::move(fds), 0});
+    }
+    wake.Notify();
+  }
+};
+
+absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer address \"", address, "\" is not host:port"));
+  }
+  *host = address.substr(0, colon);
+  *port = address.substr(colon + 1);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  for (char c : *port) {
+    if (c < '0' || c > '9') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer address \"", address, "\" has a non-numeric port"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Pre-formed groups answer joins only until the earliest of their deadlines; answering a little
+// before the sender's own deadline lets the sender hear which ranks were missing instead of
+// timing out blind.
+absl::Time CoordinatorDeadline(uint32_t timeout_ms) {
+  absl::Duration t = absl::Milliseconds(timeout_ms);
+  absl::Duration margin = std::min(t / 10, absl::Milliseconds(50));
+  return absl::Now() + t - margin;
+}
+
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, uint64_t* inode) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("peer socket path is ", path.size(),
+                                                   " bytes, longer than the limit of ",
+                                                   sizeof(addr.sun_path) - 1, ": ", path));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  // A live coordinator of the same group would be hijacked by unlinking its path: refuse.
+  {
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (probe && ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "another coordinator is live at ", path, ": is another rank 0 of this group running?"));
+    }
+  }
+  ::unlink(path.c_str());  // a stale socket left by a coordinator that died
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot bind peer socket ", path, ": ", strerror(errno)));
+  }
+  ::chmod(path.c_str(), 0660);
+  if (::listen(fd.get(), 128) != 0) {
+    return absl::InternalError(absl::StrCat("listen on ", path, ": ", strerror(errno)));
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) *inode = st.st_ino;
+  return fd;
+}
+
+absl::StatusOr<UniqueFd> ListenTcp(const std::string& address, int* bound_port) {
+  std::string host, port;
+  ARFUSE_RETURN_IF_ERROR(SplitHostPort(address, &host, &port));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve peer address ", address, ": ", gai_strerror(rc)));
+  }
+  std::string last_error = "no address";
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    UniqueFd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) continue;
+    int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd.get(), 128) != 0) {
+      last_error = strerror(errno);
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+    *bound_port = ss.ss_family == AF_INET6
+                      ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                      : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    ::freeaddrinfo(res);
+    return fd;
+  }
+  ::freeaddrinfo(res);
+  return absl::UnavailableError(
+      absl::StrCat("cannot listen for peers on ", address, ": ", last_error));
+}
+
+}  // namespace
+
+CoordinatorServer::CoordinatorServer(const CoordinatorServerOptions& options)
+    : options_(options),
+      coordinator_(std::make_shared<Coordinator>(options.group, options.world_size,
+                                                 options.nnodes)),
+      wake_(std::make_shared<Wake>()) {}
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const CoordinatorServerOptions& options) {
+  if (options.unix_path.empty() && options.tcp_address.empty()) {
+    return absl::InvalidArgumentError(
+        "the coordinator needs a peer directory (one node) or a TCP address (several nodes)");
+  }
+  std::unique_ptr<CoordinatorServer> s(new CoordinatorServer(options));
+  s->wake_->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s->wake_->fd) return absl::InternalError(absl::StrCat("eventfd: ", strerror(errno)));
+  if (!options.unix_path.empty()) {
+    ARFUSE_ASSIGN_OR_RETURN(s->unix_listen_, ListenUnix(options.unix_path, &s->unix_inode_));
+  }
+  if (!options.tcp_address.empty()) {
+    ARFUSE_ASSIGN_OR_RETURN(s->tcp_listen_, ListenTcp(options.tcp_address, &s->tcp_port_));
+  }
+  spdlog::info("event=peer_coordinator_start group={} epoch={} world_size={} unix={} tcp_port={}",
+               options.group, s->coordinator_->epoch(), options.world_size,
+               !options.unix_path.empty(), s->tcp_port_);
+  s->thread_ = std::thread([p = s.get()] { p->Loop(); });
+  return s;
+}
+
+CoordinatorServer::~CoordinatorServer() {
+  stop_.store(true, std::memory_order_release);
+  wake_->Notify();
+  if (thread_.joinable()) thread_.join();
+  for (auto& [id, c] : conns_) {
+    std::lock_guard<std::mutex> lock(c->out_mu);
+    c->closed = true;
+  }
+  conns_.clear();
+  if (unix_listen_ && unix_inode_ != 0) {
+    struct stat st {};
+    // Only remove the path while it is still our socket: a re-formed group may own it now.
+    if (::stat(options_.unix_path.c_str(), &st) == 0 && st.st_ino == unix_inode_) {
+      ::unlink(options_.unix_path.c_str());
+    }
+  }
+}
+
+void CoordinatorServer::CloseConn(uint64_t id, const std::string& reason) {
+  auto it = conns_.find(id);
+  if (it == conns_.end()) return;
+  {
+    std::lock_guard<std::mutex> lock(it->second->out_mu);
+    it->second->closed = true;
+    it->second->out.clear();
+  }
+  conns_.erase(it);
+  coordinator_->ParticipantGone(id, reason);
+}
+
+void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame frame) {
+  std::weak_ptr<Conn> weak = conn;
+  std::shared_ptr<Wake> wake = wake_;
+  const uint64_t seq = frame.seq;
+  auto send_error = [weak, wake, seq](const absl::Status& s) {
+    if (auto c = weak.lock()) c->Push(EncodeFrame(FrameType::kError, seq, 0, EncodeError(s)), {}, *wake);
+  };
+  switch (frame.type) {
+    case FrameType::kJoin: {
+      v1::JoinRequest req;
+      std::string group, req_bytes;
+      if (!DecodeJoinBody(frame.body, &group, &req_bytes).ok() ||
+          !req.ParseFromString(req_bytes)) {
+        send_error(absl::InvalidArgumentError("malformed join request"));
+        return;
+      }
+      MemberInfo info;
+      info.rank = static_cast<int>(req.rank());
+      info.world_size = static_cast<int>(req.world_size());
+      info.nnodes = static_cast<int>(req.nnodes());
+      info.group = group;
+      info.node_id = req.node_id();
+      info.build_version = req.build_version();
+      coordinator_->Join(conn->id, info, CoordinatorDeadline(frame.timeout_ms),
+                         [weak, wake, seq, send_error](JoinResult r) {
+                           if (!r.status.ok()) return send_error(r.status);
+                           v1::JoinResponse resp;
+                           resp.set_epoch(r.epoch);
+                           for (const auto& m : r.members) {
+                             auto* j = resp.add_members();
+                             j->set_rank(m.rank);
+                             j->set_world_size(m.world_size);
+                             j->set_nnodes(m.nnodes);
+                             j->set_node_id(m.node_id);
+                             j->set_build_version(m.build_version);
+                                                        }
+                           if (auto c = weak.lock()) {
+                             c->Push(EncodeFrame(FrameType::kJoinOk, seq, 0,
+                                                 resp.SerializeAsString()),
+                                     {}, *wake);
+                           }
+                         });
+      return;
+    }
+    case FrameType::kCollective:
+    case FrameType::kCollectiveFd: {
+      v1::CollectiveRequest req;
+      if (!req.ParseFromString(frame.body)) {
+        send_error(absl::InvalidArgumentError("malformed collective request"));
+        return;
+      }
+      Contribution c;
+      const bool with_fd = frame.type == FrameType::kCollectiveFd;
+      switch (req.kind()) {
+        case v1::COLLECTIVE_KIND_ALLGATHER:
+          c.kind = with_fd ? CollectiveKind::kAllgatherFd : CollectiveKind::kAllgather;
+          break;
+        case v1::COLLECTIVE_KIND_BARRIER: c.kind = CollectiveKind::kBarrier; break;
+        case v1::COLLECTIVE_KIND_VOTE: c.kind = CollectiveKind::kVote; break;
+        default:
+          send_error(absl::InvalidArgumentError(
+              absl::StrCat("unknown collective kind ", static_cast<int>(req.kind()))));
+          return;
+      }
+      if (with_fd != (frame.fds.size() == 1)) {
+        send_error(absl::InvalidArgumentError("a descriptor collective carries exactly one fd"));
+        return;
+      }
+      if (with_fd) c.fd = std::move(frame.fds[0]);
+      c.tag = req.tag();
+      c.epoch = req.epoch();
+      c.rank = static_cast<int>(req.rank());
+      c.payload = std::move(*req.mutable_payload());
+      c.yes = req.yes();
+      c.reason = req.reason();
+      c.deadline = CoordinatorDeadline(frame.timeout_ms);
+      coordinator_->Contribute(
+          conn->id, std::move(c), [weak, wake, seq, send_error](CollectiveResult r) {
+            if (!r.status.ok()) return send_error(r.status);
+            v1::CollectiveResponse resp;
+            for (auto& p : r.payloads) resp.add_payloads(p);
+            resp.set_all_yes(r.all_yes);
+            for (auto& reason : r.reasons) resp.add_reasons(reason);
+            // nfds first: argument evaluation order would otherwise race the move of r.fds.
+            const auto nfds = static_cast<uint16_t>(r.fds.size());
+            std::string data =
+                EncodeFrame(FrameType::kCollectiveOk, seq, 0, resp.SerializeAsString(), nfds);
+            if (auto conn = weak.lock()) {
+              conn->Push(std::move(data), std::move(r.fds), *wake);
+            }
+          });
+      return;
+    }
+    case FrameType::kLeave: {
+      v1::LeaveRequest req;
+      req.ParseFromString(frame.body);
+      coordinator_->ParticipantGone(
+          conn->id, absl::StrCat("left: ", req.reason().substr(0, 200)));
+      return;
+    }
+    default:
+      send_error(absl::InvalidArgumentError("unexpected frame type from a peer"));
+      return;
+  }
+}
+
+void CoordinatorServer::Loop() {
+  bool listening = true;
+  while (!stop_.load(std::memory_order_acquire)) {
+    // A broken group stops accepting, so restarted ranks retry until rank 0 re-forms the group
+    // behind a fresh listener instead of joining a group that can never complete.
+    if (listening && !coordinator_->broken().ok()) {
+      unix_listen_.reset();  // keeps unix_inode_ so the destructor can still clean the path
+      tcp_listen_.reset();
+      listening = false;
+    }
+    std::vector<pollfd> fds;
+    std::vector<uint64_t> ids;
+    fds.push_back({wake_->fd.get(), POLLIN, 0});
+    fds.push_back({unix_listen_.get(), POLLIN, 0});
+    fds.push_back({tcp_listen_.get(), POLLIN, 0});
+    for (auto& [id, c] : conns_) {
+      short ev = POLLIN;
+      {
+        std::lock_guard<std::mutex> lock(c->out_mu);
+        if (!c->out.empty()) ev |= POLLOUT;
+      }
+      fds.push_back({c->fd.get(), ev, 0});
+      ids.push_back(id);
+    }
+    absl::Duration wait = coordinator_->NextDeadline() - absl::Now();
+    int timeout_ms = 1000;
+    if (wait < absl::Seconds(1)) {
+      timeout_ms = wait <= absl::ZeroDuration()
+                       ? 0
+                       : static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1;
+    }
+    int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (n < 0 && errno != EINTR) {
+      spdlog::error("event=peer_coordinator_poll_failed error=\"{}\"", strerror(errno));
+      break;
+    }
+    if (n > 0 && (fds[0].revents & POLLIN)) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(wake_->fd.get(), &v, sizeof(v));
+    }
+    for (int l = 1; l <= 2 && n > 0; ++l) {
+      if (fds[l].fd < 0 || !(fds[l].revents & POLLIN)) continue;
+      for (;;) {
+        int cfd = ::accept4(fds[l].fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (cfd < 0) break;
+        if (l == 2) {
+          int one = 1;
+          ::setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        }
+        auto c = std::make_shared<Conn>();
+        c->id = next_conn_id_++;
+        c->fd.reset(cfd);
+        conns_[c->id] = c;
+      }
+    }
+    for (size_t i = 0; i < ids.size() && n > 0; ++i) {
+      const pollfd& p = fds[i + 3];
+      if (p.revents == 0) continue;
+      auto it = conns_.find(ids[i]);
+      if (it == conns_.end()) continue;
+      std::shared_ptr<Conn> c = it->second;
+      if (p.revents & (POLLIN | POLLHUP | POLLERR)) {
+        bool eof = false;
+        absl::Status s = ReadAvailable(c->fd.get(), c->in, c->in_fds, &eof);
+        std::string close_reason;
+        while (s.ok()) {
+          auto frame = TakeFrame(c->in, c->in_fds);
+          if (!frame.ok()) {
+            s = frame.status();
+            break;
+          }
+          if (!frame->has_value()) break;
+          HandleFrame(c, std::move(**frame));
+        }
+        if (!s.ok()) close_reason = absl::StrCat("protocol error: ", s.message());
+        if (eof) close_reason = "connection closed";
+        if (!close_reason.empty()) {
+          CloseConn(c->id, close_reason);
+          continue;
+        }
+      }
+    }
+    coordinator_->Expire(absl::Now());
+    // Flush answers; a peer that does not read (SIGSTOP) only fills its own queue.
+    std::vector<uint64_t> dead;
+    for (auto& [id, c] : conns_) {
+      std::lock_guard<std::mutex> lock(c->out_mu);
+      while (!c->out.empty()) {
+        Conn::Out& o = c->out.front();
+        std::vector<int> raw;
+        for (auto& f : o.fds) raw.push_back(f.get());
+        absl::Status s = SendSome(c->fd.get(), o.data, &o.offset, raw);
+        if (!s.ok()) {
+          dead.push_back(id);
+          break;
+        }
+        if (o.offset < o.data.size()) break;
+        c->out.pop_front();
+      }
+    }
+    for (uint64_t id : dead) CloseConn(id, "connection reset");
+  }
+}
+
+}  // namespace arfuse::peers

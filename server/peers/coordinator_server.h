@@ -1,0 +1,69 @@
+// Rank 0's socket front of the Coordinator: listens on a Unix socket in the peer directory (one
+// node; carries file descriptors) and/or a TCP address (several nodes), and runs one I/O thread
+// that never blocks on a peer (non-blocking sockets, poll with the next deadline as timeout).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/peers/coordinator.h"
+#include "server/peers/unique_fd.h"
+#include "server/peers/wire.h"
+
+namespace arfuse::peers {
+
+struct CoordinatorServerOptions {
+  std::string group;
+  int world_size = 1;
+  int nnodes = 1;
+  std::string unix_path;    // empty: no Unix listener
+  std::string tcp_address;  // "host:port"; empty: no TCP listener
+};
+
+class CoordinatorServer {
+ public:
+  // Binds the listeners (INVALID_ARGUMENT for a bad address, FAILED_PRECONDITION when another
+  // live coordinator owns the Unix path, UNAVAILABLE when the TCP port is taken) and starts the
+  // I/O thread.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
+      const CoordinatorServerOptions& options);
+  // Stops the I/O thread (bounded: it only ever waits in poll) and closes every connection, so
+  // peers see the coordinator go away at once. Removes the Unix path if it is still ours.
+  ~CoordinatorServer();
+
+  std::shared_ptr<Coordinator> coordinator() const { return coordinator_; }
+  // The bound TCP port (useful with port 0); 0 without a TCP listener.
+  int tcp_port() const { return tcp_port_; }
+
+  struct Conn;
+  struct Wake;
+
+ private:
+  explicit CoordinatorServer(const CoordinatorServerOptions& options);
+  void Loop();
+  void HandleFrame(const std::shared_ptr<Conn>& conn, Frame frame);
+  void CloseConn(uint64_t id, const std::string& reason);
+
+  CoordinatorServerOptions options_;
+  std::shared_ptr<Coordinator> coordinator_;
+  std::shared_ptr<Wake> wake_;
+  UniqueFd unix_listen_;
+  UniqueFd tcp_listen_;
+  uint64_t unix_inode_ = 0;
+  int tcp_port_ = 0;
+  std::map<uint64_t, std::shared_ptr<Conn>> conns_;  // I/O thread only
+  uint64_t next_conn_id_ = 1;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Parses "host:port" or "[v6]:port". INVALID_ARGUMENT with the offending text otherwise.
+absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port);
+
+}  // namespace arfuse::peers

@@ -1,0 +1,60 @@
+// The sidecars' peer channel: ConnectPeers() joins the group through rank 0's coordinator and
+// returns an Exchange. Usable from any process; no gRPC server is needed.
+//
+// Discovery: on one node (nnodes == 1 and a peer directory), rank 0 listens on the Unix socket
+// <peer_dir>/<group>-rank0.sock and every rank connects there (descriptors can travel). Across
+// nodes every rank connects to rank 0's TCP address (AllgatherFd is then UNIMPLEMENTED).
+// docs/peers.md has the protocol and the failure behaviour.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/peers/coordinator.h"
+#include "server/peers/exchange.h"
+
+namespace arfuse {
+
+struct PeerOptions {
+  int rank = 0;
+  int world_size = 1;
+  int nnodes = 1;
+  // One node: the directory shared by the group's sidecars (Unix sockets live there).
+  std::string peer_dir;
+  // Several nodes (or no peer_dir): "host:port" where rank 0 listens and every rank connects.
+  std::string rank0_address;
+  // Tells groups sharing a directory or port apart: [A-Za-z0-9_.-], 1..64 characters.
+  std::string group = "arfuse";
+  // How long the join waits for every rank (--peer-timeout).
+  absl::Duration timeout = absl::Seconds(60);
+  // Ranks with equal node ids share a node; empty: the host name.
+  std::string node_id;
+};
+
+// The Unix socket path rank 0 listens on; INVALID_ARGUMENT when it exceeds the 107 bytes a
+// sockaddr_un can hold.
+absl::StatusOr<std::string> PeerSocketPath(const std::string& peer_dir, const std::string& group);
+
+class PeerExchange : public Exchange {
+ public:
+  ~PeerExchange() override = default;
+  virtual uint64_t epoch() const = 0;
+  // Every rank's join information, index = rank.
+  virtual const std::vector<peers::MemberInfo>& members() const = 0;
+  // Rank 0 only (null elsewhere): the coordinator, for the gRPC Peer service to front.
+  virtual std::shared_ptr<peers::Coordinator> coordinator() const = 0;
+  // Rank 0 only: the bound TCP port (0 without TCP).
+  virtual int tcp_port() const = 0;
+};
+
+// Collective: every rank calls it. Returns when the whole group has joined. Errors:
+// INVALID_ARGUMENT (bad options, path too long, group mismatch), FAILED_PRECONDITION (duplicate
+// rank, a live coordinator already owns the path), UNAVAILABLE naming the ranks that did not
+// join (or rank 0 when its coordinator was never reachable) within options.timeout.
+absl::StatusOr<std::unique_ptr<PeerExchange>> ConnectPeers(const PeerOptions& options);
+
+}  // namespace arfuse

@@ -1,0 +1,235 @@
+#include "server/peers/wire.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace arfuse::peers {
+
+std::string EncodeFrame(FrameType type, uint64_t seq, uint32_t timeout_ms, const std::string& body,
+                        uint16_t nfds) {
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kWireVersion;
+  h.type = static_cast<uint8_t>(type);
+  h.nfds = nfds;
+  h.body_len = static_cast<uint32_t>(body.size());
+  h.timeout_ms = timeout_ms;
+  h.seq = seq;
+  std::string out(sizeof(h) + body.size(), '\0');
+  std::memcpy(out.data(), &h, sizeof(h));
+  std::memcpy(out.data() + sizeof(h), body.data(), body.size());
+  return out;
+}
+
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<UniqueFd>& fds) {
+  if (buf.size() < sizeof(FrameHeader)) return std::optional<Frame>();
+  FrameHeader h;
+  std::memcpy(&h, buf.data(), sizeof(h));
+  if (h.magic != kFrameMagic) {
+    return absl::InvalidArgumentError("peer frame has a bad magic: not an arfuse peer channel");
+  }
+  if (h.version != kWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("peer wire version ", h.version,
+                                                   " is not supported (this build speaks ",
+                                                   kWireVersion, ")"));
+  }
+  if (h.type < 1 || h.type > static_cast<uint8_t>(FrameType::kLeave)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown peer frame type ", h.type));
+  }
+  if (h.body_len > kMaxFrameBody) {
+    return absl::InvalidArgumentError(absl::StrCat("peer frame body of ", h.body_len,
+                                                   " bytes exceeds the limit of ", kMaxFrameBody));
+  }
+  if (h.nfds > kMaxFrameFds) {
+    return absl::InvalidArgumentError(absl::StrCat("peer frame announces ", h.nfds, " fds (max ",
+                                                   kMaxFrameFds, ")"));
+  }
+  if (buf.size() < sizeof(h) + h.body_len) return std::optional<Frame>();
+  // The fds were attached to the frame's first byte, so they arrived with it.
+  if (fds.size() < h.nfds) {
+    return absl::InvalidArgumentError(absl::StrCat("peer frame announces ", h.nfds,
+                                                   " fds but ", fds.size(), " arrived"));
+  }
+  Frame f;
+  f.type = static_cast<FrameType>(h.type);
+  f.timeout_ms = h.timeout_ms;
+  f.seq = h.seq;
+  f.body = buf.substr(sizeof(h), h.body_len);
+  buf.erase(0, sizeof(h) + h.body_len);
+  for (int i = 0; i < h.nfds; ++i) {
+    f.fds.push_back(std::move(fds.front()));
+    fds.pop_front();
+  }
+  return std::optional<Frame>(std::move(f));
+}
+
+std::string EncodeError(const absl::Status& status) {
+  uint32_t code = static_cast<uint32_t>(status.code());
+  std::string out(sizeof(code), '\0');
+  std::memcpy(out.data(), &code, sizeof(code));
+  out.append(status.message().data(), status.message().size());
+  return out;
+}
+
+std::string EncodeJoinBody(const std::string& group, const std::string& join_request) {
+  uint16_t len = static_cast<uint16_t>(std::min<size_t>(group.size(), 0xffff));
+  std::string out(sizeof(len), '\0');
+  std::memcpy(out.data(), &len, sizeof(len));
+  out.append(group.data(), len);
+  out.append(join_request);
+  return out;
+}
+
+absl::Status DecodeJoinBody(const std::string& body, std::string* group,
+                            std::string* join_request) {
+  uint16_t len = 0;
+  if (body.size() < sizeof(len)) return absl::InvalidArgumentError("malformed join request");
+  std::memcpy(&len, body.data(), sizeof(len));
+  if (body.size() < sizeof(len) + len) return absl::InvalidArgumentError("malformed join request");
+  *group = body.substr(sizeof(len), len);
+  *join_request = body.substr(sizeof(len) + len);
+  return absl::OkStatus();
+}
+
+absl::Status DecodeError(const std::string& body) {
+  uint32_t code = 0;
+  if (body.size() < sizeof(code)) return absl::InternalError("malformed peer error frame");
+  std::memcpy(&code, body.data(), sizeof(code));
+  if (code == 0 || code > 16) code = static_cast<uint32_t>(absl::StatusCode::kUnknown);
+  return absl::Status(static_cast<absl::StatusCode>(code), body.substr(sizeof(code)));
+}
+
+absl::Status ReadAvailable(int fd, std::string& buf, std::deque<UniqueFd>& fds, bool* eof) {
+  *eof = false;
+  for (;;) {
+    char data[64 * 1024];
+    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxFrameFds)];
+    iovec iov{data, sizeof(data)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctrl;
+    msg.msg_controllen = sizeof(ctrl);
+    ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
+      return absl::UnavailableError(absl::StrCat("peer socket read failed: ", strerror(errno)));
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; ++i) {
+          int received;
+          std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          fds.emplace_back(received);
+        }
+      }
+    }
+    if (msg.msg_flags & MSG_CTRUNC) {
+      return absl::InvalidArgumentError("peer sent more file descriptors than a frame may carry");
+    }
+    if (n == 0) {
+      *eof = true;
+      return absl::OkStatus();
+    }
+    buf.append(data, static_cast<size_t>(n));
+  }
+}
+
+absl::Status SendSome(int fd, const std::string& data, size_t* offset,
+                      const std::vector<int>& fds) {
+  while (*offset < data.size()) {
+    iovec iov{const_cast<char*>(data.data() + *offset), data.size() - *offset};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxFrameFds)];
+    if (*offset == 0 && !fds.empty()) {
+      msg.msg_control = ctrl;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    ssize_t n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
+      return absl::UnavailableError(absl::StrCat("peer socket write failed: ", strerror(errno)));
+    }
+    *offset += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+uint32_t RemainingMs(absl::Time deadline) {
+  absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  int64_t ms = absl::ToInt64Milliseconds(left);
+  return static_cast<uint32_t>(std::min<int64_t>(ms, (int64_t{1} << 31) - 1));
+}
+
+namespace {
+// Waits for `events` on fd until the deadline; false on timeout.
+absl::StatusOr<bool> PollUntil(int fd, short events, absl::Time deadline) {
+  for (;;) {
+    absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
+    pollfd p{fd, events, 0};
+    int r = ::poll(&p, 1, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("poll failed: ", strerror(errno)));
+    }
+    if (r > 0) return true;
+  }
+}
+}  // namespace
+
+absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
+                     absl::Time deadline) {
+  size_t offset = 0;
+  for (;;) {
+    absl::Status s = SendSome(fd, data, &offset, fds);
+    if (!s.ok()) return s;
+    if (offset == data.size()) return absl::OkStatus();
+    auto ready = PollUntil(fd, POLLOUT, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("timed out sending to the peer channel");
+  }
+}
+
+absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& fds,
+                                absl::Time deadline) {
+  for (;;) {
+    auto frame = TakeFrame(buf, fds);
+    if (!frame.ok()) return frame.status();
+    if (frame->has_value()) return std::move(**frame);
+    bool eof = false;
+    absl::Status s = ReadAvailable(fd, buf, fds, &eof);
+    if (!s.ok()) return s;
+    if (eof) {
+      auto last = TakeFrame(buf, fds);
+      if (last.ok() && last->has_value()) return std::move(**last);
+      return absl::UnavailableError("connection closed by the peer");
+    }
+    frame = TakeFrame(buf, fds);
+    if (!frame.ok()) return frame.status();
+    if (frame->has_value()) return std::move(**frame);
+    auto ready = PollUntil(fd, POLLIN, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("timed out waiting on the peer channel");
+  }
+}
+
+}  // namespace arfuse::peers

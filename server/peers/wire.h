@@ -1,0 +1,104 @@
+// The peer channel's framing: a fixed 24-byte header, then a protobuf body (arfuse.v1 peer
+// messages) or a small error record. File descriptors (SCM_RIGHTS) ride on the first byte of
+// the frame that announces them in `nfds`. Shared between processes on different builds, so the
+// layout is pinned with static_asserts and the version byte is checked on every frame.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/peers/unique_fd.h"
+
+namespace arfuse::peers {
+
+inline constexpr uint32_t kFrameMagic = 0x50465241;  // "ARFP" little-endian
+inline constexpr uint8_t kWireVersion = 1;
+// Bodies carry small handshake payloads (IPC handles, the NCCL id, votes); anything bigger is a
+// protocol error, not a reason to allocate.
+inline constexpr uint32_t kMaxFrameBody = 16u << 20;
+inline constexpr uint16_t kMaxFrameFds = 64;
+
+enum class FrameType : uint8_t {
+  kJoin = 1,          // body: EncodeJoinBody()
+  kJoinOk = 2,        // body: arfuse.v1.JoinResponse
+  kCollective = 3,    // body: arfuse.v1.CollectiveRequest
+  kCollectiveFd = 4,  // body: arfuse.v1.CollectiveRequest (kind ALLGATHER), one fd attached
+  kCollectiveOk = 5,  // body: arfuse.v1.CollectiveResponse (+ one fd per rank for kCollectiveFd)
+  kError = 6,         // body: EncodeError()
+  kLeave = 7,         // body: arfuse.v1.LeaveRequest
+};
+
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t version;
+  uint8_t type;
+  uint16_t nfds;
+  uint32_t body_len;
+  // Join and collectives: how long the sender will wait, so the coordinator can answer (naming
+  // the missing ranks) before the sender gives up. Relative, because clocks of different nodes
+  // disagree.
+  uint32_t timeout_ms;
+  // Echoed in the reply so a sender can drop a late answer to a call it already gave up on.
+  uint64_t seq;
+};
+static_assert(std::is_trivially_copyable_v<FrameHeader>);
+static_assert(sizeof(FrameHeader) == 24);
+static_assert(offsetof(FrameHeader, nfds) == 6);
+static_assert(offsetof(FrameHeader, body_len) == 8);
+static_assert(offsetof(FrameHeader, timeout_ms) == 12);
+static_assert(offsetof(FrameHeader, seq) == 16);
+// The header is copied as bytes; every host we run on (x86-64, aarch64) is little-endian.
+static_assert(std::endian::native == std::endian::little);
+
+struct Frame {
+  FrameType type = FrameType::kError;
+  uint32_t timeout_ms = 0;
+  uint64_t seq = 0;
+  std::string body;
+  std::vector<UniqueFd> fds;
+};
+
+std::string EncodeFrame(FrameType type, uint64_t seq, uint32_t timeout_ms, const std::string& body,
+                        uint16_t nfds = 0);
+
+// Takes one complete frame off the front of `buf` (and its fds off the front of `fds`); nullopt
+// when more bytes are needed. INVALID_ARGUMENT for a frame that is not ours (bad magic, version,
+// size, or fewer fds than announced once the frame is complete).
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<UniqueFd>& fds);
+
+std::string EncodeError(const absl::Status& status);
+
+// kJoin body: u16 group length, the group name, then a serialized arfuse.v1.JoinRequest (which
+// has no group field of its own).
+std::string EncodeJoinBody(const std::string& group, const std::string& join_request);
+absl::Status DecodeJoinBody(const std::string& body, std::string* group, std::string* join_request);
+absl::Status DecodeError(const std::string& body);
+
+// Non-blocking read of whatever is available into buf/fds. Sets *eof when the peer closed.
+// Returns an error for a socket error (ECONNRESET...).
+absl::Status ReadAvailable(int fd, std::string& buf, std::deque<UniqueFd>& fds, bool* eof);
+
+// Non-blocking send of data[*offset..]; `fds` go with the first byte (only when *offset == 0).
+// Advances *offset; returns OK with *offset < size when the socket is full.
+absl::Status SendSome(int fd, const std::string& data, size_t* offset, const std::vector<int>& fds);
+
+// Blocking (poll-based) helpers bounded by `deadline`, for the client side.
+absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
+                     absl::Time deadline);
+// DEADLINE_EXCEEDED when no complete frame arrived in time; UNAVAILABLE when the peer closed.
+absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& fds,
+                                absl::Time deadline);
+
+// Milliseconds left until `deadline`, clamped to [0, 2^31).
+uint32_t RemainingMs(absl::Time deadline);
+
+}  // namespace arfuse::peers

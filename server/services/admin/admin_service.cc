@@ -1,0 +1,94 @@
+#include "server/services/admin/admin_service.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/services/common/grpc_status.h"
+
+namespace arfuse {
+namespace {
+
+// Drain, SetBackend and Reinitialize wait on peers and ops: they run on their own thread, never
+// on a gRPC callback thread, and finish the reactor when done (bounded by the call's deadline).
+template <typename Fn>
+grpc::ServerUnaryReactor* RunBlocking(grpc::CallbackServerContext* ctx, Fn fn) {
+  auto* reactor = ctx->DefaultReactor();
+  if (absl::Status st = CheckClientApiVersion(*ctx); !st.ok()) {
+    reactor->Finish(ToGrpcStatus(st));
+    return reactor;
+  }
+  std::thread([reactor, fn = std::move(fn)]() mutable { reactor->Finish(ToGrpcStatus(fn())); })
+      .detach();
+  return reactor;
+}
+
+}  // namespace
+
+AdminService::AdminService(AdminControl* control, absl::Duration default_deadline)
+    : control_(control), default_deadline_(default_deadline) {}
+
+absl::Time AdminService::DeadlineOf(const grpc::CallbackServerContext& ctx) const {
+  absl::Time client = absl::FromChrono(ctx.deadline());
+  absl::Time fallback = absl::Now() + default_deadline_;
+  return client < fallback ? client : fallback;
+}
+
+grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* ctx,
+                                                 const v1::GetStatsRequest* /*req*/,
+                                                 v1::GetStatsResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = CheckClientApiVersion(*ctx);
+  if (st.ok()) *resp = control_->Stats();
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* ctx,
+                                              const v1::DrainRequest* req,
+                                              v1::DrainResponse* resp) {
+  absl::Duration timeout =
+      req->has_timeout_ms() ? absl::Milliseconds(req->timeout_ms()) : absl::Seconds(10);
+  absl::Duration left = DeadlineOf(*ctx) - absl::Now();
+  if (left < timeout) timeout = left;
+  return RunBlocking(ctx, [this, timeout, resp]() -> absl::Status {
+    absl::StatusOr<uint32_t> waited = control_->Drain(timeout);
+    if (!waited.ok()) return waited.status();
+    resp->set_ops_waited(*waited);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* ctx,
+                                                   const v1::SetBackendRequest* req,
+                                                   v1::SetBackendResponse* resp) {
+  std::string backend = req->backend();
+  if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("unknown backend \"", backend.substr(0, 32),
+                     "\": expected auto, trtllm, mnnvl or none"))));
+    return reactor;
+  }
+  absl::Time deadline = DeadlineOf(*ctx);
+  return RunBlocking(ctx, [this, backend, deadline, resp]() -> absl::Status {
+    auto result = control_->SetBackend(backend, deadline);
+    if (!result.ok()) return result.status();
+    *resp = *std::move(result);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::Reinitialize(grpc::CallbackServerContext* ctx,
+                                                     const v1::ReinitializeRequest* /*req*/,
+                                                     v1::ReinitializeResponse* resp) {
+  absl::Time deadline = DeadlineOf(*ctx);
+  return RunBlocking(ctx, [this, deadline, resp]() -> absl::Status {
+    auto result = control_->Reinitialize(deadline);
+    if (!result.ok()) return result.status();
+    *resp = *std::move(result);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace arfuse

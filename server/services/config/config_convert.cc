@@ -1,0 +1,146 @@
+#include "server/services/config/config_convert.h"
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+
+namespace arfuse::config {
+namespace {
+
+absl::StatusOr<int> ToInt(const char* field, uint32_t value) {
+  if (value > static_cast<uint32_t>(std::numeric_limits<int>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " ", value, " is out of range"));
+  }
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+v1::FusionFlags FlagsToProto(const FusionFlags& flags) {
+  v1::FusionFlags p;
+  if (flags.backend) p.set_flashinfer_allreduce_fusion_backend(*flags.backend);
+  p.set_enable_flashinfer_allreduce_fusion(flags.enable_deprecated);
+  p.set_enforce_disable_flashinfer_allreduce_fusion(flags.enforce_disable);
+  p.set_enable_deterministic_inference(flags.deterministic);
+  return p;
+}
+
+FusionFlags FlagsFromProto(const v1::FusionFlags& p) {
+  FusionFlags flags;
+  if (p.has_flashinfer_allreduce_fusion_backend()) {
+    flags.backend = p.flashinfer_allreduce_fusion_backend();
+  }
+  flags.enable_deprecated = p.enable_flashinfer_allreduce_fusion();
+  flags.enforce_disable = p.enforce_disable_flashinfer_allreduce_fusion();
+  flags.deterministic = p.enable_deterministic_inference();
+  return flags;
+}
+
+v1::Topology TopologyToProto(const Topology& t) {
+  v1::Topology p;
+  p.set_sm(static_cast<uint32_t>(t.sm));
+  p.set_tp_size(static_cast<uint32_t>(t.tp));
+  p.set_nnodes(static_cast<uint32_t>(t.nnodes));
+  return p;
+}
+
+absl::StatusOr<Topology> TopologyFromProto(const v1::Topology& p) {
+  Topology t;
+  ARFUSE_ASSIGN_OR_RETURN(t.sm, ToInt("topology.sm", p.sm()));
+  ARFUSE_ASSIGN_OR_RETURN(t.tp, ToInt("topology.tp_size", p.tp_size()));
+  ARFUSE_ASSIGN_OR_RETURN(t.nnodes, ToInt("topology.nnodes", p.nnodes()));
+  return t;
+}
+
+v1::CudaGraphMode CudaGraphModeToProto(CudaGraphMode mode) {
+  switch (mode) {
+    case CudaGraphMode::kNone:
+      return v1::CUDA_GRAPH_MODE_NONE;
+    case CudaGraphMode::kPiecewise:
+      return v1::CUDA_GRAPH_MODE_PIECEWISE;
+    case CudaGraphMode::kFull:
+      return v1::CUDA_GRAPH_MODE_FULL;
+  }
+  return v1::CUDA_GRAPH_MODE_UNSPECIFIED;
+}
+
+absl::StatusOr<CudaGraphMode> CudaGraphModeFromProto(v1::CudaGraphMode mode) {
+  switch (mode) {
+    case v1::CUDA_GRAPH_MODE_UNSPECIFIED:
+    case v1::CUDA_GRAPH_MODE_NONE:
+      return CudaGraphMode::kNone;
+    case v1::CUDA_GRAPH_MODE_PIECEWISE:
+      return CudaGraphMode::kPiecewise;
+    case v1::CUDA_GRAPH_MODE_FULL:
+      return CudaGraphMode::kFull;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("capture.cuda_graph_mode ", static_cast<int>(mode), " is not a known mode"));
+}
+
+v1::DataPlane DataPlaneToProto(DataPlane plane) {
+  return plane == DataPlane::kDoorbell ? v1::DATA_PLANE_DOORBELL : v1::DATA_PLANE_EAGER;
+}
+
+absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane) {
+  switch (plane) {
+    case v1::DATA_PLANE_EAGER:
+      return DataPlane::kEager;
+    case v1::DATA_PLANE_DOORBELL:
+      return DataPlane::kDoorbell;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("decision.data_plane ", static_cast<int>(plane), " is not a known data plane"));
+}
+
+v1::CaptureRequest CaptureToProto(const CaptureRequest& c) {
+  v1::CaptureRequest p;
+  p.set_cuda_graph_mode(CudaGraphModeToProto(c.mode));
+  p.set_fused_op_in_graph(c.fused_op_in_graph);
+  if (c.mnnvl_capture_safe) p.set_mnnvl_capture_safe(*c.mnnvl_capture_safe);
+  return p;
+}
+
+absl::StatusOr<CaptureRequest> CaptureFromProto(const v1::CaptureRequest& p) {
+  CaptureRequest c;
+  ARFUSE_ASSIGN_OR_RETURN(c.mode, CudaGraphModeFromProto(p.cuda_graph_mode()));
+  c.fused_op_in_graph = p.fused_op_in_graph();
+  if (p.has_mnnvl_capture_safe()) c.mnnvl_capture_safe = p.mnnvl_capture_safe();
+  return c;
+}
+
+v1::Decision DecisionToProto(const Decision& d) {
+  v1::Decision p;
+  p.set_backend(d.backend);
+  p.set_fusion_enabled(d.fusion_enabled);
+  p.set_cuda_graph_mode(CudaGraphModeToProto(d.cuda_graph_mode));
+  p.set_data_plane(DataPlaneToProto(d.data_plane));
+  for (const std::string& w : d.warnings) p.add_warnings(w);
+  for (const std::string& r : d.reasons) p.add_reasons(r);
+  return p;
+}
+
+absl::StatusOr<Decision> DecisionFromProto(const v1::Decision& p) {
+  Decision d;
+  if (p.backend() != kBackendNone && p.backend() != kBackendTrtllm &&
+      p.backend() != kBackendMnnvl) {
+    return absl::InvalidArgumentError(absl::StrCat("decision.backend \"", p.backend().substr(0, 32),
+                                                   "\" is not trtllm, mnnvl or none"));
+  }
+  d.backend = p.backend();
+  d.fusion_enabled = p.fusion_enabled();
+  ARFUSE_ASSIGN_OR_RETURN(d.cuda_graph_mode, CudaGraphModeFromProto(p.cuda_graph_mode()));
+  ARFUSE_ASSIGN_OR_RETURN(d.data_plane, DataPlaneFromProto(p.data_plane()));
+  d.warnings.assign(p.warnings().begin(), p.warnings().end());
+  d.reasons.assign(p.reasons().begin(), p.reasons().end());
+  return d;
+}
+
+}  // namespace arfuse::config

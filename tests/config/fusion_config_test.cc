@@ -1,0 +1,759 @@
+// The config rules (design.md §4, issue 3): the full table, migration, overrides, negotiation,
+// consensus and the encodings.
+#include "server/config/fusion_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace arfuse::config {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::Contains;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+
+bool AnyContains(const std::vector<std::string>& lines, const std::string& part) {
+  return std::any_of(lines.begin(), lines.end(),
+                     [&](const std::string& l) { return l.find(part) != std::string::npos; });
+}
+
+FusionFlags Backend(const char* value) {
+  FusionFlags f;
+  if (value != nullptr) f.backend = value;
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The full table: every architecture family x one/two nodes x backend flag, at tp=2. Expected
+// values are written out by hand from design.md §4 and issue 3, not computed.
+// ---------------------------------------------------------------------------------------------
+
+struct Row {
+  int sm;
+  int nnodes;
+  const char* flag;  // nullptr: no backend flag
+  const char* backend;
+  bool fused;
+  bool fallback_warning;  // explicit mnnvl fell back to trtllm
+};
+
+void PrintTo(const Row& r, std::ostream* os) {
+  *os << "sm" << r.sm << " nnodes=" << r.nnodes << " flag=" << (r.flag ? r.flag : "unset");
+}
+
+std::string RowName(const ::testing::TestParamInfo<Row>& info) {
+  const Row& r = info.param;
+  return absl::StrCat("sm", r.sm, "_nnodes", r.nnodes, "_", r.flag ? r.flag : "unset");
+}
+
+const Row kTable[] = {
+    // Other architectures: never fused, whatever the flag.
+    {80, 1, nullptr, "none", false, false},
+    {80, 1, "auto", "none", false, false},
+    {80, 1, "trtllm", "none", false, false},
+    {80, 1, "mnnvl", "none", false, false},
+    {80, 2, nullptr, "none", false, false},
+    {80, 2, "auto", "none", false, false},
+    {80, 2, "trtllm", "none", false, false},
+    {80, 2, "mnnvl", "none", false, false},
+    {89, 1, nullptr, "none", false, false},
+    {89, 1, "auto", "none", false, false},
+    {89, 1, "trtllm", "none", false, false},
+    {89, 1, "mnnvl", "none", false, false},
+    {89, 2, nullptr, "none", false, false},
+    {89, 2, "auto", "none", false, false},
+    {89, 2, "trtllm", "none", false, false},
+    {89, 2, "mnnvl", "none", false, false},
+    {110, 1, nullptr, "none", false, false},
+    {110, 1, "auto", "none", false, false},
+    {110, 1, "trtllm", "none", false, false},
+    {110, 1, "mnnvl", "none", false, false},
+    {110, 2, nullptr, "none", false, false},
+    {110, 2, "auto", "none", false, false},
+    {110, 2, "trtllm", "none", false, false},
+    {110, 2, "mnnvl", "none", false, false},
+    {120, 1, nullptr, "none", false, false},
+    {120, 1, "auto", "none", false, false},
+    {120, 1, "trtllm", "none", false, false},
+    {120, 1, "mnnvl", "none", false, false},
+    {120, 2, nullptr, "none", false, false},
+    {120, 2, "auto", "none", false, false},
+    {120, 2, "trtllm", "none", false, false},
+    {120, 2, "mnnvl", "none", false, false},
+    // SM90: no auto-enable; auto is mnnvl on one node, trtllm (infeasible) on several.
+    {90, 1, nullptr, "none", false, false},
+    {90, 1, "auto", "mnnvl", true, false},
+    {90, 1, "trtllm", "trtllm", true, false},
+    {90, 1, "mnnvl", "mnnvl", true, false},
+    {90, 2, nullptr, "none", false, false},
+    {90, 2, "auto", "trtllm", false, false},
+    {90, 2, "trtllm", "trtllm", false, false},
+    {90, 2, "mnnvl", "trtllm", false, true},
+    // SM100 family: auto-enabled with tp > 1; mnnvl on one node and on several.
+    {100, 1, nullptr, "mnnvl", true, false},
+    {100, 1, "auto", "mnnvl", true, false},
+    {100, 1, "trtllm", "trtllm", true, false},
+    {100, 1, "mnnvl", "mnnvl", true, false},
+    {100, 2, nullptr, "mnnvl", true, false},
+    {100, 2, "auto", "mnnvl", true, false},
+    {100, 2, "trtllm", "trtllm", false, false},
+    {100, 2, "mnnvl", "mnnvl", true, false},
+    {103, 1, nullptr, "mnnvl", true, false},
+    {103, 1, "auto", "mnnvl", true, false},
+    {103, 1, "trtllm", "trtllm", true, false},
+    {103, 1, "mnnvl", "mnnvl", true, false},
+    {103, 2, nullptr, "mnnvl", true, false},
+    {103, 2, "auto", "mnnvl", true, false},
+    {103, 2, "trtllm", "trtllm", false, false},
+    {103, 2, "mnnvl", "mnnvl", true, false},
+};
+
+class ResolveTable : public ::testing::TestWithParam<Row> {};
+
+TEST_P(ResolveTable, BackendAndFeasibility) {
+  const Row& row = GetParam();
+  absl::StatusOr<Decision> d = ResolveBackend(Backend(row.flag), Topology{row.sm, 2, row.nnodes});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->backend, row.backend);
+  EXPECT_EQ(d->fusion_enabled, row.fused);
+  EXPECT_EQ(AnyContains(d->warnings, "falling back to trtllm"), row.fallback_warning);
+  // Every decision says why.
+  EXPECT_THAT(d->reasons, Not(IsEmpty()));
+  if (!row.fused) {
+    EXPECT_TRUE(AnyContains(d->reasons, "unfused") || AnyContains(d->reasons, "fusion off"))
+        << ::testing::PrintToString(d->reasons);
+  }
+}
+
+// The deprecated flag behaves exactly like "auto" (plus its warning) wherever "auto" appears.
+TEST(ResolveTableDeprecated, DeprecatedFlagIsAutoOnEveryAutoRow) {
+  int rows = 0;
+  for (const Row& row : kTable) {
+    if (row.flag == nullptr || std::string(row.flag) != "auto") continue;
+    ++rows;
+    FusionFlags f;
+    f.enable_deprecated = true;
+    absl::StatusOr<Decision> d = ResolveBackend(f, Topology{row.sm, 2, row.nnodes});
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->backend, row.backend) << ::testing::PrintToString(row);
+    EXPECT_EQ(d->fusion_enabled, row.fused) << ::testing::PrintToString(row);
+    EXPECT_TRUE(AnyContains(d->warnings, "--enable-flashinfer-allreduce-fusion is deprecated"));
+  }
+  EXPECT_EQ(rows, 14);
+}
+
+// tp=1, deterministic inference and enforce-disable each give none on every row.
+TEST_P(ResolveTable, OverridesGiveNone) {
+  const Row& row = GetParam();
+  absl::StatusOr<Decision> tp1 = ResolveBackend(Backend(row.flag), Topology{row.sm, 1, row.nnodes});
+  ASSERT_TRUE(tp1.ok()) << tp1.status();
+  EXPECT_EQ(tp1->backend, "none");
+  EXPECT_FALSE(tp1->fusion_enabled);
+
+  FusionFlags det = Backend(row.flag);
+  det.deterministic = true;
+  absl::StatusOr<Decision> d = ResolveBackend(det, Topology{row.sm, 2, row.nnodes});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_TRUE(AnyContains(d->reasons, "--enable-deterministic-inference clears the backend"));
+
+  FusionFlags off = Backend(row.flag);
+  off.enforce_disable = true;
+  absl::StatusOr<Decision> e = ResolveBackend(off, Topology{row.sm, 2, row.nnodes});
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->backend, "none");
+  EXPECT_FALSE(e->fusion_enabled);
+  EXPECT_TRUE(AnyContains(e->reasons, "--enforce-disable-flashinfer-allreduce-fusion"));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllArchitectures, ResolveTable, ::testing::ValuesIn(kTable), RowName);
+
+// The seed's own cases, spelled out.
+TEST(ResolveSeedCases, AutoOnSm100IsMnnvlOnOneAndTwoNodes) {
+  for (int nnodes : {1, 2}) {
+    absl::StatusOr<Decision> d = ResolveBackend(Backend("auto"), Topology{100, 4, nnodes});
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(d->backend, "mnnvl") << "nnodes=" << nnodes;
+    EXPECT_TRUE(d->fusion_enabled);
+  }
+}
+
+TEST(ResolveSeedCases, AutoOnSm90IsMnnvlOnOneNodeTrtllmOnTwo) {
+  absl::StatusOr<Decision> one = ResolveBackend(Backend("auto"), Topology{90, 2, 1});
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->backend, "mnnvl");
+  absl::StatusOr<Decision> two = ResolveBackend(Backend("auto"), Topology{90, 2, 2});
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->backend, "trtllm");
+  // Feasibility keeps the name but turns fusion off: trtllm cannot cross nodes.
+  EXPECT_FALSE(two->fusion_enabled);
+  EXPECT_TRUE(AnyContains(two->reasons, "trtllm needs every rank on one node (nnodes=2)"));
+}
+
+TEST(ResolveRules, ExplicitMnnvlOnSm90AcrossNodesFallsBackWithWarningThenInfeasible) {
+  absl::StatusOr<Decision> d = ResolveBackend(Backend("mnnvl"), Topology{90, 8, 2});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "trtllm");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_TRUE(AnyContains(d->warnings, "mnnvl is not supported on sm 90 across 2 nodes"));
+  EXPECT_TRUE(AnyContains(d->reasons, "trtllm needs every rank on one node"));
+}
+
+TEST(ResolveRules, UnsupportedArchitectureNamesTheSm) {
+  absl::StatusOr<Decision> d = ResolveBackend(Backend("trtllm"), Topology{89, 2, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_TRUE(AnyContains(d->reasons, "sm 89 is not supported by the fused backends"));
+}
+
+TEST(ResolveRules, AutoEnableOnlyOnSm100FamilyWithTpAboveOne) {
+  absl::StatusOr<Decision> sm100 = ResolveBackend({}, Topology{100, 2, 1});
+  ASSERT_TRUE(sm100.ok());
+  EXPECT_EQ(sm100->backend, "mnnvl");
+  EXPECT_TRUE(AnyContains(sm100->reasons, "auto-enabled"));
+  // Negative cases: SM90 needs the flag; tp=1 never fuses.
+  absl::StatusOr<Decision> sm90 = ResolveBackend({}, Topology{90, 2, 1});
+  ASSERT_TRUE(sm90.ok());
+  EXPECT_EQ(sm90->backend, "none");
+  EXPECT_TRUE(AnyContains(sm90->reasons, "sm 90 needs --flashinfer-allreduce-fusion-backend"));
+  absl::StatusOr<Decision> tp1 = ResolveBackend({}, Topology{100, 1, 1});
+  ASSERT_TRUE(tp1.ok());
+  EXPECT_EQ(tp1->backend, "none");
+  EXPECT_TRUE(AnyContains(tp1->reasons, "tp=1: nothing to reduce"));
+}
+
+TEST(ResolveRules, ExplicitBackendWithTp1IsNone) {
+  absl::StatusOr<Decision> d = ResolveBackend(Backend("mnnvl"), Topology{100, 1, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_TRUE(AnyContains(d->reasons, "tp=1"));
+}
+
+TEST(ResolveRules, WorldSizeTheKernelsDoNotSupportKeepsNameButUnfused) {
+  absl::StatusOr<Decision> d = ResolveBackend(Backend("mnnvl"), Topology{100, 3, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "mnnvl");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_TRUE(AnyContains(d->reasons, "tp=3 is not a world size the fused kernels support"));
+  for (int tp : {2, 4, 8, 16}) {
+    absl::StatusOr<Decision> ok = ResolveBackend(Backend("mnnvl"), Topology{100, tp, 1});
+    ASSERT_TRUE(ok.ok());
+    EXPECT_TRUE(ok->fusion_enabled) << "tp=" << tp;
+  }
+}
+
+TEST(ResolveRules, DeterministicDoesNotClearWhenOff) {
+  FusionFlags f = Backend("trtllm");
+  f.deterministic = false;
+  absl::StatusOr<Decision> d = ResolveBackend(f, Topology{90, 2, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "trtllm");
+  EXPECT_TRUE(d->fusion_enabled);
+}
+
+TEST(ResolveRules, EnforceDisableBeatsAutoEnableAndWarnsAboutTheIgnoredBackend) {
+  FusionFlags f;
+  f.enforce_disable = true;
+  absl::StatusOr<Decision> autoenable = ResolveBackend(f, Topology{100, 8, 1});
+  ASSERT_TRUE(autoenable.ok());
+  EXPECT_EQ(autoenable->backend, "none");
+  EXPECT_THAT(autoenable->warnings, IsEmpty());
+
+  f.backend = "mnnvl";
+  absl::StatusOr<Decision> explicit_backend = ResolveBackend(f, Topology{100, 8, 1});
+  ASSERT_TRUE(explicit_backend.ok());
+  EXPECT_EQ(explicit_backend->backend, "none");
+  EXPECT_TRUE(AnyContains(explicit_backend->warnings,
+                          "--enforce-disable-flashinfer-allreduce-fusion overrides "
+                          "--flashinfer-allreduce-fusion-backend=mnnvl"));
+}
+
+TEST(ResolveRules, DeterministicAndEnforceDisableBothReported) {
+  FusionFlags f = Backend("auto");
+  f.enforce_disable = true;
+  f.deterministic = true;
+  absl::StatusOr<Decision> d = ResolveBackend(f, Topology{100, 2, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_TRUE(AnyContains(d->reasons, "--enforce-disable"));
+  EXPECT_TRUE(AnyContains(d->reasons, "--enable-deterministic-inference"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: each rule's negative case asserts the code and the message.
+// ---------------------------------------------------------------------------------------------
+
+void ExpectInvalid(const absl::Status& status, const std::string& part) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(part));
+}
+
+TEST(Validation, Topology) {
+  ExpectInvalid(ResolveBackend({}, Topology{90, 0, 1}).status(), "tp must be >= 1, got 0");
+  ExpectInvalid(ResolveBackend({}, Topology{90, 2, 0}).status(), "nnodes must be >= 1, got 0");
+  ExpectInvalid(ResolveBackend({}, Topology{9, 2, 1}).status(), "sm 9 is not a compute capability");
+  ExpectInvalid(ResolveBackend({}, Topology{1000, 2, 1}).status(), "sm 1000");
+  ExpectInvalid(ResolveBackend({}, Topology{90, -2, 1}).status(), "tp must be >= 1");
+  ExpectInvalid(ResolveBackend({}, Topology{90, 1 << 20, 1}).status(), "too large");
+  EXPECT_TRUE(ResolveBackend({}, Topology{90, 2, 1}).ok());
+}
+
+TEST(Validation, BackendValue) {
+  ExpectInvalid(ResolveBackend(Backend("nccl"), Topology{90, 2, 1}).status(),
+                "unknown --flashinfer-allreduce-fusion-backend value \"nccl\": expected auto, "
+                "trtllm or mnnvl");
+  // Case-sensitive, like the frameworks' choices; "none" is not a flag value.
+  ExpectInvalid(ParseBackendFlag("AUTO").status(), "\"AUTO\"");
+  ExpectInvalid(ParseBackendFlag("none").status(), "expected auto, trtllm or mnnvl");
+  ExpectInvalid(ParseBackendFlag("").status(), "\"\"");
+  for (const char* ok : {"auto", "trtllm", "mnnvl"}) EXPECT_EQ(*ParseBackendFlag(ok), ok);
+}
+
+TEST(Validation, ParseSm) {
+  EXPECT_EQ(*ParseSm("90"), 90);
+  EXPECT_EQ(*ParseSm("103"), 103);
+  ExpectInvalid(ParseSm("abc").status(), "--sm \"abc\" is not a number");
+  ExpectInvalid(ParseSm("9.0").status(), "is not a number");
+  ExpectInvalid(ParseSm("").status(), "is not a number");
+  ExpectInvalid(ParseSm("-90").status(), "is not a number");
+  ExpectInvalid(ParseSm("sm90").status(), "is not a number");
+  ExpectInvalid(ParseSm("8").status(), "sm 8 is not a compute capability");
+}
+
+TEST(Validation, ParsePositiveIntAndBoolAndMode) {
+  EXPECT_EQ(*ParsePositiveInt("--tp", "8"), 8);
+  ExpectInvalid(ParsePositiveInt("--tp", "0").status(), "--tp must be >= 1, got 0");
+  ExpectInvalid(ParsePositiveInt("--nnodes", "-1").status(), "--nnodes \"-1\" is not a positive");
+  ExpectInvalid(ParsePositiveInt("--tp", "2x").status(), "--tp \"2x\"");
+  ExpectInvalid(ParsePositiveInt("--tp", "99999999999").status(), "--tp");
+  EXPECT_TRUE(*ParseBool("--x", "true"));
+  EXPECT_FALSE(*ParseBool("--x", "0"));
+  ExpectInvalid(ParseBool("--mnnvl-capture-safe", "maybe").status(),
+                "--mnnvl-capture-safe \"maybe\" is not a boolean");
+  EXPECT_EQ(*ParseCudaGraphMode("piecewise"), CudaGraphMode::kPiecewise);
+  ExpectInvalid(ParseCudaGraphMode("partial").status(),
+                "unknown --cuda-graph-mode \"partial\": expected none, piecewise or full");
+}
+
+TEST(ExtractFusionArgs, TakesTheFrameworkSpellingsAndLeavesTheRest) {
+  std::vector<std::string> args = {"--port=5",
+                                   "--flashinfer-allreduce-fusion-backend",
+                                   "mnnvl",
+                                   "--enable-flashinfer-allreduce-fusion",
+                                   "--log_level=info",
+                                   "--enforce-disable-flashinfer-allreduce-fusion=false",
+                                   "--enable-deterministic-inference=true",
+                                   "--mnnvl-capture-safe=false",
+                                   "--",
+                                   "--enable-deterministic-inference"};
+  absl::StatusOr<FusionArgs> got = ExtractFusionArgs(args);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->flags.backend, std::optional<std::string>("mnnvl"));
+  EXPECT_TRUE(got->flags.enable_deprecated);
+  EXPECT_FALSE(got->flags.enforce_disable);
+  EXPECT_TRUE(got->flags.deterministic);
+  EXPECT_EQ(got->mnnvl_capture_safe, std::optional<bool>(false));
+  EXPECT_EQ(args, (std::vector<std::string>{"--port=5", "--log_level=info", "--",
+                                            "--enable-deterministic-inference"}));
+
+  std::vector<std::string> none = {"--port=5"};
+  absl::StatusOr<FusionArgs> empty = ExtractFusionArgs(none);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->flags, FusionFlags{});
+  EXPECT_FALSE(empty->mnnvl_capture_safe.has_value());
+  EXPECT_EQ(none, std::vector<std::string>{"--port=5"});
+}
+
+TEST(ExtractFusionArgs, RejectsBadValues) {
+  std::vector<std::string> a = {"--flashinfer-allreduce-fusion-backend=nccl"};
+  ExpectInvalid(ExtractFusionArgs(a).status(), "unknown --flashinfer-allreduce-fusion-backend");
+  std::vector<std::string> b = {"--flashinfer-allreduce-fusion-backend"};
+  ExpectInvalid(ExtractFusionArgs(b).status(), "needs a value");
+  std::vector<std::string> c = {"--enable-deterministic-inference=maybe"};
+  ExpectInvalid(ExtractFusionArgs(c).status(),
+                "--enable-deterministic-inference \"maybe\" is not a boolean");
+  std::vector<std::string> d = {"--mnnvl-capture-safe", "--mnnvl-capture-safe=true"};
+  ExpectInvalid(ExtractFusionArgs(d).status(), "--mnnvl-capture-safe given more than once");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Migration.
+// ---------------------------------------------------------------------------------------------
+
+TEST(Migration, DeprecatedAloneMapsToAutoWithWarningNamingTheReplacement) {
+  FusionFlags f;
+  f.enable_deprecated = true;
+  MigratedFlags m = MigrateFlags(f);
+  EXPECT_EQ(m.flags.backend, std::optional<std::string>("auto"));
+  EXPECT_FALSE(m.flags.enable_deprecated);
+  ASSERT_EQ(m.warnings.size(), 1u);
+  EXPECT_THAT(m.warnings[0], AllOf(HasSubstr("--enable-flashinfer-allreduce-fusion is deprecated"),
+                                   HasSubstr("--flashinfer-allreduce-fusion-backend=auto")));
+}
+
+TEST(Migration, ExplicitNewValueWinsAndOldFlagIsReportedIgnored) {
+  for (const char* value : {"auto", "trtllm", "mnnvl"}) {
+    FusionFlags f = Backend(value);
+    f.enable_deprecated = true;
+    MigratedFlags m = MigrateFlags(f);
+    EXPECT_EQ(m.flags.backend, std::optional<std::string>(value));
+    EXPECT_FALSE(m.flags.enable_deprecated);
+    ASSERT_EQ(m.warnings.size(), 1u);
+    EXPECT_THAT(m.warnings[0],
+                AllOf(HasSubstr("was ignored"), HasSubstr(absl::StrCat("backend=", value))));
+  }
+  // The resolved decision follows the new value, not "auto".
+  FusionFlags f = Backend("trtllm");
+  f.enable_deprecated = true;
+  absl::StatusOr<Decision> d = ResolveBackend(f, Topology{90, 2, 1});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "trtllm");
+}
+
+TEST(Migration, NothingToMigrateWarnsNothing) {
+  for (const FusionFlags& f : {FusionFlags{}, Backend("mnnvl")}) {
+    MigratedFlags m = MigrateFlags(f);
+    EXPECT_EQ(m.flags, f);
+    EXPECT_THAT(m.warnings, IsEmpty());
+  }
+}
+
+TEST(Migration, IdempotentAndResolveAgreesWithPreMigratedFlags) {
+  // Every combination of the four flags and the backend value.
+  for (int bits = 0; bits < 8; ++bits) {
+    for (const char* value : {static_cast<const char*>(nullptr), "auto", "trtllm", "mnnvl"}) {
+      FusionFlags f = Backend(value);
+      f.enable_deprecated = bits & 1;
+      f.enforce_disable = bits & 2;
+      f.deterministic = bits & 4;
+      MigratedFlags once = MigrateFlags(f);
+      MigratedFlags twice = MigrateFlags(once.flags);
+      EXPECT_EQ(twice.flags, once.flags);
+      EXPECT_THAT(twice.warnings, IsEmpty());
+      EXPECT_FALSE(once.flags.enable_deprecated);
+      for (int sm : {90, 100}) {
+        absl::StatusOr<Decision> a = ResolveBackend(f, Topology{sm, 4, 1});
+        absl::StatusOr<Decision> b = ResolveBackend(once.flags, Topology{sm, 4, 1});
+        ASSERT_TRUE(a.ok() && b.ok());
+        EXPECT_EQ(a->backend, b->backend);
+        EXPECT_EQ(a->fusion_enabled, b->fusion_enabled);
+      }
+    }
+  }
+}
+
+TEST(Migration, EnforceDisableClearsTheBackendForTheDaemon) {
+  FusionFlags f;
+  f.enable_deprecated = true;
+  f.enforce_disable = true;
+  MigratedFlags m = MigrateFlags(f);
+  EXPECT_FALSE(m.flags.backend.has_value());
+  EXPECT_TRUE(m.flags.enforce_disable);
+  EXPECT_TRUE(AnyContains(m.warnings, "deprecated"));
+  EXPECT_TRUE(AnyContains(m.warnings, "overrides --flashinfer-allreduce-fusion-backend=auto"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Negotiation.
+// ---------------------------------------------------------------------------------------------
+
+Decision Resolved(const char* flag, int sm, int nnodes = 1, int tp = 2) {
+  absl::StatusOr<Decision> d = ResolveBackend(Backend(flag), Topology{sm, tp, nnodes});
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.value_or(Decision{});
+}
+
+CaptureRequest Capture(CudaGraphMode mode, bool in_graph, std::optional<bool> safe = {}) {
+  return CaptureRequest{mode, in_graph, safe};
+}
+
+TEST(Negotiation, MnnvlPiecewiseAllowedByDefaultBecauseOurKernelsAreCaptureSafe) {
+  Decision d = Negotiate(Resolved("mnnvl", 100), Capture(CudaGraphMode::kPiecewise, true));
+  EXPECT_EQ(d.cuda_graph_mode, CudaGraphMode::kPiecewise);
+  EXPECT_EQ(d.data_plane, DataPlane::kDoorbell);
+  EXPECT_TRUE(AnyContains(d.reasons, "capture-safe (bitwise sentinel checks)"));
+}
+
+TEST(Negotiation, MnnvlNotCaptureSafeTurnsPiecewiseOff) {
+  Decision d = Negotiate(Resolved("mnnvl", 100), Capture(CudaGraphMode::kPiecewise, true, false));
+  EXPECT_EQ(d.cuda_graph_mode, CudaGraphMode::kNone);
+  EXPECT_EQ(d.data_plane, DataPlane::kEager);
+  EXPECT_TRUE(AnyContains(d.reasons,
+                          "--mnnvl-capture-safe=false): piecewise CUDA graphs turned "
+                          "off"));
+}
+
+TEST(Negotiation, MnnvlNotCaptureSafeLeavesFullAndNone) {
+  for (CudaGraphMode mode : {CudaGraphMode::kFull, CudaGraphMode::kNone}) {
+    Decision d = Negotiate(Resolved("mnnvl", 100), Capture(mode, true, false));
+    EXPECT_EQ(d.cuda_graph_mode, mode);
+  }
+}
+
+TEST(Negotiation, TrtllmLeavesTheModeAsAsked) {
+  for (CudaGraphMode mode :
+       {CudaGraphMode::kNone, CudaGraphMode::kPiecewise, CudaGraphMode::kFull}) {
+    Decision d = Negotiate(Resolved("trtllm", 90), Capture(mode, true, false));
+    EXPECT_EQ(d.cuda_graph_mode, mode) << CudaGraphModeName(mode);
+  }
+}
+
+TEST(Negotiation, DataPlane) {
+  const Decision fused = Resolved("trtllm", 90);
+  Decision in_graph = Negotiate(fused, Capture(CudaGraphMode::kFull, true));
+  EXPECT_EQ(in_graph.data_plane, DataPlane::kDoorbell);
+  EXPECT_TRUE(AnyContains(in_graph.reasons, "doorbell plane"));
+
+  Decision out_of_graph = Negotiate(fused, Capture(CudaGraphMode::kPiecewise, false));
+  EXPECT_EQ(out_of_graph.data_plane, DataPlane::kEager);
+  EXPECT_EQ(out_of_graph.cuda_graph_mode, CudaGraphMode::kPiecewise);
+  EXPECT_TRUE(AnyContains(out_of_graph.reasons, "split op"));
+
+  Decision no_graphs = Negotiate(fused, Capture(CudaGraphMode::kNone, true));
+  EXPECT_EQ(no_graphs.data_plane, DataPlane::kEager);
+  EXPECT_TRUE(AnyContains(no_graphs.reasons, "no CUDA graphs"));
+}
+
+TEST(Negotiation, UnfusedKeepsModeAndIsEager) {
+  Decision unfused = Resolved("trtllm", 90, /*nnodes=*/2);
+  ASSERT_FALSE(unfused.fusion_enabled);
+  Decision d = Negotiate(unfused, Capture(CudaGraphMode::kPiecewise, true, false));
+  EXPECT_EQ(d.cuda_graph_mode, CudaGraphMode::kPiecewise);
+  EXPECT_EQ(d.data_plane, DataPlane::kEager);
+  EXPECT_TRUE(AnyContains(d.reasons, "fusion is off"));
+}
+
+TEST(Negotiation, NoDoorbellMakesFullGraphsPiecewiseWithAnEagerSplitOp) {
+  NegotiationEnvironment host;
+  host.doorbell_available = false;
+  host.doorbell_unavailable_reason = "host device mode";
+  Decision d = Negotiate(Resolved("trtllm", 90), Capture(CudaGraphMode::kFull, true), host);
+  EXPECT_EQ(d.cuda_graph_mode, CudaGraphMode::kPiecewise);
+  EXPECT_EQ(d.data_plane, DataPlane::kEager);
+  EXPECT_TRUE(AnyContains(d.reasons, "doorbell plane unavailable (host device mode)"));
+  // And for capture-unsafe mnnvl that piecewise mode goes off too.
+  Decision m = Negotiate(Resolved("mnnvl", 100), Capture(CudaGraphMode::kFull, true, false), host);
+  EXPECT_EQ(m.cuda_graph_mode, CudaGraphMode::kNone);
+  // Full graphs without the op inside stay full.
+  Decision out = Negotiate(Resolved("trtllm", 90), Capture(CudaGraphMode::kFull, false), host);
+  EXPECT_EQ(out.cuda_graph_mode, CudaGraphMode::kFull);
+}
+
+TEST(Negotiation, WarnsWhenDoorbellRunsWithoutMps) {
+  NegotiationEnvironment no_mps;
+  no_mps.mps_detected = false;
+  no_mps.doorbell_hop_us = 286;
+  Decision d = Negotiate(Resolved("trtllm", 90), Capture(CudaGraphMode::kFull, true), no_mps);
+  EXPECT_EQ(d.data_plane, DataPlane::kDoorbell);
+  EXPECT_TRUE(AnyContains(d.warnings, "MPS not detected"));
+  EXPECT_TRUE(AnyContains(d.warnings, "measured 286 us"));
+
+  NegotiationEnvironment mps;
+  mps.mps_detected = true;
+  Decision ok = Negotiate(Resolved("trtllm", 90), Capture(CudaGraphMode::kFull, true), mps);
+  EXPECT_THAT(ok.warnings, IsEmpty());
+  // Unknown (the CLI): no warning either.
+  Decision unknown = Negotiate(Resolved("trtllm", 90), Capture(CudaGraphMode::kFull, true));
+  EXPECT_THAT(unknown.warnings, IsEmpty());
+}
+
+TEST(Negotiation, ResolveIsResolveBackendThenNegotiate) {
+  const CaptureRequest c = Capture(CudaGraphMode::kPiecewise, true, false);
+  absl::StatusOr<Decision> all = Resolve(Backend("auto"), Topology{100, 2, 2}, c);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(*all, Negotiate(Resolved("auto", 100, 2), c));
+  ExpectInvalid(Resolve({}, Topology{90, 0, 1}, c).status(), "tp must be >= 1");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every rank alike.
+// ---------------------------------------------------------------------------------------------
+
+RankReport Report(int rank, const char* flag, Topology t) {
+  RankReport r;
+  r.rank = rank;
+  r.flags = Backend(flag);
+  r.topology = t;
+  absl::StatusOr<Decision> d = ResolveBackend(r.flags, t);
+  EXPECT_TRUE(d.ok());
+  r.decision = *d;
+  return r;
+}
+
+std::vector<RankReport> Group(int n, const char* flag, Topology t) {
+  std::vector<RankReport> reports;
+  for (int i = 0; i < n; ++i) reports.push_back(Report(i, flag, t));
+  return reports;
+}
+
+TEST(Consensus, AgreeingRanksKeepTheDecision) {
+  std::vector<RankReport> g = Group(4, "auto", Topology{100, 4, 1});
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(*d, *g[0].decision);
+  EXPECT_EQ(d->backend, "mnnvl");
+  EXPECT_TRUE(d->fusion_enabled);
+  // Report order does not matter.
+  std::reverse(g.begin(), g.end());
+  EXPECT_EQ(*Consensus(g), *d);
+}
+
+TEST(Consensus, AgreeingUnfusedGroupIsNotRenamed) {
+  absl::StatusOr<Decision> d = Consensus(Group(2, "trtllm", Topology{90, 2, 2}));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "trtllm");
+  EXPECT_FALSE(d->fusion_enabled);
+}
+
+TEST(Consensus, MixedArchitecturesGiveNoneForAll) {
+  std::vector<RankReport> g = {Report(0, "auto", Topology{90, 2, 1}),
+                               Report(1, "auto", Topology{100, 2, 1})};
+  // Both resolve to mnnvl; the architectures still differ.
+  ASSERT_EQ(g[0].decision->backend, g[1].decision->backend);
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_THAT(d->reasons,
+              Contains("rank 1: sm 100 differs from rank 0's sm 90 (mixed architectures)"));
+}
+
+TEST(Consensus, OneRankUnableToAllocateTurnsEveryRankOff) {
+  std::vector<RankReport> g = Group(4, "mnnvl", Topology{100, 4, 1});
+  g[2].failure = "workspace allocation failed: cuMemCreate out of memory";
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_FALSE(d->fusion_enabled);
+  EXPECT_THAT(d->reasons,
+              Contains("rank 2: workspace allocation failed: cuMemCreate out of memory"));
+  EXPECT_TRUE(AnyContains(d->reasons, "fusion off on every rank"));
+}
+
+TEST(Consensus, RankZeroFailingAlsoTurnsEveryRankOff) {
+  std::vector<RankReport> g = Group(2, "mnnvl", Topology{100, 2, 1});
+  g[0].decision.reset();
+  g[0].failure = "peer channel lost";
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_THAT(d->reasons, Contains("rank 0: peer channel lost"));
+}
+
+TEST(Consensus, MismatchedFlagsGiveNoneForAll) {
+  std::vector<RankReport> g = {Report(0, "trtllm", Topology{90, 2, 1}),
+                               Report(1, "mnnvl", Topology{90, 2, 1})};
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_TRUE(AnyContains(d->reasons, "rank 1: fusion flags (backend=mnnvl"));
+  EXPECT_TRUE(AnyContains(d->reasons, "rank 1: decided mnnvl (fused) but rank 0 decided trtllm"));
+}
+
+TEST(Consensus, DeprecatedFlagAndAutoAreTheSameRequest) {
+  std::vector<RankReport> g = Group(2, "auto", Topology{90, 2, 1});
+  g[1].flags = FusionFlags{};
+  g[1].flags.enable_deprecated = true;
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "mnnvl");
+  EXPECT_TRUE(d->fusion_enabled);
+}
+
+TEST(Consensus, MismatchedGroupShape) {
+  std::vector<RankReport> g = {Report(0, "auto", Topology{100, 2, 1}),
+                               Report(1, "auto", Topology{100, 2, 2})};
+  absl::StatusOr<Decision> d = Consensus(g);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_TRUE(AnyContains(d->reasons, "rank 1: tp=2 nnodes=2 differ from rank 0's tp=2 nnodes=1"));
+}
+
+TEST(Consensus, InvalidReportSets) {
+  ExpectInvalid(Consensus({}).status(), "at least one rank");
+  std::vector<RankReport> dup = Group(2, "auto", Topology{100, 2, 1});
+  dup[1].rank = 0;
+  ExpectInvalid(Consensus(dup).status(), "rank 0 reported twice");
+  std::vector<RankReport> gap = Group(2, "auto", Topology{100, 2, 1});
+  gap[1].rank = 5;
+  ExpectInvalid(Consensus(gap).status(), "rank 5 is outside 0..1");
+  std::vector<RankReport> empty = Group(2, "auto", Topology{100, 2, 1});
+  empty[1].decision.reset();
+  absl::StatusOr<Decision> d = Consensus(empty);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->backend, "none");
+  EXPECT_THAT(d->reasons, Contains("rank 1: reported no decision"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encodings.
+// ---------------------------------------------------------------------------------------------
+
+TEST(RankReportEncoding, RoundTrips) {
+  RankReport r = Report(3, "mnnvl", Topology{90, 8, 2});
+  r.flags.enable_deprecated = true;
+  r.decision->warnings.push_back("line one\nline two = with \"quotes\"");
+  r.decision->cuda_graph_mode = CudaGraphMode::kFull;
+  r.decision->data_plane = DataPlane::kDoorbell;
+  absl::StatusOr<RankReport> back = DecodeRankReport(EncodeRankReport(r));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, r);
+
+  RankReport failed;
+  failed.rank = 1;
+  failed.topology = Topology{100, 2, 1};
+  failed.failure = "out of memory";
+  absl::StatusOr<RankReport> f = DecodeRankReport(EncodeRankReport(failed));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(*f, failed);
+  EXPECT_FALSE(f->decision.has_value());
+}
+
+TEST(RankReportEncoding, RejectsMalformedInput) {
+  const std::string good = EncodeRankReport(Report(0, "auto", Topology{100, 2, 1}));
+  ExpectInvalid(DecodeRankReport("").status(), "does not start with arfuse-rank-report-v1");
+  ExpectInvalid(DecodeRankReport("arfuse-rank-report-v9\nrank=0\n").status(), "does not start");
+  ExpectInvalid(DecodeRankReport(good + "colour=blue\n").status(), "colour: unknown field");
+  ExpectInvalid(DecodeRankReport(good + "rank=1\n").status(), "rank: given twice");
+  ExpectInvalid(DecodeRankReport("arfuse-rank-report-v1\nrank=x\n").status(),
+                "rank: not an integer");
+  ExpectInvalid(DecodeRankReport("arfuse-rank-report-v1\nrank=0\nsm=90\ntp=2\n").status(),
+                "nnodes: missing");
+  ExpectInvalid(DecodeRankReport(good + "decision.backend_x=1\n").status(), "unknown field");
+  ExpectInvalid(DecodeRankReport("arfuse-rank-report-v1\nrank=0\nsm=90\ntp=2\nnnodes=1\n"
+                                 "decision.backend=nccl\n")
+                    .status(),
+                "unknown backend");
+  ExpectInvalid(DecodeRankReport("arfuse-rank-report-v1\nbroken\n").status(), "no '='");
+}
+
+TEST(DecisionJson, HasEveryKeyAndEscapes) {
+  Decision d;
+  d.backend = "mnnvl";
+  d.fusion_enabled = true;
+  d.cuda_graph_mode = CudaGraphMode::kPiecewise;
+  d.data_plane = DataPlane::kDoorbell;
+  d.warnings = {"say \"hi\"\\", "tab\there"};
+  d.reasons = {"r1", "ctl\x01"};
+  EXPECT_EQ(DecisionToJson(d),
+            "{\"backend\":\"mnnvl\",\"fusion_enabled\":true,\"cuda_graph_mode\":\"piecewise\","
+            "\"data_plane\":\"doorbell\",\"warnings\":[\"say \\\"hi\\\"\\\\\",\"tab\\there\"],"
+            "\"reasons\":[\"r1\",\"ctl\\u0001\"]}");
+  EXPECT_EQ(DecisionToJson(Decision{}),
+            "{\"backend\":\"none\",\"fusion_enabled\":false,\"cuda_graph_mode\":\"none\","
+            "\"data_plane\":\"eager\",\"warnings\":[],\"reasons\":[]}");
+}
+
+}  // namespace
+}  // namespace arfuse::config

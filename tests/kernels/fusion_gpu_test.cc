@@ -1,0 +1,723 @@
+// The fused kernels on a real GPU: N ranks simulated in one process on one GPU (N workspaces,
+// N streams launched concurrently; peer pointers are plain device pointers). Every simulated
+// rank gets SMs / N as its sm_budget so all spinning grids are co-resident.
+// Run: ctest --test-dir <build> -L gpu   (needs one GPU; about a minute on an H200).
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/cpu/half_convert.h"
+#include "kernels/cpu/reference_op.h"
+
+namespace arfuse {
+namespace {
+
+#define CUDA_OK(expr)                                                            \
+  do {                                                                           \
+    const cudaError_t err_ = (expr);                                             \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);   \
+  } while (false)
+
+constexpr uint64_t kNormalTimeoutNs = 5'000'000'000ull;
+
+struct DeviceBuffer {
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes(bytes) {
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) ptr = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+// Host word mapped into the device (abort flag, error mirror).
+struct MappedWord {
+  MappedWord() {
+    void* raw = nullptr;
+    if (cudaHostAlloc(&raw, sizeof(uint32_t), cudaHostAllocMapped) == cudaSuccess) {
+      host = static_cast<volatile uint32_t*>(raw);
+      *host = 0;
+      void* dev = nullptr;
+      if (cudaHostGetDevicePointer(&dev, raw, 0) == cudaSuccess) device = static_cast<uint32_t*>(dev);
+    }
+  }
+  ~MappedWord() {
+    if (host != nullptr) cudaFreeHost(const_cast<uint32_t*>(host));
+  }
+  volatile uint32_t* host = nullptr;
+  uint32_t* device = nullptr;
+};
+
+// One simulated group: workspaces, streams and per-rank tensors sized for (max_tokens, hidden).
+class SimGroup {
+ public:
+  SimGroup(int world, uint32_t max_tokens, uint32_t hidden, DType dtype)
+      : world_(world), max_tokens_(max_tokens), hidden_(hidden), dtype_(dtype) {
+    layout_ = ComputeWorkspaceLayout(world, max_tokens, hidden, dtype);
+    const size_t bytes = static_cast<size_t>(max_tokens) * hidden * DTypeSize(dtype);
+    for (int r = 0; r < world; ++r) {
+      workspaces_.push_back(std::make_unique<DeviceBuffer>(layout_.total_bytes));
+      inputs_.push_back(std::make_unique<DeviceBuffer>(bytes));
+      residual_in_.push_back(std::make_unique<DeviceBuffer>(bytes));
+      residual_out_.push_back(std::make_unique<DeviceBuffer>(bytes));
+      norm_out_.push_back(std::make_unique<DeviceBuffer>(bytes));
+      output_.push_back(std::make_unique<DeviceBuffer>(bytes));
+      error_mirror_.push_back(std::make_unique<MappedWord>());
+      cudaStream_t s = nullptr;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      streams_.push_back(s);
+    }
+    gamma_ = std::make_unique<DeviceBuffer>(hidden * DTypeSize(dtype));
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device);
+  }
+  ~SimGroup() {
+    for (cudaStream_t s : streams_) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+  }
+
+  bool ok() const {
+    if (layout_.total_bytes == 0 || gamma_->ptr == nullptr || host_abort_.host == nullptr) {
+      return false;
+    }
+    for (int r = 0; r < world_; ++r) {
+      if (workspaces_[r]->ptr == nullptr || inputs_[r]->ptr == nullptr ||
+          norm_out_[r]->ptr == nullptr || output_[r]->ptr == nullptr ||
+          error_mirror_[r]->host == nullptr) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Every rank re-initializes its own workspace; the host waits for all (the "barrier").
+  cudaError_t Init() {
+    for (int r = 0; r < world_; ++r) {
+      if (cudaError_t e = LaunchWorkspaceInit(workspaces_[r]->ptr, layout_, streams_[r]); e) return e;
+      *error_mirror_[r]->host = 0;
+    }
+    return SyncAll();
+  }
+
+  cudaError_t SyncAll() {
+    for (cudaStream_t s : streams_) {
+      if (cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
+  FusionParams Params(int rank, FusionAlgo algo, Pattern pattern, uint32_t tokens) const {
+    FusionParams p{};
+    for (int q = 0; q < world_; ++q) p.peer_workspace[q] = workspaces_[q]->ptr;
+    p.input = inputs_[rank]->ptr;
+    p.output = output_[rank]->ptr;
+    p.residual_in = residual_in_[rank]->ptr;
+    p.residual_out = residual_out_[rank]->ptr;
+    p.norm_out = norm_out_[rank]->ptr;
+    p.gamma = gamma_->ptr;
+    p.host_abort = host_abort_.device;
+    p.host_error = error_mirror_[rank]->device;
+    p.spin_timeout_ns = timeout_ns_;
+    p.layout = layout_;
+    p.num_tokens = tokens;
+    p.hidden = hidden_;
+    p.eps = 1e-5f;
+    p.rank = rank;
+    p.world_size = world_;
+    p.sm_budget = static_cast<uint32_t>(std::max(1, sms_ / world_));
+    p.dtype = dtype_;
+    p.pattern = pattern;
+    p.algo = algo;
+    return p;
+  }
+
+  // Launches the op on the given ranks (all by default), without waiting.
+  cudaError_t Launch(FusionAlgo algo, Pattern pattern, uint32_t tokens, int skip_rank = -1) {
+    for (int r = 0; r < world_; ++r) {
+      if (r == skip_rank) continue;
+      if (cudaError_t e = LaunchAllReduceFusion(Params(r, algo, pattern, tokens), streams_[r]);
+          e != cudaSuccess) {
+        return e;
+      }
+    }
+    return cudaSuccess;
+  }
+
+  uint32_t ErrorWord(int rank) {
+    uint32_t code = 0xffffffffu;
+    if (ReadWorkspaceError(workspaces_[rank]->ptr, layout_, streams_[rank], &code) != cudaSuccess) {
+      return 0xfffffffeu;
+    }
+    return code;
+  }
+
+  size_t Bytes(uint32_t tokens) const {
+    return static_cast<size_t>(tokens) * hidden_ * DTypeSize(dtype_);
+  }
+
+  int world_;
+  uint32_t max_tokens_, hidden_;
+  DType dtype_;
+  int sms_ = 0;
+  uint64_t timeout_ns_ = kNormalTimeoutNs;
+  WorkspaceLayout layout_{};
+  std::vector<std::unique_ptr<DeviceBuffer>> workspaces_, inputs_, residual_in_, residual_out_,
+      norm_out_, output_;
+  std::vector<std::unique_ptr<MappedWord>> error_mirror_;
+  std::unique_ptr<DeviceBuffer> gamma_;
+  MappedWord host_abort_;
+  std::vector<cudaStream_t> streams_;
+};
+
+// Host copies of one op's tensors and its CPU answer.
+struct HostOp {
+  HostOp(const SimGroup& g, uint32_t tokens) : tokens(tokens), dtype(g.dtype_), hidden(g.hidden_) {
+    const size_t bytes = g.Bytes(tokens);
+    inputs.assign(g.world_, std::vector<uint8_t>(bytes));
+    residual.resize(bytes);
+    gamma.resize(hidden * DTypeSize(dtype));
+  }
+  void FillRandom(std::mt19937& rng) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    const size_t n = static_cast<size_t>(tokens) * hidden;
+    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, in.data(), i, dist(rng));
+    for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, residual.data(), i, dist(rng));
+    for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f + 0.1f * dist(rng));
+  }
+  void FillIntegers(std::mt19937& rng) {
+    std::uniform_int_distribution<int> dist(-8, 8);
+    const size_t n = static_cast<size_t>(tokens) * hidden;
+    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, in.data(), i, static_cast<float>(dist(rng)));
+    for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, residual.data(), i, static_cast<float>(dist(rng)));
+    for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f);
+  }
+  // bf16 only: every element -0.0, +0.0 or a subnormal of either sign (the FlashInfer hang).
+  void FillZerosAndSubnormals(std::mt19937& rng) {
+    std::uniform_int_distribution<int> pick(0, 3), mant(1, 0x7f);
+    auto draw = [&]() -> uint16_t {
+      switch (pick(rng)) {
+        case 0: return 0x8000;
+        case 1: return 0x0000;
+        case 2: return static_cast<uint16_t>(0x8000 | mant(rng));
+        default: return static_cast<uint16_t>(mant(rng));
+      }
+    };
+    const size_t n = static_cast<size_t>(tokens) * hidden;
+    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(in.data())[i] = draw();
+    for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(residual.data())[i] = draw();
+    for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f);
+  }
+  // Same residual on every rank (as in tensor parallelism), so outputs must agree bit for bit.
+  ::testing::AssertionResult Upload(SimGroup& g) const {
+    for (int r = 0; r < g.world_; ++r) {
+      if (cudaMemcpy(g.inputs_[r]->ptr, inputs[r].data(), inputs[r].size(), cudaMemcpyHostToDevice) ||
+          cudaMemcpy(g.residual_in_[r]->ptr, residual.data(), residual.size(), cudaMemcpyHostToDevice)) {
+        return ::testing::AssertionFailure() << "upload failed";
+      }
+    }
+    if (cudaMemcpy(g.gamma_->ptr, gamma.data(), gamma.size(), cudaMemcpyHostToDevice)) {
+      return ::testing::AssertionFailure() << "gamma upload failed";
+    }
+    return ::testing::AssertionSuccess();
+  }
+  CpuOpArgs Args(Pattern pattern) {
+    ptrs.clear();
+    for (auto& in : inputs) ptrs.push_back(in.data());
+    const size_t bytes = inputs[0].size();
+    want_out.assign(bytes, 0);
+    want_residual.assign(bytes, 0);
+    want_norm.assign(bytes, 0);
+    CpuOpArgs a;
+    a.pattern = pattern;
+    a.dtype = dtype;
+    a.world_size = static_cast<int>(inputs.size());
+    a.hidden = hidden;
+    a.num_tokens = tokens;
+    a.eps = 1e-5f;
+    a.rank_inputs = ptrs.data();
+    a.output = want_out.data();
+    a.residual_in = residual.data();
+    a.residual_out = want_residual.data();
+    a.norm_out = want_norm.data();
+    a.gamma = gamma.data();
+    return a;
+  }
+  uint32_t tokens;
+  DType dtype;
+  uint32_t hidden;
+  std::vector<std::vector<uint8_t>> inputs;
+  std::vector<uint8_t> residual, gamma;
+  std::vector<const void*> ptrs;
+  std::vector<uint8_t> want_out, want_residual, want_norm;
+};
+
+std::vector<uint8_t> Download(const void* device, size_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  if (cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) host.clear();
+  return host;
+}
+
+// 2 units in the last place of the dtype, relative to the value (norm_out only: its sum of
+// squares is added in another order on the GPU).
+double NormTolerance(DType dt, double value) {
+  // fp32: the sum of squares of thousands of values in another order moves inv_rms by a few
+  // 1e-7 relative, so a few fp32 ulps; bf16/fp16: one rounding step either way.
+  const double ulp = dt == DType::kBF16 ? std::ldexp(1.0, -8)
+                     : dt == DType::kFP16 ? std::ldexp(1.0, -11)
+                                          : std::ldexp(1.0, -18);
+  return 2.0 * ulp * std::max(std::fabs(value), 1e-3);
+}
+
+// Checks every rank's outputs: exact against the CPU for the sum and residual_out, within
+// NormTolerance for norm_out, bit-identical across ranks, and close to the fp64 answer.
+void VerifyOutputs(SimGroup& g, HostOp& op, Pattern pattern) {
+  CpuOpArgs args = op.Args(pattern);
+  ASSERT_TRUE(ReferenceFusedOp(args).ok());
+  Fp64Result exact;
+  ASSERT_TRUE(ReferenceFusedOpFp64(args, &exact).ok());
+  const size_t bytes = g.Bytes(op.tokens);
+  const size_t n = static_cast<size_t>(op.tokens) * op.hidden;
+  std::vector<uint8_t> rank0_norm;
+  for (int r = 0; r < g.world_; ++r) {
+    if (pattern == Pattern::kAllReduce) {
+      const auto got = Download(g.output_[r]->ptr, bytes);
+      ASSERT_EQ(got.size(), bytes);
+      ASSERT_TRUE(std::memcmp(got.data(), op.want_out.data(), bytes) == 0)
+          << "rank " << r << ": allreduce output differs from the CPU implementation";
+      continue;
+    }
+    const auto residual = Download(g.residual_out_[r]->ptr, bytes);
+    const auto norm = Download(g.norm_out_[r]->ptr, bytes);
+    ASSERT_EQ(residual.size(), bytes);
+    ASSERT_EQ(norm.size(), bytes);
+    ASSERT_TRUE(std::memcmp(residual.data(), op.want_residual.data(), bytes) == 0)
+        << "rank " << r << ": residual_out differs from the CPU implementation";
+    if (r == 0) {
+      rank0_norm = norm;
+    } else {
+      ASSERT_TRUE(std::memcmp(norm.data(), rank0_norm.data(), bytes) == 0)
+          << "rank " << r << ": norm_out differs from rank 0's";
+    }
+    const double unit = op.dtype == DType::kBF16 ? std::ldexp(1.0, -8)
+                        : op.dtype == DType::kFP16 ? std::ldexp(1.0, -11)
+                                                   : std::ldexp(1.0, -23);
+    double inv_rms = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+      if (i % op.hidden == 0) {  // the exact row's 1/rms
+        double ss = 0.0;
+        for (size_t j = i; j < i + op.hidden; ++j) ss += exact.residual_out[j] * exact.residual_out[j];
+        inv_rms = 1.0 / std::sqrt(ss / op.hidden + 1e-5);
+      }
+      const double got = LoadAsFloat(op.dtype, norm.data(), i);
+      const double cpu = LoadAsFloat(op.dtype, op.want_norm.data(), i);
+      ASSERT_NEAR(got, cpu, NormTolerance(op.dtype, cpu)) << "rank " << r << " element " << i;
+      // Against fp64: the roundings of the sum and of residual_out are relative to the terms'
+      // magnitudes, then scaled by 1/rms and gamma; the final rounding is relative to the value.
+      double terms = std::fabs(LoadAsFloat(op.dtype, op.residual.data(), i));
+      for (const auto& in : op.inputs) terms += std::fabs(LoadAsFloat(op.dtype, in.data(), i));
+      const double g = std::fabs(LoadAsFloat(op.dtype, op.gamma.data(), i % op.hidden));
+      const double tolerance = 4 * unit * terms * inv_rms * g +
+                               4 * unit * std::fabs(exact.norm_out[i]) + 1e-6;
+      ASSERT_NEAR(got, exact.norm_out[i], tolerance) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+struct SweepCase {
+  int world;
+  FusionAlgo algo;
+  DType dtype;
+  Pattern pattern;
+};
+
+std::string SweepName(const ::testing::TestParamInfo<SweepCase>& info) {
+  return std::string("w") + std::to_string(info.param.world) +
+         (info.param.algo == FusionAlgo::kOneShot ? "_oneshot_" : "_twoshot_") +
+         DTypeName(info.param.dtype) + "_" + PatternName(info.param.pattern);
+}
+
+class FusionSweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(FusionSweep, MatchesCpuAndIsIdenticalOnEveryRank) {
+  const SweepCase c = GetParam();
+  SimGroup g(c.world, 320, 4096, c.dtype);
+  ASSERT_TRUE(g.ok());
+  CUDA_OK(g.Init());
+  std::mt19937 rng(42 + c.world);
+  // Shapes within one workspace: one token, fewer tokens than ranks, uneven slices, and the
+  // largest call; hidden shrinks for one of them.
+  struct Shape {
+    uint32_t tokens, hidden;
+  };
+  for (Shape s : {Shape{1, 4096}, Shape{3, 4096}, Shape{67, 4096}, Shape{320, 4096}}) {
+    SCOPED_TRACE(::testing::Message() << "tokens " << s.tokens);
+    HostOp op(g, s.tokens);
+    op.FillRandom(rng);
+    ASSERT_TRUE(op.Upload(g));
+    CUDA_OK(g.Launch(c.algo, c.pattern, s.tokens));
+    CUDA_OK(g.SyncAll());
+    for (int r = 0; r < c.world; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+    VerifyOutputs(g, op, c.pattern);
+  }
+}
+
+std::vector<SweepCase> SweepCases() {
+  std::vector<SweepCase> cases;
+  for (int w : {2, 4, 8}) {
+    for (FusionAlgo a : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+        for (Pattern p : {Pattern::kAllReduce, Pattern::kAllReduceResidualRmsNorm}) {
+          cases.push_back({w, a, dt, p});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FusionSweep, ::testing::ValuesIn(SweepCases()), SweepName);
+
+TEST(FusionGpu, LargeAndSmallHidden) {
+  for (int world : {2, 4}) {
+    for (uint32_t hidden : {8u, 16384u}) {
+      for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+        SCOPED_TRACE(::testing::Message() << "world " << world << " hidden " << hidden);
+        SimGroup g(world, 9, hidden, DType::kBF16);
+        ASSERT_TRUE(g.ok());
+        CUDA_OK(g.Init());
+        std::mt19937 rng(hidden);
+        HostOp op(g, 9);
+        op.FillRandom(rng);
+        ASSERT_TRUE(op.Upload(g));
+        CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 9));
+        CUDA_OK(g.SyncAll());
+        VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+      }
+    }
+  }
+}
+
+// Integer-valued inputs: the fused op equals "allreduce, then the unfused path's add-RMSNorm
+// kernel" bit for bit (what NCCL + our norm give), on every rank and for both algorithms.
+TEST(FusionGpu, IntegerInputsEqualAllreduceThenAddRmsNorm) {
+  for (int world : {2, 4, 8}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
+      const uint32_t tokens = 48;
+      SimGroup g(world, tokens, 4096, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      CUDA_OK(g.Init());
+      std::mt19937 rng(world * 7);
+      HostOp op(g, tokens);
+      op.FillIntegers(rng);
+      ASSERT_TRUE(op.Upload(g));
+      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, tokens));
+      CUDA_OK(g.SyncAll());
+      VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+      // The unfused path: the exact integer sum (what NCCL returns), then LaunchAddRmsNorm.
+      CpuOpArgs sum_args = op.Args(Pattern::kAllReduce);
+      ASSERT_TRUE(ReferenceFusedOp(sum_args).ok());
+      const size_t bytes = g.Bytes(tokens);
+      DeviceBuffer sum(bytes), residual_out(bytes), norm_out(bytes);
+      CUDA_OK(cudaMemcpy(sum.ptr, op.want_out.data(), bytes, cudaMemcpyHostToDevice));
+      AddRmsNormParams p{};
+      p.input = sum.ptr;
+      p.residual_in = g.residual_in_[0]->ptr;
+      p.residual_out = residual_out.ptr;
+      p.norm_out = norm_out.ptr;
+      p.gamma = g.gamma_->ptr;
+      p.num_tokens = tokens;
+      p.hidden = 4096;
+      p.eps = 1e-5f;
+      p.dtype = DType::kBF16;
+      CUDA_OK(LaunchAddRmsNorm(p, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(Download(residual_out.ptr, bytes), Download(g.residual_out_[0]->ptr, bytes));
+      EXPECT_EQ(Download(norm_out.ptr, bytes), Download(g.norm_out_[0]->ptr, bytes));
+    }
+  }
+}
+
+// Captures every rank's op in its own CUDA graph and replays the graphs concurrently; inputs
+// change between replays. Returns after `replays` verified replays.
+void CaptureAndReplay(SimGroup& g, FusionAlgo algo, uint32_t tokens, int replays, bool subnormals) {
+  std::vector<cudaGraphExec_t> execs(g.world_, nullptr);
+  for (int r = 0; r < g.world_; ++r) {
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(g.streams_[r], cudaStreamCaptureModeThreadLocal));
+    const cudaError_t launch = LaunchAllReduceFusion(
+        g.Params(r, algo, Pattern::kAllReduceResidualRmsNorm, tokens), g.streams_[r]);
+    CUDA_OK(cudaStreamEndCapture(g.streams_[r], &graph));
+    CUDA_OK(launch);
+    CUDA_OK(cudaGraphInstantiate(&execs[r], graph, 0));
+    cudaGraphDestroy(graph);
+  }
+  std::mt19937 rng(tokens * 31 + static_cast<int>(algo));
+  for (int i = 0; i < replays; ++i) {
+    SCOPED_TRACE(::testing::Message() << "replay " << i);
+    HostOp op(g, tokens);
+    if (subnormals) {
+      op.FillZerosAndSubnormals(rng);
+    } else {
+      op.FillRandom(rng);
+    }
+    ASSERT_TRUE(op.Upload(g));
+    for (int r = 0; r < g.world_; ++r) CUDA_OK(cudaGraphLaunch(execs[r], g.streams_[r]));
+    CUDA_OK(g.SyncAll());
+    for (int r = 0; r < g.world_; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+    VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+  }
+  for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
+}
+
+TEST(FusionGpu, GraphReplayWithChangingInputs) {
+  for (int world : {2, 4, 8}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
+      SimGroup g(world, 64, 2048, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      CUDA_OK(g.Init());
+      CaptureAndReplay(g, algo, 33, 8, /*subnormals=*/false);
+    }
+  }
+}
+
+// The pattern that hung FlashInfer's MNNVL kernel under CUDA graphs: inputs of only +-0.0 and
+// bf16 subnormals. Raw-bit sentinel checks must neither hang nor flush them.
+TEST(FusionGpu, ZerosAndBf16SubnormalsUnderGraphs) {
+  for (int world : {2, 4, 8}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
+      SimGroup g(world, 16, 4096, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      CUDA_OK(g.Init());
+      CaptureAndReplay(g, algo, 16, 12, /*subnormals=*/true);
+    }
+  }
+}
+
+// Thousands of ops with no host synchronization in between: ranks drift apart, token counts
+// and algorithms change from op to op. The last op of each shape is verified.
+TEST(FusionGpu, ThousandsOfBackToBackOpsWithChangingShapes) {
+  for (int world : {2, 8}) {
+    SCOPED_TRACE(::testing::Message() << "world " << world);
+    SimGroup g(world, 128, 1024, DType::kBF16);
+    ASSERT_TRUE(g.ok());
+    CUDA_OK(g.Init());
+    std::mt19937 rng(world);
+    HostOp op(g, 128);
+    op.FillRandom(rng);
+    ASSERT_TRUE(op.Upload(g));
+    const uint32_t token_cycle[] = {1, 128, 2, 77, 16, 5, 128, 3};
+    const int iterations = 3000;
+    for (int i = 0; i < iterations; ++i) {
+      const FusionAlgo algo = (i % 3 == 2) ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
+      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, token_cycle[i % 8]));
+    }
+    CUDA_OK(g.SyncAll());
+    for (int r = 0; r < world; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+    // The inputs are fixed, so the last op (tokens token_cycle[(iterations-1) % 8]) must match.
+    const uint32_t last = token_cycle[(iterations - 1) % 8];
+    HostOp check(g, last);
+    const size_t bytes = g.Bytes(last);
+    for (int r = 0; r < world; ++r) check.inputs[r].assign(op.inputs[r].begin(), op.inputs[r].begin() + bytes);
+    check.residual.assign(op.residual.begin(), op.residual.begin() + bytes);
+    check.gamma = op.gamma;
+    VerifyOutputs(g, check, Pattern::kAllReduceResidualRmsNorm);
+  }
+}
+
+TEST(FusionGpu, TokenCountsShrinkAndGrowWithinOneWorkspace) {
+  SimGroup g(4, 256, 2048, DType::kFP16);
+  ASSERT_TRUE(g.ok());
+  CUDA_OK(g.Init());
+  std::mt19937 rng(5);
+  int i = 0;
+  for (uint32_t tokens : {256u, 1u, 64u, 2u, 255u, 3u, 128u, 1u, 256u}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "step " << i++ << " tokens " << tokens);
+      HostOp op(g, tokens);
+      op.FillRandom(rng);
+      ASSERT_TRUE(op.Upload(g));
+      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, tokens));
+      CUDA_OK(g.SyncAll());
+      VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+    }
+  }
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Runs one good op on every rank and verifies it (after a re-initialization).
+void ExpectWorksAgain(SimGroup& g, FusionAlgo algo) {
+  CUDA_OK(g.Init());
+  for (int r = 0; r < g.world_; ++r) ASSERT_EQ(g.ErrorWord(r), 0u);
+  std::mt19937 rng(99);
+  HostOp op(g, 20);
+  op.FillRandom(rng);
+  ASSERT_TRUE(op.Upload(g));
+  CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 20));
+  CUDA_OK(g.SyncAll());
+  for (int r = 0; r < g.world_; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+  VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+}
+
+TEST(FusionGpu, MissingRankMakesTheOthersFailWithinTheDeadline) {
+  for (int world : {2, 4, 8}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
+      SimGroup g(world, 64, 1024, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      CUDA_OK(g.Init());
+      g.timeout_ns_ = 200'000'000ull;  // 0.2 s
+      const int missing = world - 1;
+      const auto start = std::chrono::steady_clock::now();
+      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 40, missing));
+      CUDA_OK(g.SyncAll());
+      EXPECT_LT(SecondsSince(start), 3.0);
+      int timeouts = 0;
+      for (int r = 0; r < world; ++r) {
+        if (r == missing) continue;
+        const uint32_t code = g.ErrorWord(r);
+        EXPECT_TRUE(code == static_cast<uint32_t>(FusionError::kTimeout) ||
+                    code == static_cast<uint32_t>(FusionError::kPeerAbort))
+            << "rank " << r << ": " << FusionErrorName(code);
+        EXPECT_EQ(*g.error_mirror_[r]->host, code) << "rank " << r << " host mirror";
+        timeouts += code == static_cast<uint32_t>(FusionError::kTimeout);
+      }
+      EXPECT_GE(timeouts, 1);
+      // Poisoned: a full group launch now returns at once and runs nothing.
+      g.timeout_ns_ = kNormalTimeoutNs;
+      const size_t bytes = g.Bytes(40);
+      CUDA_OK(cudaMemset(g.norm_out_[0]->ptr, 0x5a, bytes));
+      const auto again = std::chrono::steady_clock::now();
+      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 40));
+      CUDA_OK(g.SyncAll());
+      EXPECT_LT(SecondsSince(again), 1.0);
+      EXPECT_NE(g.ErrorWord(0), 0u);
+      const auto untouched = Download(g.norm_out_[0]->ptr, bytes);
+      EXPECT_EQ(untouched, std::vector<uint8_t>(bytes, 0x5a)) << "a poisoned launch wrote output";
+      ExpectWorksAgain(g, algo);
+    }
+  }
+}
+
+TEST(FusionGpu, HostAbortWordMakesSpinsExit) {
+  for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+    SimGroup g(2, 64, 1024, DType::kBF16);
+    ASSERT_TRUE(g.ok());
+    CUDA_OK(g.Init());
+    g.timeout_ns_ = 60'000'000'000ull;  // the deadline must not be what ends it
+    const auto start = std::chrono::steady_clock::now();
+    CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 8, /*skip_rank=*/1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    *g.host_abort_.host = 1;
+    CUDA_OK(g.SyncAll());
+    EXPECT_LT(SecondsSince(start), 5.0);
+    EXPECT_EQ(g.ErrorWord(0), static_cast<uint32_t>(FusionError::kHostAbort));
+    *g.host_abort_.host = 0;
+    g.timeout_ns_ = kNormalTimeoutNs;
+    ExpectWorksAgain(g, algo);
+  }
+}
+
+TEST(FusionGpu, WorkspaceAbortWordMakesSpinsExit) {
+  SimGroup g(2, 64, 1024, DType::kBF16);
+  ASSERT_TRUE(g.ok());
+  CUDA_OK(g.Init());
+  g.timeout_ns_ = 60'000'000'000ull;
+  const auto start = std::chrono::steady_clock::now();
+  CUDA_OK(g.Launch(FusionAlgo::kOneShot, Pattern::kAllReduceResidualRmsNorm, 8, 1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // From another stream, as a host watchdog would (the rank's own stream is busy spinning).
+  cudaStream_t side = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  const uint32_t one = 1;
+  CUDA_OK(cudaMemcpyAsync(WorkspaceAbortWord(g.workspaces_[0]->ptr, g.layout_), &one,
+                          sizeof(one), cudaMemcpyHostToDevice, side));
+  CUDA_OK(cudaStreamSynchronize(side));
+  cudaStreamDestroy(side);
+  CUDA_OK(g.SyncAll());
+  EXPECT_LT(SecondsSince(start), 5.0);
+  EXPECT_EQ(g.ErrorWord(0), static_cast<uint32_t>(FusionError::kHostAbort));
+  g.timeout_ns_ = kNormalTimeoutNs;
+  ExpectWorksAgain(g, FusionAlgo::kOneShot);
+}
+
+TEST(AddRmsNormGpu, MatchesCpuForEveryDType) {
+  for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    for (uint32_t hidden : {8u, 4096u, 7168u}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dt) << " hidden " << hidden);
+      const uint32_t tokens = 37;
+      const size_t bytes = static_cast<size_t>(tokens) * hidden * DTypeSize(dt);
+      std::mt19937 rng(hidden);
+      std::normal_distribution<float> dist(0.0f, 1.0f);
+      std::vector<uint8_t> input(bytes), residual(bytes), gamma(hidden * DTypeSize(dt));
+      for (size_t i = 0; i < static_cast<size_t>(tokens) * hidden; ++i) {
+        StoreFromFloat(dt, input.data(), i, i % 17 == 0 ? -0.0f : dist(rng));
+        StoreFromFloat(dt, residual.data(), i, dist(rng));
+      }
+      for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dt, gamma.data(), i, 1.0f + dist(rng));
+      DeviceBuffer d_in(bytes), d_res(bytes), d_norm(bytes), d_gamma(gamma.size());
+      CUDA_OK(cudaMemcpy(d_in.ptr, input.data(), bytes, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_res.ptr, residual.data(), bytes, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_gamma.ptr, gamma.data(), gamma.size(), cudaMemcpyHostToDevice));
+      AddRmsNormParams p{};
+      p.input = d_in.ptr;
+      p.residual_in = d_res.ptr;
+      p.residual_out = d_res.ptr;  // in place, as the serving frameworks do
+      p.norm_out = d_norm.ptr;
+      p.gamma = d_gamma.ptr;
+      p.num_tokens = tokens;
+      p.hidden = hidden;
+      p.eps = 1e-5f;
+      p.dtype = dt;
+      CUDA_OK(LaunchAddRmsNorm(p, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint8_t> want_res(bytes), want_norm(bytes);
+      const void* inputs[1] = {input.data()};
+      CpuOpArgs a;
+      a.dtype = dt;
+      a.world_size = 1;
+      a.hidden = hidden;
+      a.num_tokens = tokens;
+      a.eps = 1e-5f;
+      a.rank_inputs = inputs;
+      a.residual_in = residual.data();
+      a.residual_out = want_res.data();
+      a.norm_out = want_norm.data();
+      a.gamma = gamma.data();
+      ASSERT_TRUE(ReferenceFusedOp(a).ok());
+      EXPECT_EQ(Download(d_res.ptr, bytes), want_res);
+      const auto norm = Download(d_norm.ptr, bytes);
+      for (size_t i = 0; i < static_cast<size_t>(tokens) * hidden; ++i) {
+        const double cpu = LoadAsFloat(dt, want_norm.data(), i);
+        ASSERT_NEAR(LoadAsFloat(dt, norm.data(), i), cpu, NormTolerance(dt, cpu)) << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace arfuse

@@ -1,0 +1,221 @@
+// Host-side contract of the fused kernels: the sizing rule and the checks that refuse a launch.
+// Needs the CUDA toolkit to build, no GPU to run.
+#include <cstdint>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/allreduce_fusion/fusion_control.h"
+
+namespace arfuse {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(WorkspaceLayout, FollowsTheWrittenSizingRule) {
+  const WorkspaceLayout l = ComputeWorkspaceLayout(8, 2048, 8192, DType::kBF16);
+  const uint64_t row = 8192 * 2;
+  EXPECT_EQ(l.control_offset, 0u);
+  EXPECT_EQ(l.lamport_offset, (sizeof(FusionControl) + 255) / 256 * 256);
+  EXPECT_EQ(l.lamport_slot_bytes, 2048 * row);
+  EXPECT_EQ(l.lamport_buffer_bytes, 8 * 2048 * row);
+  EXPECT_EQ(l.scatter_offset, l.lamport_offset + 3 * 8 * 2048 * row);
+  EXPECT_EQ(l.scatter_slot_bytes, 256 * row);
+  EXPECT_EQ(l.gather_offset, l.scatter_offset + 8 * 256 * row);
+  EXPECT_EQ(l.total_bytes % (2u << 20), 0u);
+  EXPECT_GE(l.total_bytes, l.gather_offset + 2048 * row);
+  EXPECT_LT(l.total_bytes, l.gather_offset + 2048 * row + (2u << 20));
+  // 768 MiB of Lamport buffers + 32 MiB scatter + 32 MiB gather + control, rounded to 2 MiB.
+  EXPECT_EQ(l.total_bytes, 834ull << 20);
+  EXPECT_EQ(l.world_size, 8);
+  EXPECT_EQ(l.dtype, DType::kBF16);
+}
+
+TEST(WorkspaceLayout, SliceRoundsUpForUnevenTokens) {
+  const WorkspaceLayout l = ComputeWorkspaceLayout(4, 10, 64, DType::kFP32);
+  EXPECT_EQ(l.scatter_slot_bytes, 256u * ((3 * 64 * 4 + 255) / 256));  // ceil(10 / 4) = 3 rows
+}
+
+TEST(WorkspaceLayout, RejectsUnsupportedShapes) {
+  const char* why = nullptr;
+  EXPECT_EQ(ComputeWorkspaceLayout(3, 16, 64, DType::kBF16, &why).total_bytes, 0u);
+  EXPECT_THAT(why, HasSubstr("world size"));
+  EXPECT_EQ(ComputeWorkspaceLayout(2, 16, 60, DType::kBF16, &why).total_bytes, 0u);
+  EXPECT_THAT(why, HasSubstr("multiple of 8"));
+  EXPECT_EQ(ComputeWorkspaceLayout(2, 16, MaxFusionHidden(DType::kFP32) + 8, DType::kFP32, &why)
+                .total_bytes,
+            0u);
+  EXPECT_THAT(why, HasSubstr("largest row"));
+  EXPECT_EQ(ComputeWorkspaceLayout(2, 0, 64, DType::kBF16, &why).total_bytes, 0u);
+  EXPECT_THAT(why, HasSubstr("max_tokens"));
+  EXPECT_EQ(ComputeWorkspaceLayout(2, 16, 64, static_cast<DType>(0), &why).total_bytes, 0u);
+  EXPECT_THAT(why, HasSubstr("dtype"));
+  EXPECT_GE(MaxFusionHidden(DType::kBF16), 16384u);
+  EXPECT_GE(MaxFusionHidden(DType::kFP32), 16384u);
+}
+
+TEST(FusionSupport, TableCoversTheTestedCombinations) {
+  for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    for (int w : {2, 4, 8, 16}) {
+      for (Pattern p : {Pattern::kAllReduce, Pattern::kAllReduceResidualRmsNorm}) {
+        EXPECT_TRUE(IsFusionSupported(dt, w, p, FusionAlgo::kOneShot));
+        EXPECT_TRUE(IsFusionSupported(dt, w, p, FusionAlgo::kTwoShot));
+      }
+    }
+  }
+  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 6, Pattern::kAllReduce, FusionAlgo::kOneShot));
+  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, static_cast<Pattern>(5), FusionAlgo::kOneShot));
+  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, Pattern::kAllReduce, static_cast<FusionAlgo>(0)));
+}
+
+class CheckParams : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    p_ = FusionParams{};
+    p_.layout = ComputeWorkspaceLayout(2, 64, 1024, DType::kBF16);
+    ASSERT_GT(p_.layout.total_bytes, 0u);
+    // Never dereferenced: the checks only look at the values.
+    p_.peer_workspace[0] = reinterpret_cast<void*>(0x10000);
+    p_.peer_workspace[1] = reinterpret_cast<void*>(0x20000);
+    p_.input = reinterpret_cast<void*>(0x30000);
+    p_.residual_in = reinterpret_cast<void*>(0x40000);
+    p_.residual_out = reinterpret_cast<void*>(0x50000);
+    p_.norm_out = reinterpret_cast<void*>(0x60000);
+    p_.gamma = reinterpret_cast<void*>(0x70000);
+    p_.spin_timeout_ns = 1000000000ull;
+    p_.num_tokens = 64;
+    p_.hidden = 1024;
+    p_.rank = 1;
+    p_.world_size = 2;
+    p_.dtype = DType::kBF16;
+    p_.pattern = Pattern::kAllReduceResidualRmsNorm;
+    p_.algo = FusionAlgo::kOneShot;
+  }
+  void ExpectRefused(const FusionParams& p, const std::string& fragment) {
+    const char* why = nullptr;
+    EXPECT_EQ(CheckFusionParams(p, &why), cudaErrorInvalidValue) << fragment;
+    ASSERT_NE(why, nullptr) << fragment;
+    EXPECT_THAT(why, HasSubstr(fragment));
+    // The launcher refuses the same params before touching the device.
+    EXPECT_EQ(LaunchAllReduceFusion(p, nullptr), cudaErrorInvalidValue) << fragment;
+  }
+  FusionParams p_;
+};
+
+TEST_F(CheckParams, AcceptsAFittingCall) {
+  const char* why = "unset";
+  EXPECT_EQ(CheckFusionParams(p_, &why), cudaSuccess);
+  EXPECT_EQ(why, nullptr);
+  FusionParams p = p_;
+  p.num_tokens = 128;  // more tokens at half the hidden fit the same bytes
+  p.hidden = 512;
+  EXPECT_EQ(CheckFusionParams(p, nullptr), cudaSuccess);
+}
+
+TEST_F(CheckParams, RefusesACallLargerThanTheWorkspace) {
+  FusionParams p = p_;
+  p.num_tokens = 65;
+  ExpectRefused(p, "does not fit the workspace");
+  p = p_;
+  p.algo = FusionAlgo::kTwoShot;
+  p.num_tokens = 65;
+  ExpectRefused(p, "does not fit the workspace");
+}
+
+TEST_F(CheckParams, RefusesEachBadField) {
+  FusionParams p = p_;
+  p.world_size = 4;
+  ExpectRefused(p, "world size differs");
+  p = p_;
+  p.world_size = 3;
+  ExpectRefused(p, "unsupported");
+  p = p_;
+  p.dtype = DType::kFP16;
+  ExpectRefused(p, "dtype differs");
+  p = p_;
+  p.rank = 2;
+  ExpectRefused(p, "rank is outside");
+  p = p_;
+  p.hidden = 1020;
+  ExpectRefused(p, "hidden");
+  p = p_;
+  p.layout = WorkspaceLayout{};
+  ExpectRefused(p, "layout is empty");
+  p = p_;
+  p.spin_timeout_ns = 0;
+  ExpectRefused(p, "spin_timeout_ns");
+  p = p_;
+  p.peer_workspace[0] = nullptr;
+  ExpectRefused(p, "peer workspace");
+  p = p_;
+  p.peer_workspace[1] = reinterpret_cast<void*>(0x20008);
+  ExpectRefused(p, "peer workspace");
+  p = p_;
+  p.input = reinterpret_cast<void*>(0x30004);
+  ExpectRefused(p, "input");
+  p = p_;
+  p.gamma = nullptr;
+  ExpectRefused(p, "gamma");
+  p = p_;
+  p.norm_out = reinterpret_cast<void*>(0x60002);
+  ExpectRefused(p, "norm_out");
+  p = p_;
+  p.pattern = Pattern::kAllReduce;
+  ExpectRefused(p, "output is null");
+}
+
+TEST_F(CheckParams, ZeroTokensNeedNoPointers) {
+  FusionParams p = p_;
+  p.num_tokens = 0;
+  p.input = nullptr;
+  EXPECT_EQ(CheckFusionParams(p, nullptr), cudaSuccess);
+  EXPECT_EQ(LaunchAllReduceFusion(p, nullptr), cudaSuccess);  // nothing launched
+}
+
+TEST(CheckAddRmsNorm, RefusesEachBadField) {
+  AddRmsNormParams p{};
+  p.input = reinterpret_cast<void*>(0x1000);
+  p.residual_in = reinterpret_cast<void*>(0x2000);
+  p.residual_out = reinterpret_cast<void*>(0x3000);
+  p.norm_out = reinterpret_cast<void*>(0x4000);
+  p.gamma = reinterpret_cast<void*>(0x5000);
+  p.num_tokens = 4;
+  p.hidden = 4096;
+  p.dtype = DType::kBF16;
+  const char* why = nullptr;
+  EXPECT_EQ(CheckAddRmsNormParams(p, &why), cudaSuccess);
+  AddRmsNormParams bad = p;
+  bad.hidden = 4092;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("multiple of 8"));
+  bad = p;
+  bad.hidden = MaxAddRmsNormHidden(DType::kBF16) + 8;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("largest"));
+  bad = p;
+  bad.dtype = static_cast<DType>(0);
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("dtype"));
+  bad = p;
+  bad.gamma = nullptr;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("null"));
+  bad = p;
+  bad.residual_out = reinterpret_cast<void*>(0x3002);
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("aligned"));
+  EXPECT_EQ(LaunchAddRmsNorm(bad, nullptr), cudaErrorInvalidValue);
+}
+
+TEST(FusionErrors, EveryCodeHasAName) {
+  EXPECT_THAT(FusionErrorName(1), HasSubstr("timeout"));
+  EXPECT_THAT(FusionErrorName(2), HasSubstr("host"));
+  EXPECT_THAT(FusionErrorName(3), HasSubstr("peer"));
+  EXPECT_THAT(FusionErrorName(4), HasSubstr("poisoned"));
+  EXPECT_THAT(FusionErrorName(99), HasSubstr("unknown"));
+}
+
+}  // namespace
+}  // namespace arfuse

@@ -1,0 +1,302 @@
+// Multi-process peer tests: every rank is a peer_helper process (posix_spawn + exec) talking
+// over real sockets. Waits are bounded by generous deadlines (a loaded 2-core machine), never
+// by sleeps.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/peers/peer_exchange.h"
+
+extern char** environ;
+
+namespace arfuse {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+class Proc {
+ public:
+  explicit Proc(const std::vector<std::string>& args) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) return;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    std::vector<std::string> all = {std::string(ARFUSE_BINARY_DIR) + "/tests/peers/peer_helper"};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    out_ = p[0];
+  }
+  ~Proc() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) ::close(out_);
+  }
+  pid_t pid() const { return pid_; }
+
+  // The next line starting with `prefix` (earlier lines are skipped), or "" on timeout/EOF.
+  std::string Await(const std::string& prefix, absl::Duration timeout = absl::Seconds(60)) {
+    absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      size_t nl;
+      while ((nl = buf_.find('\n')) != std::string::npos) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        if (line.rfind(prefix, 0) == 0) return line;
+      }
+      absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return "";
+      pollfd pfd{out_, POLLIN, 0};
+      if (::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
+      char tmp[4096];
+      ssize_t n = ::read(out_, tmp, sizeof(tmp));
+      if (n <= 0) return "";
+      buf_.append(tmp, n);
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string buf_;
+};
+
+class PeersProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/arfp-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    group_ = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  }
+  void TearDown() override {
+    procs_.clear();
+    std::string cmd = "rm -rf " + dir_;
+    ASSERT_EQ(std::system(cmd.c_str()), 0);
+  }
+  Proc& Spawn(int rank, int world, const std::string& mode, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {
+        absl::StrCat("--rank=", rank), absl::StrCat("--world=", world), "--mode=" + mode,
+        "--group=" + group_, "--join_ms=60000"};
+    bool has_tcp = false;
+    for (auto& e : extra) has_tcp |= e.rfind("--tcp=", 0) == 0;
+    if (!has_tcp) args.push_back("--dir=" + dir_);
+    for (auto& e : extra) {
+      // A later --join_ms overrides the default above.
+      args.push_back(e);
+    }
+    procs_.push_back(std::make_unique<Proc>(args));
+    return *procs_.back();
+  }
+
+  std::string dir_;
+  std::string group_;
+  std::vector<std::unique_ptr<Proc>> procs_;
+};
+
+// Splits "KEY CODE ELAPSED_MS message" lines printed by SayStatus.
+struct StatusLine {
+  std::string code;
+  int64_t elapsed_ms = -1;
+  std::string message;
+};
+StatusLine ParseStatus(const std::string& line) {
+  std::vector<std::string> parts = absl::StrSplit(line, absl::MaxSplits(' ', 3));
+  StatusLine s;
+  if (parts.size() >= 3) {
+    s.code = parts[1];
+    s.elapsed_ms = std::stoll(parts[2]);
+  }
+  if (parts.size() == 4) s.message = parts[3];
+  return s;
+}
+
+TEST_F(PeersProcessTest, FourRanksAllgatherVoteBarrierAndFdsOverUnixSockets) {
+  constexpr int kWorld = 4;
+  // Rank 0 last: the others must wait for the coordinator to appear.
+  for (int r = kWorld - 1; r >= 0; --r) Spawn(r, kWorld, "basic");
+  for (auto& p : procs_) {
+    EXPECT_THAT(p->Await("JOINED"), StartsWith("JOINED "));
+    EXPECT_EQ(p->Await("ALLGATHER"),
+              "ALLGATHER payload-from-0|payload-from-1|payload-from-2|payload-from-3");
+    EXPECT_EQ(p->Await("VOTE"), "VOTE no rank 3: not enough memory");
+    EXPECT_EQ(p->Await("BARRIER"), "BARRIER ok");
+    EXPECT_EQ(p->Await("FD"), "FD fd-of-rank-0|fd-of-rank-1|fd-of-rank-2|fd-of-rank-3");
+    EXPECT_EQ(p->Await("DONE"), "DONE");
+  }
+}
+
+int FreeTcpPort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+TEST_F(PeersProcessTest, TwoNodesOverTcpWithoutDescriptorPassing) {
+  const std::string tcp = absl::StrCat("--tcp=127.0.0.1:", FreeTcpPort());
+  Spawn(0, 2, "basic", {tcp, "--nnodes=2"});
+  Spawn(1, 2, "basic", {tcp, "--nnodes=2"});
+  for (auto& p : procs_) {
+    EXPECT_EQ(p->Await("ALLGATHER"), "ALLGATHER payload-from-0|payload-from-1");
+    EXPECT_EQ(p->Await("VOTE"), "VOTE no rank 1: not enough memory");
+    EXPECT_EQ(p->Await("DONE"), "DONE");
+  }
+}
+
+TEST_F(PeersProcessTest, MissingRankIsNamedByEveryRankThatJoined) {
+  Spawn(0, 3, "basic", {"--join_ms=2000"});
+  Spawn(1, 3, "basic", {"--join_ms=2000"});
+  for (auto& p : procs_) {
+    StatusLine s = ParseStatus(p->Await("JOIN "));
+    EXPECT_EQ(s.code, "UNAVAILABLE");
+    EXPECT_THAT(s.message, HasSubstr("ranks 2 did not join before the deadline (joined: 0, 1)"));
+    EXPECT_LT(s.elapsed_ms, 30000);
+  }
+}
+
+TEST_F(PeersProcessTest, AbsentCoordinatorIsReportedAsMissingRankZero) {
+  Proc& p = Spawn(1, 2, "basic", {"--join_ms=1000"});
+  StatusLine s = ParseStatus(p.Await("JOIN "));
+  EXPECT_EQ(s.code, "UNAVAILABLE");
+  EXPECT_THAT(s.message, HasSubstr("was not reachable; missing ranks: 0"));
+}
+
+TEST_F(PeersProcessTest, KilledPeerFailsPendingCollectiveOnSurvivorsPromptly) {
+  Proc& s0 = Spawn(0, 3, "survivor");
+  Proc& s1 = Spawn(1, 3, "survivor");
+  Proc& victim = Spawn(2, 3, "victim");
+  ASSERT_EQ(victim.Await("READY"), "READY");
+  ASSERT_EQ(s0.Await("ENTER"), "ENTER");
+  ASSERT_EQ(s1.Await("ENTER"), "ENTER");
+  ASSERT_EQ(::kill(victim.pid(), SIGKILL), 0);
+  for (Proc* p : {&s0, &s1}) {
+    StatusLine r = ParseStatus(p->Await("RESULT"));
+    EXPECT_EQ(r.code, "UNAVAILABLE");
+    EXPECT_THAT(r.message, HasSubstr("rank 2 of group"));
+    // The op deadline is 60 s: failing well inside it means the death was noticed, not timed.
+    EXPECT_LT(r.elapsed_ms, 30000);
+    StatusLine after = ParseStatus(p->Await("AFTER"));
+    EXPECT_EQ(after.code, "UNAVAILABLE");
+    EXPECT_THAT(after.message, HasSubstr("went away"));
+    EXPECT_LT(after.elapsed_ms, 10000);
+  }
+}
+
+TEST_F(PeersProcessTest, KilledCoordinatorFailsTheOtherRanks) {
+  Proc& coordinator = Spawn(0, 3, "victim");
+  Proc& s1 = Spawn(1, 3, "survivor");
+  Proc& s2 = Spawn(2, 3, "survivor");
+  ASSERT_EQ(coordinator.Await("READY"), "READY");
+  ASSERT_EQ(s1.Await("ENTER"), "ENTER");
+  ASSERT_EQ(s2.Await("ENTER"), "ENTER");
+  ASSERT_EQ(::kill(coordinator.pid(), SIGKILL), 0);
+  for (Proc* p : {&s1, &s2}) {
+    StatusLine r = ParseStatus(p->Await("RESULT"));
+    EXPECT_EQ(r.code, "UNAVAILABLE");
+    EXPECT_THAT(r.message, HasSubstr("rank 0 went away"));
+    EXPECT_LT(r.elapsed_ms, 30000);
+  }
+}
+
+TEST_F(PeersProcessTest, StoppedPeerTimesOutNamingIt) {
+  Proc& s0 = Spawn(0, 3, "survivor", {"--op_ms=3000"});
+  Proc& s1 = Spawn(1, 3, "survivor", {"--op_ms=3000"});
+  Proc& victim = Spawn(2, 3, "victim");
+  ASSERT_EQ(victim.Await("READY"), "READY");
+  ASSERT_EQ(::kill(victim.pid(), SIGSTOP), 0);
+  for (Proc* p : {&s0, &s1}) {
+    StatusLine r = ParseStatus(p->Await("RESULT"));
+    EXPECT_EQ(r.code, "DEADLINE_EXCEEDED");
+    EXPECT_THAT(r.message, HasSubstr("ranks 2 did not arrive"));
+    // Answered by the coordinator before the caller's own 3 s deadline, with slack for load.
+    EXPECT_LT(r.elapsed_ms, 3000 + 5000);
+  }
+  ::kill(victim.pid(), SIGCONT);
+}
+
+TEST_F(PeersProcessTest, ReformedGroupGetsANewEpoch) {
+  std::string first, second;
+  {
+    Proc& a = Spawn(0, 2, "basic");
+    Proc& b = Spawn(1, 2, "basic");
+    first = a.Await("JOINED");
+    EXPECT_EQ(b.Await("JOINED"), first);
+    EXPECT_EQ(a.Await("DONE"), "DONE");
+    EXPECT_EQ(b.Await("DONE"), "DONE");
+    procs_.clear();
+  }
+  Proc& a = Spawn(0, 2, "basic");
+  Proc& b = Spawn(1, 2, "basic");
+  second = a.Await("JOINED");
+  EXPECT_EQ(b.Await("JOINED"), second);
+  EXPECT_THAT(second, StartsWith("JOINED "));
+  EXPECT_NE(first, second);
+}
+
+TEST(PeerOptionsTest, ValidationNamesTheProblem) {
+  PeerOptions o;
+  o.world_size = 2;
+  o.rank = 2;
+  o.peer_dir = "/tmp";
+  auto s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("rank 2 is out of range"));
+  o.rank = 0;
+  o.group = "bad/name";
+  s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("may only contain"));
+  o.group = "g";
+  o.peer_dir = "/tmp/" + std::string(120, 'd');
+  s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("Unix sockets allow at most 107"));
+  o.peer_dir = "";
+  s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("peer directory"));
+  o.peer_dir = "/tmp";
+  o.nnodes = 2;
+  s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("TCP address"));
+  o.nnodes = 1;
+  o.peer_dir = "";
+  o.rank0_address = "no-port";
+  s = ConnectPeers(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("is not host:port"));
+}
+
+}  // namespace
+}  // namespace arfuse
