@@ -30,7 +30,9 @@ Sidecar::~Sidecar() {
   if (supervisor_.joinable()) supervisor_.detach();
 }
 
-int Sidecar::metrics_port() const { return metrics_ == nullptr ? -1 : metrics_->port(); }
+int Sidecar::metrics_port() const {
+  return metrics_ == nullptr || options_.metrics_port < 0 ? -1 : metrics_->port();
+}
 
 config::Topology Sidecar::OwnTopology() const {
   return config::Topology{options_.sm.value_or(gpu_.sm), options_.world_size, options_.nnodes};

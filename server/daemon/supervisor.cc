@@ -98,11 +98,19 @@ absl::Status Sidecar::FormGroup() {
   report.rank = options_.rank;
   report.flags = flags_;
   report.topology = OwnTopology();
-  absl::StatusOr<config::Decision> local = config::ResolveBackend(flags_, report.topology);
-  if (local.ok()) {
-    report.decision = *local;
+  if (report.topology.sm == 0) {
+    // Host mode without --sm: there is no GPU architecture to resolve a backend for.
+    config::Decision none;
+    none.reasons.push_back(
+        "no GPU architecture (host mode without --sm): the CPU implementation runs");
+    report.decision = none;
   } else {
-    report.failure = std::string(local.status().message());
+    absl::StatusOr<config::Decision> local = config::ResolveBackend(flags_, report.topology);
+    if (local.ok()) {
+      report.decision = *local;
+    } else {
+      report.failure = std::string(local.status().message());
+    }
   }
   ARFUSE_ASSIGN_OR_RETURN(
       std::vector<std::string> payloads,

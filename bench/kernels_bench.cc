@@ -1,0 +1,511 @@
+// arfuse-bench kernels: the fused kernels against the unfused path, per shape, bf16.
+//
+// One process per rank: without --rank the command starts --world copies of itself (exec'd, as
+// the sidecars are) and waits; each rank joins through ConnectPeers, builds a fused workspace
+// (and NCCL when every rank has its own GPU) and times every row as a CUDA graph of --iters ops,
+// warmed up, replayed --repeats times after a host barrier; a row's figure is the median per-op
+// time, the slowest rank's. Rows:
+//   oneshot, twoshot     fused allreduce + residual + RMSNorm (forced algorithm)
+//   choice               what the dispatcher picks for the shape (its row's time)
+//   nccl, nccl_sym       NCCL allreduce alone: regular buffers / symmetric windows
+//   unfused              the faster of {nccl, nccl_sym} + our add-RMSNorm kernel (the baseline)
+//   pull                 one peer-to-peer copy of the same bytes (the bandwidth ceiling)
+// With ranks sharing a GPU (MPS) NCCL cannot run: its rows are "not run", and the figures
+// measure kernel overhead, not NVLink. Rank 0 prints the table and writes --json.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/core/log.h"
+#include "server/core/status_macros.h"
+#include "server/core/version.h"
+#include "server/gpu/cuda_status.h"
+#include "server/gpu/dispatch_table.h"
+#include "server/gpu/fusion_workspace.h"
+#include "server/gpu/mps.h"
+#include "server/gpu/nccl_comm.h"
+#include "server/peers/peer_exchange.h"
+#include "tests/gpu/process_util.h"
+
+namespace arfuse::bench {
+namespace {
+
+struct Flags {
+  int world = 2;
+  int rank = -1;  // -1: launcher
+  std::string dir;
+  std::string backend = "trtllm";
+  std::string vmm = "posix_fd";
+  std::vector<uint32_t> tokens = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
+  std::vector<uint32_t> hidden = {4096, 7168, 8192};
+  int repeats = 7;
+  int iters = 20;
+  int warmup = 3;
+  int spin_ms = 5000;
+  std::string json = "arfuse-bench-kernels.json";
+  std::vector<std::string> raw;  // flags to pass on to the ranks
+};
+
+absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& v) {
+  std::vector<uint32_t> out;
+  for (absl::string_view part : absl::StrSplit(v, ',')) {
+    uint32_t x = 0;
+    if (!absl::SimpleAtoi(part, &x) || x == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("\"", part, "\" is not a positive number"));
+    }
+    out.push_back(x);
+  }
+  return out;
+}
+
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    const size_t eq = a.find('=');
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("flag \"", a, "\" is not --key=value"));
+    }
+    const std::string key = a.substr(2, eq - 2), value = a.substr(eq + 1);
+    auto num = [&](int* out) -> absl::Status {
+      if (!absl::SimpleAtoi(value, out)) {
+        return absl::InvalidArgumentError(absl::StrCat("--", key, " needs a number"));
+      }
+      return absl::OkStatus();
+    };
+    if (key == "rank") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.rank));
+      continue;
+    }
+    if (key == "dir") {
+      f.dir = value;
+      continue;
+    }
+    f.raw.push_back(a);
+    if (key == "world") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.world));
+    } else if (key == "backend") {
+      f.backend = value;
+    } else if (key == "vmm") {
+      f.vmm = value;
+    } else if (key == "tokens") {
+      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParseList(value));
+    } else if (key == "hidden") {
+      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParseList(value));
+    } else if (key == "repeats") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.repeats));
+    } else if (key == "iters") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.iters));
+    } else if (key == "warmup") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.warmup));
+    } else if (key == "spin_ms") {
+      ARFUSE_RETURN_IF_ERROR(num(&f.spin_ms));
+    } else if (key == "json") {
+      f.json = value;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", key));
+    }
+  }
+  if (!IsSupportedWorldSize(f.world)) {
+    return absl::InvalidArgumentError(absl::StrCat("--world=", f.world, " is not 2, 4, 8 or 16"));
+  }
+  if (f.repeats < 5) return absl::InvalidArgumentError("--repeats must be at least 5");
+  if (f.iters < 1 || f.warmup < 0) return absl::InvalidArgumentError("--iters >= 1, --warmup >= 0");
+  if (f.backend != "trtllm" && f.backend != "mnnvl") {
+    return absl::InvalidArgumentError("--backend is trtllm or mnnvl");
+  }
+  return f;
+}
+
+constexpr const char* kRows[] = {"oneshot",   "twoshot",       "choice",  "nccl", "nccl_sym",
+                                 "nccl_norm", "nccl_sym_norm", "unfused", "pull"};
+constexpr int kNumRows = sizeof(kRows) / sizeof(kRows[0]);
+enum Row { kOneShot, kTwoShot, kChoice, kNccl, kNcclSym, kNcclNorm, kNcclSymNorm, kUnfused, kPull };
+
+struct ShapeResult {
+  uint32_t tokens = 0;
+  uint32_t hidden = 0;
+  double us[kNumRows];
+  std::string choice;
+};
+
+// Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph.
+absl::StatusOr<double> TimeGraph(Exchange& ex, cudaStream_t s, const Flags& f,
+                                 const std::function<absl::Status()>& enqueue,
+                                 const std::string& tag) {
+  // One eager op first: NCCL connects lazily (per algorithm and protocol) on the first call of a
+  // kind, which must not happen inside a capture.
+  ARFUSE_RETURN_IF_ERROR(enqueue());
+  ARFUSE_RETURN_IF_ERROR(WaitStream(s, absl::Now() + absl::Seconds(60)));
+  cudaGraph_t graph = nullptr;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  absl::Status captured;
+  for (int i = 0; i < f.iters && captured.ok(); ++i) captured = enqueue();
+  absl::Status ended = ARFUSE_CUDA_STATUS(cudaStreamEndCapture(s, &graph));
+  ARFUSE_RETURN_IF_ERROR(captured);
+  ARFUSE_RETURN_IF_ERROR(ended);
+  cudaGraphExec_t exec = nullptr;
+  absl::Status inst = ARFUSE_CUDA_STATUS(cudaGraphInstantiate(&exec, graph, 0));
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphDestroy(graph));
+  ARFUSE_RETURN_IF_ERROR(inst);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  absl::Status st;
+  std::vector<double> samples;
+  for (int r = 0; r < f.warmup + f.repeats && st.ok(); ++r) {
+    // Ranks start each replay together, so one rank's launch latency is not timed as spinning.
+    st = ex.Barrier(absl::StrCat(tag, "/", r), absl::Now() + absl::Seconds(60));
+    if (!st.ok()) break;
+    st = ARFUSE_CUDA_STATUS(cudaEventRecord(start, s));
+    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaGraphLaunch(exec, s));
+    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventRecord(stop, s));
+    if (st.ok()) st = WaitEvent(stop, absl::Now() + absl::Seconds(60));
+    float ms = 0;
+    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventElapsedTime(&ms, start, stop));
+    if (st.ok() && r >= f.warmup) samples.push_back(1000.0 * ms / f.iters);
+  }
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(start));
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(stop));
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphExecDestroy(exec));
+  ARFUSE_RETURN_IF_ERROR(st);
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+class DeviceMem {
+ public:
+  ~DeviceMem() {
+    if (p_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaFree(p_));
+  }
+  absl::Status Allocate(size_t bytes) {
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&p_, bytes));
+    // Small values: sums stay finite whatever the world size.
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemset(p_, 0x3c, bytes));
+    return absl::OkStatus();
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+};
+
+absl::Status RunRank(const Flags& f) {
+  int devices = 0;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&devices));
+  const int device = f.rank % devices;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  const bool shared_gpu = f.world > devices;
+  PeerOptions po;
+  po.rank = f.rank;
+  po.world_size = f.world;
+  po.peer_dir = f.dir;
+  po.group = "bench";
+  po.timeout = absl::Seconds(60);
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<PeerExchange> ex, ConnectPeers(po));
+  cudaStream_t s = nullptr;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int sms = 0, major = 0, minor = 0;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const uint32_t max_tokens = *std::max_element(f.tokens.begin(), f.tokens.end());
+  const uint32_t max_hidden = *std::max_element(f.hidden.begin(), f.hidden.end());
+  const size_t max_bytes = static_cast<size_t>(max_tokens) * max_hidden * 2;
+
+  WorkspaceOptions wo;
+  wo.backend = f.backend;
+  ARFUSE_ASSIGN_OR_RETURN(wo.vmm_handle, ParseVmmHandleType(f.vmm));
+  wo.max_tokens = max_tokens;
+  wo.hidden = max_hidden;
+  wo.dtype = DType::kBF16;
+  wo.spin_timeout = absl::Milliseconds(f.spin_ms);
+  // Ranks sharing a GPU split its SMs, so every rank's spinning grid stays resident.
+  const int per_gpu = (f.world + devices - 1) / devices;
+  wo.sm_budget = shared_gpu ? static_cast<uint32_t>(sms / per_gpu) : 0;
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<FusionWorkspace> ws,
+                          FusionWorkspace::Create(*ex, wo, s, absl::Now() + absl::Seconds(120)));
+  std::unique_ptr<NcclComm> nccl;
+  void* sym = nullptr;
+  if (!shared_gpu) {
+    ARFUSE_ASSIGN_OR_RETURN(nccl, NcclComm::Create(*ex, absl::Now() + absl::Seconds(120)));
+    absl::StatusOr<void*> window = nccl->AllocSymmetric(max_bytes, absl::Now() + absl::Seconds(60));
+    if (window.ok()) sym = *window;
+  }
+  DeviceMem in, res_in, res_out, norm, gamma, out, pull_dst;
+  for (DeviceMem* m : {&in, &res_in, &res_out, &norm, &out, &pull_dst}) {
+    ARFUSE_RETURN_IF_ERROR(m->Allocate(max_bytes));
+  }
+  ARFUSE_RETURN_IF_ERROR(gamma.Allocate(static_cast<size_t>(max_hidden) * 2));
+  // The memsets ran on the legacy stream, which `s` (non-blocking) does not wait for.
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  const DispatchTable table = DispatchTable::Published();
+  const int peer = (f.rank + 1) % f.world;
+
+  std::vector<ShapeResult> results;
+  for (uint32_t h : f.hidden) {
+    for (uint32_t t : f.tokens) {
+      ShapeResult r;
+      r.tokens = t;
+      r.hidden = h;
+      std::fill(std::begin(r.us), std::end(r.us), NAN);
+      const size_t count = static_cast<size_t>(t) * h;
+      const size_t bytes = count * 2;
+      const std::string tag = absl::StrCat("h", h, "t", t);
+      OpArgs op;
+      op.pattern = Pattern::kAllReduceResidualRmsNorm;
+      op.dtype = DType::kBF16;
+      op.hidden = h;
+      op.num_tokens = t;
+      op.input = in.get();
+      op.residual_in = res_in.get();
+      op.residual_out = res_out.get();
+      op.norm_out = norm.get();
+      op.gamma = gamma.get();
+      for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+        ARFUSE_ASSIGN_OR_RETURN(r.us[algo == FusionAlgo::kOneShot ? kOneShot : kTwoShot],
+                                TimeGraph(
+                                    *ex, s, f, [&] { return ws->Launch(op, algo, s); },
+                                    absl::StrCat(tag, "/fused", static_cast<int>(algo))));
+      }
+      AddRmsNormParams np = {};
+      np.residual_in = res_in.get();
+      np.residual_out = res_out.get();
+      np.norm_out = norm.get();
+      np.gamma = gamma.get();
+      np.num_tokens = t;
+      np.hidden = h;
+      np.eps = 1e-6f;
+      np.dtype = DType::kBF16;
+      if (nccl != nullptr) {
+        const absl::Time far = absl::Now() + absl::Seconds(60);
+        ARFUSE_ASSIGN_OR_RETURN(
+            r.us[kNccl],
+            TimeGraph(
+                *ex, s, f,
+                [&] { return nccl->AllReduce(in.get(), out.get(), count, DType::kBF16, s, far); },
+                tag + "/nccl"));
+        AddRmsNormParams reg = np;
+        reg.input = out.get();
+        ARFUSE_ASSIGN_OR_RETURN(r.us[kNcclNorm],
+                                TimeGraph(
+                                    *ex, s, f,
+                                    [&] {
+                                      ARFUSE_RETURN_IF_ERROR(nccl->AllReduce(
+                                          in.get(), out.get(), count, DType::kBF16, s, far));
+                                      return ARFUSE_CUDA_STATUS(LaunchAddRmsNorm(reg, s));
+                                    },
+                                    tag + "/nccl_norm"));
+        if (sym != nullptr) {
+          ARFUSE_ASSIGN_OR_RETURN(
+              r.us[kNcclSym],
+              TimeGraph(
+                  *ex, s, f, [&] { return nccl->AllReduce(sym, sym, count, DType::kBF16, s, far); },
+                  tag + "/nccl_sym"));
+          AddRmsNormParams symp = np;
+          symp.input = sym;
+          ARFUSE_ASSIGN_OR_RETURN(
+              r.us[kNcclSymNorm],
+              TimeGraph(
+                  *ex, s, f,
+                  [&] {
+                    ARFUSE_RETURN_IF_ERROR(nccl->AllReduce(sym, sym, count, DType::kBF16, s, far));
+                    return ARFUSE_CUDA_STATUS(LaunchAddRmsNorm(symp, s));
+                  },
+                  tag + "/nccl_sym_norm"));
+        }
+        r.us[kUnfused] = std::isnan(r.us[kNcclSymNorm])
+                             ? r.us[kNcclNorm]
+                             : std::min(r.us[kNcclNorm], r.us[kNcclSymNorm]);
+      }
+      // A peer's workspace is mapped here (at least 3 x world x the largest shape's bytes: its
+      // Lamport buffers): read the same number of bytes from it.
+      ARFUSE_ASSIGN_OR_RETURN(r.us[kPull], TimeGraph(
+                                               *ex, s, f,
+                                               [&] {
+                                                 return ARFUSE_CUDA_STATUS(cudaMemcpyAsync(
+                                                     pull_dst.get(), ws->peer_base(peer), bytes,
+                                                     cudaMemcpyDeviceToDevice, s));
+                                               },
+                                               tag + "/pull"));
+      DispatchRequest req;
+      req.sm = major * 10 + minor;
+      req.world_size = f.world;
+      req.num_tokens = t;
+      req.hidden = h;
+      req.dtype = DType::kBF16;
+      req.fused_available = true;
+      req.twoshot_available = true;
+      req.nccl_available = nccl != nullptr;
+      req.nccl_symmetric_available = sym != nullptr;
+      ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(table, req));
+      r.choice = ExecPathName(choice.path);
+      r.us[kChoice] = choice.path == ExecPath::kOneShot   ? r.us[kOneShot]
+                      : choice.path == ExecPath::kTwoShot ? r.us[kTwoShot]
+                                                          : r.us[kUnfused];
+      results.push_back(r);
+    }
+  }
+  const uint32_t err = ws->error_code();
+  if (err != 0) {
+    return absl::AbortedError(absl::StrCat("fused kernel error: ", FusionErrorName(err)));
+  }
+
+  // The slowest rank's figure per row.
+  std::string mine;
+  for (const ShapeResult& r : results) {
+    for (double v : r.us) absl::StrAppend(&mine, v, ",");
+  }
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                          ex->Allgather("results", mine, absl::Now() + absl::Seconds(60)));
+  for (const std::string& other : all) {
+    std::vector<std::string> vals = absl::StrSplit(other, ',', absl::SkipEmpty());
+    size_t k = 0;
+    for (ShapeResult& r : results) {
+      for (double& v : r.us) {
+        double x = NAN;
+        if (k < vals.size() && absl::SimpleAtod(vals[k], &x) && !std::isnan(x) && !std::isnan(v)) {
+          v = std::max(v, x);
+        }
+        ++k;
+      }
+    }
+  }
+  if (f.rank != 0) return absl::OkStatus();
+
+  const MpsInfo mps = DetectMps();
+  cudaDeviceProp prop;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  auto fmt = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.1f", v); };
+  auto ratio = [](double a, double b) {
+    return std::isnan(a) || std::isnan(b) ? std::string("-") : absl::StrFormat("%.2f", a / b);
+  };
+  std::printf(
+      "arfuse-bench kernels: %s, %d rank(s) on %d GPU(s) (%s), backend=%s workspace=%s, "
+      "bf16, CUDA graphs of %d ops, median of %d, us per op\n",
+      prop.name, f.world, std::min(devices, f.world), shared_gpu ? "shared, MPS" : "one each",
+      f.backend.c_str(), ws->kind(), f.iters, f.repeats);
+  std::printf("workspace bytes per rank: %llu; %s%s\n",
+              static_cast<unsigned long long>(ws->bytes_per_rank()), mps.Describe().c_str(),
+              shared_gpu ? "; NCCL rows not run (ranks share a GPU)" : "");
+  std::printf(
+      "| hidden | tokens | bytes | oneshot | twoshot | choice | nccl | nccl_sym | unfused | "
+      "pull | oneshot/unfused | twoshot/unfused | choice/unfused | pull/oneshot |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const ShapeResult& r : results) {
+    const uint64_t bytes = static_cast<uint64_t>(r.tokens) * r.hidden * 2;
+    std::printf(
+        "| %u | %u | %llu | %s | %s | %s %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.hidden,
+        r.tokens, static_cast<unsigned long long>(bytes), fmt(r.us[kOneShot]).c_str(),
+        fmt(r.us[kTwoShot]).c_str(), r.choice.c_str(), fmt(r.us[kChoice]).c_str(),
+        fmt(r.us[kNccl]).c_str(), fmt(r.us[kNcclSym]).c_str(), fmt(r.us[kUnfused]).c_str(),
+        fmt(r.us[kPull]).c_str(), ratio(r.us[kOneShot], r.us[kUnfused]).c_str(),
+        ratio(r.us[kTwoShot], r.us[kUnfused]).c_str(), ratio(r.us[kChoice], r.us[kUnfused]).c_str(),
+        ratio(r.us[kPull], r.us[kOneShot]).c_str());
+  }
+  std::ofstream json(f.json);
+  json << "{\n  \"command\": \"arfuse-bench kernels " << absl::StrJoin(f.raw, " ") << "\",\n"
+       << "  \"version\": \"" << kVersion << "+" << kGitRevision << "\",\n"
+       << "  \"device\": \"" << prop.name << "\",\n  \"world_size\": " << f.world
+       << ",\n  \"gpus\": " << std::min(devices, f.world)
+       << ",\n  \"shared_gpu\": " << (shared_gpu ? "true" : "false")
+       << ",\n  \"mps_active\": " << (mps.active() ? "true" : "false") << ",\n  \"backend\": \""
+       << f.backend << "\",\n  \"workspace_kind\": \"" << ws->kind()
+       << "\",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
+       << ",\n  \"iters\": " << f.iters << ",\n  \"repeats\": " << f.repeats
+       << ",\n  \"unit\": \"us_per_op\",\n  \"rows\": [\n";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const ShapeResult& r = results[i];
+    json << "    {\"hidden\": " << r.hidden << ", \"tokens\": " << r.tokens
+         << ", \"bytes\": " << static_cast<uint64_t>(r.tokens) * r.hidden * 2 << ", \"choice\": \""
+         << r.choice << "\"";
+    for (int k = 0; k < kNumRows; ++k) {
+      json << ", \"" << kRows[k] << "\": ";
+      if (std::isnan(r.us[k])) {
+        json << "null";
+      } else {
+        json << absl::StrFormat("%.3f", r.us[k]);
+      }
+    }
+    json << "}" << (i + 1 < results.size() ? "," : "") << "\n";
+  }
+  json << "  ]\n}\n";
+  if (!json) return absl::FailedPreconditionError(absl::StrCat("cannot write ", f.json));
+  std::printf("wrote %s\n", f.json.c_str());
+  return absl::OkStatus();
+}
+
+int Launch(const Flags& f) {
+  char self[4096] = {};
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) {
+    std::fprintf(stderr, "arfuse-bench: cannot find its own executable\n");
+    return 1;
+  }
+  char tmpl[] = "/tmp/arfbench-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    std::fprintf(stderr, "arfuse-bench: cannot make a peer directory\n");
+    return 1;
+  }
+  std::vector<pid_t> pids;
+  for (int r = 0; r < f.world; ++r) {
+    std::vector<std::string> argv = {self, "kernels", absl::StrCat("--rank=", r),
+                                     absl::StrCat("--dir=", tmpl)};
+    argv.insert(argv.end(), f.raw.begin(), f.raw.end());
+    absl::StatusOr<pid_t> pid = testing::SpawnProcess(argv);
+    if (!pid.ok()) {
+      std::fprintf(stderr, "arfuse-bench: %s\n", pid.status().ToString().c_str());
+      break;
+    }
+    pids.push_back(*pid);
+  }
+  std::vector<int> codes = testing::WaitProcesses(pids, absl::Now() + absl::Minutes(15));
+  std::filesystem::remove_all(tmpl);
+  int worst = static_cast<int>(pids.size()) == f.world ? 0 : 1;
+  for (size_t r = 0; r < codes.size(); ++r) {
+    if (codes[r] != 0) {
+      std::fprintf(stderr, "arfuse-bench: rank %zu exited with %d\n", r, codes[r]);
+      worst = 1;
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+int KernelsMain(int argc, char** argv) {
+  absl::StatusOr<Flags> f = ParseFlags(argc, argv);
+  if (!f.ok()) {
+    std::fprintf(stderr, "arfuse-bench kernels: %s\n", f.status().ToString().c_str());
+    return 2;
+  }
+  if (f->rank < 0) return Launch(*f);
+  static_cast<void>(InitLogging("warn"));
+  absl::Status s = RunRank(*f);
+  if (!s.ok()) {
+    std::fprintf(stderr, "arfuse-bench kernels rank %d: %s\n", f->rank, s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace arfuse::bench

@@ -1,0 +1,169 @@
+// arfuse C++ client: connect to a sidecar (Unix socket path or host:port), keep a session open,
+// register regions (host shared memory or CUDA IPC), create plans and run the fused op on the
+// eager plane. Every call carries the API version and the session id, and a deadline (the
+// caller's timeout, or ClientOptions::default_timeout). Results are absl::Status codes as the
+// sidecar sent them (docs/api.md lists them).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "arfuse/v1/fusion.grpc.pb.h"
+#include "kernels/common/op_types.h"
+
+namespace arfuse::client {
+
+struct ClientOptions {
+  // "unix:/run/arfuse/rank0.sock", a plain path ("/run/arfuse/rank0.sock"), or "host:port".
+  std::string target;
+  // For the sidecar's logs only.
+  std::string client_name = "arfuse-cpp";
+  absl::Duration default_timeout = absl::Seconds(10);
+  // How long Connect waits for the sidecar to accept the connection and open the session.
+  absl::Duration connect_timeout = absl::Seconds(10);
+};
+
+struct SessionInfo {
+  uint64_t session_id = 0;
+  v1::DeviceKind device = v1::DEVICE_KIND_UNSPECIFIED;
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  uint32_t server_api_major = 0;
+  uint32_t server_api_minor = 0;
+};
+
+struct Region {
+  uint64_t id = 0;
+  uint64_t generation = 0;
+  std::string name;
+  uint64_t byte_size = 0;
+};
+
+// A tensor at `offset` bytes inside a registered region.
+struct TensorLoc {
+  Region region;
+  uint64_t offset = 0;
+};
+
+struct OpDesc {
+  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
+  DType dtype = DType::kBF16;
+  uint32_t hidden = 0;
+  // Plans: the largest num_tokens Execute may ask for. Explicit ops: 0 means num_tokens.
+  uint32_t max_tokens = 0;
+  std::optional<float> eps;
+  std::optional<TensorLoc> input;
+  std::optional<TensorLoc> output;  // kAllReduce
+  std::optional<TensorLoc> residual_in;
+  std::optional<TensorLoc> residual_out;
+  std::optional<TensorLoc> norm_out;
+  std::optional<TensorLoc> gamma;
+};
+
+struct Plan {
+  uint64_t id = 0;
+  uint64_t generation = 0;
+  v1::ExecPath path = v1::EXEC_PATH_UNSPECIFIED;
+  std::string reason;
+};
+
+struct ExecOptions {
+  // cudaIpcEventHandle_t the sidecar's stream waits on (CUDA only); empty: none.
+  std::string wait_event;
+  bool synchronous = false;
+  uint64_t workspace_generation = 0;
+  // 0: ClientOptions::default_timeout.
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct ExecResult {
+  v1::ExecPath path = v1::EXEC_PATH_UNSPECIFIED;
+  std::string reason;
+  // cudaIpcEventHandle_t to wait on (CUDA, asynchronous ops); empty when the op completed.
+  std::string done_event;
+  uint64_t workspace_generation = 0;
+};
+
+class Client {
+ public:
+  // Connects and opens the session. UNAVAILABLE when nothing answers within connect_timeout.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  // Ends the session (the sidecar releases its regions and plans). Bounded: cancels the stream.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const SessionInfo& session() const { return session_; }
+
+  absl::StatusOr<Region> RegisterHostShm(const std::string& name, const std::string& shm_name,
+                                         uint64_t byte_size);
+  // `ipc_handle`: the 64 bytes of cudaIpcGetMemHandle for a plain cudaMalloc allocation.
+  absl::StatusOr<Region> RegisterCudaIpc(const std::string& name, const std::string& ipc_handle,
+                                         int32_t device_id, uint64_t byte_size);
+  absl::Status Unregister(const Region& region, absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions();
+
+  absl::StatusOr<Plan> CreatePlan(const OpDesc& op, bool doorbell = false);
+  absl::Status DestroyPlan(const Plan& plan);
+
+  absl::StatusOr<ExecResult> Execute(const Plan& plan, uint32_t num_tokens,
+                                     const ExecOptions& options = {});
+  absl::StatusOr<ExecResult> ExecuteOp(const OpDesc& op, uint32_t num_tokens,
+                                       const ExecOptions& options = {});
+
+  absl::StatusOr<v1::GetWorkspaceInfoResponse> GetWorkspaceInfo();
+
+  // The raw stub and a context with version, session and deadline set, for calls this class
+  // does not wrap.
+  v1::Fusion::Stub& stub() { return *stub_; }
+  void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
+
+ private:
+  Client() = default;
+  absl::StatusOr<ExecResult> DoExecute(v1::ExecuteRequest& req, const ExecOptions& options);
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Fusion::Stub> stub_;
+  std::unique_ptr<grpc::ClientContext> session_ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> session_stream_;
+  SessionInfo session_;
+};
+
+// Turns "unix:/p", "/p" or "host:port" into a gRPC target.
+std::string GrpcTarget(const std::string& target);
+
+// The proto enum values of the plain enums.
+v1::DType ToProto(DType d);
+v1::Pattern ToProto(Pattern p);
+
+// A POSIX shared-memory object this process creates and maps ("/arfuse-<pid>-<n>-<tag>"), for
+// host-mode regions. Unlinked and unmapped in the destructor. Move-only.
+class HostShmBuffer {
+ public:
+  static absl::StatusOr<HostShmBuffer> Create(uint64_t byte_size, const std::string& tag = "buf");
+  HostShmBuffer(HostShmBuffer&& o) noexcept;
+  HostShmBuffer& operator=(HostShmBuffer&& o) noexcept;
+  HostShmBuffer(const HostShmBuffer&) = delete;
+  HostShmBuffer& operator=(const HostShmBuffer&) = delete;
+  ~HostShmBuffer();
+
+  const std::string& shm_name() const { return name_; }
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  HostShmBuffer() = default;
+  void Reset();
+  std::string name_;
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace arfuse::client

@@ -1,0 +1,575 @@
+// arfuse-demo: starts N arfused sidecars and N client processes (one per rank), registers
+// regions, runs the fused op for several shapes on the eager plane, checks every output against
+// the CPU reference, and prints a table (shape, plane, path, us per op, max error). Exits
+// non-zero on any wrong result or failed call.
+//
+//   arfuse-demo --ranks=2 --tokens=1,16,128 --hidden=1024,4096 [--device=host|cuda] [--json]
+//
+// Client processes are this binary again, started with --client_rank (internal).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/cpp/client.h"
+#include "kernels/cpu/reference_op.h"
+#if defined(ARFUSE_DEMO_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+ABSL_FLAG(int, ranks, 2, "Ranks (sidecars and client processes) to start.");
+ABSL_FLAG(std::string, tokens, "1,16,128", "Token counts to run, comma-separated.");
+ABSL_FLAG(std::string, hidden, "1024,4096", "Hidden sizes to run (multiples of 8), comma-separated.");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32.");
+ABSL_FLAG(std::string, device, "", "host or cuda; default cuda when a GPU is present, else host.");
+ABSL_FLAG(bool, json, false, "Print JSON instead of the table.");
+ABSL_FLAG(std::string, arfused, "", "Path of the arfused binary (default: next to this build).");
+ABSL_FLAG(int, iters, 20, "Timed ops per shape (after 3 warm-up ops).");
+ABSL_FLAG(double, timeout, 120, "Seconds the whole demo may take before it gives up.");
+ABSL_FLAG(int, client_rank, -1, "Internal: run as the client process of this rank.");
+ABSL_FLAG(std::string, work_dir, "", "Internal: the run's directory (sockets, peers, results).");
+
+namespace arfuse::demo {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::OpDesc;
+using client::TensorLoc;
+
+struct Shape {
+  uint32_t tokens;
+  uint32_t hidden;
+};
+
+absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& s, const char* what) {
+  std::vector<uint32_t> out;
+  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    uint32_t v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--", what, ": \"", std::string(part),
+                                                     "\" is not a positive integer"));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", what, " is empty"));
+  return out;
+}
+
+absl::StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "bf16") return DType::kBF16;
+  if (s == "fp16") return DType::kFP16;
+  if (s == "fp32") return DType::kFP32;
+  return absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32");
+}
+
+// Inputs every process can regenerate for every rank: small multiples of 1/8, exact in bf16.
+float InputValue(int rank, uint64_t i) { return float(int((i * 7 + rank * 13) % 17) - 8) / 8.0f; }
+float ResidualValue(uint64_t i) { return float(int((i * 5) % 11) - 5) / 4.0f; }
+float GammaValue(uint64_t h) { return 0.5f + float(h % 9) / 8.0f; }
+
+std::string PathName(v1::ExecPath p) {
+  switch (p) {
+    case v1::EXEC_PATH_ONESHOT: return "oneshot";
+    case v1::EXEC_PATH_TWOSHOT: return "twoshot";
+    case v1::EXEC_PATH_UNFUSED: return "unfused";
+    case v1::EXEC_PATH_HOST: return "host";
+    default: return "unknown";
+  }
+}
+
+std::string SocketOf(const std::string& dir, int rank) { return absl::StrCat(dir, "/rank", rank, ".sock"); }
+
+// ---------------------------------------------------------------- client process
+
+// Memory for one shape: input | residual_in | residual_out | norm_out | gamma, each 256-aligned.
+struct Layout {
+  uint64_t tensor = 0, gamma = 0;
+  uint64_t input = 0, residual_in = 0, residual_out = 0, norm_out = 0, gamma_off = 0, total = 0;
+  Layout(const Shape& s, DType dt) {
+    auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
+    tensor = up(uint64_t{s.tokens} * s.hidden * DTypeSize(dt));
+    gamma = up(uint64_t{s.hidden} * DTypeSize(dt));
+    residual_in = tensor;
+    residual_out = 2 * tensor;
+    norm_out = 3 * tensor;
+    gamma_off = 4 * tensor;
+    total = 4 * tensor + gamma;
+  }
+};
+
+// Device memory for --device=cuda (a plain cudaMalloc, exported by IPC), host memory otherwise.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual absl::StatusOr<client::Region> Register(Client& c, const std::string& name) = 0;
+  virtual absl::Status Upload(const std::vector<char>& host) = 0;
+  virtual absl::Status Download(std::vector<char>& host) = 0;
+};
+
+class HostBuffer final : public Buffer {
+ public:
+  explicit HostBuffer(client::HostShmBuffer b) : b_(std::move(b)) {}
+  absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
+    return c.RegisterHostShm(name, b_.shm_name(), b_.size());
+  }
+  absl::Status Upload(const std::vector<char>& host) override {
+    std::memcpy(b_.data(), host.data(), host.size());
+    return absl::OkStatus();
+  }
+  absl::Status Download(std::vector<char>& host) override {
+    std::memcpy(host.data(), b_.data(), host.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  client::HostShmBuffer b_;
+};
+
+#if defined(ARFUSE_DEMO_CUDA)
+class CudaBuffer final : public Buffer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Buffer>> Create(uint64_t bytes, int device) {
+    auto b = std::unique_ptr<CudaBuffer>(new CudaBuffer());
+    b->device_ = device;
+    b->bytes_ = bytes;
+    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&b->ptr_, bytes) != cudaSuccess) {
+      return absl::ResourceExhaustedError("cudaMalloc failed");
+    }
+    cudaIpcMemHandle_t h;
+    if (cudaIpcGetMemHandle(&h, b->ptr_) != cudaSuccess) {
+      return absl::InternalError("cudaIpcGetMemHandle failed");
+    }
+    b->handle_.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    return std::unique_ptr<Buffer>(std::move(b));
+  }
+  ~CudaBuffer() override {
+    if (ptr_) cudaFree(ptr_);
+  }
+  absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
+    return c.RegisterCudaIpc(name, handle_, device_, bytes_);
+  }
+  absl::Status Upload(const std::vector<char>& host) override {
+    return cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess
+               ? absl::OkStatus()
+               : absl::InternalError("cudaMemcpy H2D failed");
+  }
+  absl::Status Download(std::vector<char>& host) override {
+    return cudaMemcpy(host.data(), ptr_, host.size(), cudaMemcpyDeviceToHost) == cudaSuccess
+               ? absl::OkStatus()
+               : absl::InternalError("cudaMemcpy D2H failed");
+  }
+
+ private:
+  CudaBuffer() = default;
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+  int device_ = 0;
+  std::string handle_;
+};
+#endif
+
+struct ShapeResult {
+  Shape shape;
+  std::string path = "-";
+  double us_per_op = 0;
+  double max_error = 0;
+  bool ok = false;
+  std::string error;
+};
+
+absl::StatusOr<ShapeResult> RunShape(Client& c, int rank, int world, const Shape& s, DType dt,
+                                     bool cuda, int iters) {
+  ShapeResult r;
+  r.shape = s;
+  Layout L(s, dt);
+  std::unique_ptr<Buffer> buf;
+  if (cuda) {
+#if defined(ARFUSE_DEMO_CUDA)
+    int count = 0;
+    cudaGetDeviceCount(&count);
+    auto cb = CudaBuffer::Create(L.total, count > 0 ? rank % count : 0);
+    if (!cb.ok()) return cb.status();
+    buf = std::move(*cb);
+#else
+    return absl::UnimplementedError("this arfuse-demo was built without CUDA");
+#endif
+  } else {
+    auto hb = client::HostShmBuffer::Create(L.total, absl::StrCat("demo", rank));
+    if (!hb.ok()) return hb.status();
+    buf = std::make_unique<HostBuffer>(std::move(*hb));
+  }
+  const uint64_t n = uint64_t{s.tokens} * s.hidden;
+  std::vector<char> host(L.total, 0);
+  std::vector<std::vector<char>> inputs(world, std::vector<char>(n * DTypeSize(dt)));
+  for (int q = 0; q < world; ++q) {
+    for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, inputs[q].data(), i, InputValue(q, i));
+  }
+  std::memcpy(host.data() + L.input, inputs[rank].data(), inputs[rank].size());
+  for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
+  for (uint64_t h = 0; h < s.hidden; ++h) StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
+  if (auto st = buf->Upload(host); !st.ok()) return st;
+
+  auto region = buf->Register(c, absl::StrCat("shape-", s.tokens, "x", s.hidden));
+  if (!region.ok()) return region.status();
+  OpDesc op;
+  op.pattern = Pattern::kAllReduceResidualRmsNorm;
+  op.dtype = dt;
+  op.hidden = s.hidden;
+  op.max_tokens = s.tokens;
+  op.eps = 1e-6f;
+  op.input = TensorLoc{*region, L.input};
+  op.residual_in = TensorLoc{*region, L.residual_in};
+  op.residual_out = TensorLoc{*region, L.residual_out};
+  op.norm_out = TensorLoc{*region, L.norm_out};
+  op.gamma = TensorLoc{*region, L.gamma_off};
+  auto plan = c.CreatePlan(op);
+  if (!plan.ok()) return plan.status();
+
+  client::ExecOptions eo;
+  eo.synchronous = true;  // the demo reads the outputs right after the call
+  for (int i = 0; i < 3; ++i) {
+    auto e = c.Execute(*plan, s.tokens, eo);
+    if (!e.ok()) return e.status();
+    r.path = PathName(e->path);
+  }
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    auto e = c.Execute(*plan, s.tokens, eo);
+    if (!e.ok()) return e.status();
+  }
+  r.us_per_op = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+                    .count() / std::max(iters, 1);
+
+  if (auto st = buf->Download(host); !st.ok()) return st;
+  // The oracle: the CPU reference over every rank's inputs.
+  std::vector<const void*> rank_inputs;
+  for (auto& in : inputs) rank_inputs.push_back(in.data());
+  std::vector<char> want_res(n * DTypeSize(dt)), want_norm(n * DTypeSize(dt));
+  CpuOpArgs ref;
+  ref.pattern = Pattern::kAllReduceResidualRmsNorm;
+  ref.dtype = dt;
+  ref.world_size = world;
+  ref.hidden = s.hidden;
+  ref.num_tokens = s.tokens;
+  ref.eps = 1e-6f;
+  ref.rank_inputs = rank_inputs.data();
+  ref.residual_in = host.data() + L.residual_in;
+  ref.residual_out = want_res.data();
+  ref.norm_out = want_norm.data();
+  ref.gamma = host.data() + L.gamma_off;
+  if (auto st = ReferenceFusedOp(ref); !st.ok()) return st;
+  // residual_out is bit-exact on every path; norm_out within two units of the dtype's last place.
+  const double tol = dt == DType::kFP32 ? 1e-5 : (dt == DType::kFP16 ? 2e-3 : 1.6e-2);
+  bool ok = true;
+  for (uint64_t i = 0; i < n; ++i) {
+    float got_r = LoadAsFloat(dt, host.data() + L.residual_out, i);
+    float exp_r = LoadAsFloat(dt, want_res.data(), i);
+    float got_n = LoadAsFloat(dt, host.data() + L.norm_out, i);
+    float exp_n = LoadAsFloat(dt, want_norm.data(), i);
+    double er = std::fabs(double(got_r) - exp_r);
+    double en = std::fabs(double(got_n) - exp_n);
+    r.max_error = std::max({r.max_error, er, en});
+    if (er != 0 || !(en <= tol * std::max(1.0, std::fabs(double(exp_n))))) ok = false;
+  }
+  r.ok = ok;
+  if (!ok) r.error = "output differs from the CPU reference";
+  c.DestroyPlan(*plan).IgnoreError();
+  c.Unregister(*region).IgnoreError();
+  return r;
+}
+
+int ClientMain(int rank) {
+  const std::string dir = absl::GetFlag(FLAGS_work_dir);
+  const int world = absl::GetFlag(FLAGS_ranks);
+  const bool cuda = absl::GetFlag(FLAGS_device) == "cuda";
+  auto dt = ParseDType(absl::GetFlag(FLAGS_dtype));
+  auto tokens = ParseList(absl::GetFlag(FLAGS_tokens), "tokens");
+  auto hidden = ParseList(absl::GetFlag(FLAGS_hidden), "hidden");
+  std::ofstream out(absl::StrCat(dir, "/result.", rank));
+  auto fail = [&](const absl::Status& s) {
+    out << "error " << s.ToString() << "\n";
+    std::cerr << "rank " << rank << ": " << s << "\n";
+    return 1;
+  };
+  if (!dt.ok()) return fail(dt.status());
+  ClientOptions co;
+  co.target = SocketOf(dir, rank);
+  co.client_name = absl::StrCat("arfuse-demo-rank", rank);
+  co.default_timeout = absl::Seconds(30);
+  co.connect_timeout = absl::Seconds(std::min(60.0, absl::GetFlag(FLAGS_timeout)));
+  auto c = Client::Connect(co);
+  if (!c.ok()) return fail(c.status());
+  // The group forms in the background: wait (bounded) until the workspace is ready.
+  absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout));
+  for (;;) {
+    auto info = (*c)->GetWorkspaceInfo();
+    if (!info.ok()) return fail(info.status());
+    if (info->state() == v1::WORKSPACE_STATE_READY || info->state() == v1::WORKSPACE_STATE_UNFUSED) break;
+    if (absl::Now() > until) {
+      return fail(absl::DeadlineExceededError(absl::StrCat("workspace not ready: ", info->reason())));
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  int rc = 0;
+  for (uint32_t t : *tokens) {
+    for (uint32_t h : *hidden) {
+      auto r = RunShape(**c, rank, world, Shape{t, h}, *dt, cuda, absl::GetFlag(FLAGS_iters));
+      if (!r.ok()) {
+        out << "shape " << t << " " << h << " - 0 0 0 " << r.status().ToString() << "\n";
+        rc = 1;
+        continue;
+      }
+      out << "shape " << t << " " << h << " " << r->path << " " << r->us_per_op << " "
+          << r->max_error << " " << (r->ok ? 1 : 0) << " " << r->error << "\n";
+      if (!r->ok) rc = 1;
+    }
+  }
+  return rc;
+}
+
+// ---------------------------------------------------------------- parent
+
+std::string FindArfused(const char* argv0) {
+  std::string flag = absl::GetFlag(FLAGS_arfused);
+  if (!flag.empty()) return flag;
+  std::error_code ec;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    // build/client/demo/arfuse-demo -> build/server/daemon/arfused
+    auto p = self.parent_path().parent_path().parent_path() / "server" / "daemon" / "arfused";
+    if (std::filesystem::exists(p)) return p.string();
+    auto q = self.parent_path() / "arfused";
+    if (std::filesystem::exists(q)) return q.string();
+  }
+  (void)argv0;
+  return "arfused";  // from PATH
+}
+
+pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (!log.empty()) {
+      FILE* f = std::freopen(log.c_str(), "w", stderr);
+      (void)f;
+      dup2(fileno(stderr), STDOUT_FILENO);
+    }
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    std::perror("exec");
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for `pid` until `until`; returns the exit code, or -1 on timeout.
+int WaitUntil(pid_t pid, absl::Time until) {
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (absl::Now() > until) return -1;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+std::string DefaultDevice() {
+#if defined(ARFUSE_DEMO_CUDA)
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return "cuda";
+#endif
+  return "host";
+}
+
+int ParentMain(const char* argv0) {
+  const int ranks = absl::GetFlag(FLAGS_ranks);
+  std::string device = absl::GetFlag(FLAGS_device);
+  if (device.empty()) device = DefaultDevice();
+  if (device != "host" && device != "cuda") {
+    std::cerr << "--device must be host or cuda\n";
+    return 2;
+  }
+  auto tokens = ParseList(absl::GetFlag(FLAGS_tokens), "tokens");
+  auto hidden = ParseList(absl::GetFlag(FLAGS_hidden), "hidden");
+  auto dt = ParseDType(absl::GetFlag(FLAGS_dtype));
+  for (const absl::Status& s : {tokens.status(), hidden.status(), dt.status()}) {
+    if (!s.ok()) {
+      std::cerr << s.message() << "\n";
+      return 2;
+    }
+  }
+  if (ranks < 1 || ranks > kMaxWorldSize) {
+    std::cerr << "--ranks must be 1.." << kMaxWorldSize << "\n";
+    return 2;
+  }
+  char tmpl[] = "/tmp/arfuse-demo-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    std::perror("mkdtemp");
+    return 1;
+  }
+  const std::string dir = tmpl;
+  std::filesystem::create_directories(dir + "/peers");
+  const std::string arfused = FindArfused(argv0);
+  const uint32_t max_t = *std::max_element(tokens->begin(), tokens->end());
+  const uint32_t max_h = *std::max_element(hidden->begin(), hidden->end());
+  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout));
+
+  std::vector<pid_t> sidecars, clients;
+  for (int r = 0; r < ranks; ++r) {
+    sidecars.push_back(Spawn({arfused, "--device=" + device, absl::StrCat("--rank=", r),
+                              absl::StrCat("--world-size=", ranks), "--peer-dir=" + dir + "/peers",
+                              "--socket=" + SocketOf(dir, r), "--health-port=0",
+                              absl::StrCat("--max-tokens=", max_t), absl::StrCat("--hidden=", max_h),
+                              "--dtype=" + absl::GetFlag(FLAGS_dtype), "--log-level=warn"},
+                             absl::StrCat(dir, "/arfused.", r, ".log")));
+  }
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  for (int r = 0; r < ranks; ++r) {
+    clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r), "--work_dir=" + dir,
+                             absl::StrCat("--ranks=", ranks), "--device=" + device,
+                             "--tokens=" + absl::GetFlag(FLAGS_tokens),
+                             "--hidden=" + absl::GetFlag(FLAGS_hidden),
+                             "--dtype=" + absl::GetFlag(FLAGS_dtype),
+                             absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
+                             absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
+                            ""));
+  }
+  int rc = 0;
+  for (pid_t p : clients) {
+    int code = WaitUntil(p, until);
+    if (code != 0) rc = 1;
+    if (code == -1) {
+      std::cerr << "a client did not finish within --timeout; stopping it\n";
+      kill(p, SIGKILL);
+      WaitUntil(p, absl::Now() + absl::Seconds(5));
+    }
+  }
+  for (pid_t p : sidecars) kill(p, SIGTERM);
+  for (pid_t p : sidecars) {
+    if (WaitUntil(p, absl::Now() + absl::Seconds(15)) == -1) {
+      kill(p, SIGKILL);
+      WaitUntil(p, absl::Now() + absl::Seconds(5));
+    }
+  }
+
+  // Gather: one row per shape, worst case over ranks.
+  struct Row {
+    uint32_t t = 0, h = 0;
+    std::string path;
+    double us = 0, err = 0;
+    bool ok = true;
+    int seen = 0;
+    std::string why;
+  };
+  std::vector<Row> rows;
+  for (uint32_t t : *tokens)
+    for (uint32_t h : *hidden) {
+      Row row;
+      row.t = t;
+      row.h = h;
+      row.path = "-";
+      rows.push_back(row);
+    }
+  std::vector<std::string> errors;
+  for (int r = 0; r < ranks; ++r) {
+    std::ifstream in(absl::StrCat(dir, "/result.", r));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream ls(line);
+      std::string kind;
+      ls >> kind;
+      if (kind == "error") {
+        errors.push_back(absl::StrCat("rank ", r, ": ", line.substr(6)));
+        continue;
+      }
+      Row got;
+      int ok = 0;
+      ls >> got.t >> got.h >> got.path >> got.us >> got.err >> ok;
+      std::getline(ls, got.why);
+      for (Row& row : rows) {
+        if (row.t != got.t || row.h != got.h) continue;
+        row.seen++;
+        row.path = got.path;
+        row.us = std::max(row.us, got.us);
+        row.err = std::max(row.err, got.err);
+        if (!ok) {
+          row.ok = false;
+          row.why = absl::StrCat("rank ", r, ":", got.why);
+        }
+      }
+    }
+  }
+  for (Row& row : rows) {
+    if (row.seen != ranks) {
+      row.ok = false;
+      if (row.why.empty()) row.why = absl::StrCat(row.seen, " of ", ranks, " ranks reported");
+    }
+    if (!row.ok) rc = 1;
+  }
+  if (!errors.empty()) rc = 1;
+  const char* dname = DTypeName(*dt);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::vector<std::string> items;
+    for (const Row& row : rows) {
+      items.push_back(absl::StrFormat(
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":\"%s\",\"plane\":\"eager\",\"path\":\"%s\","
+          "\"us_per_op\":%.2f,\"max_error\":%.3g,\"ok\":%s}",
+          row.t, row.h, dname, row.path, row.us, row.err, row.ok ? "true" : "false"));
+    }
+    std::cout << absl::StrFormat("{\"device\":\"%s\",\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
+                                 device, ranks, absl::StrJoin(items, ","), rc == 0 ? "true" : "false");
+  } else {
+    std::cout << absl::StrFormat("arfuse-demo: device=%s ranks=%d dtype=%s (doorbell plane: not yet)\n",
+                                 device, ranks, dname);
+    std::cout << absl::StrFormat("%-14s %-6s %-8s %10s %10s  %s\n", "shape", "plane", "path",
+                                 "us/op", "max err", "result");
+    for (const Row& row : rows) {
+      std::cout << absl::StrFormat("%-14s %-6s %-8s %10.1f %10.3g  %s\n",
+                                   absl::StrCat(row.t, "x", row.h), "eager", row.path, row.us,
+                                   row.err, row.ok ? "ok" : "FAIL " + row.why);
+    }
+  }
+  for (const std::string& e : errors) std::cerr << e << "\n";
+  if (rc != 0) {
+    std::cerr << "arfuse-demo: FAILED; sidecar logs kept in " << dir << "\n";
+  } else {
+    std::filesystem::remove_all(dir);
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace arfuse::demo
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Runs the fused allreduce + residual + RMSNorm through N arfused sidecars and checks it.");
+  absl::ParseCommandLine(argc, argv);
+  signal(SIGPIPE, SIG_IGN);
+  int rank = absl::GetFlag(FLAGS_client_rank);
+  if (rank >= 0) return arfuse::demo::ClientMain(rank);
+  return arfuse::demo::ParentMain(argv[0]);
+}

@@ -1,0 +1,170 @@
+"""allreduce_fusion(...) shaped like FlashInfer's, through the sidecar.
+
+It returns None when the sidecar reports that fusion is unavailable (workspace initializing,
+poisoned, draining, or the group decided to run unfused), so the framework keeps its own path:
+
+    out = arfuse.allreduce_fusion(input=x, workspace=ws, residual_in=r, residual_out=r,
+                                  norm_out=y, rms_gamma=w, rms_eps=1e-6)
+    if out is None:
+        out = my_allreduce_and_rmsnorm(...)
+"""
+import time
+from typing import Optional
+
+import grpc
+
+from .client import (ArfuseError, Client, OpSpec, TensorLoc, common_pb2)
+from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
+
+
+class AllReduceFusionPattern:
+    # FlashInfer's names and numbers for the two patterns we serve.
+    kAllReduce = 0
+    kARResidualRMSNorm = 1
+
+
+_PATTERNS = {AllReduceFusionPattern.kAllReduce: "allreduce",
+             AllReduceFusionPattern.kARResidualRMSNorm: "allreduce_residual_rmsnorm"}
+
+# Refresh a "fusion unavailable" answer at most this often (seconds).
+_RECHECK_S = 1.0
+
+
+def _dtype_name(t, explicit: Optional[str]) -> str:
+    if explicit:
+        return explicit
+    if isinstance(t, TensorView):
+        return t.dtype
+    name = str(getattr(t, "dtype", ""))
+    if "bfloat16" in name:
+        return "bf16"
+    if "float16" in name:
+        return "fp16"
+    if "float32" in name:
+        return "fp32"
+    raise ValueError(f"dtype {name} is not supported (bf16, fp16, fp32); pass dtype=")
+
+
+def _address_and_bytes(t):
+    if isinstance(t, TensorView):
+        return t.address, t.nbytes
+    if hasattr(t, "data_ptr"):  # torch
+        if not t.is_contiguous():
+            raise ValueError("tensors must be contiguous")
+        return t.data_ptr(), t.numel() * t.element_size()
+    ai = t.__array_interface__  # numpy
+    if not t.flags["C_CONTIGUOUS"]:
+        raise ValueError("arrays must be C-contiguous")
+    return ai["data"][0], t.nbytes
+
+
+class FusionWorkspace:
+    """This rank's connection to its sidecar plus the buffers registered with it.
+
+    Tensors passed to allreduce_fusion must live inside a registered buffer; they are located by
+    address, so any view at a 16-byte-aligned offset works.
+    """
+
+    def __init__(self, client: Client):
+        self.client = client
+        self._buffers = []  # (base, size, Region, buffer)
+        self._available = None
+        self._checked_at = 0.0
+        self._event = None
+
+    def register(self, buffer, name: Optional[str] = None):
+        name = name or f"buf{len(self._buffers)}"
+        if isinstance(buffer, HostShmBuffer):
+            region = self.client.register_host_shm(name, buffer.shm_name, buffer.byte_size)
+        elif isinstance(buffer, CudaBuffer):
+            region = self.client.register_cuda_ipc(name, buffer.ipc_handle, buffer.device,
+                                                   buffer.byte_size)
+        else:
+            raise TypeError("register a HostShmBuffer or a CudaBuffer")
+        self._buffers.append((buffer.base_address, buffer.byte_size, region, buffer))
+        return region
+
+    def locate(self, t) -> TensorLoc:
+        addr, nbytes = _address_and_bytes(t)
+        for base, size, region, _ in self._buffers:
+            if base <= addr and addr + nbytes <= base + size:
+                return TensorLoc(region, addr - base)
+        raise ValueError("tensor is not inside a buffer registered with this workspace")
+
+    def fusion_available(self) -> bool:
+        now = time.monotonic()
+        if self._available is None or (not self._available and now - self._checked_at > _RECHECK_S):
+            info = self.client.workspace_info()
+            self._available = bool(info.fusion_enabled) and \
+                info.state == common_pb2.WORKSPACE_STATE_READY
+            self._checked_at = now
+        return self._available
+
+    def mark_unavailable(self):
+        self._available = False
+        self._checked_at = time.monotonic()
+
+
+def allreduce_fusion(input, workspace: FusionWorkspace,
+                     pattern: int = AllReduceFusionPattern.kARResidualRMSNorm,
+                     launch_with_pdl: bool = False, trigger_completion_at_end: bool = True,
+                     output=None, residual_out=None, norm_out=None, quant_out=None,
+                     scale_out=None, residual_in=None, rms_gamma=None, rms_eps: float = 1e-6,
+                     scale_factor=None, layout_code=None, use_oneshot=None, fp32_acc=None,
+                     dtype: Optional[str] = None, timeout: Optional[float] = None, **unused):
+    """Runs the fused op on this rank; every rank of the group must call it alike.
+
+    Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce), or None
+    when the sidecar reports fusion unavailable (nothing ran). Errors of a call that did run
+    raise ArfuseError. launch_with_pdl, use_oneshot and fp32_acc are accepted for FlashInfer
+    compatibility; the sidecar picks the path and always accumulates in fp32.
+    """
+    if quant_out is not None or scale_out is not None:
+        raise NotImplementedError("quantized outputs are not served yet")
+    if pattern not in _PATTERNS:
+        raise ValueError(f"pattern {pattern} is not supported")
+    if not workspace.fusion_available():
+        return None
+    shape = tuple(input.shape)
+    if len(shape) != 2:
+        raise ValueError("input must be [num_tokens, hidden]")
+    num_tokens, hidden = int(shape[0]), int(shape[1])
+    op = OpSpec(pattern=_PATTERNS[pattern], dtype=_dtype_name(input, dtype), hidden=hidden,
+                max_tokens=num_tokens, eps=rms_eps, input=workspace.locate(input))
+    if pattern == AllReduceFusionPattern.kAllReduce:
+        op.output = workspace.locate(output if output is not None else input)
+        main = output if output is not None else input
+    else:
+        for name, t in (("residual_in", residual_in), ("norm_out", norm_out),
+                        ("rms_gamma", rms_gamma)):
+            if t is None:
+                raise ValueError(f"{name} is required for kARResidualRMSNorm")
+        op.residual_in = workspace.locate(residual_in)
+        op.residual_out = workspace.locate(residual_out if residual_out is not None
+                                           else residual_in)
+        op.norm_out = workspace.locate(norm_out)
+        op.gamma = workspace.locate(rms_gamma)
+        main = norm_out
+
+    wait_event = b""
+    stream = None
+    if hasattr(input, "is_cuda") and input.is_cuda:
+        import torch
+        stream = torch.cuda.current_stream(input.device).cuda_stream
+        if workspace._event is None:
+            workspace._event = IpcEvent()
+        workspace._event.record(stream)  # the sidecar's stream waits for our producer
+        wait_event = workspace._event.handle
+    try:
+        resp = workspace.client.execute_op(op, num_tokens, wait_event=wait_event,
+                                           timeout=timeout)
+    except ArfuseError as e:
+        if e.code == grpc.StatusCode.UNAVAILABLE:
+            workspace.mark_unavailable()  # the op did not run: the framework's path takes it
+            return None
+        raise
+    if resp.path == common_pb2.EXEC_PATH_UNSPECIFIED:
+        return None
+    if stream is not None and resp.done_event:
+        IpcEvent(resp.done_event).wait_on(stream)
+    return main

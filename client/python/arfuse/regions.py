@@ -1,0 +1,224 @@
+"""Memory a sidecar can map: host shared memory (host mode) and plain cudaMalloc buffers (CUDA).
+
+Regions must be exportable: host shm by name, CUDA memory by a legacy IPC handle. PyTorch's
+caching allocator with expandable segments cannot export legacy IPC handles, so CudaBuffer
+allocates with cudaMalloc itself and hands out torch tensors viewing that memory.
+"""
+import ctypes
+import ctypes.util
+from multiprocessing import shared_memory
+from typing import Optional, Sequence
+
+ALIGN = 16
+_FORMATS = {"fp32": ("f", 4), "fp16": ("e", 2), "bf16": ("H", 2)}  # bf16 as raw 16-bit words
+
+
+class HostShmBuffer:
+    """A POSIX shared-memory object owned by this process (host mode).
+
+    view() gives a flat memoryview (no dependency); array() a numpy view when numpy is there.
+    """
+
+    def __init__(self, byte_size: int, name: Optional[str] = None):
+        self.shm = shared_memory.SharedMemory(create=True, size=byte_size, name=name)
+        self.byte_size = byte_size
+        anchor = ctypes.c_char.from_buffer(self.shm.buf)
+        self._base = ctypes.addressof(anchor)
+        del anchor  # keeps the buffer exported while it lives; close() needs it released
+
+    @property
+    def shm_name(self) -> str:
+        return "/" + self.shm.name.lstrip("/")
+
+    @property
+    def base_address(self) -> int:
+        return self._base
+
+    def _check(self, offset: int, nbytes: int):
+        if offset % ALIGN:
+            raise ValueError(f"offset {offset} is not a multiple of {ALIGN}")
+        if offset < 0 or offset + nbytes > self.byte_size:
+            raise ValueError("the view does not fit in the buffer")
+
+    def view(self, dtype: str, count: int, offset: int = 0) -> "TensorView":
+        """`count` elements of dtype ("fp32", "fp16", "bf16") at byte `offset`."""
+        fmt, size = _FORMATS[dtype]
+        self._check(offset, count * size)
+        mv = self.shm.buf[offset:offset + count * size].cast(fmt)
+        return TensorView(mv, dtype, self._base + offset, count * size)
+
+    def array(self, dtype, shape: Sequence[int], offset: int = 0):
+        """A numpy view of `shape` elements of `dtype` at byte `offset` (16-byte aligned)."""
+        import numpy as np  # optional dependency
+
+        count = 1
+        for s in shape:
+            count *= int(s)
+        self._check(offset, count * np.dtype(dtype).itemsize)
+        return np.ndarray(tuple(shape), dtype=dtype, buffer=self.shm.buf, offset=offset)
+
+    def close(self):
+        if self.shm is None:
+            return
+        # Unlink first: the name goes even when a caller still holds a view (then close() cannot
+        # unmap, and the mapping goes with the last view).
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+        self.shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class TensorView:
+    """A flat view into a HostShmBuffer that allreduce_fusion can locate (no numpy needed)."""
+
+    def __init__(self, mv: memoryview, dtype: str, address: int, nbytes: int):
+        self.mv = mv
+        self.dtype = dtype
+        self.address = address
+        self.nbytes = nbytes
+        self.shape = (len(mv),)
+
+    def reshape(self, rows: int, cols: int) -> "TensorView":
+        if rows * cols != len(self.mv):
+            raise ValueError("reshape does not preserve the element count")
+        v = TensorView(self.mv, self.dtype, self.address, self.nbytes)
+        v.shape = (rows, cols)
+        return v
+
+    def __len__(self):
+        return len(self.mv)
+
+    def __getitem__(self, i):
+        return self.mv[i]
+
+    def __setitem__(self, i, v):
+        self.mv[i] = v
+
+    def release(self):
+        self.mv.release()
+
+
+class _CudaRt:
+    """The few CUDA runtime calls the client needs, through ctypes (no torch required)."""
+
+    _lib = None
+
+    @classmethod
+    def lib(cls):
+        if cls._lib is None:
+            names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12",
+                     ctypes.util.find_library("cudart")]
+            for n in names:
+                if not n:
+                    continue
+                try:
+                    cls._lib = ctypes.CDLL(n)
+                    break
+                except OSError:
+                    continue
+            if cls._lib is None:
+                raise RuntimeError("libcudart was not found: CUDA regions need the CUDA runtime")
+        return cls._lib
+
+    @classmethod
+    def check(cls, err: int, what: str):
+        if err != 0:
+            lib = cls.lib()
+            lib.cudaGetErrorName.restype = ctypes.c_char_p
+            raise RuntimeError(f"{what} failed: {lib.cudaGetErrorName(err).decode()}")
+
+
+CUDA_EVENT_DISABLE_TIMING = 0x2
+CUDA_EVENT_INTERPROCESS = 0x4
+
+
+class CudaBuffer:
+    """Device memory from plain cudaMalloc, exportable by cudaIpcGetMemHandle."""
+
+    def __init__(self, byte_size: int, device: int = 0):
+        rt = _CudaRt.lib()
+        self.device = device
+        self.byte_size = byte_size
+        _CudaRt.check(rt.cudaSetDevice(device), "cudaSetDevice")
+        ptr = ctypes.c_void_p()
+        _CudaRt.check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(byte_size)), "cudaMalloc")
+        self.ptr = ptr.value
+        handle = (ctypes.c_char * 64)()
+        _CudaRt.check(rt.cudaIpcGetMemHandle(handle, ctypes.c_void_p(self.ptr)),
+                      "cudaIpcGetMemHandle")
+        self.ipc_handle = bytes(handle)
+
+    @property
+    def base_address(self) -> int:
+        return self.ptr
+
+    def tensor(self, dtype, shape: Sequence[int], offset: int = 0):
+        """A torch tensor viewing this memory (the buffer must outlive it)."""
+        import torch  # optional dependency
+
+        if offset % ALIGN:
+            raise ValueError(f"offset {offset} is not a multiple of {ALIGN}")
+        elem = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for s in shape:
+            count *= int(s)
+        if offset + count * elem > self.byte_size:
+            raise ValueError("the view does not fit in the buffer")
+        # __cuda_array_interface__ has no bf16 typestr: view the bytes, then reinterpret.
+        owner = self
+
+        class _View:
+            __cuda_array_interface__ = {
+                "shape": (count * elem,), "typestr": "|u1",
+                "data": (owner.ptr + offset, False), "version": 2}
+
+        raw = torch.as_tensor(_View(), device=f"cuda:{self.device}")
+        return raw.view(dtype).view(*shape)
+
+    def close(self):
+        if self.ptr:
+            _CudaRt.lib().cudaFree(ctypes.c_void_p(self.ptr))
+            self.ptr = 0
+
+
+class IpcEvent:
+    """An interprocess CUDA event: record on a stream and export, or open a peer's and wait."""
+
+    def __init__(self, handle: Optional[bytes] = None):
+        rt = _CudaRt.lib()
+        ev = ctypes.c_void_p()
+        if handle is None:
+            _CudaRt.check(rt.cudaEventCreateWithFlags(
+                ctypes.byref(ev), CUDA_EVENT_INTERPROCESS | CUDA_EVENT_DISABLE_TIMING),
+                "cudaEventCreateWithFlags")
+            self.event = ev.value
+            h = (ctypes.c_char * 64)()
+            _CudaRt.check(rt.cudaIpcGetEventHandle(h, ctypes.c_void_p(self.event)),
+                          "cudaIpcGetEventHandle")
+            self.handle = bytes(h)
+        else:
+            h = (ctypes.c_char * 64).from_buffer_copy(handle)
+            _CudaRt.check(rt.cudaIpcOpenEventHandle(ctypes.byref(ev), h),
+                          "cudaIpcOpenEventHandle")
+            self.event = ev.value
+            self.handle = bytes(handle)
+
+    def record(self, stream: int):
+        _CudaRt.check(_CudaRt.lib().cudaEventRecord(ctypes.c_void_p(self.event),
+                                                    ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def wait_on(self, stream: int):
+        _CudaRt.check(_CudaRt.lib().cudaStreamWaitEvent(ctypes.c_void_p(stream),
+                                                        ctypes.c_void_p(self.event), 0),
+                      "cudaStreamWaitEvent")

@@ -1,0 +1,567 @@
+#include "server/gpu/cuda_engine.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/gpu/cuda_status.h"
+#include "server/gpu/fusion_workspace.h"
+#include "server/gpu/group_step.h"
+#include "server/gpu/nccl_comm.h"
+#include "server/peers/exchange.h"
+#include "spdlog/spdlog.h"
+
+namespace arfuse {
+namespace {
+
+// What every rank tells the others at the start of Initialize.
+struct Hello {
+  uint64_t generation = 0;
+  bool has_workspace = false;
+  bool has_nccl = false;
+  int sms = 0;
+  std::string device;  // host name + GPU UUID
+};
+
+std::string EncodeHello(const Hello& h) {
+  return absl::StrCat(h.generation, "|", h.has_workspace ? 1 : 0, "|", h.has_nccl ? 1 : 0, "|",
+                      h.sms, "|", h.device);
+}
+
+absl::StatusOr<Hello> DecodeHello(const std::string& s) {
+  std::vector<std::string> parts = absl::StrSplit(s, absl::MaxSplits('|', 4));
+  Hello h;
+  int ws = 0, nc = 0;
+  if (parts.size() != 5 || !absl::SimpleAtoi(parts[0], &h.generation) ||
+      !absl::SimpleAtoi(parts[1], &ws) || !absl::SimpleAtoi(parts[2], &nc) ||
+      !absl::SimpleAtoi(parts[3], &h.sms)) {
+    return absl::InternalError("malformed engine hello from a peer");
+  }
+  h.has_workspace = ws != 0;
+  h.has_nccl = nc != 0;
+  h.device = parts[4];
+  return h;
+}
+
+absl::StatusOr<std::string> DeviceIdentity(int device) {
+  cudaDeviceProp prop;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string uuid;
+  for (char c : prop.uuid.bytes)
+    absl::StrAppend(&uuid, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+  return absl::StrCat(host, "/", uuid);
+}
+
+std::string VoteReasons(const VoteResult& v) {
+  std::string out;
+  for (const std::string& r : v.reasons) absl::StrAppend(&out, out.empty() ? "" : "; ", r);
+  return out;
+}
+
+// Half of what is left: a collective that can hang on a missing rank (NCCL init) must leave
+// time for the vote that follows it.
+absl::Time HalfwayTo(absl::Time deadline) {
+  const absl::Time now = absl::Now();
+  if (deadline <= now || deadline == absl::InfiniteFuture()) return deadline;
+  return now + (deadline - now) / 2;
+}
+
+}  // namespace
+
+CudaEngine::CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options)
+    : options_(options), cuda_options_(cuda_options) {
+  status_.state = WorkspaceState::kInitializing;
+  status_.backend = options.backend;
+  status_.reason = "not initialized";
+}
+
+CudaEngine::~CudaEngine() {
+  {
+    absl::MutexLock state(&state_mu_);
+    abortable_ = nullptr;
+  }
+  // Workspace teardown aborts its spins and waits a bounded time; NCCL aborts its communicator.
+  workspace_.reset();
+  nccl_.reset();
+  if (op_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(op_done_));
+  // Returns at once; the stream's resources go when its work is done.
+  if (stream_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaStreamDestroy(stream_));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaEngine(const EngineOptions& options) {
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<CudaEngine> engine,
+                          MakeCudaEngine(options, CudaEngineOptions()));
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& options,
+                                                           const CudaEngineOptions& cuda_options) {
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", options.rank, " is outside a group of ", options.world_size));
+  }
+  if (options.max_tokens == 0 || options.max_hidden == 0 ||
+      options.max_hidden % kHiddenMultiple != 0 ||
+      options.max_hidden > MaxFusionHidden(options.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity max_tokens=", options.max_tokens, " max_hidden=", options.max_hidden,
+                     " is invalid (hidden a positive multiple of ", kHiddenMultiple, " up to ",
+                     MaxFusionHidden(options.dtype), ")"));
+  }
+  int count = 0;
+  absl::Status counted = ARFUSE_CUDA_STATUS(cudaGetDeviceCount(&count));
+  if (!counted.ok() || count == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no CUDA device is visible: ", counted.ok() ? "0 devices" : counted.message()));
+  }
+  auto engine = std::make_unique<CudaEngine>(options, cuda_options);
+  int device = cuda_options.device;
+  if (device < 0) ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device, " does not exist (", count, " visible)"));
+  }
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  engine->device_ = device;
+  int major = 0, minor = 0;
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  engine->sm_ = major * 10 + minor;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&engine->stream_, cudaStreamNonBlocking));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine->op_done_, cudaEventDisableTiming));
+  return engine;
+}
+
+absl::Status CudaEngine::Initialize(Exchange& exchange, absl::Time deadline) {
+  if (exchange.world_size() != options_.world_size || exchange.rank() != options_.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "exchange is rank ", exchange.rank(), " of ", exchange.world_size(),
+        " but the engine was made for rank ", options_.rank, " of ", options_.world_size));
+  }
+  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
+    mu_.Unlock();
+    return absl::DeadlineExceededError("an op held the engine until the initialize deadline");
+  }
+  absl::Status s = InitializeLocked(exchange, deadline);
+  mu_.Unlock();
+  if (!s.ok()) {
+    absl::MutexLock state(&state_mu_);
+    status_.state = WorkspaceState::kInitializing;
+    status_.fusion_enabled = false;
+    status_.reason = absl::StrCat("initialize failed: ", s.message());
+    spdlog::error("event=engine_init_failed rank={} code={}", options_.rank,
+                  absl::StatusCodeToString(s.code()));
+  }
+  return s;
+}
+
+absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadline) {
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const int world = options_.world_size;
+  {
+    absl::MutexLock state(&state_mu_);
+    status_.state = WorkspaceState::kInitializing;
+    status_.fusion_enabled = false;
+  }
+  Hello mine;
+  {
+    absl::MutexLock state(&state_mu_);
+    mine.generation = status_.generation;
+  }
+  mine.has_workspace = workspace_ != nullptr;
+  mine.has_nccl = nccl_ != nullptr;
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&mine.sms, cudaDevAttrMultiProcessorCount, device_));
+  absl::StatusOr<std::string> hello = DeviceIdentity(device_);
+  if (hello.ok()) {
+    mine.device = *hello;
+    hello = EncodeHello(mine);
+  }
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> hellos,
+                          AllgatherStep(exchange, "engine.hello", hello, "engine hello", deadline));
+  uint64_t generation = 0;
+  bool all_have_workspace = true, all_have_nccl = true;
+  int min_sms = mine.sms;
+  std::map<std::string, int> per_gpu;
+  for (const std::string& h : hellos) {
+    ARFUSE_ASSIGN_OR_RETURN(Hello peer, DecodeHello(h));
+    generation = std::max(generation, peer.generation);
+    all_have_workspace &= peer.has_workspace;
+    all_have_nccl &= peer.has_nccl;
+    min_sms = std::min(min_sms, peer.sms);
+    ++per_gpu[peer.device];
+  }
+  ++generation;
+  int max_share = 0;
+  for (const auto& [device, n] : per_gpu) max_share = std::max(max_share, n);
+  shares_gpu_ = max_share > 1;
+  // Ranks sharing one GPU (MPS) must not starve each other of SMs while they spin: each gets an
+  // equal share, the same number on every rank so every rank's grid is the same.
+  const uint32_t sm_budget = cuda_options_.sm_budget != 0
+                                 ? cuda_options_.sm_budget
+                                 : (shares_gpu_ ? static_cast<uint32_t>(min_sms / max_share) : 0);
+  PrefixedExchange ex(exchange, absl::StrCat("g", generation, "/"));
+
+  // Unfused path: NCCL. Kept when every rank still has its communicator.
+  std::string nccl_reason;
+  if (!all_have_nccl) {
+    symmetric_buffer_ = nullptr;
+    symmetric_bytes_ = 0;
+    nccl_.reset();
+  }
+  if (!cuda_options_.enable_nccl) {
+    nccl_.reset();
+    nccl_reason = "NCCL disabled by options";
+  } else if (shares_gpu_) {
+    nccl_.reset();
+    nccl_reason = "ranks share a GPU (NCCL refuses duplicate GPUs)";
+  } else if (nccl_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<NcclComm>> comm = NcclComm::Create(ex, HalfwayTo(deadline));
+    ARFUSE_ASSIGN_OR_RETURN(
+        VoteResult voted, ex.Vote("nccl.ok", comm.ok(),
+                                  comm.ok() ? "" : std::string(comm.status().message()), deadline));
+    if (voted.all_yes) {
+      nccl_ = std::move(*comm);
+      const size_t cap = static_cast<size_t>(options_.max_tokens) * options_.max_hidden *
+                         DTypeSize(options_.dtype);
+      if (cuda_options_.enable_nccl_symmetric) {
+        absl::StatusOr<void*> sym = nccl_->AllocSymmetric(cap, HalfwayTo(deadline));
+        ARFUSE_ASSIGN_OR_RETURN(
+            VoteResult sym_voted,
+            ex.Vote("nccl.symmetric", sym.ok(), sym.ok() ? "" : std::string(sym.status().message()),
+                    deadline));
+        if (sym_voted.all_yes) {
+          symmetric_buffer_ = *sym;
+          symmetric_bytes_ = cap;
+        } else {
+          spdlog::warn("event=nccl_symmetric_unavailable rank={} reason=\"{}\"", options_.rank,
+                       VoteReasons(sym_voted));
+        }
+      }
+    } else {
+      nccl_reason = absl::StrCat("NCCL unavailable: ", VoteReasons(voted));
+    }
+  }
+
+  // Fused path.
+  std::string fuse_reason;
+  const bool fused_backend = options_.backend == "trtllm" || options_.backend == "mnnvl";
+  if (!fused_backend) {
+    fuse_reason = absl::StrCat("backend ", options_.backend, ": unfused");
+  } else if (!IsSupportedWorldSize(world)) {
+    fuse_reason = absl::StrCat("world size ", world, " is not fused (2, 4, 8 or 16)");
+  }
+  {
+    absl::MutexLock state(&state_mu_);
+    abortable_ = nullptr;
+  }
+  if (!fuse_reason.empty()) {
+    workspace_.reset();
+  } else {
+    absl::Status built;
+    if (all_have_workspace && workspace_ != nullptr &&
+        workspace_->options().sm_budget == sm_budget) {
+      built = workspace_->Reinitialize(ex, stream_, deadline);
+    } else {
+      workspace_.reset();
+      WorkspaceOptions wo;
+      wo.backend = options_.backend;
+      wo.vmm_handle = cuda_options_.vmm_handle;
+      wo.max_tokens = options_.max_tokens;
+      wo.hidden = options_.max_hidden;
+      wo.dtype = options_.dtype;
+      wo.spin_timeout = options_.spin_timeout;
+      wo.sm_budget = sm_budget;
+      absl::StatusOr<std::unique_ptr<FusionWorkspace>> ws =
+          FusionWorkspace::Create(ex, wo, stream_, deadline);
+      built = ws.status();
+      if (ws.ok()) workspace_ = std::move(*ws);
+    }
+    // A rank that cannot fuse while its peers spin would hang them: all fuse or none does.
+    ARFUSE_ASSIGN_OR_RETURN(
+        VoteResult voted,
+        ex.Vote("fuse.ok", built.ok(), built.ok() ? "" : std::string(built.message()), deadline));
+    if (!voted.all_yes) {
+      workspace_.reset();
+      fuse_reason = absl::StrCat("fused workspace unavailable: ", VoteReasons(voted));
+    }
+  }
+
+  absl::MutexLock state(&state_mu_);
+  status_.generation = generation;
+  status_.backend = options_.backend;
+  status_.workspace_bytes = workspace_ != nullptr ? workspace_->bytes_per_rank() : 0;
+  if (workspace_ != nullptr) {
+    abortable_ = workspace_.get();
+    status_.state = WorkspaceState::kReady;
+    status_.fusion_enabled = true;
+    status_.reason =
+        nccl_ != nullptr ? "fused, NCCL fallback ready" : absl::StrCat("fused only: ", nccl_reason);
+  } else if (nccl_ != nullptr) {
+    status_.state = WorkspaceState::kUnfused;
+    status_.fusion_enabled = false;
+    status_.reason = fuse_reason;
+  } else {
+    status_.state = WorkspaceState::kInitializing;
+    status_.reason = absl::StrCat("no path: ", fuse_reason, "; ", nccl_reason);
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine has no path to run ops: ", fuse_reason, "; ", nccl_reason));
+  }
+  spdlog::info(
+      "event=engine_ready rank={} world_size={} generation={} backend={} fused={} nccl={} "
+      "nccl_symmetric={} shares_gpu={} sm_budget={} workspace_bytes={}",
+      options_.rank, world, generation, options_.backend, workspace_ != nullptr, nccl_ != nullptr,
+      symmetric_buffer_ != nullptr, shares_gpu_, sm_budget, status_.workspace_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::ValidateOp(const OpArgs& op) const {
+  if (op.dtype != options_.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(op.dtype),
+                                                   " does not match the engine's dtype ",
+                                                   DTypeName(options_.dtype)));
+  }
+  if (op.hidden == 0 || op.hidden % kHiddenMultiple != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden ", op.hidden, " must be a positive multiple of ", kHiddenMultiple));
+  }
+  if (op.num_tokens == 0) return absl::InvalidArgumentError("num_tokens must be positive");
+  const uint64_t elements = static_cast<uint64_t>(op.num_tokens) * op.hidden;
+  const uint64_t capacity = static_cast<uint64_t>(options_.max_tokens) * options_.max_hidden;
+  if (op.hidden > options_.max_hidden || elements > capacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "op of ", op.num_tokens, " tokens x ", op.hidden, " hidden does not fit the workspace (",
+        options_.max_tokens, " tokens x ", options_.max_hidden, " hidden)"));
+  }
+  if (op.input == nullptr) return absl::InvalidArgumentError("input is missing");
+  if (op.pattern == Pattern::kAllReduce) {
+    if (op.output == nullptr) return absl::InvalidArgumentError("output is missing");
+  } else if (op.pattern == Pattern::kAllReduceResidualRmsNorm) {
+    if (op.residual_in == nullptr || op.residual_out == nullptr || op.norm_out == nullptr ||
+        op.gamma == nullptr) {
+      return absl::InvalidArgumentError(
+          "allreduce_residual_rmsnorm needs residual_in, residual_out, norm_out and gamma");
+    }
+  } else {
+    return absl::InvalidArgumentError("unknown pattern");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DispatchChoice> CudaEngine::Choose(uint32_t num_tokens, uint32_t hidden,
+                                                  DType dtype) const {
+  absl::MutexLock lock(&mu_);
+  DispatchRequest req;
+  req.sm = sm_;
+  req.world_size = options_.world_size;
+  req.num_tokens = num_tokens;
+  req.hidden = hidden;
+  req.dtype = dtype;
+  req.fused_available = workspace_ != nullptr && !workspace_->poisoned();
+  req.twoshot_available = IsFusionSupported(
+      dtype, options_.world_size, Pattern::kAllReduceResidualRmsNorm, FusionAlgo::kTwoShot);
+  req.nccl_available = nccl_ != nullptr;
+  req.nccl_symmetric_available =
+      symmetric_buffer_ != nullptr && PayloadBytes(num_tokens, hidden, dtype) <= symmetric_bytes_;
+  req.forced = cuda_options_.forced;
+  return ChooseExecPath(cuda_options_.table, req);
+}
+
+void CudaEngine::SetForcedPath(ForcedPath forced) {
+  absl::MutexLock lock(&mu_);
+  cuda_options_.forced = forced;
+}
+
+bool CudaEngine::nccl_available() const {
+  absl::MutexLock lock(&mu_);
+  return nccl_ != nullptr;
+}
+bool CudaEngine::nccl_symmetric_available() const {
+  absl::MutexLock lock(&mu_);
+  return symmetric_buffer_ != nullptr;
+}
+bool CudaEngine::shares_gpu() const {
+  absl::MutexLock lock(&mu_);
+  return shares_gpu_;
+}
+
+absl::StatusOr<OpOutcome> CudaEngine::Execute(const OpArgs& op, const ExecContext& ctx) {
+  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, ctx.deadline)) {
+    mu_.Unlock();
+    return absl::DeadlineExceededError("another op held the engine until the deadline");
+  }
+  absl::StatusOr<OpOutcome> out = ExecuteLocked(op, ctx);
+  mu_.Unlock();
+  return out;
+}
+
+absl::Status CudaEngine::CheckFusedError() const {
+  const uint32_t code = workspace_->error_code();
+  if (code == 0) return absl::OkStatus();
+  const std::string why = FusionErrorName(code);
+  {
+    absl::MutexLock state(&state_mu_);
+    status_.state = WorkspaceState::kPoisoned;
+    status_.fusion_enabled = false;
+    status_.reason = absl::StrCat("workspace poisoned: ", why);
+  }
+  const std::string next = "; the workspace is poisoned: re-initialize every rank";
+  switch (static_cast<FusionError>(code)) {
+    case FusionError::kTimeout:
+      return absl::DeadlineExceededError(
+          absl::StrCat("a peer did not arrive within the spin timeout of ",
+                       absl::FormatDuration(options_.spin_timeout), next));
+    case FusionError::kHostAbort:
+      return absl::AbortedError(absl::StrCat("the op was aborted on this rank", next));
+    case FusionError::kPeerAbort:
+      return absl::AbortedError(absl::StrCat("a peer rank aborted the op", next));
+    default:
+      return absl::FailedPreconditionError(absl::StrCat("fused kernel error ", why, next));
+  }
+}
+
+absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const ExecContext& ctx) {
+  WorkspaceState state;
+  std::string reason;
+  {
+    absl::MutexLock s(&state_mu_);
+    state = status_.state;
+    reason = status_.reason;
+  }
+  if (state == WorkspaceState::kInitializing) {
+    return absl::UnavailableError(absl::StrCat("engine is not initialized (", reason, ")"));
+  }
+  if (state == WorkspaceState::kPoisoned) {
+    return absl::FailedPreconditionError(absl::StrCat(reason, ": re-initialize every rank"));
+  }
+  if (workspace_ != nullptr) {
+    absl::Status earlier = CheckFusedError();
+    if (!earlier.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("an earlier op failed: ", earlier.message()));
+    }
+  }
+  ARFUSE_RETURN_IF_ERROR(ValidateOp(op));
+  DispatchRequest req;
+  req.sm = sm_;
+  req.world_size = options_.world_size;
+  req.num_tokens = op.num_tokens;
+  req.hidden = op.hidden;
+  req.dtype = op.dtype;
+  req.fused_available = workspace_ != nullptr;
+  req.twoshot_available =
+      IsFusionSupported(op.dtype, options_.world_size, op.pattern, FusionAlgo::kTwoShot);
+  req.nccl_available = nccl_ != nullptr;
+  req.nccl_symmetric_available =
+      symmetric_buffer_ != nullptr &&
+      PayloadBytes(op.num_tokens, op.hidden, op.dtype) <= symmetric_bytes_;
+  req.forced = cuda_options_.forced;
+  ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
+
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  if (ctx.wait_event != nullptr) {
+    ARFUSE_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ctx.wait_event), 0));
+  }
+  const bool fused = choice.path != ExecPath::kUnfused;
+  if (fused) {
+    ARFUSE_RETURN_IF_ERROR(workspace_->Launch(
+        op, choice.path == ExecPath::kOneShot ? FusionAlgo::kOneShot : FusionAlgo::kTwoShot,
+        stream_));
+  } else {
+    ARFUSE_RETURN_IF_ERROR(LaunchUnfused(op, choice.nccl_symmetric, ctx.deadline));
+  }
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(op_done_, stream_));
+  if (ctx.done_event != nullptr) {
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(ctx.done_event), stream_));
+  }
+  if (ctx.synchronous) {
+    absl::Status done = WaitEvent(op_done_, ctx.deadline);
+    if (absl::IsDeadlineExceeded(done) && fused) {
+      // Make the kernel give up now rather than at its spin timeout, then wait for it to exit.
+      workspace_->Abort();
+      absl::Status exited = WaitEvent(op_done_, absl::Now() + options_.spin_timeout);
+      if (!exited.ok()) return exited;
+      absl::Status err = CheckFusedError();
+      return absl::DeadlineExceededError(
+          absl::StrCat("op did not complete before its deadline; ",
+                       err.ok() ? "the workspace was aborted" : std::string(err.message())));
+    }
+    ARFUSE_RETURN_IF_ERROR(done);
+    if (fused) ARFUSE_RETURN_IF_ERROR(CheckFusedError());
+  }
+  return OpOutcome{choice.path, choice.reason};
+}
+
+absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::Time deadline) {
+  const size_t count = static_cast<size_t>(op.num_tokens) * op.hidden;
+  const size_t bytes = count * DTypeSize(op.dtype);
+  const void* reduced = nullptr;
+  if (symmetric) {
+    // NCCL's symmetric kernels need both buffers in registered windows: the client's are not.
+    ARFUSE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(symmetric_buffer_, op.input, bytes, cudaMemcpyDeviceToDevice, stream_));
+    ARFUSE_RETURN_IF_ERROR(
+        nccl_->AllReduce(symmetric_buffer_, symmetric_buffer_, count, op.dtype, stream_, deadline));
+    if (op.pattern == Pattern::kAllReduce) {
+      ARFUSE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(op.output, symmetric_buffer_, bytes, cudaMemcpyDeviceToDevice, stream_));
+      return absl::OkStatus();
+    }
+    reduced = symmetric_buffer_;
+  } else if (op.pattern == Pattern::kAllReduce) {
+    return nccl_->AllReduce(op.input, op.output, count, op.dtype, stream_, deadline);
+  } else {
+    // norm_out holds the sum until the norm kernel overwrites it in place (allowed: norm_out
+    // may equal input), so no scratch buffer is needed.
+    ARFUSE_RETURN_IF_ERROR(
+        nccl_->AllReduce(op.input, op.norm_out, count, op.dtype, stream_, deadline));
+    reduced = op.norm_out;
+  }
+  AddRmsNormParams p = {};
+  p.input = reduced;
+  p.residual_in = op.residual_in;
+  p.residual_out = op.residual_out;
+  p.norm_out = op.norm_out;
+  p.gamma = op.gamma;
+  p.num_tokens = op.num_tokens;
+  p.hidden = op.hidden;
+  p.eps = op.eps;
+  p.dtype = op.dtype;
+  const char* why = nullptr;
+  if (CheckAddRmsNormParams(p, &why) != cudaSuccess) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("add-RMSNorm refused the op: ", why != nullptr ? why : "invalid arguments"));
+  }
+  ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAddRmsNorm(p, stream_));
+  return absl::OkStatus();
+}
+
+void CudaEngine::Abort() {
+  absl::MutexLock state(&state_mu_);
+  if (abortable_ != nullptr) abortable_->Abort();
+  spdlog::warn("event=engine_abort rank={}", options_.rank);
+}
+
+EngineStatus CudaEngine::Status() const {
+  absl::MutexLock state(&state_mu_);
+  EngineStatus s = status_;
+  if (abortable_ != nullptr && abortable_->poisoned()) {
+    s.state = WorkspaceState::kPoisoned;
+    s.fusion_enabled = false;
+    s.reason = absl::StrCat("workspace poisoned: ", FusionErrorName(abortable_->error_code()));
+  }
+  return s;
+}
+
+}  // namespace arfuse

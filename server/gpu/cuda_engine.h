@@ -1,0 +1,104 @@
+// The CUDA engine: fused one-shot/two-shot kernels over a trtllm or mnnvl workspace, and the
+// unfused path (NCCL allreduce + the add-RMSNorm kernel), chosen per op by the dispatch table.
+//
+// Initialize (collective, never during graph capture):
+//   1. device identities are allgathered: ranks sharing a GPU (MPS) get an SM budget each, so
+//      every simulated rank's spinning grid stays co-resident, and no NCCL (NCCL refuses them);
+//   2. the NCCL communicator (+ a symmetric window) is built when the ranks have a GPU each;
+//   3. the workspace is built for a fused backend; all ranks vote, so all fuse or none does;
+//   4. the generation bumps. A poisoned workspace is re-initialized in place.
+// Execute: fit / poison / generation checks, then the stream waits on ctx.wait_event, the op is
+// launched, ctx.done_event recorded, and with ctx.synchronous the op is awaited until
+// ctx.deadline (then aborted: the workspace is poisoned). One op in flight per engine.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/engine/engine.h"
+#include "server/gpu/dispatch_table.h"
+#include "server/gpu/peer_memory.h"
+
+namespace arfuse {
+
+class FusionWorkspace;
+class NcclComm;
+
+// Settings the CUDA engine adds to EngineOptions (tests, benchmarks, ops overrides).
+struct CudaEngineOptions {
+  int device = -1;  // CUDA device ordinal; -1 keeps the current device
+  VmmHandleType vmm_handle = VmmHandleType::kAuto;
+  ForcedPath forced = ForcedPath::kAuto;
+  DispatchTable table = DispatchTable::Published();
+  bool enable_nccl = true;
+  bool enable_nccl_symmetric = true;
+  // FusionParams::sm_budget; 0 = automatic (SMs / ranks sharing this GPU).
+  uint32_t sm_budget = 0;
+};
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options);
+  ~CudaEngine() override;
+
+  absl::Status Initialize(Exchange& exchange, absl::Time deadline) override;
+  absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
+  void Abort() override;
+  EngineStatus Status() const override;
+
+  // The path Execute would take for this shape now (forced choice included).
+  absl::StatusOr<DispatchChoice> Choose(uint32_t num_tokens, uint32_t hidden, DType dtype) const;
+  void SetForcedPath(ForcedPath forced);
+  // The engine's stream: ops run on it, in order.
+  cudaStream_t stream() const { return stream_; }
+  int sm() const { return sm_; }
+  bool nccl_available() const;
+  bool nccl_symmetric_available() const;
+  bool shares_gpu() const;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(
+      const EngineOptions& options, const CudaEngineOptions& cuda_options);
+
+  absl::StatusOr<OpOutcome> ExecuteLocked(const OpArgs& op, const ExecContext& ctx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateOp(const OpArgs& op) const;
+  absl::Status LaunchUnfused(const OpArgs& op, bool symmetric, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the kernels' error word after a fused op; poisons and maps the error.
+  absl::Status CheckFusedError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status InitializeLocked(Exchange& exchange, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const EngineOptions options_;
+  CudaEngineOptions cuda_options_;
+  int device_ = 0;
+  int sm_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t op_done_ = nullptr;
+
+  // Held for the whole of Initialize and Execute: one op in flight.
+  mutable absl::Mutex mu_;
+  std::unique_ptr<FusionWorkspace> workspace_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<NcclComm> nccl_ ABSL_GUARDED_BY(mu_);
+  void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by nccl_
+  size_t symmetric_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
+  // Status() and Abort() must not wait for an op: their state lives under a second lock.
+  mutable absl::Mutex state_mu_;
+  mutable EngineStatus status_ ABSL_GUARDED_BY(state_mu_);
+  FusionWorkspace* abortable_ ABSL_GUARDED_BY(state_mu_) = nullptr;
+};
+
+// The factory the daemon calls (CUDA builds only). FAILED_PRECONDITION when there is no GPU.
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaEngine(const EngineOptions& options);
+absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& options,
+                                                           const CudaEngineOptions& cuda_options);
+
+}  // namespace arfuse

@@ -1,0 +1,48 @@
+// One macro family for CUDA runtime, CUDA driver and NCCL results -> absl::Status.
+//
+// Every failure clears the runtime's last error (so a later unrelated check does not report it
+// again), logs one key=value line and maps to a code a client can act on:
+//   out of memory                         -> RESOURCE_EXHAUSTED
+//   invalid value / argument / usage      -> INVALID_ARGUMENT
+//   not supported / not permitted         -> FAILED_PRECONDITION
+//   sticky device errors, remote failures -> UNAVAILABLE (sticky ones carry a payload, see
+//                                            IsStickyDeviceError in device_error.h: the daemon
+//                                            must report NOT_SERVING and exit for a restart)
+//   anything else                         -> INTERNAL
+// Messages name the call and the error, never a pointer or a handle.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "absl/status/status.h"
+#include "server/core/status_macros.h"
+
+namespace arfuse {
+
+// `expr` is the source text of the call, `file`/`line` where it was made. OK for success.
+absl::Status CudaResultToStatus(cudaError_t err, const char* expr, const char* file, int line);
+absl::Status CudaResultToStatus(CUresult err, const char* expr, const char* file, int line);
+absl::Status CudaResultToStatus(ncclResult_t err, const char* expr, const char* file, int line);
+
+// True for errors that leave the CUDA context unusable (illegal address, launch failure, ...):
+// every later call in this process fails the same way, so only a restart recovers.
+bool IsStickyCudaError(cudaError_t err);
+bool IsStickyCudaError(CUresult err);
+
+// OK while the current device's context is usable; the sticky error's status (UNAVAILABLE with
+// the sticky payload, see IsStickyDeviceError) once it is not. Does not wait for the device:
+// the daemon's health loop calls it to decide NOT_SERVING + exit.
+absl::Status DeviceHealth();
+
+}  // namespace arfuse
+
+// Converts the result of a CUDA runtime, driver or NCCL call to absl::Status.
+#define ARFUSE_CUDA_STATUS(expr) ::arfuse::CudaResultToStatus((expr), #expr, __FILE__, __LINE__)
+
+// Returns from the enclosing function with the mapped status when the call failed.
+#define ARFUSE_CUDA_RETURN_IF_ERROR(expr) ARFUSE_RETURN_IF_ERROR(ARFUSE_CUDA_STATUS(expr))
+
+// Cleanup variant (destructors, error paths): logs and clears the error, never returns or throws.
+#define ARFUSE_CUDA_LOG_IF_ERROR(expr) static_cast<void>(ARFUSE_CUDA_STATUS(expr))

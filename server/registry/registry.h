@@ -1,0 +1,131 @@
+// The region registry: sessions own regions (opened client memory) and plans (validated ops over
+// regions). Thread-safe; every call holds one mutex briefly and never waits, except
+// UnregisterRegion, which waits for ops in flight up to its deadline.
+//
+// Lifetimes: a region's mapping is shared between the session that registered it and every op in
+// flight that uses it (ResolvedOp). Unregister and session end drop the session's reference; the
+// mapping closes when the last op using it ends, on that op's thread, so neither path blocks on
+// an op while holding a lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/engine/engine.h"
+#include "server/registry/opener.h"
+#include "server/registry/types.h"
+
+namespace arfuse {
+
+struct RegionHandle {
+  uint64_t region_id = 0;
+  uint64_t generation = 0;
+};
+
+struct RegionInfo {
+  uint64_t region_id = 0;
+  uint64_t generation = 0;
+  std::string name;
+  uint64_t byte_size = 0;
+  MemoryKind kind = MemoryKind::kHostShm;
+  uint32_t in_flight = 0;
+};
+
+struct PlanInfo {
+  uint64_t plan_id = 0;
+  uint64_t generation = 0;
+  OpShape shape;
+};
+
+namespace registry_internal {
+struct State;
+struct Region;
+struct Session;
+}  // namespace registry_internal
+
+// An op whose tensors are resolved to pointers in this process. While it lives, its regions count
+// it as in flight: unregister waits for it and the mappings stay open. Move-only.
+class ResolvedOp {
+ public:
+  ResolvedOp(ResolvedOp&&) noexcept;
+  ResolvedOp& operator=(ResolvedOp&&) noexcept;
+  ResolvedOp(const ResolvedOp&) = delete;
+  ResolvedOp& operator=(const ResolvedOp&) = delete;
+  ~ResolvedOp();
+
+  const OpArgs& args() const { return args_; }
+  const OpShape& shape() const { return shape_; }
+  // Ends the in-flight hold early (idempotent); the destructor does the same.
+  void Release();
+
+ private:
+  friend class Registry;
+  ResolvedOp() = default;
+  std::shared_ptr<registry_internal::State> state_;
+  std::vector<std::shared_ptr<registry_internal::Region>> held_;
+  OpArgs args_;
+  OpShape shape_;
+};
+
+class Registry {
+ public:
+  // `opener` decides which memory this registry accepts (its kind and device). `boot_nonce`
+  // seeds session ids and generations so they differ across restarts; 0 draws a random one.
+  Registry(RegistryLimits limits, std::unique_ptr<MemoryOpener> opener, uint64_t boot_nonce = 0);
+  ~Registry();
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+
+  // A new session with an unguessable id. RESOURCE_EXHAUSTED beyond limits.max_sessions.
+  absl::StatusOr<uint64_t> OpenSession(const std::string& client_name);
+  // Releases every region and plan of the session. Never blocks; unknown ids are ignored (a
+  // stream may end twice: cancel, then done).
+  void CloseSession(uint64_t session_id);
+  // FAILED_PRECONDITION when the session is unknown or ended.
+  absl::Status CheckSession(uint64_t session_id) const;
+
+  absl::StatusOr<RegionHandle> RegisterRegion(uint64_t session_id, const RegionSpec& spec);
+  // Waits until no op uses the region, up to `deadline`; on timeout the region stays registered
+  // and DEADLINE_EXCEEDED says how many ops still use it.
+  absl::Status UnregisterRegion(uint64_t session_id, uint64_t region_id, uint64_t generation,
+                                absl::Time deadline);
+  absl::StatusOr<std::vector<RegionInfo>> ListRegions(uint64_t session_id) const;
+
+  absl::StatusOr<PlanInfo> CreatePlan(uint64_t session_id, const OpRequest& op);
+  absl::Status DestroyPlan(uint64_t session_id, uint64_t plan_id, uint64_t generation);
+
+  // Resolves a plan (or an explicit op) for `num_tokens` tokens to pointers, holding its regions
+  // in flight until the ResolvedOp is released. An explicit op with max_tokens 0 is sized by
+  // num_tokens.
+  absl::StatusOr<ResolvedOp> ResolvePlan(uint64_t session_id, uint64_t plan_id,
+                                         uint64_t generation, uint32_t num_tokens);
+  absl::StatusOr<ResolvedOp> ResolveOp(uint64_t session_id, const OpRequest& op,
+                                       uint32_t num_tokens);
+
+  MemoryKind kind() const;
+  int32_t device_id() const;
+  const RegistryLimits& limits() const { return limits_; }
+  size_t session_count() const;
+
+ private:
+  using Session = registry_internal::Session;
+  std::shared_ptr<Session> FindSessionLocked(uint64_t session_id) const;
+  absl::StatusOr<ResolvedOp> ResolveLocked(Session& session, const OpShape& shape,
+                                           const OpRequest& refs, uint32_t num_tokens,
+                                           bool from_plan);
+
+  const RegistryLimits limits_;
+  const std::unique_ptr<MemoryOpener> opener_;
+  const uint64_t boot_nonce_;
+  std::shared_ptr<registry_internal::State> state_;
+};
+
+// 64 random bits from the OS (std::random_device), never 0.
+uint64_t RandomBootNonce();
+
+}  // namespace arfuse

@@ -1,0 +1,444 @@
+#include "server/services/fusion/fusion_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+#include "server/core/version.h"
+#include "server/registry/openers.h"
+#include "server/services/common/grpc_status.h"
+#include "server/services/fusion/event_ipc_factory.h"
+#include "server/services/fusion/proto_convert.h"
+#include "spdlog/spdlog.h"
+
+namespace arfuse {
+namespace {
+
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(s));
+  return reactor;
+}
+
+v1::ExecPath ToProtoPath(ExecPath p) { return static_cast<v1::ExecPath>(p); }
+
+absl::Status EngineUnavailable() {
+  return absl::UnavailableError("the sidecar's engine is still initializing; retry shortly");
+}
+
+}  // namespace
+
+// ---- construction ----
+
+absl::StatusOr<std::unique_ptr<FusionService>> FusionService::Create(FusionServiceOptions options,
+                                                                     EngineGetter engine) {
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<MemoryOpener> opener,
+                          MakeMemoryOpener(options.device, options.device_id));
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<EventIpc> events,
+                          MakeEventIpc(options.device, options.device_id));
+  return std::make_unique<FusionService>(std::move(options), std::move(engine), std::move(opener),
+                                         std::move(events));
+}
+
+FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
+                             std::unique_ptr<MemoryOpener> opener,
+                             std::unique_ptr<EventIpc> events, uint64_t boot_nonce)
+    : options_(std::move(options)),
+      engine_(std::move(engine)),
+      events_(std::move(events)),
+      registry_(options_.limits, std::move(opener), boot_nonce),
+      // One op thread: one op in flight per workspace, in arrival order.
+      ops_(1, options_.max_queued_ops),
+      // Two control threads, so one unregister draining a long op does not stall every
+      // registration behind it.
+      control_(2, 256) {}
+
+FusionService::~FusionService() { Shutdown(); }
+
+void FusionService::Shutdown() {
+  ops_.Shutdown();
+  control_.Shutdown();
+}
+
+// ---- helpers ----
+
+absl::Time FusionService::DeadlineOf(const grpc::CallbackServerContext& ctx) const {
+  const auto client = ctx.deadline();
+  const absl::Time now = absl::Now();
+  // gRPC reports "no deadline" as a time point decades away; anything past a day counts as none.
+  absl::Time deadline = client > std::chrono::system_clock::now() + std::chrono::hours(24)
+                            ? now + options_.default_deadline
+                            : absl::FromChrono(client);
+  // Work stops a little before the call's deadline, so that the client receives our specific
+  // status (which op, which peer) rather than a bare DEADLINE_EXCEEDED of its own.
+  absl::Duration margin = std::min(absl::Milliseconds(100), (deadline - now) / 5);
+  if (margin > absl::ZeroDuration()) deadline -= margin;
+  return deadline;
+}
+
+absl::StatusOr<uint64_t> FusionService::SessionOf(const grpc::CallbackServerContext& ctx) const {
+  ARFUSE_RETURN_IF_ERROR(CheckClientApiVersion(ctx));
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kSessionMetadataKey);
+  if (it == md.end()) {
+    return absl::FailedPreconditionError(
+        "no session: open a Fusion.Session stream first and pass its session_id in the "
+        "arfuse-session metadata");
+  }
+  uint64_t id = 0;
+  if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id)) {
+    return absl::InvalidArgumentError("arfuse-session metadata is not a decimal session id");
+  }
+  ARFUSE_RETURN_IF_ERROR(registry_.CheckSession(id));
+  return id;
+}
+
+// ---- Session ----
+
+class FusionService::SessionReactor final
+    : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+ public:
+  SessionReactor(FusionService* service, grpc::CallbackServerContext* ctx) : service_(service) {
+    absl::Status version = CheckClientApiVersion(*ctx);
+    if (!version.ok()) {
+      RequestFinish(version);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // The client half-closed, disconnected or was cancelled: the session ends.
+      RequestFinish(absl::OkStatus());
+      return;
+    }
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      first = !opened_ && !finish_requested_;
+    }
+    if (first) {
+      auto id = service_->registry_.OpenSession(request_.client_name());
+      if (!id.ok()) {
+        RequestFinish(id.status());
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        opened_ = true;
+        session_id_ = *id;
+        write_pending_ = true;
+      }
+      const FusionServiceOptions& o = service_->options_;
+      response_.set_session_id(*id);
+      response_.mutable_server_api()->set_major(kApiMajor);
+      response_.mutable_server_api()->set_minor(kApiMinor);
+      response_.set_device(static_cast<v1::DeviceKind>(o.device));
+      response_.set_rank(o.rank);
+      response_.set_world_size(o.world_size);
+      StartWrite(&response_);
+    }
+    // Later messages carry nothing; reading on is how the end of the stream is noticed.
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::Status pending;
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      write_pending_ = false;
+      if (finish_requested_ && !finished_) {
+        finished_ = true;
+        finish = true;
+        pending = finish_status_;
+      }
+    }
+    if (finish) Finish(ToGrpcStatus(pending));
+    (void)ok;  // a failed write means the stream is gone; the failed read that follows ends it
+  }
+
+  void OnDone() override {
+    uint64_t id = 0;
+    bool opened = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      opened = opened_;
+      id = session_id_;
+    }
+    if (opened) service_->registry_.CloseSession(id);
+    delete this;
+  }
+
+ private:
+  // Finish exactly once, and never while a write is outstanding.
+  void RequestFinish(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finish_requested_) return;
+      finish_requested_ = true;
+      finish_status_ = status;
+      if (write_pending_) return;  // OnWriteDone finishes
+      finished_ = true;
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  FusionService* const service_;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+  std::mutex mu_;
+  bool opened_ = false;
+  uint64_t session_id_ = 0;
+  bool write_pending_ = false;
+  bool finish_requested_ = false;
+  bool finished_ = false;
+  absl::Status finish_status_;
+};
+
+grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* FusionService::Session(
+    grpc::CallbackServerContext* ctx) {
+  return new SessionReactor(this, ctx);
+}
+
+// ---- regions ----
+
+grpc::ServerUnaryReactor* FusionService::RegisterRegion(grpc::CallbackServerContext* ctx,
+                                                        const v1::RegisterRegionRequest* req,
+                                                        v1::RegisterRegionResponse* resp) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  RegionSpec spec = ToRegionSpec(*req);
+  uint64_t sid = *session;
+  absl::Status queued = control_.Submit([this, reactor, resp, sid, spec](bool cancelled) {
+    if (cancelled) {
+      reactor->Finish(ToGrpcStatus(absl::UnavailableError("sidecar is shutting down")));
+      return;
+    }
+    auto handle = registry_.RegisterRegion(sid, spec);
+    if (handle.ok()) {
+      resp->set_region_id(handle->region_id);
+      resp->set_generation(handle->generation);
+    }
+    reactor->Finish(ToGrpcStatus(handle.status()));
+  });
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(queued));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* FusionService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                          const v1::UnregisterRegionRequest* req,
+                                                          v1::UnregisterRegionResponse* /*resp*/) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  uint64_t sid = *session, id = req->region_id(), gen = req->generation();
+  absl::Time deadline = DeadlineOf(*ctx);
+  absl::Status queued = control_.Submit([this, reactor, sid, id, gen, deadline](bool cancelled) {
+    if (cancelled) {
+      reactor->Finish(ToGrpcStatus(absl::UnavailableError("sidecar is shutting down")));
+      return;
+    }
+    reactor->Finish(ToGrpcStatus(registry_.UnregisterRegion(sid, id, gen, deadline)));
+  });
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(queued));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* FusionService::ListRegions(grpc::CallbackServerContext* ctx,
+                                                     const v1::ListRegionsRequest* /*req*/,
+                                                     v1::ListRegionsResponse* resp) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  auto regions = registry_.ListRegions(*session);
+  if (!regions.ok()) return FinishNow(ctx, regions.status());
+  for (const RegionInfo& r : *regions) ToRegionInfoProto(r, resp->add_regions());
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+// ---- plans ----
+
+grpc::ServerUnaryReactor* FusionService::CreatePlan(grpc::CallbackServerContext* ctx,
+                                                    const v1::CreatePlanRequest* req,
+                                                    v1::CreatePlanResponse* resp) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  if (!req->has_op()) return FinishNow(ctx, absl::InvalidArgumentError("op is missing"));
+  if (req->doorbell()) {
+    return FinishNow(ctx, absl::UnimplementedError(
+                              "the doorbell plane is not available in this build; create the "
+                              "plan without doorbell and use Execute (eager plane)"));
+  }
+  auto plan = registry_.CreatePlan(*session, ToOpRequest(req->op()));
+  if (!plan.ok()) return FinishNow(ctx, plan.status());
+  resp->set_plan_id(plan->plan_id);
+  resp->set_generation(plan->generation);
+  Engine* engine = engine_ ? engine_() : nullptr;
+  if (options_.device == MemoryKind::kHostShm) {
+    resp->set_path(v1::EXEC_PATH_HOST);
+    resp->set_reason("host mode: the CPU implementation runs every op");
+  } else if (engine == nullptr) {
+    resp->set_path(v1::EXEC_PATH_UNSPECIFIED);
+    resp->set_reason("engine initializing: the path is decided per op");
+  } else {
+    EngineStatus st = engine->Status();
+    if (!st.fusion_enabled) {
+      resp->set_path(v1::EXEC_PATH_UNFUSED);
+      resp->set_reason(absl::StrCat("fusion disabled: ", st.reason));
+    } else {
+      resp->set_path(v1::EXEC_PATH_UNSPECIFIED);
+      resp->set_reason(absl::StrCat("backend ", st.backend,
+                                    ": one-shot or two-shot is picked per op by payload size"));
+    }
+  }
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* FusionService::DestroyPlan(grpc::CallbackServerContext* ctx,
+                                                     const v1::DestroyPlanRequest* req,
+                                                     v1::DestroyPlanResponse* /*resp*/) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  return FinishNow(ctx, registry_.DestroyPlan(*session, req->plan_id(), req->generation()));
+}
+
+// ---- Execute (eager plane) ----
+
+grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ctx,
+                                                 const v1::ExecuteRequest* req,
+                                                 v1::ExecuteResponse* resp) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  Engine* engine = engine_ ? engine_() : nullptr;
+  if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
+  if (!req->wait_event().empty() && events_ == nullptr) {
+    return FinishNow(ctx, absl::InvalidArgumentError(
+                              "wait_event is only for --device=cuda; this sidecar runs host "
+                              "mode, where ops complete before the reply"));
+  }
+  if (!req->wait_event().empty() && req->wait_event().size() != kCudaIpcHandleBytes) {
+    return FinishNow(ctx, absl::InvalidArgumentError(
+                              absl::StrCat("wait_event must be exactly ", kCudaIpcHandleBytes,
+                                           " bytes, got ", req->wait_event().size())));
+  }
+  if (req->workspace_generation() != 0) {
+    uint64_t current = engine->Status().generation;
+    if (req->workspace_generation() != current) {
+      return FinishNow(ctx, absl::FailedPreconditionError(
+                                "workspace: stale generation (the workspace was re-initialized "
+                                "since); read GetWorkspaceInfo and retry"));
+    }
+  }
+  absl::StatusOr<ResolvedOp> resolved;
+  switch (req->target_case()) {
+    case v1::ExecuteRequest::kPlanId:
+      resolved = registry_.ResolvePlan(*session, req->plan_id(), req->plan_generation(),
+                                       req->num_tokens());
+      break;
+    case v1::ExecuteRequest::kOp:
+      resolved = registry_.ResolveOp(*session, ToOpRequest(req->op()), req->num_tokens());
+      break;
+    case v1::ExecuteRequest::TARGET_NOT_SET:
+      resolved = absl::InvalidArgumentError("set plan_id or op");
+      break;
+  }
+  if (!resolved.ok()) return FinishNow(ctx, resolved.status());
+
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time deadline = DeadlineOf(*ctx);
+  // std::function needs a copyable callable: the op's hold on its regions travels in a
+  // shared_ptr and is released right after the engine returns.
+  auto op = std::make_shared<ResolvedOp>(std::move(*resolved));
+  std::string wait_handle = req->wait_event();
+  const bool synchronous = req->synchronous() || options_.device == MemoryKind::kHostShm;
+  absl::Status queued = ops_.Submit([this, reactor, resp, op, deadline, wait_handle,
+                                     synchronous](bool cancelled) {
+    absl::Status status;
+    if (cancelled) {
+      status = absl::UnavailableError("sidecar is shutting down; the op did not run");
+    } else if (absl::Now() >= deadline) {
+      status = absl::DeadlineExceededError(
+          "the op waited for the workspace past its deadline and did not run");
+    } else if (Engine* engine = engine_ ? engine_() : nullptr; engine == nullptr) {
+      status = EngineUnavailable();
+    } else {
+      std::unique_ptr<OpEvents> events;
+      if (events_ != nullptr) {
+        auto prepared = events_->Prepare(wait_handle);
+        status = prepared.status();
+        if (prepared.ok()) events = std::move(*prepared);
+      }
+      if (status.ok()) {
+        ExecContext ec;
+        ec.deadline = deadline;
+        ec.synchronous = synchronous;
+        if (events) {
+          ec.wait_event = events->wait_event();
+          ec.done_event = events->done_event();
+        }
+        absl::StatusOr<OpOutcome> outcome = engine->Execute(op->args(), ec);
+        status = outcome.status();
+        if (outcome.ok()) {
+          resp->set_path(ToProtoPath(outcome->path));
+          resp->set_reason(outcome->reason);
+          if (events && !synchronous) resp->set_done_event(events->done_handle());
+          resp->set_workspace_generation(engine->Status().generation);
+        }
+      }
+    }
+    // Release before replying: a client that unregisters right after the reply must not wait.
+    op->Release();
+    if (!status.ok()) {
+      spdlog::debug("event=execute_failed code={} message=\"{}\"",
+                    absl::StatusCodeToString(status.code()), std::string(status.message()));
+    }
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  if (!queued.ok()) {
+    op->Release();
+    reactor->Finish(ToGrpcStatus(queued));
+  }
+  return reactor;
+}
+
+// ---- GetWorkspaceInfo ----
+
+grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetWorkspaceInfoRequest*,
+                                                          v1::GetWorkspaceInfoResponse* resp) {
+  absl::Status version = CheckClientApiVersion(*ctx);
+  if (!version.ok()) return FinishNow(ctx, version);
+  resp->set_rank(options_.rank);
+  resp->set_world_size(options_.world_size);
+  resp->set_nnodes(options_.nnodes);
+  resp->set_max_tokens(options_.max_tokens);
+  resp->set_hidden(options_.max_hidden);
+  resp->set_dtype(static_cast<v1::DType>(options_.dtype));
+  resp->set_device(static_cast<v1::DeviceKind>(options_.device));
+  resp->set_mps_detected(options_.mps_detected);
+  resp->set_sm(options_.sm);
+  Engine* engine = engine_ ? engine_() : nullptr;
+  if (engine == nullptr) {
+    resp->set_backend("none");
+    resp->set_state(v1::WORKSPACE_STATE_INITIALIZING);
+    resp->set_reason("engine initializing");
+    return FinishNow(ctx, absl::OkStatus());
+  }
+  EngineStatus st = engine->Status();
+  resp->set_backend(st.backend);
+  resp->set_fusion_enabled(st.fusion_enabled);
+  resp->set_reason(st.reason);
+  resp->set_state(static_cast<v1::WorkspaceState>(st.state));
+  resp->set_generation(st.generation);
+  resp->set_workspace_bytes(st.workspace_bytes);
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+}  // namespace arfuse

@@ -1,0 +1,77 @@
+#include "server/gpu/mps.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace arfuse {
+namespace {
+
+// A fake /proc and pipe directory in a temporary folder.
+class MpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/arfuse-mps-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+    std::filesystem::create_directories(root_ + "/proc");
+    std::filesystem::create_directories(root_ + "/pipe");
+  }
+  void TearDown() override { std::filesystem::remove_all(root_); }
+  void AddProcess(int pid, const std::string& comm, const std::string& argv0) {
+    const std::string dir = root_ + "/proc/" + std::to_string(pid);
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/comm") << comm << "\n";
+    std::ofstream cmd(dir + "/cmdline");
+    cmd << argv0;
+    cmd.put('\0');
+  }
+  std::string root_;
+};
+
+TEST_F(MpsTest, NothingRunning) {
+  AddProcess(10, "bash", "/bin/bash");
+  MpsInfo info = DetectMps(root_ + "/pipe", root_ + "/proc");
+  EXPECT_FALSE(info.active());
+  EXPECT_FALSE(info.control_pipe_present);
+  EXPECT_FALSE(info.control_daemon_running);
+  EXPECT_NE(info.Describe().find("mps=inactive"), std::string::npos);
+}
+
+TEST_F(MpsTest, DaemonAndPipeMeanActive) {
+  ASSERT_EQ(mkfifo((root_ + "/pipe/control").c_str(), 0600), 0);
+  AddProcess(20, "nvidia-cuda-mps", "nvidia-cuda-mps-control");
+  MpsInfo info = DetectMps(root_ + "/pipe", root_ + "/proc");
+  EXPECT_TRUE(info.active());
+  EXPECT_FALSE(info.server_running);
+  AddProcess(21, "nvidia-cuda-mps", "/usr/bin/nvidia-cuda-mps-server");
+  info = DetectMps(root_ + "/pipe", root_ + "/proc");
+  EXPECT_TRUE(info.server_running);
+  EXPECT_NE(info.Describe().find("mps=active pipe_dir=" + root_ + "/pipe"), std::string::npos);
+}
+
+TEST_F(MpsTest, DaemonWithoutOurPipeIsInactive) {
+  // A daemon serving another pipe directory does not serve this process.
+  AddProcess(20, "nvidia-cuda-mps", "nvidia-cuda-mps-control");
+  MpsInfo info = DetectMps(root_ + "/pipe", root_ + "/proc");
+  EXPECT_FALSE(info.active());
+  EXPECT_TRUE(info.control_daemon_running);
+}
+
+TEST_F(MpsTest, RegularFileIsNotAControlPipe) {
+  std::ofstream(root_ + "/pipe/control") << "x";
+  AddProcess(20, "nvidia-cuda-mps", "nvidia-cuda-mps-control");
+  EXPECT_FALSE(DetectMps(root_ + "/pipe", root_ + "/proc").control_pipe_present);
+}
+
+TEST_F(MpsTest, UnsetEnvironmentUsesCudaDefaultPipeDir) {
+  EXPECT_EQ(DetectMps("", root_ + "/proc").pipe_directory, "/tmp/nvidia-mps");
+}
+
+}  // namespace
+}  // namespace arfuse

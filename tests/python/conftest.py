@@ -1,0 +1,100 @@
+"""Fixtures: real arfused sidecars in host mode (--device=host), one per rank.
+
+The daemon is found through $ARFUSE_ARFUSED, else build*/server/daemon/arfused under the
+repository; tests skip with the reason when there is none.
+"""
+import glob
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "client" / "python"))
+
+
+def find_arfused():
+    env = os.environ.get("ARFUSE_ARFUSED")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    # The most recently built daemon of any build directory of this checkout.
+    found = [pathlib.Path(p) for p in glob.glob(str(REPO / "build*/server/daemon/arfused"))
+             if os.access(p, os.X_OK)]
+    if not found:
+        return None
+    return str(max(found, key=lambda p: p.stat().st_mtime))
+
+
+class Group:
+    """N host-mode sidecars of one group, stopped (SIGTERM, then SIGKILL) at the end."""
+
+    def __init__(self, binary, world_size, start_ranks=None, hidden=1024, max_tokens=64,
+                 dtype="fp32"):
+        self.dir = tempfile.mkdtemp(prefix="arfuse-pytest-")
+        os.makedirs(os.path.join(self.dir, "peers"))
+        self.world_size = world_size
+        self.procs = []
+        for r in (start_ranks if start_ranks is not None else range(world_size)):
+            log = open(os.path.join(self.dir, f"arfused.{r}.log"), "w")
+            self.procs.append(subprocess.Popen(
+                [binary, "--device=host", f"--rank={r}", f"--world-size={world_size}",
+                 f"--peer-dir={self.dir}/peers", f"--socket={self.socket(r)}",
+                 "--health-port=0", f"--hidden={hidden}", f"--max-tokens={max_tokens}",
+                 f"--dtype={dtype}", "--peer-timeout=30", "--log-level=warn"],
+                stdout=log, stderr=subprocess.STDOUT))
+        for r in (start_ranks if start_ranks is not None else range(world_size)):
+            self._wait_socket(r)
+
+    def socket(self, rank):
+        return os.path.join(self.dir, f"rank{rank}.sock")
+
+    def _wait_socket(self, rank, timeout=60):
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            if os.path.exists(self.socket(rank)):
+                return
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"arfused exited with {p.returncode}; logs in {self.dir}")
+            time.sleep(0.05)
+        raise RuntimeError(f"arfused rank {rank} did not create its socket; logs in {self.dir}")
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def arfused():
+    binary = find_arfused()
+    if binary is None:
+        pytest.skip("arfused is not built (build/server/daemon/arfused; or set ARFUSE_ARFUSED)")
+    return binary
+
+
+@pytest.fixture
+def group2(arfused):
+    g = Group(arfused, 2)
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def lonely(arfused):
+    """Rank 0 of a group of 2 whose rank 1 never comes: the workspace never gets ready."""
+    g = Group(arfused, 2, start_ranks=[0])
+    yield g
+    g.stop()

@@ -1,0 +1,537 @@
+// Registry: sessions, regions, plans, generations, in-flight holds and caps, over a fake opener
+// (no real handle is opened). HostShmOpener is tested over shm objects this test creates.
+#include "server/registry/registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/registry/host_shm_opener.h"
+#include "tests/registry/fake_opener.h"
+
+namespace arfuse {
+namespace {
+
+using ::arfuse::testing::FakeOpener;
+using ::arfuse::testing::HostSpec;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr uint64_t kNonce = 0x1234;
+
+std::unique_ptr<Registry> MakeRegistry(RegistryLimits limits = {}, uint64_t nonce = kNonce,
+                                       uint64_t alloc = 0) {
+  return std::make_unique<Registry>(
+      limits, std::make_unique<FakeOpener>(MemoryKind::kHostShm, 0, alloc), nonce);
+}
+
+// A norm op over one region: input | residual | norm_out | gamma, each 64 KiB apart.
+OpRequest NormOpOn(RegionHandle h, uint32_t hidden = 64, uint32_t max_tokens = 8) {
+  OpRequest op;
+  op.pattern = 2;
+  op.dtype = 1;
+  op.hidden = hidden;
+  op.max_tokens = max_tokens;
+  op.input = {true, h.region_id, h.generation, 0};
+  op.residual_in = {true, h.region_id, h.generation, 65536};
+  op.residual_out = op.residual_in;
+  op.norm_out = {true, h.region_id, h.generation, 131072};
+  op.gamma = {true, h.region_id, h.generation, 196608};
+  return op;
+}
+
+class RegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    baseline_ = OpenMappingCount();
+    reg_ = MakeRegistry();
+    auto s = reg_->OpenSession("test-client");
+    ASSERT_TRUE(s.ok()) << s.status();
+    session_ = *s;
+  }
+  void TearDown() override {
+    reg_.reset();
+    EXPECT_EQ(OpenMappingCount(), baseline_);
+  }
+  RegionHandle Register(const std::string& name, uint64_t bytes = 262144) {
+    auto h = reg_->RegisterRegion(session_, HostSpec(name, bytes));
+    EXPECT_TRUE(h.ok()) << h.status();
+    return h.ok() ? *h : RegionHandle{};
+  }
+
+  int64_t baseline_ = 0;
+  std::unique_ptr<Registry> reg_;
+  uint64_t session_ = 0;
+};
+
+TEST_F(RegistryTest, RegisterListUnregister) {
+  RegionHandle h = Register("a", 4096);
+  EXPECT_NE(h.generation, 0u);
+  EXPECT_EQ(OpenMappingCount(), baseline_ + 1);
+  auto list = reg_->ListRegions(session_);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].name, "a");
+  EXPECT_EQ((*list)[0].byte_size, 4096u);
+  EXPECT_EQ((*list)[0].generation, h.generation);
+  ASSERT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                     absl::Now() + absl::Seconds(5))
+                  .ok());
+  EXPECT_EQ(OpenMappingCount(), baseline_);
+  EXPECT_TRUE(reg_->ListRegions(session_)->empty());
+}
+
+TEST_F(RegistryTest, DuplicateNameIsAlreadyExists) {
+  Register("dup");
+  auto again = reg_->RegisterRegion(session_, HostSpec("dup", 4096));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(again.status().message(), HasSubstr("already registered in this session"));
+  EXPECT_THAT(again.status().message(), Not(HasSubstr("dup")));
+}
+
+TEST_F(RegistryTest, SameNameInAnotherSessionIsFine) {
+  Register("shared-name");
+  auto other = reg_->OpenSession("other");
+  ASSERT_TRUE(other.ok());
+  EXPECT_TRUE(reg_->RegisterRegion(*other, HostSpec("shared-name", 4096)).ok());
+}
+
+TEST_F(RegistryTest, ByteSizeAboveTheRealAllocationIsRefused) {
+  reg_ = MakeRegistry({}, kNonce, /*alloc=*/4096);
+  session_ = *reg_->OpenSession("c");
+  auto r = reg_->RegisterRegion(session_, HostSpec("big", 8192));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("byte_size 8192 exceeds the exported allocation"));
+  EXPECT_EQ(OpenMappingCount(), baseline_);  // the opened mapping was closed again
+}
+
+TEST_F(RegistryTest, ValidationRunsBeforeOpening) {
+  RegionSpec spec = HostSpec("x", 4096);
+  spec.shm_name = "/a/b";
+  auto r = reg_->RegisterRegion(session_, spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("shm_name"));
+  EXPECT_THAT(r.status().message(), Not(HasSubstr("/a/b")));
+}
+
+TEST_F(RegistryTest, OpenerErrorsPassThrough) {
+  RegionSpec spec = HostSpec("x", 4096);
+  spec.shm_name = "/fail-open";
+  auto r = reg_->RegisterRegion(session_, spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("could not be opened"));
+}
+
+TEST_F(RegistryTest, RegionCountCapIsResourceExhausted) {
+  RegistryLimits limits;
+  limits.max_regions_per_session = 2;
+  reg_ = MakeRegistry(limits);
+  session_ = *reg_->OpenSession("c");
+  Register("a", 64);
+  Register("b", 64);
+  auto r = reg_->RegisterRegion(session_, HostSpec("c", 64));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("session has 2 regions; the limit is 2"));
+}
+
+TEST_F(RegistryTest, ByteCapIsResourceExhausted) {
+  RegistryLimits limits;
+  limits.max_bytes_per_session = 10000;
+  reg_ = MakeRegistry(limits);
+  session_ = *reg_->OpenSession("c");
+  Register("a", 8192);
+  auto r = reg_->RegisterRegion(session_, HostSpec("b", 4096));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("the limit is 10000"));
+}
+
+TEST_F(RegistryTest, SessionCapIsResourceExhausted) {
+  RegistryLimits limits;
+  limits.max_sessions = 1;
+  reg_ = MakeRegistry(limits);
+  ASSERT_TRUE(reg_->OpenSession("one").ok());
+  auto r = reg_->OpenSession("two");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("too many sessions"));
+}
+
+TEST_F(RegistryTest, UnknownSessionIsFailedPrecondition) {
+  auto r = reg_->RegisterRegion(session_ + 1, HostSpec("a", 64));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("unknown session"));
+  EXPECT_EQ(reg_->ListRegions(session_ + 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RegistryTest, UnknownRegionIsNotFound) {
+  absl::Status s = reg_->UnregisterRegion(session_, 999, 1, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("region 999 is not registered in this session"));
+}
+
+TEST_F(RegistryTest, AnotherSessionsRegionIsNotFoundAndNotNamed) {
+  auto other = *reg_->OpenSession("other");
+  auto h = reg_->RegisterRegion(other, HostSpec("secret-name", 262144));
+  ASSERT_TRUE(h.ok());
+  absl::Status s = reg_->UnregisterRegion(session_, h->region_id, h->generation,
+                                          absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), Not(HasSubstr("secret")));
+  auto op = reg_->ResolveOp(session_, NormOpOn(*h), 1);
+  EXPECT_EQ(op.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(op.status().message(), Not(HasSubstr("secret")));
+}
+
+TEST_F(RegistryTest, StaleGenerationAfterReRegistration) {
+  RegionHandle first = Register("a");
+  ASSERT_TRUE(reg_->UnregisterRegion(session_, first.region_id, first.generation,
+                                     absl::Now() + absl::Seconds(1))
+                  .ok());
+  RegionHandle second = Register("a");
+  EXPECT_NE(first.generation, second.generation);
+  // A reference built from the first registration but aimed at the new id is stale.
+  RegionHandle mixed{second.region_id, first.generation};
+  auto op = reg_->ResolveOp(session_, NormOpOn(mixed), 1);
+  EXPECT_EQ(op.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(op.status().message(), HasSubstr("stale generation"));
+  absl::Status s = reg_->UnregisterRegion(session_, second.region_id, first.generation,
+                                          absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("stale generation"));
+}
+
+TEST(RegistryRestart, GenerationsDifferAcrossBootNonces) {
+  auto a = MakeRegistry({}, 1);
+  auto b = MakeRegistry({}, 2);
+  auto ha = a->RegisterRegion(*a->OpenSession("c"), HostSpec("r", 64));
+  auto hb = b->RegisterRegion(*b->OpenSession("c"), HostSpec("r", 64));
+  ASSERT_TRUE(ha.ok() && hb.ok());
+  // Same id sequence, different restart: the old generation must not validate.
+  EXPECT_EQ(ha->region_id, hb->region_id);
+  EXPECT_NE(ha->generation, hb->generation);
+}
+
+TEST(RegistryRestart, RandomNonceIsNonZeroAndVaries) {
+  uint64_t a = RandomBootNonce(), b = RandomBootNonce();
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(a, b);
+}
+
+TEST_F(RegistryTest, ResolvePlanGivesPointersInsideTheRegion) {
+  RegionHandle h = Register("buf");
+  auto plan = reg_->CreatePlan(session_, NormOpOn(h));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto op = reg_->ResolvePlan(session_, plan->plan_id, plan->generation, 3);
+  ASSERT_TRUE(op.ok()) << op.status();
+  const char* input = static_cast<const char*>(op->args().input);
+  EXPECT_EQ(static_cast<const char*>(op->args().residual_in), input + 65536);
+  EXPECT_EQ(op->args().residual_out, op->args().residual_in);
+  EXPECT_EQ(static_cast<const char*>(op->args().norm_out), input + 131072);
+  EXPECT_EQ(static_cast<const char*>(op->args().gamma), input + 196608);
+  EXPECT_EQ(op->args().num_tokens, 3u);
+  EXPECT_EQ(op->args().hidden, 64u);
+  EXPECT_EQ((*reg_->ListRegions(session_))[0].in_flight, 1u);  // one op, five tensors
+  op->Release();
+  EXPECT_EQ((*reg_->ListRegions(session_))[0].in_flight, 0u);
+}
+
+TEST_F(RegistryTest, PlanTokensAboveMaxAreRefused) {
+  RegionHandle h = Register("buf");
+  auto plan = *reg_->CreatePlan(session_, NormOpOn(h));
+  auto op = reg_->ResolvePlan(session_, plan.plan_id, plan.generation, 9);
+  EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(op.status().message(), HasSubstr("num_tokens 9 exceeds the plan's max_tokens 8"));
+}
+
+TEST_F(RegistryTest, PlanThatDoesNotFitAtMaxTokensIsRefused) {
+  RegionHandle h = Register("buf");
+  // 8 tokens x 16384 hidden x bf16 = 256 KiB: residual_in at 64 KiB runs past the region.
+  auto plan = reg_->CreatePlan(session_, NormOpOn(h, 16384, 8));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("end past the region"));
+}
+
+TEST_F(RegistryTest, ShapeThatDoesNotMatchTheRegionIsRefused) {
+  RegionHandle h = Register("small", 1024);
+  OpRequest op = NormOpOn(h);
+  op.input.offset = 0;
+  auto r = reg_->ResolveOp(session_, op, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("end past the region's 1024 bytes"));
+}
+
+TEST_F(RegistryTest, UnknownAndStalePlans) {
+  RegionHandle h = Register("buf");
+  auto plan = *reg_->CreatePlan(session_, NormOpOn(h));
+  auto r = reg_->ResolvePlan(session_, plan.plan_id + 100, plan.generation, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr("does not exist in this session"));
+  r = reg_->ResolvePlan(session_, plan.plan_id, plan.generation + 1, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("stale generation"));
+  absl::Status d = reg_->DestroyPlan(session_, plan.plan_id, plan.generation + 1);
+  EXPECT_THAT(d.message(), HasSubstr("stale generation"));
+  ASSERT_TRUE(reg_->DestroyPlan(session_, plan.plan_id, plan.generation).ok());
+  d = reg_->DestroyPlan(session_, plan.plan_id, plan.generation);
+  EXPECT_EQ(d.code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(RegistryTest, PlanOverAnUnregisteredRegionIsFailedPrecondition) {
+  RegionHandle h = Register("buf");
+  auto plan = *reg_->CreatePlan(session_, NormOpOn(h));
+  ASSERT_TRUE(
+      reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(1))
+          .ok());
+  auto r = reg_->ResolvePlan(session_, plan.plan_id, plan.generation, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("was unregistered; create the plan again"));
+}
+
+TEST_F(RegistryTest, PlanCapIsResourceExhausted) {
+  RegistryLimits limits;
+  limits.max_plans_per_session = 1;
+  reg_ = MakeRegistry(limits);
+  session_ = *reg_->OpenSession("c");
+  RegionHandle h = Register("buf");
+  ASSERT_TRUE(reg_->CreatePlan(session_, NormOpOn(h)).ok());
+  auto r = reg_->CreatePlan(session_, NormOpOn(h));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("plans; the limit is 1"));
+}
+
+TEST_F(RegistryTest, UnregisterWaitsForTheOpInFlight) {
+  RegionHandle h = Register("buf");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 2);
+  ASSERT_TRUE(op.ok());
+  std::atomic<bool> released{false};
+  std::thread worker([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    released = true;
+    op->Release();
+  });
+  absl::Status s = reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                          absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(released.load());  // it returned only after the op let go
+  worker.join();
+  EXPECT_EQ(OpenMappingCount(), baseline_);
+}
+
+TEST_F(RegistryTest, UnregisterDuringAnOpTimesOutAndKeepsTheRegion) {
+  RegionHandle h = Register("buf");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 2);
+  ASSERT_TRUE(op.ok());
+  absl::Status s = reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                          absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.message(), HasSubstr("still used by 1 op(s) in flight; it stays registered"));
+  EXPECT_EQ(reg_->ListRegions(session_)->size(), 1u);
+  op->Release();
+  EXPECT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                     absl::Now() + absl::Seconds(1))
+                  .ok());
+}
+
+TEST_F(RegistryTest, NewOpsAreRefusedWhileUnregistering) {
+  RegionHandle h = Register("buf");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 1);
+  ASSERT_TRUE(op.ok());
+  std::thread unreg([&] {
+    reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(30))
+        .IgnoreError();
+  });
+  // Wait (bounded) until the unregister has started, observed through the refusal itself.
+  absl::Status seen;
+  for (int i = 0; i < 3000; ++i) {
+    auto second = reg_->ResolveOp(session_, NormOpOn(h), 1);
+    if (!second.ok()) {
+      seen = second.status();
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(seen.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(seen.message(), HasSubstr("is being unregistered"));
+  op->Release();
+  unreg.join();
+  EXPECT_TRUE(reg_->ListRegions(session_)->empty());
+}
+
+TEST_F(RegistryTest, SessionEndReleasesEverythingAfterOpsInFlight) {
+  RegionHandle h = Register("a");
+  Register("b");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 1);
+  ASSERT_TRUE(op.ok());
+  EXPECT_EQ(OpenMappingCount(), baseline_ + 2);
+  reg_->CloseSession(session_);
+  // "b" is closed at once; "a" stays mapped while the op runs, and not a moment longer.
+  EXPECT_EQ(OpenMappingCount(), baseline_ + 1);
+  op->Release();
+  EXPECT_EQ(OpenMappingCount(), baseline_);
+  EXPECT_EQ(reg_->CheckSession(session_).code(), absl::StatusCode::kFailedPrecondition);
+  reg_->CloseSession(session_);  // a second end is harmless
+}
+
+TEST_F(RegistryTest, SessionEndWakesAWaitingUnregister) {
+  RegionHandle h = Register("a");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 1);
+  ASSERT_TRUE(op.ok());
+  std::thread unreg([&] {
+    EXPECT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                       absl::Now() + absl::Seconds(60))
+                    .ok());
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  absl::Time start = absl::Now();
+  reg_->CloseSession(session_);
+  unreg.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  op->Release();
+}
+
+TEST_F(RegistryTest, ExplicitOpSizedByNumTokens) {
+  RegionHandle h = Register("buf");
+  OpRequest op = NormOpOn(h);
+  op.max_tokens = 0;
+  auto r = reg_->ResolveOp(session_, op, 8);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->shape().max_tokens, 8u);
+  auto zero = reg_->ResolveOp(session_, op, 0);
+  EXPECT_THAT(zero.status().message(), HasSubstr("num_tokens must be > 0"));
+}
+
+TEST_F(RegistryTest, OverlappingOutputsAreRefused) {
+  RegionHandle h = Register("buf");
+  OpRequest op = NormOpOn(h);
+  op.norm_out.offset = op.residual_out.offset + 16;
+  auto r = reg_->ResolveOp(session_, op, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("overlap"));
+}
+
+TEST_F(RegistryTest, ConcurrentClientsKeepCountsConsistent) {
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto sid = reg_->OpenSession(absl::StrCat("c", t));
+      if (!sid.ok()) {
+        ++failures;
+        return;
+      }
+      for (int i = 0; i < 50; ++i) {
+        auto h = reg_->RegisterRegion(*sid, HostSpec(absl::StrCat("r", i), 262144));
+        if (!h.ok()) {
+          ++failures;
+          continue;
+        }
+        auto op = reg_->ResolveOp(*sid, NormOpOn(*h), 4);
+        if (!op.ok()) ++failures;
+        if (i % 2 == 0) {
+          op = absl::InternalError("drop");  // release before unregistering
+          if (!reg_->UnregisterRegion(*sid, h->region_id, h->generation,
+                                      absl::Now() + absl::Seconds(30))
+                   .ok()) {
+            ++failures;
+          }
+        }
+      }
+      reg_->CloseSession(*sid);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(reg_->session_count(), 1u);  // the fixture's own
+}
+
+// ---- HostShmOpener over shm objects made here ----
+
+class ShmObject {
+ public:
+  ShmObject(uint64_t size) : name_(absl::StrCat("/arfuse-regtest-", getpid(), "-", ++seq_)) {
+    int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    map_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    size_ = size;
+    close(fd);
+  }
+  ~ShmObject() {
+    munmap(map_, size_);
+    shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  char* data() { return map_; }
+
+ private:
+  static inline int seq_ = 0;
+  std::string name_;
+  char* map_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+TEST(HostShmOpener, MapsTheObjectSharedAndMeasuresIt) {
+  int64_t baseline = OpenMappingCount();
+  ShmObject obj(8192);
+  std::memcpy(obj.data(), "hello", 5);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 4096);
+  spec.shm_name = obj.name();
+  auto m = opener.Open(spec);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->allocation_size(), 8192u);
+  EXPECT_EQ(std::memcmp((*m)->base(), "hello", 5), 0);
+  static_cast<char*>((*m)->base())[100] = 'x';
+  EXPECT_EQ(obj.data()[100], 'x');
+  EXPECT_EQ(OpenMappingCount(), baseline + 1);
+  m->reset();
+  EXPECT_EQ(OpenMappingCount(), baseline);
+}
+
+TEST(HostShmOpener, RefusesSizeAboveTheObject) {
+  ShmObject obj(4096);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 4097);
+  spec.shm_name = obj.name();
+  auto m = opener.Open(spec);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("exceeds the exported allocation of 4096"));
+}
+
+TEST(HostShmOpener, MissingObjectDoesNotEchoItsName) {
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 64);
+  spec.shm_name = "/arfuse-no-such-object-xyz";
+  auto m = opener.Open(spec);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("could not be opened"));
+  EXPECT_THAT(m.status().message(), Not(HasSubstr("no-such-object")));
+}
+
+TEST(HostShmOpener, RealRegistryRoundTrip) {
+  int64_t baseline = OpenMappingCount();
+  ShmObject obj(262144);
+  Registry reg({}, std::make_unique<HostShmOpener>(), kNonce);
+  uint64_t sid = *reg.OpenSession("c");
+  RegionSpec spec = HostSpec("r", 262144);
+  spec.shm_name = obj.name();
+  auto h = reg.RegisterRegion(sid, spec);
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto op = reg.ResolveOp(sid, NormOpOn(*h), 1);
+  ASSERT_TRUE(op.ok()) << op.status();
+  static_cast<char*>(op->args().norm_out)[0] = 'n';
+  EXPECT_EQ(obj.data()[131072], 'n');
+  op->Release();
+  reg.CloseSession(sid);
+  EXPECT_EQ(OpenMappingCount(), baseline);
+}
+
+}  // namespace
+}  // namespace arfuse
