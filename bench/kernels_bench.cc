@@ -245,11 +245,23 @@ absl::Status RunRank(const Flags& f) {
   ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<FusionWorkspace> ws,
                           FusionWorkspace::Create(*ex, wo, s, absl::Now() + absl::Seconds(120)));
   std::unique_ptr<NcclComm> nccl;
+  // Symmetric windows get their own blocking communicator: a failed registration leaves its
+  // communicator unusable, and the regular rows must still run.
+  std::unique_ptr<NcclComm> sym_nccl;
   void* sym = nullptr;
   if (!shared_gpu) {
     ARFUSE_ASSIGN_OR_RETURN(nccl, NcclComm::Create(*ex, absl::Now() + absl::Seconds(120)));
-    absl::StatusOr<void*> window = nccl->AllocSymmetric(max_bytes, absl::Now() + absl::Seconds(60));
-    if (window.ok()) sym = *window;
+    auto sym_comm = NcclComm::Create(*ex, absl::Now() + absl::Seconds(120), /*blocking=*/true);
+    absl::StatusOr<void*> window =
+        sym_comm.ok() ? (*sym_comm)->AllocSymmetric(max_bytes, absl::Now() + absl::Seconds(60))
+                      : absl::StatusOr<void*>(sym_comm.status());
+    if (window.ok()) {
+      sym = *window;
+      sym_nccl = std::move(*sym_comm);
+    } else {
+      std::fprintf(stderr, "rank %d: symmetric-window rows not run: %s\n", f.rank,
+                   std::string(window.status().message()).c_str());
+    }
   }
   DeviceMem in, res_in, res_out, norm, gamma, out, pull_dst;
   for (DeviceMem* m : {&in, &res_in, &res_out, &norm, &out, &pull_dst}) {
@@ -319,7 +331,8 @@ absl::Status RunRank(const Flags& f) {
           ARFUSE_ASSIGN_OR_RETURN(
               r.us[kNcclSym],
               TimeGraph(
-                  *ex, s, f, [&] { return nccl->AllReduce(sym, sym, count, DType::kBF16, s, far); },
+                  *ex, s, f,
+                  [&] { return sym_nccl->AllReduce(sym, sym, count, DType::kBF16, s, far); },
                   tag + "/nccl_sym"));
           AddRmsNormParams symp = np;
           symp.input = sym;
@@ -328,7 +341,8 @@ absl::Status RunRank(const Flags& f) {
               TimeGraph(
                   *ex, s, f,
                   [&] {
-                    ARFUSE_RETURN_IF_ERROR(nccl->AllReduce(sym, sym, count, DType::kBF16, s, far));
+                    ARFUSE_RETURN_IF_ERROR(
+                        sym_nccl->AllReduce(sym, sym, count, DType::kBF16, s, far));
                     return ARFUSE_CUDA_STATUS(LaunchAddRmsNorm(symp, s));
                   },
                   tag + "/nccl_sym_norm"));

@@ -45,6 +45,9 @@ ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32.");
 ABSL_FLAG(std::string, device, "", "host or cuda; default cuda when a GPU is present, else host.");
 ABSL_FLAG(bool, json, false, "Print JSON instead of the table.");
 ABSL_FLAG(std::string, arfused, "", "Path of the arfused binary (default: next to this build).");
+ABSL_FLAG(std::string, backend, "auto",
+          "Passed to the sidecars as --flashinfer-allreduce-fusion-backend (auto, trtllm, mnnvl; "
+          "empty: unset, fusion off unless auto-enabled).");
 ABSL_FLAG(int, iters, 20, "Timed ops per shape (after 3 warm-up ops).");
 ABSL_FLAG(double, timeout, 120, "Seconds the whole demo may take before it gives up.");
 ABSL_FLAG(int, client_rank, -1, "Internal: run as the client process of this rank.");
@@ -443,7 +446,12 @@ int ParentMain(const char* argv0) {
                               absl::StrCat("--world-size=", ranks), "--peer-dir=" + dir + "/peers",
                               "--socket=" + SocketOf(dir, r), "--health-port=0",
                               absl::StrCat("--max-tokens=", max_t), absl::StrCat("--hidden=", max_h),
-                              "--dtype=" + absl::GetFlag(FLAGS_dtype), "--log-level=warn"},
+                              "--dtype=" + absl::GetFlag(FLAGS_dtype), "--log-level=info",
+                              absl::StrCat("--spin-timeout=", 5),
+                              absl::GetFlag(FLAGS_backend).empty()
+                                  ? std::string("--enable-deterministic-inference=false")
+                                  : "--flashinfer-allreduce-fusion-backend=" +
+                                        absl::GetFlag(FLAGS_backend)},
                              absl::StrCat(dir, "/arfused.", r, ".log")));
   }
   std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
@@ -554,6 +562,16 @@ int ParentMain(const char* argv0) {
   }
   for (const std::string& e : errors) std::cerr << e << "\n";
   if (rc != 0) {
+    // The sidecars' last lines usually say why (peers, workspace, NCCL).
+    for (int r = 0; r < ranks; ++r) {
+      std::ifstream log(absl::StrCat(dir, "/arfused.", r, ".log"));
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(log, line);) lines.push_back(line);
+      size_t from = lines.size() > 8 ? lines.size() - 8 : 0;
+      for (size_t i = from; i < lines.size(); ++i) {
+        std::cerr << "arfused." << r << ": " << lines[i].substr(0, 300) << "\n";
+      }
+    }
     std::cerr << "arfuse-demo: FAILED; sidecar logs kept in " << dir << "\n";
   } else {
     std::filesystem::remove_all(dir);

@@ -59,7 +59,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decis
     ARFUSE_ASSIGN_OR_RETURN(engine, MakeHostEngine(eo));
   } else {
 #if ARFUSE_HAVE_CUDA
-    ARFUSE_ASSIGN_OR_RETURN(engine, MakeCudaEngine(eo));
+    // The engine's stream, workspace and events live on this rank's GPU (the supervisor thread's
+    // current device is not it in general).
+    CudaEngineOptions cuda_options;
+    cuda_options.device = options_.gpu;
+    ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<CudaEngine> cuda, MakeCudaEngine(eo, cuda_options));
+    engine = std::move(cuda);
 #else
     return absl::FailedPreconditionError("this arfused was built without CUDA");
 #endif

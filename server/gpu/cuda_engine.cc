@@ -90,6 +90,7 @@ CudaEngine::~CudaEngine() {
   }
   // Workspace teardown aborts its spins and waits a bounded time; NCCL aborts its communicator.
   workspace_.reset();
+  sym_nccl_.reset();
   nccl_.reset();
   if (op_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(op_done_));
   // Returns at once; the stream's resources go when its work is done.
@@ -217,9 +218,11 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   if (!all_have_nccl) {
     symmetric_buffer_ = nullptr;
     symmetric_bytes_ = 0;
+    sym_nccl_.reset();
     nccl_.reset();
   }
   if (!cuda_options_.enable_nccl) {
+    sym_nccl_.reset();
     nccl_.reset();
     nccl_reason = "NCCL disabled by options";
   } else if (shares_gpu_) {
@@ -235,12 +238,17 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
       const size_t cap = static_cast<size_t>(options_.max_tokens) * options_.max_hidden *
                          DTypeSize(options_.dtype);
       if (cuda_options_.enable_nccl_symmetric) {
-        absl::StatusOr<void*> sym = nccl_->AllocSymmetric(cap, HalfwayTo(deadline));
+        absl::StatusOr<std::unique_ptr<NcclComm>> sym_comm =
+            NcclComm::Create(ex, HalfwayTo(deadline), /*blocking=*/true);
+        absl::StatusOr<void*> sym = sym_comm.ok()
+                                        ? (*sym_comm)->AllocSymmetric(cap, HalfwayTo(deadline))
+                                        : absl::StatusOr<void*>(sym_comm.status());
         ARFUSE_ASSIGN_OR_RETURN(
             VoteResult sym_voted,
             ex.Vote("nccl.symmetric", sym.ok(), sym.ok() ? "" : std::string(sym.status().message()),
                     deadline));
         if (sym_voted.all_yes) {
+          sym_nccl_ = std::move(*sym_comm);
           symmetric_buffer_ = *sym;
           symmetric_bytes_ = cap;
         } else {
@@ -512,7 +520,8 @@ absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::T
     ARFUSE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(symmetric_buffer_, op.input, bytes, cudaMemcpyDeviceToDevice, stream_));
     ARFUSE_RETURN_IF_ERROR(
-        nccl_->AllReduce(symmetric_buffer_, symmetric_buffer_, count, op.dtype, stream_, deadline));
+        sym_nccl_->AllReduce(symmetric_buffer_, symmetric_buffer_, count, op.dtype, stream_,
+                             deadline));
     if (op.pattern == Pattern::kAllReduce) {
       ARFUSE_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(op.output, symmetric_buffer_, bytes, cudaMemcpyDeviceToDevice, stream_));

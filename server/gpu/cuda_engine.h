@@ -87,7 +87,10 @@ class CudaEngine final : public Engine {
   mutable absl::Mutex mu_;
   std::unique_ptr<FusionWorkspace> workspace_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<NcclComm> nccl_ ABSL_GUARDED_BY(mu_);
-  void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by nccl_
+  // Symmetric windows live on their own (blocking) communicator: a failed registration leaves
+  // that communicator unusable, and the regular one must survive it.
+  std::unique_ptr<NcclComm> sym_nccl_ ABSL_GUARDED_BY(mu_);
+  void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by sym_nccl_
   size_t symmetric_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
   // Status() and Abort() must not wait for an op: their state lives under a second lock.

@@ -17,7 +17,8 @@ constexpr char kDefaultPipeDir[] = "/tmp/nvidia-mps";
 
 bool IsFifo(const std::string& path) {
   struct stat st;
-  return stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+  // The control endpoint is a named pipe in older MPS releases and a socket in newer ones.
+  return stat(path.c_str(), &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode));
 }
 
 bool AllDigits(const char* s) {

@@ -18,7 +18,9 @@ struct MpsInfo {
   std::string pipe_directory;
   // True when this process's CUDA contexts will go through MPS: the control pipe is there and
   // the daemon runs.
-  bool active() const { return control_pipe_present && control_daemon_running; }
+  // The control daemon runs and either its control endpoint is in our pipe directory or an MPS
+  // server already serves clients (some releases keep the endpoint elsewhere).
+  bool active() const { return control_daemon_running && (control_pipe_present || server_running); }
   // One line for logs and reports: "mps=active pipe_dir=/tmp/mps-pipe server=running".
   std::string Describe() const;
 };

@@ -44,12 +44,12 @@ absl::StatusOr<std::string> DeviceIdentity() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(Exchange& exchange,
-                                                           absl::Time deadline) {
+                                                           absl::Time deadline, bool blocking) {
   const int rank = exchange.rank();
   const int world = exchange.world_size();
   ARFUSE_ASSIGN_OR_RETURN(
       std::vector<std::string> devices,
-      AllgatherStep(exchange, "nccl.devices", DeviceIdentity(), "NCCL device check", deadline));
+      AllgatherStep(exchange, blocking ? "nccl.devices.b" : "nccl.devices", DeviceIdentity(), "NCCL device check", deadline));
   for (int a = 0; a < world; ++a) {
     for (int b = a + 1; b < world; ++b) {
       if (devices[a] == devices[b]) {
@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(Exchange& exchange,
   }
   ARFUSE_ASSIGN_OR_RETURN(
       std::vector<std::string> ids,
-      AllgatherStep(exchange, "nccl.unique_id", id_bytes, "NCCL unique id", deadline));
+      AllgatherStep(exchange, blocking ? "nccl.unique_id.b" : "nccl.unique_id", id_bytes, "NCCL unique id", deadline));
   if (ids[0].size() != sizeof(ncclUniqueId)) {
     return absl::InternalError(absl::StrCat("NCCL unique id has ", ids[0].size(), " bytes"));
   }
@@ -76,7 +76,7 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(Exchange& exchange,
   std::memcpy(&id, ids[0].data(), sizeof(id));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   // Nonblocking: initialization and calls return at once and are polled against the deadline.
-  config.blocking = 0;
+  config.blocking = blocking ? 1 : 0;
   ncclComm_t raw = nullptr;
   ncclResult_t started = ncclCommInitRankConfig(&raw, world, id, rank, &config);
   if (started != ncclSuccess && started != ncclInProgress) {

@@ -24,7 +24,11 @@ class NcclComm {
  public:
   // Collective. FAILED_PRECONDITION when two ranks share a GPU; DEADLINE_EXCEEDED when the group
   // did not form in time (the half-built communicator is aborted).
-  static absl::StatusOr<std::unique_ptr<NcclComm>> Create(Exchange& exchange, absl::Time deadline);
+  // `blocking`: a blocking communicator (used for symmetric windows: their registration failed
+  // on a nonblocking one on our H200s and left it unusable). Created only after a nonblocking
+  // one succeeded, so every peer is known to be alive.
+  static absl::StatusOr<std::unique_ptr<NcclComm>> Create(Exchange& exchange, absl::Time deadline,
+                                                          bool blocking = false);
 
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
