@@ -75,6 +75,16 @@ ABSL_FLAG(double, default_deadline, 10, "Deadline in seconds for calls that carr
 ABSL_FLAG(std::vector<std::string>, allowed_uids, {},
           "Comma-separated uids allowed on the main socket besides the sidecar's own (checked "
           "with SO_PEERCRED).");
+ABSL_FLAG(std::vector<std::string>, allowed_gids, {},
+          "Comma-separated gids whose members may use the main socket (checked with "
+          "SO_PEERCRED against the client process's gid).");
+ABSL_FLAG(std::string, listen, "",
+          "Also serve the main API on TCP host:port, with mutual TLS only (--tls-cert, "
+          "--tls-key, --tls-client-ca); for clients that cannot reach the Unix socket.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain for --listen.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --listen.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle that client certificates on --listen must chain to.");
 ABSL_FLAG(std::string, config, "",
           "File of 'name=value' lines (same names as the flags); CLI and ARFUSE_* environment "
           "variables take precedence.");
@@ -92,7 +102,8 @@ const std::vector<std::string>& OwnFlagNames() {
       "flashinfer_allreduce_fusion_backend", "enable_flashinfer_allreduce_fusion",
       "enforce_disable_flashinfer_allreduce_fusion", "enable_deterministic_inference", "sm",
       "cuda_graph_mode", "mnnvl_capture_safe", "max_tokens", "hidden", "dtype", "spin_timeout",
-      "grace_period", "default_deadline", "allowed_uids", "config", "help", "version"};
+      "grace_period", "default_deadline", "allowed_uids", "allowed_gids", "listen", "tls_cert",
+      "tls_key", "tls_client_ca", "config", "help", "version"};
   return names;
 }
 
@@ -278,13 +289,21 @@ absl::Status Validate(const DaemonOptions& o) {
           absl::StrCat("--", name, " must be a positive number of seconds, got ", v));
     }
   }
-  for (const auto& uid : o.allowed_uids) {
-    unsigned long parsed = 0;
-    if (uid.empty() || uid.find_first_not_of("0123456789") != std::string::npos ||
-        (parsed = std::strtoul(uid.c_str(), nullptr, 10)) > 0xFFFFFFFEul) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad value \"", uid, "\" in --allowed-uids: expected numeric uids"));
+  for (const auto& [flag, ids] : {std::pair<const char*, const std::vector<std::string>*>{
+                                      "allowed-uids", &o.allowed_uids},
+                                  {"allowed-gids", &o.allowed_gids}}) {
+    for (const auto& id : *ids) {
+      if (id.empty() || id.size() > 10 || id.find_first_not_of("0123456789") != std::string::npos ||
+          std::strtoull(id.c_str(), nullptr, 10) > 0xFFFFFFFEull) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("bad value \"", id, "\" in --", flag, ": expected numeric ids"));
+      }
     }
+  }
+  if (!o.listen.empty() && (o.tls_cert.empty() || o.tls_key.empty() || o.tls_client_ca.empty())) {
+    return absl::InvalidArgumentError(
+        "--listen serves the main API over TCP only with mutual TLS: give --tls-cert, --tls-key "
+        "and --tls-client-ca");
   }
   return absl::OkStatus();
 }
@@ -359,6 +378,11 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.grace_period_s = absl::GetFlag(FLAGS_grace_period);
   o.default_deadline_s = absl::GetFlag(FLAGS_default_deadline);
   o.allowed_uids = absl::GetFlag(FLAGS_allowed_uids);
+  o.allowed_gids = absl::GetFlag(FLAGS_allowed_gids);
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   ARFUSE_RETURN_IF_ERROR(Validate(o));
   o.socket = absl::GetFlag(FLAGS_socket);
   if (o.socket.empty()) o.socket = DefaultSocketPath(o.rank);

@@ -43,6 +43,12 @@ struct DaemonOptions {
   double grace_period_s = 10;
   double default_deadline_s = 10;
   std::vector<std::string> allowed_uids;
+  std::vector<std::string> allowed_gids;
+  // Main API over TCP (host:port), only with mutual TLS.
+  std::string listen;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
   // name -> "cli", "env", "file" or "default", for the start-up log line.
   std::map<std::string, std::string> sources;
 };

@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <chrono>
 
@@ -12,6 +14,7 @@
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
+#include "server/daemon/unix_listener.h"
 #include "server/daemon/unix_socket.h"
 #include "server/peers/exchange.h"
 #include "server/metrics/metrics.h"
@@ -28,6 +31,26 @@ Sidecar::~Sidecar() {
   RequestShutdown("destroyed");
   // The supervisor may be blocked joining peers; the process exits without waiting for it.
   if (supervisor_.joinable()) supervisor_.detach();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Sidecar::MutualTlsCredentials() const {
+  auto read = [](const std::string& flag, const std::string& path) -> absl::StatusOr<std::string> {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (!in || ss.str().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+    }
+    return ss.str();
+  };
+  grpc::SslServerCredentialsOptions tls(
+      GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ARFUSE_ASSIGN_OR_RETURN(pair.private_key, read("tls-key", options_.tls_key));
+  ARFUSE_ASSIGN_OR_RETURN(pair.cert_chain, read("tls-cert", options_.tls_cert));
+  ARFUSE_ASSIGN_OR_RETURN(tls.pem_root_certs, read("tls-client-ca", options_.tls_client_ca));
+  tls.pem_key_cert_pairs.push_back(std::move(pair));
+  return grpc::SslServerCredentials(tls);
 }
 
 int Sidecar::metrics_port() const {
@@ -146,21 +169,48 @@ absl::Status Sidecar::Start() {
   }
 
   {
+    PeerCredentialPolicy policy;
+    for (const auto& uid : options_.allowed_uids) policy.uids.insert(std::stoul(uid));
+    for (const auto& gid : options_.allowed_gids) policy.gids.insert(std::stoul(gid));
+    // Owner and group only (0660), and then only allowed users: whoever can reach the socket
+    // can hand us device memory to write.
+    absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+        UnixListener::Bind(options_.socket, std::move(policy));
+    if (!listener.ok()) {
+      health_server_->Shutdown();
+      return listener.status();
+    }
+    unix_listener_ = *std::move(listener);
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(absl::StrCat("unix:", options_.socket),
-                             grpc::InsecureServerCredentials());
+    int tcp_port = 0;
+    if (!options_.listen.empty()) {
+      absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> tls = MutualTlsCredentials();
+      if (!tls.ok()) {
+        health_server_->Shutdown();
+        return tls.status();
+      }
+      builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+      builder.AddListeningPort(options_.listen, *tls, &tcp_port);
+    }
     // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
     builder.SetMaxReceiveMessageSize(1 << 20);
     builder.RegisterService(health_main_.get());
     builder.RegisterService(fusion_.get());
     for (auto& service : services_) builder.RegisterService(service.get());
     main_server_ = builder.BuildAndStart();
-    if (main_server_ == nullptr) {
+    if (main_server_ == nullptr || (!options_.listen.empty() && tcp_port == 0)) {
       health_server_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", options_.socket));
+      if (main_server_ != nullptr) main_server_->Shutdown();
+      main_server_.reset();
+      return absl::UnavailableError(
+          options_.listen.empty()
+              ? std::string("cannot start the main gRPC server")
+              : absl::StrCat("cannot listen on ", options_.listen, " (in use or not permitted)"));
     }
-    // Owner and group only: whoever can reach the socket can hand us device memory to write.
-    ::chmod(options_.socket.c_str(), 0660);
+    unix_listener_->Serve(main_server_.get());
+    if (tcp_port != 0) {
+      spdlog::info("event=listening_tls address={} port={}", options_.listen, tcp_port);
+    }
   }
 
   spdlog::info(
@@ -219,6 +269,7 @@ void Sidecar::ShutdownNow() {
     cv_.wait_until(lock, deadline, [this] { return main_server_ == nullptr; });
     gate_.Abort();
   });
+  if (unix_listener_ != nullptr) unix_listener_->Stop();
   if (main_server_ != nullptr) main_server_->Shutdown(deadline);
   if (fusion_ != nullptr) fusion_->Shutdown();
   gate_.Abort();

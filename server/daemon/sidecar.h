@@ -28,6 +28,7 @@ namespace arfuse {
 class Exchange;
 class FusionService;
 class Metrics;
+class UnixListener;
 class PeerService;
 
 // The readiness entry of the health service (the main API's service name).
@@ -80,6 +81,8 @@ class Sidecar final : public AdminControl {
   // Sleeps up to `d`, returning early on shutdown or a re-initialization request.
   void WaitFor(absl::Duration d);
   void ShutdownNow();
+  // Server credentials for --listen: TLS that requires and verifies a client certificate.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MutualTlsCredentials() const;
 
   DaemonOptions options_;
   GpuProbe gpu_;
@@ -90,6 +93,7 @@ class Sidecar final : public AdminControl {
   std::unique_ptr<HealthService> health_main_;
   std::unique_ptr<HealthService> health_probe_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<UnixListener> unix_listener_;
   std::unique_ptr<grpc::Server> main_server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<FusionService> fusion_;
