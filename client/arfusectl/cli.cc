@@ -8,10 +8,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/config.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/args.h"
@@ -408,6 +411,128 @@ int RunInfo(const ParsedArgs& args, Io& io) {
   return kExitOk;
 }
 
+// ---- admin: stats, drain, set-backend, reinitialize ----
+
+constexpr int kCollectiveTimeoutMs = 30000;
+
+// set-backend and reinitialize are collective: every rank's sidecar must be asked, at about the
+// same time. --addr takes a comma-separated list and the calls run concurrently.
+absl::StatusOr<std::vector<Remote>> OpenRemotes(const ParsedArgs& args,
+                                                int default_timeout_ms = kDefaultTimeoutMs) {
+  absl::StatusOr<Remote> first = OpenRemote(args);
+  if (!first.ok()) return first.status();
+  // Collective calls wait for every rank and may rebuild workspaces: a longer default.
+  if (!args.Has("timeout-ms")) first->timeout_ms = default_timeout_ms;
+  std::vector<Remote> remotes;
+  for (absl::string_view part : absl::StrSplit(first->addr, ',')) {
+    if (part.empty()) return absl::InvalidArgumentError("--addr has an empty address");
+    Remote r = *first;
+    r.addr = std::string(part);
+    r.channel = grpc::CreateChannel(r.addr, grpc::InsecureChannelCredentials());
+    remotes.push_back(std::move(r));
+  }
+  return remotes;
+}
+
+// Runs `call` on every remote concurrently; prints one line per address; exit status is the
+// worst of them.
+int RunOnAll(const std::vector<Remote>& remotes, Io& io, const char* what,
+             const std::function<grpc::Status(const Remote&, std::string*)>& call) {
+  std::vector<grpc::Status> statuses(remotes.size());
+  std::vector<std::string> lines(remotes.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < remotes.size(); ++i) {
+    threads.emplace_back([&, i] { statuses[i] = call(remotes[i], &lines[i]); });
+  }
+  for (auto& t : threads) t.join();
+  int worst = kExitOk;
+  for (size_t i = 0; i < remotes.size(); ++i) {
+    if (statuses[i].ok()) {
+      io.out << remotes[i].addr << ": " << lines[i] << "\n";
+    } else {
+      worst = std::max(worst, remotes[i].Fail(io, what, statuses[i]));
+    }
+  }
+  return worst;
+}
+
+int RunSetBackend(const ParsedArgs& args, Io& io) {
+  std::optional<std::string> backend = args.Get("backend");
+  if (!backend) return Usage(io, "set-backend needs --backend auto|trtllm|mnnvl|none");
+  if (*backend != "auto" && *backend != "trtllm" && *backend != "mnnvl" && *backend != "none") {
+    return Usage(io, absl::StrCat("unknown backend \"", *backend,
+                                  "\" for --backend: expected auto, trtllm, mnnvl or none"));
+  }
+  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args, kCollectiveTimeoutMs);
+  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
+  return RunOnAll(*remotes, io, "Admin.SetBackend", [&](const Remote& r, std::string* line) {
+    v1::SetBackendRequest req;
+    req.set_backend(*backend);
+    v1::SetBackendResponse resp;
+    grpc::Status st = v1::Admin::NewStub(r.channel)->SetBackend(r.Context().get(), req, &resp);
+    if (st.ok()) {
+      *line = absl::StrCat("backend ", resp.previous_backend(), " -> ", resp.backend(),
+                           ", fusion ", resp.fusion_enabled() ? "enabled" : "disabled",
+                           ", generation ", resp.generation());
+    }
+    return st;
+  });
+}
+
+int RunReinitialize(const ParsedArgs& args, Io& io) {
+  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args, kCollectiveTimeoutMs);
+  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
+  return RunOnAll(*remotes, io, "Admin.Reinitialize", [&](const Remote& r, std::string* line) {
+    v1::ReinitializeResponse resp;
+    grpc::Status st = v1::Admin::NewStub(r.channel)->Reinitialize(r.Context().get(), {}, &resp);
+    if (st.ok()) {
+      *line = absl::StrCat("re-initialized, generation ", resp.generation(), ", state ",
+                           StateText(resp.state()));
+    }
+    return st;
+  });
+}
+
+int RunDrain(const ParsedArgs& args, Io& io) {
+  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args);
+  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
+  return RunOnAll(*remotes, io, "Admin.Drain", [&](const Remote& r, std::string* line) {
+    v1::DrainRequest req;
+    req.set_timeout_ms(static_cast<uint32_t>(r.timeout_ms));
+    v1::DrainResponse resp;
+    grpc::Status st = v1::Admin::NewStub(r.channel)->Drain(r.Context().get(), req, &resp);
+    if (st.ok()) *line = absl::StrCat("drained (waited for ", resp.ops_waited(), " op(s))");
+    return st;
+  });
+}
+
+int RunStats(const ParsedArgs& args, Io& io) {
+  absl::StatusOr<Remote> server = OpenRemote(args);
+  if (!server.ok()) return Usage(io, std::string(server.status().message()));
+  v1::GetStatsResponse s;
+  grpc::Status st = v1::Admin::NewStub(server->channel)->GetStats(server->Context().get(), {}, &s);
+  if (!st.ok()) return server->Fail(io, "Admin.GetStats", st);
+  if (args.Switch("json")) {
+    io.out << "{\"addr\":" << JsonString(server->addr) << ",\"backend\":" << JsonString(s.backend())
+           << ",\"state\":" << JsonString(StateText(s.state())) << ",\"sessions\":" << s.sessions()
+           << ",\"poisonings\":" << s.poisonings()
+           << ",\"reinitializations\":" << s.reinitializations()
+           << ",\"uptime_seconds\":" << s.uptime_seconds()
+           << ",\"version\":" << JsonString(s.version()) << "}\n";
+  } else {
+    io.out << "arfused at " << server->addr << " (version " << s.version() << ", up "
+           << s.uptime_seconds() << " s)\n  backend " << s.backend() << ", state "
+           << StateText(s.state()) << "\n  sessions " << s.sessions() << ", poisonings "
+           << s.poisonings() << ", re-initializations " << s.reinitializations() << "\n";
+  }
+  return kExitOk;
+}
+
+const OptionSpec kAddrListOption{
+    "addr", Kind::kValue, "ADDR[,ADDR...]",
+    "every rank's arfused (comma-separated), asked concurrently (default " + DefaultAddress() +
+        ")"};
+
 // ---- the table ----
 
 const std::vector<Command>& Commands() {
@@ -433,6 +558,28 @@ const std::vector<Command>& Commands() {
         {"fused-op-in-graph", Kind::kValue, "true|false", "negotiate with the op in graphs"},
         {"mnnvl-capture-safe", Kind::kValue, "true|false", "negotiate as if capture-(un)safe"}},
        RunInfo},
+      {"stats",
+       "counters and state of a running arfused",
+       "arfusectl stats [--addr ADDR] [--json]",
+       {kAddrOption, kJsonOption, kTimeoutOption},
+       RunStats},
+      {"drain",
+       "stop accepting ops and wait for those in flight (readiness goes NOT_SERVING)",
+       "arfusectl drain [--addr ADDR[,ADDR...]] [--timeout-ms N]",
+       {kAddrListOption, kTimeoutOption},
+       RunDrain},
+      {"set-backend",
+       "switch the backend live on every rank (drain, vote, rebuild; refused if infeasible)",
+       "arfusectl set-backend --backend auto|trtllm|mnnvl|none --addr ADDR,ADDR,...",
+       {kAddrListOption,
+        {"backend", Kind::kValue, "auto|trtllm|mnnvl|none", "the backend to switch to"},
+        kTimeoutOption},
+       RunSetBackend},
+      {"reinitialize",
+       "re-form the group and re-initialize its workspace (every rank)",
+       "arfusectl reinitialize --addr ADDR,ADDR,...",
+       {kAddrListOption, kTimeoutOption},
+       RunReinitialize},
       {"version",
        "print the version",
        "arfusectl version",

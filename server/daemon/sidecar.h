@@ -112,6 +112,8 @@ class Sidecar final : public AdminControl {
   uint64_t poisonings_ = 0;
   uint64_t reinitializations_ = 0;
   uint64_t backend_switches_ = 0;
+  // A collective admin call failed on this rank only: tag counts differ until the group re-forms.
+  bool admin_exchange_diverged_ = false;
 
   // One admin operation (switch, re-init, drain) at a time.
   std::mutex admin_mu_;

@@ -101,7 +101,10 @@ absl::Status Sidecar::FormGroup() {
   // for all, with every dissenting rank's reason).
   config::RankReport report;
   report.rank = options_.rank;
-  report.flags = flags_;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    report.flags = flags_;
+  }
   report.topology = OwnTopology();
   if (report.topology.sm == 0) {
     // Host mode without --sm: there is no GPU architecture to resolve a backend for.
@@ -110,7 +113,8 @@ absl::Status Sidecar::FormGroup() {
         "no GPU architecture (host mode without --sm): the CPU implementation runs");
     report.decision = none;
   } else {
-    absl::StatusOr<config::Decision> local = config::ResolveBackend(flags_, report.topology);
+    absl::StatusOr<config::Decision> local =
+        config::ResolveBackend(report.flags, report.topology);
     if (local.ok()) {
       report.decision = *local;
     } else {
@@ -185,6 +189,7 @@ void Sidecar::SuperviseGroup() {
     {
       std::lock_guard<std::mutex> lock(state_mu_);
       ++reinitializations_;
+      admin_exchange_diverged_ = false;  // a new epoch starts every tag's count afresh
     }
     metrics_->IncReinitializations();
   }
@@ -246,7 +251,6 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
                                                            absl::Time deadline) {
   std::lock_guard<std::mutex> admin(admin_mu_);
   config::Decision previous;
-  uint64_t switch_index;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (!decided_ || exchange_ == nullptr ||
@@ -255,7 +259,12 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
           absl::StrCat("the group is not serving; backend unchanged (", not_ready_reason_, ")"));
     }
     previous = decision_;
-    switch_index = ++backend_switches_;
+    if (admin_exchange_diverged_) {
+      return absl::FailedPreconditionError(
+          "an earlier collective admin call did not complete on every rank; run `arfusectl "
+          "reinitialize` on every rank first; backend unchanged");
+    }
+    ++backend_switches_;
   }
   config::FusionFlags flags;
   if (backend == "none") {
@@ -276,9 +285,20 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   } else {
     report.failure = std::string(local.status().message());
   }
-  const std::string tag = absl::StrCat("set-backend-", switch_index);
-  ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
-                          exchange_->Allgather(tag, config::EncodeRankReport(report), deadline));
+  // The k-th "set-backend" of every rank meet (the exchange matches calls by tag and count); a
+  // call that fails on one rank only leaves the counts apart until the group re-forms.
+  const std::string tag = "set-backend";
+  absl::StatusOr<std::vector<std::string>> gathered =
+      exchange_->Allgather(tag, config::EncodeRankReport(report), deadline);
+  if (!gathered.ok()) {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    admin_exchange_diverged_ = true;
+    return absl::Status(gathered.status().code(),
+                        absl::StrCat("backend switch vote failed (every rank must be asked): ",
+                                     gathered.status().message(), "; backend unchanged: ",
+                                     previous.backend));
+  }
+  std::vector<std::string> payloads = *std::move(gathered);
   std::vector<config::RankReport> reports;
   std::vector<std::string> disagreements;
   for (const auto& p : payloads) {
@@ -306,8 +326,13 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   }
   absl::StatusOr<std::unique_ptr<Engine>> built = BuildEngine(decision, deadline);
   std::string failure = built.ok() ? "" : std::string(built.status().message());
-  ARFUSE_ASSIGN_OR_RETURN(VoteResult vote,
-                          exchange_->Vote(tag + "-built", built.ok(), failure, deadline));
+  absl::StatusOr<VoteResult> voted = exchange_->Vote(tag + "-built", built.ok(), failure, deadline);
+  if (!voted.ok()) {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    admin_exchange_diverged_ = true;
+    return voted.status();
+  }
+  const VoteResult& vote = *voted;
   if (!vote.all_yes) {
     return absl::AbortedError(absl::StrCat("the new backend could not be built on every rank (",
                                            absl::StrJoin(vote.reasons, "; "),
@@ -327,6 +352,11 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   gate_.Resume();
   EngineStatus es = gate_.Status();
   metrics_->SetWorkspaceBytes(es.workspace_bytes);
+  {
+    // A group that re-forms later (after a poisoning) keeps the switched backend.
+    std::lock_guard<std::mutex> lock(state_mu_);
+    flags_ = flags;
+  }
   Publish(decision, true);
   spdlog::info("event=backend_switched from={} to={} fusion_enabled={} generation={}",
                previous.backend, decision.backend, decision.fusion_enabled, es.generation);

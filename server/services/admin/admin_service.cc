@@ -1,5 +1,6 @@
 #include "server/services/admin/admin_service.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -29,9 +30,14 @@ AdminService::AdminService(AdminControl* control, absl::Duration default_deadlin
     : control_(control), default_deadline_(default_deadline) {}
 
 absl::Time AdminService::DeadlineOf(const grpc::CallbackServerContext& ctx) const {
+  const absl::Time now = absl::Now();
   absl::Time client = absl::FromChrono(ctx.deadline());
-  absl::Time fallback = absl::Now() + default_deadline_;
-  return client < fallback ? client : fallback;
+  absl::Time fallback = now + default_deadline_;
+  absl::Time deadline = client < fallback ? client : fallback;
+  // Finish a little before the client gives up, so it gets our reason (which ranks are missing)
+  // rather than its own DEADLINE_EXCEEDED.
+  absl::Duration margin = std::min(absl::Seconds(1), (deadline - now) / 5);
+  return deadline - margin;
 }
 
 grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* ctx,
