@@ -395,10 +395,29 @@ __global__ void __launch_bounds__(1024) TwoShotKernel(const FusionParams p) {
 // anything of the protocol is touched. The decision reads only the device params and the
 // template, so it is the same in every block. One algorithm per kernel: a kernel holding both
 // bodies spilled five times more registers (ptxas -v).
+// Programmatic dependent launch (sm_90+). Both are no-ops for a kernel that was not launched as a
+// dependent (wait) or has no dependent launched that way (launch_dependents).
+__device__ __forceinline__ void WaitForPrerequisiteGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <DType DT, bool kNorm, FusionAlgo kAlgo>
 __global__ void __launch_bounds__(1024)
     IndirectKernel(const FusionParams tmpl, const FusionParams* __restrict__ device_params) {
   __shared__ FusionParams s_params;
+  // Launched as a programmatic dependent, this block may start before the kernel that writes
+  // the params has finished: wait for it (and for its stores) before reading them. Then let the
+  // kernel queued behind (the doorbell's completion) be scheduled early: it waits for this grid
+  // to finish in the same way.
+  WaitForPrerequisiteGrid();
+  AllowDependentLaunch();
   static_assert(sizeof(FusionParams) % sizeof(uint64_t) == 0);
   {
     // Plain (not .nc) loads: the waiter kernel wrote these words just before this launch.
@@ -415,7 +434,8 @@ __global__ void __launch_bounds__(1024)
   const uint64_t slice_elems = (p.num_tokens + n - 1) / n * p.hidden;
   if (p.num_tokens == 0 || p.algo != kAlgo || p.dtype != tmpl.dtype ||
       p.pattern != tmpl.pattern || p.hidden != tmpl.hidden || p.world_size != tmpl.world_size ||
-      p.rank != tmpl.rank || elems * DTypeSize(DT) > tmpl.layout.lamport_slot_bytes ||
+      p.rank != tmpl.rank || p.sm_budget != tmpl.sm_budget ||
+      elems * DTypeSize(DT) > tmpl.layout.lamport_slot_bytes ||
       slice_elems * DTypeSize(DT) > tmpl.layout.scatter_slot_bytes) {
     return;
   }
@@ -527,9 +547,29 @@ cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
 }
 
 // The indirect launch's geometry: from the template only (see allreduce_fusion.h).
+template <typename Kernel>
+cudaError_t LaunchIndirectKernel(Kernel kernel, unsigned grid, int threads, const FusionParams& t,
+                                 const FusionParams* device_params, cudaStream_t stream,
+                                 bool programmatic) {
+  if (!programmatic) {
+    kernel<<<grid, threads, 0, stream>>>(t, device_params);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, t, device_params);
+}
+
 template <DType DT, bool kNorm>
 cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* device_params,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, bool programmatic) {
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
   const int threads = device::RowBlockThreads(vecs_per_row);
   const bool one_shot = t.algo == FusionAlgo::kOneShot;
@@ -549,21 +589,20 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
   const uint64_t max_rows = one_shot ? max_tokens : (max_tokens + n - 1) / n;
   const unsigned grid =
       static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(max_rows, resident)));
-  if (one_shot) {
-    IndirectKernel<DT, kNorm, FusionAlgo::kOneShot><<<grid, threads, 0, stream>>>(t, device_params);
-  } else {
-    IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot><<<grid, threads, 0, stream>>>(t, device_params);
-  }
-  return cudaGetLastError();
+  return one_shot ? LaunchIndirectKernel(IndirectKernel<DT, kNorm, FusionAlgo::kOneShot>, grid,
+                                         threads, t, device_params, stream, programmatic)
+                  : LaunchIndirectKernel(IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot>, grid,
+                                         threads, t, device_params, stream, programmatic);
 }
 
 template <DType DT>
 cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* device_params,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, bool programmatic) {
   switch (t.pattern) {
-    case Pattern::kAllReduce: return LaunchIndirectTyped<DT, false>(t, device_params, stream);
+    case Pattern::kAllReduce:
+      return LaunchIndirectTyped<DT, false>(t, device_params, stream, programmatic);
     case Pattern::kAllReduceResidualRmsNorm:
-      return LaunchIndirectTyped<DT, true>(t, device_params, stream);
+      return LaunchIndirectTyped<DT, true>(t, device_params, stream, programmatic);
   }
   return cudaErrorInvalidValue;
 }
@@ -571,7 +610,8 @@ cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* de
 }  // namespace
 
 cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
-                                          const FusionParams* device_params, cudaStream_t stream) {
+                                          const FusionParams* device_params, cudaStream_t stream,
+                                          bool programmatic_dependent) {
   if (device_params == nullptr || (reinterpret_cast<uintptr_t>(device_params) & 7u) != 0) {
     return cudaErrorInvalidValue;
   }
@@ -579,9 +619,15 @@ cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
   t.num_tokens = 0;  // the template's shape class only: its pointers are not used by the launch
   if (cudaError_t err = CheckFusionParams(t, nullptr); err != cudaSuccess) return err;
   switch (t.dtype) {
-    case DType::kBF16: return LaunchIndirectForDType<DType::kBF16>(t, device_params, stream);
-    case DType::kFP16: return LaunchIndirectForDType<DType::kFP16>(t, device_params, stream);
-    case DType::kFP32: return LaunchIndirectForDType<DType::kFP32>(t, device_params, stream);
+    case DType::kBF16:
+      return LaunchIndirectForDType<DType::kBF16>(t, device_params, stream,
+                                                 programmatic_dependent);
+    case DType::kFP16:
+      return LaunchIndirectForDType<DType::kFP16>(t, device_params, stream,
+                                                 programmatic_dependent);
+    case DType::kFP32:
+      return LaunchIndirectForDType<DType::kFP32>(t, device_params, stream,
+                                                 programmatic_dependent);
   }
   return cudaErrorInvalidValue;
 }

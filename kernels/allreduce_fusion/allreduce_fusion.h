@@ -144,7 +144,8 @@ cudaError_t LaunchAllReduceFusion(const FusionParams& params, cudaStream_t strea
 // every rank that passes the same template launches the same grid.
 //
 // The kernel runs the device params only when they belong to this launch: same dtype, pattern,
-// algo, hidden, world size and rank as the template, num_tokens > 0 and within the workspace.
+// algo, hidden, world size, rank and sm_budget as the template, num_tokens > 0 and within the
+// workspace (so two launches queued with different templates never both run one op).
 // Otherwise (num_tokens == 0: an idle waiter; another shape or algorithm: a launch queued for
 // another plan, or the one-shot and two-shot launches queued behind one waiter so the device
 // may pick either) every block returns at once WITHOUT touching any protocol state (epoch,
@@ -153,11 +154,19 @@ cudaError_t LaunchAllReduceFusion(const FusionParams& params, cudaStream_t strea
 // order. The host must make the device params of every rank agree on whether an op runs and on
 // its num_tokens and algo, exactly as for LaunchAllReduceFusion.
 //
+// programmatic_dependent (sm_90+): launch with programmatic stream serialization, so the blocks
+// may be scheduled while the kernel before it on the stream still runs, once that kernel
+// executed griddepcontrol.launch_dependents (the doorbell's waiter does right after it took a
+// ring); every block waits (griddepcontrol.wait) for that kernel to finish and its stores to be
+// visible before reading the device params. The kernel also lets its own dependents launch
+// early. It hides a launch latency; the results are the same.
+//
 // cudaErrorInvalidValue (nothing launched) when device_params is null or misaligned (8 B), or
 // the template fails CheckFusionParams with num_tokens = 0 (pointers are then checked only by
 // the host that wrote the device params). Capturable in CUDA graphs.
 cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
-                                          const FusionParams* device_params, cudaStream_t stream);
+                                          const FusionParams* device_params, cudaStream_t stream,
+                                          bool programmatic_dependent = false);
 
 // Resets this rank's own workspace (peer pointers are not touched): Lamport buffers to the
 // dtype's -0.0 sentinel, counters, barrier slots, abort and error words to zero.

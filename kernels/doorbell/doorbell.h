@@ -115,13 +115,18 @@ inline constexpr uint64_t DoorbellSlotOffset(uint32_t slot) {
 // launched, no CUDA call made) for a null or misaligned slot or a zero timeout.
 cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns,
                                cudaStream_t stream);
-// The same checks without launching; `why` (optional) gets a static message.
+// Loads the ring kernel's module into the current context now (cudaFuncGetAttributes), so that
+// the first ring is not what loads it (lazy module loading inside a graph capture). Call once
+// per device outside capture, e.g. when opening the doorbell.
+cudaError_t PrepareDoorbellRing();
+// The same checks as LaunchDoorbellRing without launching; `why` (optional) gets a static message.
 cudaError_t CheckDoorbellRingArgs(const DoorbellSlot* slot, uint64_t timeout_ns,
                                   const char** why = nullptr);
 
 // ---------------------------------------------------------------------------------------------
 // Sidecar side. The sidecar keeps triples queued on its stream:
-//   LaunchDoorbellWait -> LaunchAllReduceFusionIndirect (one per plan shape) -> LaunchDoorbellComplete
+//   LaunchDoorbellWait -> LaunchAllReduceFusionIndirect (one per plan shape) ->
+//   LaunchDoorbellComplete
 // The waiter writes a DoorbellOp that the two kernels behind it read.
 
 // One entry of the device-side plan table (indexed like the slots).
@@ -180,15 +185,15 @@ struct DoorbellReport {
 static_assert(sizeof(DoorbellReport) == 16);
 
 struct DoorbellWaitParams {
-  DoorbellSlot* slots;             // the block (kMaxDoorbellSlots slots)
-  const DoorbellPlanEntry* plans;  // device plan table, kMaxDoorbellSlots entries
-  DoorbellOp* op;                  // written for the kernels behind
-  const DoorbellControl* control;  // device address of the host-mapped control words
+  DoorbellSlot* slots;              // the block (kMaxDoorbellSlots slots)
+  const DoorbellPlanEntry* plans;   // device plan table, kMaxDoorbellSlots entries
+  DoorbellOp* op;                   // written for the kernels behind
+  const DoorbellControl* control;   // device address of the host-mapped control words
   const uint32_t* workspace_abort;  // optional: WorkspaceAbortWord of this rank
   const uint32_t* host_abort;       // optional: FusionParams::host_abort
-  uint64_t idle_timeout_ns;        // from the waiter's start; 0 is refused
-  uint32_t slot_mask;              // bit i: slot i may be served by this waiter
-  uint32_t generation;             // see DoorbellControl::generation
+  uint64_t idle_timeout_ns;         // from the waiter's start; 0 is refused
+  uint32_t slot_mask;               // bit i: slot i may be served by this waiter
+  uint32_t generation;              // see DoorbellControl::generation
 };
 static_assert(sizeof(DoorbellWaitParams) == 64);
 
@@ -198,22 +203,30 @@ struct DoorbellCompleteParams {
   const uint32_t* workspace_error;  // optional: WorkspaceErrorWord of this rank
   DoorbellReport* report;           // optional: device address of a host-mapped report
 };
+static_assert(sizeof(DoorbellCompleteParams) == 32, "DoorbellCompleteParams is a kernel parameter");
 
 // One block of one warp: polls the request words of the slots in slot_mask (and, every few
 // microseconds, the control words, the abort words and the idle deadline), then writes the op.
-cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream);
+// Right after it takes a ring it executes griddepcontrol.launch_dependents, so a fused launch
+// queued behind it as a programmatic dependent (LaunchAllReduceFusionIndirect's flag) is
+// scheduled at once instead of after this kernel ended.
+// programmatic_dependent: launch it as a programmatic dependent of the kernel before it (the
+// previous op's completion); it waits for that kernel before anything else.
+cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream,
+                               bool programmatic_dependent = false);
 // One thread: for a served or rejected op records the slot's error (workspace error, bad token
 // count), counts the op, release-stores kDoorbellComplete; then fills the report. Does nothing to
-// any slot for an idle, kicked, stopped or aborted waiter.
-cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream);
+// any slot for an idle, kicked, stopped or aborted waiter. programmatic_dependent as above: it
+// then waits (griddepcontrol.wait) for the fused kernel before it reads anything.
+cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream,
+                                   bool programmatic_dependent = false);
 // Sets `code` into the error word of every slot in slot_mask whose error is still clear (CAS), so
 // rings in progress stop polling and later rings do not ring. Used when the plane stops.
 cudaError_t LaunchDoorbellSetError(DoorbellSlot* slots, uint32_t slot_mask, uint32_t code,
                                    cudaStream_t stream);
 // Re-arms the slots in slot_mask: request, complete and error to their reset values. Only valid
 // while no kernel of either side uses them (DoorbellPlane::ResetSlots pauses first).
-cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask,
-                                     cudaStream_t stream);
+cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cudaStream_t stream);
 
 cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& params, const char** why = nullptr);
 cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& params,

@@ -38,7 +38,8 @@ __device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
 }
 
 // Compare-and-swap that, when it succeeds, acquires what the writer of `expected` released.
-__device__ __forceinline__ uint32_t CasAcquireSys(uint32_t* p, uint32_t expected, uint32_t desired) {
+__device__ __forceinline__ uint32_t CasAcquireSys(uint32_t* p, uint32_t expected,
+                                                  uint32_t desired) {
   uint32_t old;
   asm volatile("atom.acquire.sys.global.cas.b32 %0, [%1], %2, %3;"
                : "=r"(old)
@@ -47,13 +48,26 @@ __device__ __forceinline__ uint32_t CasAcquireSys(uint32_t* p, uint32_t expected
   return old;
 }
 
-__device__ __forceinline__ uint32_t CasRelaxedSys(uint32_t* p, uint32_t expected, uint32_t desired) {
+__device__ __forceinline__ uint32_t CasRelaxedSys(uint32_t* p, uint32_t expected,
+                                                  uint32_t desired) {
   uint32_t old;
   asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;"
                : "=r"(old)
                : "l"(p), "r"(expected), "r"(desired)
                : "memory");
   return old;
+}
+
+// Programmatic dependent launch (sm_90+); no-ops for kernels not launched that way.
+__device__ __forceinline__ void WaitForPrerequisiteGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 }  // namespace doorbell_device

@@ -1,0 +1,626 @@
+#include "server/doorbell/doorbell_plane.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+#include "server/doorbell/cuda_check.h"
+#include "spdlog/spdlog.h"
+
+namespace arfuse {
+namespace {
+
+using doorbell_internal::CudaStatus;
+using doorbell_internal::ScopedDevice;
+
+constexpr uint32_t kMaxQueueDepth = 64;
+// How long teardown waits for queued kernels to leave after the stop word (they see it within
+// microseconds unless a fused op spins on a missing peer) before leaking instead of blocking.
+constexpr absl::Duration kTeardownWait = absl::Milliseconds(200);
+// Bound on the small side-stream jobs (plan upload, slot reset).
+constexpr absl::Duration kSideStreamWait = absl::Seconds(2);
+
+uint64_t ToNanos(absl::Duration d) { return static_cast<uint64_t>(absl::ToInt64Nanoseconds(d)); }
+
+// The host writes the control words with plain release stores; the waiter polls them over PCIe.
+void StoreControl(uint32_t* word, uint32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+}
+
+DoorbellReport ReadReport(const DoorbellReport* r) {
+  const volatile DoorbellReport* v = r;
+  return DoorbellReport{v->outcome, v->slot, v->num_tokens, v->error};
+}
+
+void ClearReport(DoorbellReport* r) {
+  volatile DoorbellReport* v = r;
+  v->outcome = 0;
+  v->slot = 0;
+  v->num_tokens = 0;
+  v->error = 0;
+}
+
+// Largest token count with `hidden` that fits the workspace for both algorithms.
+uint32_t MaxTokensThatFit(const WorkspaceLayout& l, uint32_t hidden) {
+  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * DTypeSize(l.dtype);
+  if (row_bytes == 0 || l.world_size <= 0) return 0;
+  const uint64_t lamport = l.lamport_slot_bytes / row_bytes;
+  const uint64_t twoshot = l.scatter_slot_bytes / row_bytes * static_cast<uint64_t>(l.world_size);
+  return static_cast<uint32_t>(std::min<uint64_t>({lamport, twoshot, 0xffffffffu}));
+}
+
+bool SameLayout(const WorkspaceLayout& a, const WorkspaceLayout& b) {
+  return a.control_offset == b.control_offset && a.lamport_offset == b.lamport_offset &&
+         a.lamport_buffer_bytes == b.lamport_buffer_bytes &&
+         a.lamport_slot_bytes == b.lamport_slot_bytes && a.scatter_offset == b.scatter_offset &&
+         a.scatter_slot_bytes == b.scatter_slot_bytes && a.gather_offset == b.gather_offset &&
+         a.total_bytes == b.total_bytes && a.max_tokens == b.max_tokens && a.hidden == b.hidden &&
+         a.world_size == b.world_size && a.dtype == b.dtype;
+}
+
+bool UsesOneShot(const DoorbellPlanOptions& o) { return o.twoshot_min_tokens > 1; }
+bool UsesTwoShot(const DoorbellPlanOptions& o) { return o.twoshot_min_tokens <= o.max_tokens; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DoorbellPlane>> DoorbellPlane::Create(
+    const DoorbellPlaneOptions& options) {
+  if (options.stream == nullptr) {
+    return absl::InvalidArgumentError(
+        "doorbell plane needs the engine's stream (the legacy default stream would serialize "
+        "with every other stream)");
+  }
+  if (options.local_workspace == nullptr || options.layout.total_bytes == 0) {
+    return absl::InvalidArgumentError("doorbell plane needs this rank's workspace and its layout");
+  }
+  if (options.device < 0) return absl::InvalidArgumentError("doorbell plane: device is negative");
+  if (options.queue_depth == 0 || options.queue_depth > kMaxQueueDepth) {
+    return absl::InvalidArgumentError(absl::StrCat("doorbell queue depth must be 1..",
+                                                   kMaxQueueDepth, ", got ", options.queue_depth));
+  }
+  if (options.idle_timeout <= absl::ZeroDuration() || options.idle_timeout > absl::Seconds(60)) {
+    return absl::InvalidArgumentError("doorbell idle timeout must be in (0, 60 s]");
+  }
+  if (options.poll_interval <= absl::ZeroDuration() ||
+      options.poll_interval > absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError("doorbell poll interval must be in (0, 100 ms]");
+  }
+  std::unique_ptr<DoorbellPlane> plane(new DoorbellPlane(options));
+  ARFUSE_RETURN_IF_ERROR(plane->Allocate());
+  plane->thread_ = std::thread([p = plane.get()] { p->Loop(); });
+  spdlog::info("event=doorbell_plane_created device={} queue_depth={} idle_timeout_ms={}",
+               options.device, options.queue_depth,
+               absl::ToDoubleMilliseconds(options.idle_timeout));
+  return plane;
+}
+
+DoorbellPlane::DoorbellPlane(const DoorbellPlaneOptions& options) : options_(options) {}
+
+absl::Status DoorbellPlane::Allocate() {
+  ScopedDevice device(options_.device);
+  ARFUSE_DOORBELL_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
+                       "doorbell side stream creation");
+  void* raw = nullptr;
+  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellBlock)), "doorbell slot block allocation");
+  block_ = static_cast<DoorbellBlock*>(raw);
+  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry)),
+                       "doorbell plan table allocation");
+  plan_table_ = static_cast<DoorbellPlanEntry*>(raw);
+  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellOp)), "doorbell op record allocation");
+  op_ = static_cast<DoorbellOp*>(raw);
+  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(block_, 0, sizeof(DoorbellBlock), side_stream_),
+                       "doorbell slot block reset");
+  ARFUSE_DOORBELL_CUDA(
+      cudaMemsetAsync(plan_table_, 0, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry), side_stream_),
+      "doorbell plan table reset");
+  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(op_, 0, sizeof(DoorbellOp), side_stream_),
+                       "doorbell op record reset");
+
+  ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped),
+                       "doorbell control words allocation");
+  control_host_ = static_cast<DoorbellControl*>(raw);
+  std::memset(control_host_, 0, sizeof(DoorbellControl));
+  control_host_->generation = 1;
+  void* device_view = nullptr;
+  ARFUSE_DOORBELL_CUDA(cudaHostGetDevicePointer(&device_view, control_host_, 0),
+                       "doorbell control words mapping");
+  control_device_ = static_cast<const DoorbellControl*>(device_view);
+  ARFUSE_DOORBELL_CUDA(
+      cudaHostAlloc(&raw, options_.queue_depth * sizeof(DoorbellReport), cudaHostAllocMapped),
+      "doorbell reports allocation");
+  reports_host_ = static_cast<DoorbellReport*>(raw);
+  std::memset(reports_host_, 0, options_.queue_depth * sizeof(DoorbellReport));
+  ARFUSE_DOORBELL_CUDA(cudaHostGetDevicePointer(&device_view, reports_host_, 0),
+                       "doorbell reports mapping");
+  reports_device_ = static_cast<DoorbellReport*>(device_view);
+  ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellPlanEntry), cudaHostAllocDefault),
+                       "doorbell staging allocation");
+  staging_ = static_cast<DoorbellPlanEntry*>(raw);
+
+  events_.resize(options_.queue_depth, nullptr);
+  for (uint32_t i = 0; i < options_.queue_depth; ++i) {
+    ARFUSE_DOORBELL_CUDA(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming),
+                         "doorbell event creation");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint32_t i = options_.queue_depth; i > 0; --i) free_entries_.push_back(i - 1);
+  }
+  cudaIpcMemHandle_t handle;
+  ARFUSE_DOORBELL_CUDA(cudaIpcGetMemHandle(&handle, block_),
+                       "cudaIpcGetMemHandle (doorbell block)");
+  static_assert(sizeof(handle) == 64, "the Doorbell message carries a 64-byte handle");
+  ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  return WaitSideStream(absl::Now() + kSideStreamWait, "doorbell memory reset");
+}
+
+DoorbellPlane::~DoorbellPlane() {
+  Stop();
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  // The stop word makes every queued waiter leave at once; give them a moment, never more.
+  bool drained = false;
+  const absl::Time deadline = absl::Now() + kTeardownWait;
+  ScopedDevice device(options_.device);
+  while (true) {
+    bool busy = false;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [seq, entry] : inflight_) {
+        if (cudaEventQuery(events_[entry]) == cudaErrorNotReady) busy = true;
+      }
+    }
+    if (side_stream_ != nullptr && cudaStreamQuery(side_stream_) == cudaErrorNotReady) busy = true;
+    if (!busy) {
+      drained = true;
+      break;
+    }
+    if (absl::Now() > deadline) break;
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  cudaGetLastError();
+  if (!drained) {
+    // A queued kernel still runs (most likely a fused op spinning on a peer until its spin
+    // timeout): freeing now would wait for it. Leak the few KiB instead.
+    spdlog::warn(
+        "event=doorbell_teardown_leak reason=\"doorbell kernels still running after {} ms; "
+        "their memory is not freed\"",
+        absl::ToInt64Milliseconds(kTeardownWait));
+    return;
+  }
+  for (cudaEvent_t e : events_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
+  if (block_ != nullptr) cudaFree(block_);
+  if (plan_table_ != nullptr) cudaFree(plan_table_);
+  if (op_ != nullptr) cudaFree(op_);
+  if (control_host_ != nullptr) cudaFreeHost(control_host_);
+  if (reports_host_ != nullptr) cudaFreeHost(reports_host_);
+  if (staging_ != nullptr) cudaFreeHost(staging_);
+  cudaGetLastError();
+}
+
+absl::Status DoorbellPlane::WaitSideStream(absl::Time deadline, const char* what) {
+  while (true) {
+    const cudaError_t err = cudaStreamQuery(side_stream_);
+    if (err == cudaSuccess) return absl::OkStatus();
+    if (err != cudaErrorNotReady) return CudaStatus(err, what);
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time"));
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
+
+uint32_t DoorbellPlane::ActiveMaskLocked() const {
+  uint32_t mask = 0;
+  for (uint32_t i = 0; i < kMaxDoorbellSlots; ++i) {
+    if (plans_[i].active) mask |= 1u << i;
+  }
+  return mask;
+}
+
+absl::StatusOr<DoorbellHandle> DoorbellPlane::AddPlan(const FusionParams& plan,
+                                                      const DoorbellPlanOptions& plan_options) {
+  ScopedDevice device(options_.device);
+  // Validation first, without the lock or the device.
+  if (!SameLayout(plan.layout, options_.layout)) {
+    return absl::InvalidArgumentError(
+        "doorbell plan's workspace layout differs from the plane's workspace");
+  }
+  if (plan.rank < 0 || plan.rank >= kMaxWorldSize ||
+      plan.peer_workspace[plan.rank] != options_.local_workspace) {
+    return absl::InvalidArgumentError(
+        "doorbell plan's own workspace (peer_workspace[rank]) is not the plane's workspace");
+  }
+  if (plan.hidden == 0 || plan.hidden % kHiddenMultiple != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("doorbell plan hidden ", plan.hidden, " is not a positive multiple of 8"));
+  }
+  DoorbellPlanOptions opts = plan_options;
+  const uint32_t fit = MaxTokensThatFit(options_.layout, plan.hidden);
+  if (opts.max_tokens == 0) opts.max_tokens = fit;
+  if (opts.max_tokens == 0 || opts.max_tokens > fit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("doorbell plan max_tokens ", opts.max_tokens, " at hidden ", plan.hidden,
+                     " does not fit the workspace (at most ", fit, ")"));
+  }
+  for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+    if (algo == FusionAlgo::kOneShot ? !UsesOneShot(opts) : !UsesTwoShot(opts)) continue;
+    FusionParams check = plan;
+    check.num_tokens = opts.max_tokens;
+    check.algo = algo;
+    const char* why = nullptr;
+    if (CheckFusionParams(check, &why) != cudaSuccess) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("doorbell plan refused by the fused kernels (",
+                       algo == FusionAlgo::kOneShot ? "one-shot" : "two-shot",
+                       "): ", why != nullptr ? why : "invalid"));
+    }
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (state_ == State::kStopped || state_ == State::kFailed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("doorbell plane is stopped: ", counters_.health.ToString()));
+  }
+  PumpLocked();  // may free retired slots
+  uint32_t slot = kMaxDoorbellSlots;
+  for (uint32_t i = 0; i < kMaxDoorbellSlots; ++i) {
+    if (!plans_[i].active && !plans_[i].retiring) {
+      slot = i;
+      break;
+    }
+  }
+  if (slot == kMaxDoorbellSlots) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("all ", kMaxDoorbellSlots, " doorbell slots are in use; destroy a plan"));
+  }
+  DoorbellPlanEntry entry{};
+  entry.params = plan;
+  entry.params.num_tokens = 0;
+  entry.max_tokens = opts.max_tokens;
+  entry.twoshot_min_tokens = opts.twoshot_min_tokens;
+  *staging_ = entry;
+  // The slot enters no waiter's mask before this upload and reset finished: a waiter never reads
+  // a half-written entry, and the client gets an armed slot.
+  ARFUSE_DOORBELL_CUDA(cudaMemcpyAsync(plan_table_ + slot, staging_, sizeof(entry),
+                                       cudaMemcpyHostToDevice, side_stream_),
+                       "doorbell plan upload");
+  ARFUSE_DOORBELL_CUDA(
+      LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_), 1u << slot, side_stream_),
+      "doorbell slot reset");
+  ARFUSE_RETURN_IF_ERROR(WaitSideStream(absl::Now() + kSideStreamWait, "doorbell plan upload"));
+  Plan& p = plans_[slot];
+  p.active = true;
+  p.params = entry.params;
+  p.options = opts;
+  p.retiring = false;
+  RebuildSignaturesLocked();
+  // Queued waiters do not know the new slot (their mask is fixed): send them away so that the
+  // replacements serve it at once.
+  KickLocked();
+  PumpLocked();
+  spdlog::info(
+      "event=doorbell_plan_added slot={} hidden={} pattern={} max_tokens={} "
+      "twoshot_min_tokens={}",
+      slot, plan.hidden, PatternName(plan.pattern), opts.max_tokens, opts.twoshot_min_tokens);
+  DoorbellHandle handle;
+  handle.slot = slot;
+  handle.ipc_handle = ipc_handle_;
+  handle.offset = DoorbellSlotOffset(slot);
+  return handle;
+}
+
+absl::Status DoorbellPlane::RemovePlan(uint32_t slot) {
+  ScopedDevice device(options_.device);
+  absl::MutexLock lock(&mu_);
+  if (slot >= kMaxDoorbellSlots || !plans_[slot].active) {
+    return absl::NotFoundError(absl::StrCat("no doorbell plan in slot ", slot));
+  }
+  Plan& p = plans_[slot];
+  p.active = false;
+  p.retiring = true;
+  p.retire_after_seq = next_seq_;
+  RebuildSignaturesLocked();
+  KickLocked();
+  // A client still ringing this slot stops polling (and does not ring again).
+  const absl::Status st = CudaStatus(
+      LaunchDoorbellSetError(reinterpret_cast<DoorbellSlot*>(block_), 1u << slot,
+                             static_cast<uint32_t>(DoorbellError::kStopped), side_stream_),
+      "doorbell slot close");
+  PumpLocked();
+  spdlog::info("event=doorbell_plan_removed slot={}", slot);
+  return st;
+}
+
+absl::Status DoorbellPlane::Start() {
+  ScopedDevice device(options_.device);
+  absl::MutexLock lock(&mu_);
+  switch (state_) {
+    case State::kCreated:
+      state_ = State::kRunning;
+      break;
+    case State::kRunning:
+      return absl::OkStatus();
+    case State::kPaused:
+      return absl::FailedPreconditionError("doorbell plane is paused: use Resume");
+    case State::kStopped:
+    case State::kFailed:
+      return absl::FailedPreconditionError(
+          absl::StrCat("doorbell plane is stopped: ", counters_.health.ToString()));
+  }
+  PumpLocked();
+  spdlog::info("event=doorbell_plane_started plans={}", __builtin_popcount(ActiveMaskLocked()));
+  return absl::OkStatus();
+}
+
+absl::Status DoorbellPlane::Pause(absl::Time deadline) {
+  ScopedDevice device(options_.device);
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ == State::kRunning) state_ = State::kPaused;
+    KickLocked();
+  }
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      PumpLocked();
+      if (inflight_.empty()) return absl::OkStatus();
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          "doorbell ops still running at the pause deadline (a fused op waiting for a peer?)");
+    }
+    absl::SleepFor(std::min(options_.poll_interval, absl::Microseconds(50)));
+  }
+}
+
+absl::Status DoorbellPlane::Resume() {
+  ScopedDevice device(options_.device);
+  absl::MutexLock lock(&mu_);
+  switch (state_) {
+    case State::kPaused:
+      state_ = State::kRunning;
+      break;
+    case State::kRunning:
+      return absl::OkStatus();
+    case State::kCreated:
+      return absl::FailedPreconditionError("doorbell plane not started");
+    case State::kStopped:
+    case State::kFailed:
+      return absl::FailedPreconditionError(
+          absl::StrCat("doorbell plane is stopped: ", counters_.health.ToString()));
+  }
+  PumpLocked();
+  return absl::OkStatus();
+}
+
+absl::Status DoorbellPlane::ResetSlots(absl::Time deadline) {
+  ScopedDevice device(options_.device);
+  absl::MutexLock lock(&mu_);
+  if (state_ != State::kPaused && state_ != State::kCreated) {
+    return absl::FailedPreconditionError("doorbell slots can only be reset while paused");
+  }
+  PumpLocked();
+  if (!inflight_.empty()) {
+    return absl::FailedPreconditionError("doorbell ops still queued: Pause until they finished");
+  }
+  ARFUSE_DOORBELL_CUDA(LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_),
+                                                ActiveMaskLocked(), side_stream_),
+                       "doorbell slot reset");
+  ARFUSE_RETURN_IF_ERROR(WaitSideStream(deadline, "doorbell slot reset"));
+  counters_.health = absl::OkStatus();
+  counters_.last_error = 0;
+  spdlog::info("event=doorbell_slots_reset plans={}", __builtin_popcount(ActiveMaskLocked()));
+  return absl::OkStatus();
+}
+
+void DoorbellPlane::Stop() {
+  ScopedDevice device(options_.device);
+  absl::MutexLock lock(&mu_);
+  if (control_host_ != nullptr) StoreControl(&control_host_->stop, 1);
+  if (state_ == State::kStopped) return;
+  const bool was_failed = state_ == State::kFailed;
+  state_ = State::kStopped;
+  if (block_ != nullptr && side_stream_ != nullptr && !was_failed) {
+    // Rings in progress stop polling; later rings do not ring. Asynchronous: never waits.
+    const cudaError_t err =
+        LaunchDoorbellSetError(reinterpret_cast<DoorbellSlot*>(block_), ActiveMaskLocked(),
+                               static_cast<uint32_t>(DoorbellError::kStopped), side_stream_);
+    if (err != cudaSuccess) {
+      spdlog::warn("event=doorbell_stop_close_failed error={}", cudaGetErrorName(err));
+      cudaGetLastError();
+    }
+  }
+  if (counters_.health.ok()) counters_.health = absl::CancelledError("doorbell plane stopped");
+  spdlog::info("event=doorbell_plane_stopped served={} idle={}", counters_.served, counters_.idle);
+}
+
+DoorbellPlaneStatus DoorbellPlane::Status() const {
+  absl::MutexLock lock(&mu_);
+  DoorbellPlaneStatus s = counters_;
+  s.running = state_ == State::kRunning;
+  s.paused = state_ == State::kPaused;
+  s.plans = static_cast<uint32_t>(__builtin_popcount(ActiveMaskLocked()));
+  return s;
+}
+
+DoorbellSlot* DoorbellPlane::slot_for_testing(uint32_t slot) const {
+  return slot < kMaxDoorbellSlots ? reinterpret_cast<DoorbellSlot*>(block_) + slot : nullptr;
+}
+
+void DoorbellPlane::KickLocked() {
+  ++generation_;
+  StoreControl(&control_host_->generation, generation_);
+}
+
+void DoorbellPlane::FailLocked(absl::Status status) {
+  spdlog::error("event=doorbell_plane_failed status=\"{}\"", status.ToString());
+  state_ = State::kFailed;
+  counters_.health = std::move(status);
+  StoreControl(&control_host_->stop, 1);
+}
+
+void DoorbellPlane::RebuildSignaturesLocked() {
+  signatures_.clear();
+  for (const Plan& p : plans_) {
+    if (!p.active) continue;
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      if (algo == FusionAlgo::kOneShot ? !UsesOneShot(p.options) : !UsesTwoShot(p.options)) {
+        continue;
+      }
+      // The fused launch's kernel and grid depend on these (allreduce_fusion.h); plans that share
+      // them share the launch.
+      const bool known =
+          std::any_of(signatures_.begin(), signatures_.end(), [&](const Signature& s) {
+            const FusionParams& t = s.grid_template;
+            return t.hidden == p.params.hidden && t.pattern == p.params.pattern && t.algo == algo &&
+                   t.sm_budget == p.params.sm_budget && t.dtype == p.params.dtype;
+          });
+      if (known) continue;
+      Signature s;
+      s.grid_template = p.params;
+      s.grid_template.algo = algo;
+      s.grid_template.num_tokens = 0;
+      signatures_.push_back(s);
+    }
+  }
+}
+
+void DoorbellPlane::Loop() {
+  cudaSetDevice(options_.device);
+  absl::MutexLock lock(&mu_);
+  while (!shutdown_) {
+    PumpLocked();
+    // Sleeps with the lock released; wakes early for shutdown.
+    mu_.AwaitWithTimeout(absl::Condition(&shutdown_), options_.poll_interval);
+  }
+}
+
+void DoorbellPlane::PumpLocked() {
+  if (state_ == State::kFailed) return;
+  while (!inflight_.empty()) {
+    const auto [seq, entry] = inflight_.front();
+    const cudaError_t err = cudaEventQuery(events_[entry]);
+    if (err == cudaErrorNotReady) break;
+    if (err != cudaSuccess) {
+      FailLocked(CudaStatus(err, "doorbell op (event query)"));
+      return;
+    }
+    inflight_.pop_front();
+    free_entries_.push_back(entry);
+    const DoorbellReport r = ReadReport(reports_host_ + entry);
+    switch (static_cast<DoorbellOutcome>(r.outcome)) {
+      case DoorbellOutcome::kServed:
+      case DoorbellOutcome::kRejected:
+        if (r.outcome == static_cast<uint32_t>(DoorbellOutcome::kServed)) {
+          ++counters_.served;
+        } else {
+          ++counters_.rejected;
+        }
+        if (r.error != 0) {
+          if (r.outcome == static_cast<uint32_t>(DoorbellOutcome::kServed)) ++counters_.failed;
+          counters_.last_error = r.error;
+          if ((r.error & ~0xffu) == static_cast<uint32_t>(DoorbellError::kFusionFailed) &&
+              counters_.health.ok()) {
+            counters_.health = absl::FailedPreconditionError(absl::StrCat(
+                "doorbell op on slot ", r.slot, " failed: ", DoorbellErrorName(r.error),
+                "; re-initialize the workspace, then ResetSlots"));
+            spdlog::error("event=doorbell_op_failed slot={} tokens={} error=\"{}\"", r.slot,
+                          r.num_tokens, DoorbellErrorName(r.error));
+          }
+        }
+        break;
+      case DoorbellOutcome::kIdle:
+        ++counters_.idle;
+        break;
+      case DoorbellOutcome::kKicked:
+        ++counters_.kicked;
+        break;
+      case DoorbellOutcome::kStopped:
+        break;
+      case DoorbellOutcome::kAborted:
+        if (state_ == State::kRunning) {
+          // Re-queuing would spin: every waiter leaves at once while the abort word is set. Rings
+          // in progress fail fast instead of waiting for their timeout.
+          state_ = State::kPaused;
+          // The first error stays (an op that failed before says more than the abort).
+          if (counters_.health.ok())
+            counters_.health = absl::AbortedError(
+                "doorbell waiter saw the workspace abort word: the group is failing; "
+                "re-initialize the workspace, then ResetSlots and Resume");
+          spdlog::error("event=doorbell_aborted");
+          const cudaError_t e =
+              LaunchDoorbellSetError(reinterpret_cast<DoorbellSlot*>(block_), ActiveMaskLocked(),
+                                     static_cast<uint32_t>(DoorbellError::kFusionFailed) |
+                                         static_cast<uint32_t>(FusionError::kHostAbort),
+                                     side_stream_);
+          if (e != cudaSuccess) cudaGetLastError();
+        }
+        break;
+      case DoorbellOutcome::kPending:
+        FailLocked(absl::InternalError("doorbell op finished without a report"));
+        return;
+    }
+  }
+  for (Plan& p : plans_) {
+    if (p.retiring && (inflight_.empty() || inflight_.front().first >= p.retire_after_seq)) {
+      p.retiring = false;
+    }
+  }
+  while (state_ == State::kRunning && !free_entries_.empty() && ActiveMaskLocked() != 0) {
+    const absl::Status st = EnqueueTripleLocked();
+    if (!st.ok()) {
+      FailLocked(st);
+      return;
+    }
+  }
+}
+
+absl::Status DoorbellPlane::EnqueueTripleLocked() {
+  const uint32_t entry = free_entries_.back();
+  ClearReport(reports_host_ + entry);
+  DoorbellSlot* slots = reinterpret_cast<DoorbellSlot*>(block_);
+  DoorbellWaitParams w{};
+  w.slots = slots;
+  w.plans = plan_table_;
+  w.op = op_;
+  w.control = control_device_;
+  w.workspace_abort = WorkspaceAbortWord(options_.local_workspace, options_.layout);
+  w.host_abort = options_.host_abort;
+  w.idle_timeout_ns = ToNanos(options_.idle_timeout);
+  w.slot_mask = ActiveMaskLocked();
+  w.generation = generation_;
+  // Programmatic launches (option): the waiter after the previous completion, the first fused
+  // launch after the waiter, the completion after the last fused launch. Never a second fused
+  // launch: scheduled early, its whole grid would sit on SMs the first one's peers (ranks sharing
+  // the GPU) may need to become co-resident.
+  const bool pdl = options_.programmatic_launch;
+  ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");
+  for (size_t i = 0; i < signatures_.size(); ++i) {
+    ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(signatures_[i].grid_template,
+                                                       reinterpret_cast<const FusionParams*>(op_),
+                                                       options_.stream, pdl && i == 0),
+                         "doorbell fused launch");
+  }
+  DoorbellCompleteParams c{};
+  c.slots = slots;
+  c.op = op_;
+  c.workspace_error = WorkspaceErrorWord(options_.local_workspace, options_.layout);
+  c.report = reports_device_ + entry;
+  ARFUSE_DOORBELL_CUDA(LaunchDoorbellComplete(c, options_.stream, pdl),
+                       "doorbell completion launch");
+  ARFUSE_DOORBELL_CUDA(cudaEventRecord(events_[entry], options_.stream), "doorbell event record");
+  free_entries_.pop_back();
+  inflight_.emplace_back(next_seq_++, entry);
+  return absl::OkStatus();
+}
+
+}  // namespace arfuse

@@ -1,0 +1,310 @@
+// doorbell_bench: µs per op of the doorbell plane against the same fused kernel launched
+// in-process, on one GPU with N ranks simulated in one process (design.md §7: the doorbell may
+// add at most 3 µs per op; the probe's floor is 2.3 µs under MPS).
+//
+//   in-process: each rank replays a CUDA graph of `--per_graph` by-value fused launches
+//               (LaunchAllReduceFusion) on its client stream;
+//   doorbell:   each rank replays a graph of `--per_graph` ring kernels on its client stream,
+//               served by its DoorbellPlane on the sidecar stream (waiter, indirect fused
+//               launch, completion, kept queued by the plane's host thread).
+// Both are timed with events on every client stream (the slowest rank counts), after a warm-up
+// replay; the last op's outputs are checked against the CPU. Also runs the plane's self-test.
+//
+// usage: doorbell_bench [--world=2] [--hidden=4096] [--tokens=1,8,32,128] [--ops=3000]
+//                       [--per_graph=100] [--algo=oneshot|twoshot] [--queue=32] [--poll_us=5]
+//                       [--pdl] [--json=PATH]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/doorbell/doorbell.h"
+#include "server/doorbell/doorbell_plane.h"
+#include "server/doorbell/doorbell_report.h"
+#include "server/doorbell/self_test.h"
+#include "server/gpu/mps.h"
+#include "tests/doorbell/doorbell_test_util.h"
+
+namespace arfuse {
+namespace {
+
+using doorbell_test::GroupShape;
+using doorbell_test::HostOp;
+using doorbell_test::RankGroup;
+
+struct Args {
+  int world = 2;
+  uint32_t hidden = 4096;
+  std::vector<uint32_t> tokens = {1, 8, 32, 128};
+  int ops = 3000;
+  int per_graph = 100;
+  FusionAlgo algo = FusionAlgo::kOneShot;
+  uint32_t queue = 32;
+  int poll_us = 5;
+  bool pdl = false;
+  std::string json;
+};
+
+bool Parse(int argc, char** argv, Args* a) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    const std::string key = arg.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : arg.substr(eq + 1);
+    bool ok = true;
+    if (key == "--world") {
+      ok = absl::SimpleAtoi(value, &a->world);
+    } else if (key == "--hidden") {
+      ok = absl::SimpleAtoi(value, &a->hidden);
+    } else if (key == "--ops") {
+      ok = absl::SimpleAtoi(value, &a->ops);
+    } else if (key == "--per_graph") {
+      ok = absl::SimpleAtoi(value, &a->per_graph);
+    } else if (key == "--queue") {
+      ok = absl::SimpleAtoi(value, &a->queue);
+    } else if (key == "--poll_us") {
+      ok = absl::SimpleAtoi(value, &a->poll_us);
+    } else if (key == "--pdl") {
+      a->pdl = true;
+    } else if (key == "--json") {
+      a->json = value;
+    } else if (key == "--algo") {
+      ok = value == "oneshot" || value == "twoshot";
+      a->algo = value == "twoshot" ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
+    } else if (key == "--tokens") {
+      a->tokens.clear();
+      for (absl::string_view t : absl::StrSplit(value, ',')) {
+        uint32_t v = 0;
+        ok = ok && absl::SimpleAtoi(t, &v) && v > 0;
+        a->tokens.push_back(v);
+      }
+    } else {
+      ok = false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "doorbell_bench: bad argument %s\n", arg.c_str());
+      return false;
+    }
+  }
+  if (a->per_graph < 1 || a->ops < a->per_graph || a->tokens.empty()) {
+    std::fprintf(stderr, "doorbell_bench: need --ops >= --per_graph >= 1 and some --tokens\n");
+    return false;
+  }
+  return true;
+}
+
+#define BENCH_CHECK(cond, what)                                  \
+  do {                                                           \
+    if (!(cond)) {                                               \
+      std::fprintf(stderr, "doorbell_bench: %s failed\n", what); \
+      return -1.0;                                               \
+    }                                                            \
+  } while (false)
+
+// Replays every rank's graph `replays` times (after one warm-up), concurrently; returns µs per
+// op of the slowest rank, or a negative value on failure.
+double TimeReplays(RankGroup& g, const std::vector<cudaGraphExec_t>& execs, int replays,
+                   int per_graph) {
+  const int world = g.world();
+  std::vector<cudaEvent_t> start(world), stop(world);
+  for (int r = 0; r < world; ++r) {
+    cudaEventCreate(&start[r]);
+    cudaEventCreate(&stop[r]);
+  }
+  for (int r = 0; r < world; ++r) cudaGraphLaunch(execs[r], g.client(r));  // warm-up
+  BENCH_CHECK(g.SyncClients(absl::Seconds(60)).ok(), "warm-up replay");
+  for (int r = 0; r < world; ++r) cudaEventRecord(start[r], g.client(r));
+  for (int i = 0; i < replays; ++i) {
+    for (int r = 0; r < world; ++r) cudaGraphLaunch(execs[r], g.client(r));
+  }
+  for (int r = 0; r < world; ++r) cudaEventRecord(stop[r], g.client(r));
+  BENCH_CHECK(g.SyncClients(absl::Seconds(120)).ok(), "timed replays");
+  float worst_ms = 0;
+  for (int r = 0; r < world; ++r) {
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start[r], stop[r]);
+    worst_ms = std::max(worst_ms, ms);
+    cudaEventDestroy(start[r]);
+    cudaEventDestroy(stop[r]);
+  }
+  BENCH_CHECK(cudaGetLastError() == cudaSuccess, "CUDA");
+  return worst_ms * 1000.0 / (static_cast<double>(replays) * per_graph);
+}
+
+template <typename Launch>
+std::vector<cudaGraphExec_t> CaptureEach(RankGroup& g, int per_graph, Launch launch) {
+  std::vector<cudaGraphExec_t> execs;
+  PrepareDoorbellRing();  // no lazy module loading inside the capture
+  for (int r = 0; r < g.world(); ++r) {
+    cudaStream_t s = g.client(r);
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    for (int i = 0; i < per_graph; ++i) launch(r, s);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (cudaStreamEndCapture(s, &graph) == cudaSuccess &&
+        cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+      execs.push_back(exec);
+    }
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+  return execs;
+}
+
+struct Row {
+  uint32_t tokens = 0;
+  double inprocess_us = 0;
+  double doorbell_us = 0;
+  bool correct = false;
+  uint64_t idle = 0;
+};
+
+int Main(int argc, char** argv) {
+  Args a;
+  if (!Parse(argc, argv, &a)) return 2;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "doorbell_bench: no CUDA device\n");
+    return 2;
+  }
+  int device = 0;
+  cudaGetDevice(&device);
+  const MpsInfo mps = DetectMps();
+  DoorbellSelfTestOptions so;
+  so.device = device;
+  so.hidden = a.hidden;
+  so.programmatic_launch = a.pdl;
+  auto self = RunDoorbellSelfTest(so);
+  DoorbellHopReport hop;
+  if (self.ok()) {
+    hop = *self;
+  } else {
+    hop.error = self.status().ToString();
+  }
+  std::printf("%s\n", DescribeDoorbell(hop, mps.active()).c_str());
+  std::printf(
+      "world=%d hidden=%u dtype=bf16 algo=%s ops=%d per_graph=%d queue=%u poll_us=%d "
+      "pdl=%d; ranks simulated in one process on one GPU; %s\n",
+      a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.per_graph,
+      a.queue, a.poll_us, a.pdl ? 1 : 0, mps.Describe().c_str());
+  const uint32_t max_tokens = *std::max_element(a.tokens.begin(), a.tokens.end());
+  RankGroup g(GroupShape{a.world, max_tokens, a.hidden, DType::kBF16});
+  if (!g.ok() || !g.Init().ok()) {
+    std::fprintf(stderr, "doorbell_bench: could not set up %d ranks\n", a.world);
+    return 1;
+  }
+  DoorbellPlaneOptions po;
+  po.device = device;
+  po.queue_depth = a.queue;
+  po.poll_interval = absl::Microseconds(a.poll_us);
+  po.idle_timeout = absl::Seconds(1);
+  po.programmatic_launch = a.pdl;
+  std::vector<std::unique_ptr<DoorbellPlane>> planes;
+  for (int r = 0; r < a.world; ++r) {
+    DoorbellPlaneOptions o = po;
+    o.stream = g.sidecar(r);
+    o.local_workspace = g.workspace(r);
+    o.layout = g.layout();
+    o.host_abort = g.host_abort().device();
+    auto p = DoorbellPlane::Create(o);
+    if (!p.ok()) {
+      std::fprintf(stderr, "doorbell_bench: %s\n", p.status().ToString().c_str());
+      return 1;
+    }
+    planes.push_back(std::move(*p));
+  }
+  std::vector<DoorbellSlot*> slots;
+  for (int r = 0; r < a.world; ++r) {
+    DoorbellPlanOptions opts;
+    opts.max_tokens = max_tokens;
+    opts.twoshot_min_tokens = a.algo == FusionAlgo::kTwoShot ? 1 : 0xffffffffu;
+    auto h = planes[r]->AddPlan(g.Params(r, 0, a.algo), opts);
+    if (!h.ok() || !planes[r]->Start().ok()) {
+      std::fprintf(stderr, "doorbell_bench: plan: %s\n", h.status().ToString().c_str());
+      return 1;
+    }
+    slots.push_back(planes[r]->slot_for_testing(h->slot));
+  }
+  std::mt19937 rng(1);
+  const int replays = a.ops / a.per_graph;
+  std::vector<Row> rows;
+  bool all_ok = true;
+  std::printf("\n%8s %16s %16s %12s %8s\n", "tokens", "in-process us", "doorbell us", "hop us",
+              "check");
+  for (uint32_t t : a.tokens) {
+    Row row;
+    row.tokens = t;
+    HostOp op(a.world, t, a.hidden, DType::kBF16);
+    op.FillRandom(rng);
+    if (!op.Upload(g).ok()) return 1;
+    auto reference = CaptureEach(g, a.per_graph, [&](int r, cudaStream_t s) {
+      LaunchAllReduceFusion(g.Params(r, t, a.algo), s);
+    });
+    auto rings = CaptureEach(g, a.per_graph, [&](int r, cudaStream_t s) {
+      LaunchDoorbellRing(slots[r], t, 10'000'000'000ull, s);
+    });
+    if (static_cast<int>(reference.size()) != a.world ||
+        static_cast<int>(rings.size()) != a.world) {
+      std::fprintf(stderr, "doorbell_bench: graph capture failed\n");
+      return 1;
+    }
+    row.inprocess_us = TimeReplays(g, reference, replays, a.per_graph);
+    // The in-process ops ran on the client streams; the doorbell ops run on the sidecar streams.
+    // Both use the same workspaces in the same order on every rank, so they may follow each other.
+    const uint64_t idle_before = planes[0]->Status().idle;
+    row.doorbell_us = TimeReplays(g, rings, replays, a.per_graph);
+    row.idle = planes[0]->Status().idle - idle_before;
+    uint32_t slot_error = 0;
+    for (int r = 0; r < a.world; ++r) {
+      DoorbellSlot s;
+      cudaMemcpy(&s, slots[r], sizeof(s), cudaMemcpyDeviceToHost);
+      slot_error |= s.error;
+    }
+    row.correct = slot_error == 0 && op.Verify(g, Pattern::kAllReduceResidualRmsNorm).empty();
+    all_ok = all_ok && row.correct && row.inprocess_us > 0 && row.doorbell_us > 0;
+    std::printf("%8u %16.2f %16.2f %+12.2f %8s\n", t, row.inprocess_us, row.doorbell_us,
+                row.doorbell_us - row.inprocess_us, row.correct ? "ok" : "WRONG");
+    for (cudaGraphExec_t e : reference) cudaGraphExecDestroy(e);
+    for (cudaGraphExec_t e : rings) cudaGraphExecDestroy(e);
+    rows.push_back(row);
+  }
+  if (!a.json.empty()) {
+    std::string j = absl::StrFormat(
+        "{\"world\": %d, \"hidden\": %u, \"algo\": \"%s\", \"ops\": %d, \"queue\": %u, "
+        "\"pdl\": %s, "
+        "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %.3f, \"doorbell_us\": %.3f, "
+        "\"inprocess_us\": %.3f}, \"rows\": [",
+        a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.queue,
+        a.pdl ? "true" : "false", mps.active() ? "true" : "false", hop.measured ? "true" : "false",
+        hop.hop_us, hop.doorbell_us_per_op, hop.inprocess_us_per_op);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      absl::StrAppendFormat(&j,
+                            "%s{\"tokens\": %u, \"inprocess_us\": %.3f, \"doorbell_us\": %.3f, "
+                            "\"hop_us\": %.3f, \"correct\": %s, \"idle_waiters\": %u}",
+                            i == 0 ? "" : ", ", rows[i].tokens, rows[i].inprocess_us,
+                            rows[i].doorbell_us, rows[i].doorbell_us - rows[i].inprocess_us,
+                            rows[i].correct ? "true" : "false",
+                            static_cast<unsigned>(rows[i].idle));
+    }
+    j += "]}\n";
+    std::ofstream(a.json) << j;
+  }
+  planes.clear();
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace arfuse
+
+int main(int argc, char** argv) { return arfuse::Main(argc, argv); }
