@@ -18,7 +18,11 @@
 #include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
 #if ARFUSE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
 #include "server/gpu/cuda_engine.h"
+#include "server/gpu/cuda_status.h"
+#include "server/gpu/device_error.h"
 #endif
 
 namespace arfuse {
@@ -152,6 +156,10 @@ absl::Status Sidecar::FormGroup() {
 }
 
 void Sidecar::SuperviseGroup() {
+#if ARFUSE_HAVE_CUDA
+  // This thread's device: DeviceHealth() inspects the current device's context.
+  if (options_.device == "cuda") cudaSetDevice(options_.gpu);
+#endif
   while (!ShutdownRequested()) {
     reinit_requested_ = false;
     absl::Status formed = FormGroup();
@@ -169,6 +177,23 @@ void Sidecar::SuperviseGroup() {
     // Serving. Watch for a poisoned workspace (a peer died or stalled mid-op) or a request to
     // re-initialize; either re-forms the group, which also waits for a restarted peer.
     while (!ShutdownRequested() && !reinit_requested_) {
+#if ARFUSE_HAVE_CUDA
+      if (options_.device == "cuda") {
+        // A sticky error (illegal address, ...) has broken this process's CUDA context: nothing
+        // on it can run again. Report NOT_SERVING and exit non-zero so the process is restarted.
+        absl::Status health = DeviceHealth();
+        if (IsStickyDeviceError(health)) {
+          spdlog::critical("event=sticky_device_error error=\"{}\"", health.message());
+          SetReadiness(false);
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            exit_code_ = 1;
+          }
+          RequestShutdown("sticky CUDA error");
+          break;
+        }
+      }
+#endif
       if (gate_.Status().state == WorkspaceState::kPoisoned) {
         std::lock_guard<std::mutex> lock(state_mu_);
         ++poisonings_;
