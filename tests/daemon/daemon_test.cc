@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse {
@@ -33,29 +34,10 @@ using grpc::health::v1::HealthCheckResponse;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-std::string Arfused() { return BinaryPath("server/daemon/arfused"); }
+std::string Arfused() { return ::arfuse::testing::ArfusedPath(); }
 
 // A running arfused on a fresh socket; waits for its "ready to accept" line.
-struct Daemon {
-  explicit Daemon(std::vector<std::string> extra = {}, std::vector<std::string> env = {})
-      : dir(MakeTempDir()), socket(dir + "/a.sock") {
-    std::vector<std::string> argv = {Arfused(), "--socket=" + socket, "--health-port=0",
-                                     "--device=host"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    proc = std::make_unique<Subprocess>(argv, env);
-    ready = proc->WaitForOutput("ready to accept", 30s);
-    std::smatch m;
-    std::string out = proc->Stdout();
-    if (std::regex_search(out, m, std::regex("health_port=(\\d+)"))) {
-      health_port = std::stoi(m[1]);
-    }
-  }
-  std::string dir;
-  std::string socket;
-  std::unique_ptr<Subprocess> proc;
-  bool ready = false;
-  int health_port = 0;
-};
+using Daemon = ::arfuse::testing::DaemonProcess;
 
 grpc::Status Check(const std::string& addr, const std::string& service,
                    HealthCheckResponse* response) {

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse {
@@ -31,7 +32,7 @@ using namespace std::chrono_literals;
 
 constexpr uid_t kNobody = 65534;
 
-std::string Arfused() { return BinaryPath("server/daemon/arfused"); }
+std::string Arfused() { return ::arfuse::testing::ArfusedPath(); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -58,21 +59,10 @@ int HealthAsNobody(const std::string& socket) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-struct Daemon {
-  explicit Daemon(std::vector<std::string> extra) : dir(MakeTempDir()), socket(dir + "/a.sock") {
-    std::vector<std::string> argv = {Arfused(), "--socket=" + socket, "--health-port=0",
-                                     "--device=host"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    proc = std::make_unique<Subprocess>(argv);
-    ready = proc->WaitForOutput("ready to accept", 30s);
-  }
-  std::string dir, socket;
-  std::unique_ptr<Subprocess> proc;
-  bool ready = false;
-};
+using Daemon = ::arfuse::testing::DaemonProcess;
 
 TEST(DaemonSecurity, SocketIsCreatedOwnerAndGroupOnly) {
-  Daemon d({});
+  Daemon d;
   ASSERT_TRUE(d.ready) << d.proc->Stderr();
   struct stat st {};
   ASSERT_EQ(::stat(d.socket.c_str(), &st), 0);
@@ -81,7 +71,7 @@ TEST(DaemonSecurity, SocketIsCreatedOwnerAndGroupOnly) {
 
 TEST(DaemonSecurity, DisallowedUserIsRefusedEvenWhenTheSocketIsReachable) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
-  Daemon d({});
+  Daemon d;
   ASSERT_TRUE(d.ready) << d.proc->Stderr();
   // Open the file system's door wide, so only the credential check stands in the way.
   ASSERT_EQ(::chmod(d.dir.c_str(), 0755), 0);
