@@ -327,8 +327,10 @@ class HostEngine final : public Engine {
     EngineStatus s;
     s.state = state_;
     s.generation = generation_;
-    s.backend = "host";
-    s.fusion_enabled = state_ == WorkspaceState::kReady;
+    // The group's decided backend (the CPU implementation stands in for its kernels); "none"
+    // when the config service turned fusion off, so clients see the same answer as Negotiate.
+    s.backend = options_.backend;
+    s.fusion_enabled = state_ == WorkspaceState::kReady && options_.backend != "none";
     s.reason = reason_;
     s.workspace_bytes = state_ == WorkspaceState::kInitializing
                             ? 0

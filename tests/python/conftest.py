@@ -49,7 +49,9 @@ class Group:
                 [binary, "--device=host", f"--rank={r}", f"--world-size={world_size}",
                  f"--peer-dir={self.dir}/peers", f"--socket={self.socket(r)}",
                  "--health-port=0", f"--hidden={hidden}", f"--max-tokens={max_tokens}",
-                 f"--dtype={dtype}", "--peer-timeout=30", "--log-level=warn"],
+                 f"--dtype={dtype}", "--peer-timeout=30", "--log-level=warn",
+                 # Decide as an H200 group with fusion on, so the fused path is what is tested.
+                 "--sm=90", "--flashinfer-allreduce-fusion-backend=auto"],
                 stdout=log, stderr=subprocess.STDOUT))
         for r in (start_ranks if start_ranks is not None else range(world_size)):
             self._wait_socket(r)

@@ -1,12 +1,17 @@
-"""gRPC client of one arfused sidecar (the Fusion service).
+"""gRPC client of one arfused sidecar (the Fusion and Config services).
 
 A Client opens a Session stream and keeps it open: the sidecar releases the session's regions
 and plans when the stream ends (close(), garbage collection, or the process dying). Every call
 carries the API version and the session id in metadata, and a deadline.
+
+The session stream also tells the client when its sidecar is gone: a sidecar that dies (or is
+killed) ends the stream at once, and `session_lost` then says why. allreduce_fusion raises
+SidecarLost in that case instead of reporting "fusion unavailable".
 """
 import dataclasses
 import queue
 import threading
+import time
 from typing import Optional
 
 import grpc
@@ -14,6 +19,7 @@ import grpc
 from . import _proto
 
 common_pb2, fusion_pb2, fusion_pb2_grpc = _proto.load()
+config_pb2, config_pb2_grpc = _proto.load_config()
 
 API_VERSION = "1.0"
 API_VERSION_KEY = "arfuse-api-version"
@@ -25,6 +31,16 @@ DTYPES = {"bf16": common_pb2.DTYPE_BF16, "fp16": common_pb2.DTYPE_FP16,
 DTYPE_BYTES = {common_pb2.DTYPE_BF16: 2, common_pb2.DTYPE_FP16: 2, common_pb2.DTYPE_FP32: 4}
 PATTERNS = {"allreduce": common_pb2.PATTERN_ALLREDUCE,
             "allreduce_residual_rmsnorm": common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM}
+GRAPH_MODES = {"none": common_pb2.CUDA_GRAPH_MODE_NONE,
+               "piecewise": common_pb2.CUDA_GRAPH_MODE_PIECEWISE,
+               "full": common_pb2.CUDA_GRAPH_MODE_FULL}
+GRAPH_MODE_NAMES = {v: k for k, v in GRAPH_MODES.items()}
+GRAPH_MODE_NAMES[common_pb2.CUDA_GRAPH_MODE_UNSPECIFIED] = "none"
+DATA_PLANE_NAMES = {common_pb2.DATA_PLANE_UNSPECIFIED: "eager",
+                    common_pb2.DATA_PLANE_EAGER: "eager",
+                    common_pb2.DATA_PLANE_DOORBELL: "doorbell"}
+DEVICE_NAMES = {common_pb2.DEVICE_KIND_UNSPECIFIED: "unknown",
+                common_pb2.DEVICE_KIND_CUDA: "cuda", common_pb2.DEVICE_KIND_HOST: "host"}
 
 
 class ArfuseError(Exception):
@@ -34,6 +50,20 @@ class ArfuseError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+class SidecarLost(ArfuseError):
+    """The sidecar is gone (its session stream ended: killed, crashed, restarted, or shut down).
+
+    Not "fusion unavailable": the session's regions and plans are released, and the group's
+    other ranks are about to fail their fused ops. Stop (or reconnect and re-register)."""
+
+    def __init__(self, target: str, reason: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE,
+                         f"the arfused sidecar at {target} is gone ({reason}); its session, "
+                         "regions and plans are released")
+        self.target = target
+        self.reason = reason
 
 
 def grpc_target(target: str) -> str:
@@ -65,6 +95,48 @@ class Plan:
     generation: int
     path: int
     reason: str
+    # arfuse.v1.Doorbell (ipc_handle, offset, values) when made with doorbell=True: open it with
+    # arfuse.ring.DoorbellRing.open(plan.doorbell) and ring it inside CUDA graph capture.
+    doorbell: Optional[object] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Negotiation:
+    """Config.Negotiate's answer: how the fused op may sit in this client's CUDA graphs.
+
+    Decided alike on every rank of the group (after the rank vote)."""
+    backend: str               # "trtllm", "mnnvl" or "none"
+    fusion_enabled: bool
+    cuda_graph_mode: str       # the mode the client may use: "none", "piecewise", "full"
+    data_plane: str            # "eager" (Execute per op) or "doorbell" (ring kernel in graphs)
+    warnings: tuple
+    reasons: tuple
+    device: str                # "cuda" or "host"
+    rank: int
+    world_size: int
+    mps_detected: bool
+    doorbell_hop_us: float
+
+    @classmethod
+    def from_proto(cls, resp) -> "Negotiation":
+        d = resp.decision
+        return cls(backend=d.backend, fusion_enabled=bool(d.fusion_enabled),
+                   cuda_graph_mode=GRAPH_MODE_NAMES.get(d.cuda_graph_mode, "none"),
+                   data_plane=DATA_PLANE_NAMES.get(d.data_plane, "eager"),
+                   warnings=tuple(d.warnings), reasons=tuple(d.reasons),
+                   device=DEVICE_NAMES.get(resp.device, "unknown"), rank=resp.rank,
+                   world_size=resp.world_size, mps_detected=bool(resp.mps_detected),
+                   doorbell_hop_us=float(resp.doorbell_hop_us))
+
+    def summary(self) -> str:
+        s = (f"backend={self.backend} fusion={'on' if self.fusion_enabled else 'off'} "
+             f"cuda_graph_mode={self.cuda_graph_mode} data_plane={self.data_plane} "
+             f"device={self.device}")
+        if self.device == "cuda":
+            s += f" mps={'yes' if self.mps_detected else 'no'}"
+            if self.doorbell_hop_us:
+                s += f" doorbell_hop={self.doorbell_hop_us:.1f}us"
+        return s
 
 
 @dataclasses.dataclass
@@ -153,9 +225,40 @@ class Client:
         self.rank = resp.rank
         self.world_size = resp.world_size
         self.server_api = (resp.server_api.major, resp.server_api.minor)
+        self.config_stub = config_pb2_grpc.ConfigStub(self._channel)
         self._closed = False
+        # The stream stays open for the session's life; its end (other than by close()) means
+        # the sidecar is gone.
+        self._lost_reason: Optional[str] = None
+        self._session_ended = threading.Event()
+        threading.Thread(target=self._watch_session, daemon=True,
+                         name=f"arfuse-session-{self.rank}").start()
 
     # -- lifecycle --
+    def _watch_session(self):
+        try:
+            for _ in self._session_call:
+                pass
+            reason = "the sidecar ended the session"
+        except grpc.RpcError as e:
+            reason = f"session stream ended: {e.code().name}: {e.details()}"
+        except Exception as e:  # pragma: no cover - defensive
+            reason = f"session stream ended: {e!r}"
+        if not self._closed:
+            self._lost_reason = reason
+        self._session_ended.set()
+
+    @property
+    def session_lost(self) -> Optional[str]:
+        """Why the session ended, when the sidecar ended it (None while it lives, or after
+        close())."""
+        return self._lost_reason
+
+    def wait_session_lost(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Waits up to `timeout` (None: forever) for the session to end; returns session_lost."""
+        self._session_ended.wait(timeout)
+        return self._lost_reason
+
     def close(self):
         if getattr(self, "_closed", True):
             return
@@ -182,7 +285,16 @@ class Client:
         try:
             return method(request, metadata=md, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self._lost_reason is not None:
+                raise SidecarLost(self.target, self._lost_reason) from None
             raise ArfuseError(e.code(), e.details()) from None
+
+    def raise_if_lost(self, grace: float = 0.0):
+        """Raises SidecarLost when the session has ended (waiting up to `grace` seconds for the
+        stream to report it: a failed call may race the stream's end)."""
+        reason = self.wait_session_lost(grace) if grace > 0 else self._lost_reason
+        if reason is not None:
+            raise SidecarLost(self.target, reason)
 
     # -- regions --
     def register_host_shm(self, name: str, shm_name: str, byte_size: int) -> Region:
@@ -210,9 +322,15 @@ class Client:
 
     # -- plans and ops --
     def create_plan(self, op: OpSpec, doorbell: bool = False) -> Plan:
+        """Validates the op once. doorbell=True also sets up the doorbell plane for it: the plan's
+        `doorbell` is then the Doorbell message (None if the sidecar answered without one). A
+        sidecar without the doorbell plane answers UNIMPLEMENTED (use the eager plane)."""
         resp = self._call(self.stub.CreatePlan,
                           fusion_pb2.CreatePlanRequest(op=op.to_proto(), doorbell=doorbell))
-        return Plan(resp.plan_id, resp.generation, resp.path, resp.reason)
+        bell = None
+        if doorbell and resp.HasField("doorbell") and len(resp.doorbell.ipc_handle) > 0:
+            bell = resp.doorbell
+        return Plan(resp.plan_id, resp.generation, resp.path, resp.reason, bell)
 
     def destroy_plan(self, plan: Plan) -> None:
         self._call(self.stub.DestroyPlan, fusion_pb2.DestroyPlanRequest(
@@ -233,5 +351,42 @@ class Client:
                                         wait_event=wait_event, synchronous=synchronous)
         return self._call(self.stub.Execute, req, timeout)
 
-    def workspace_info(self):
-        return self._call(self.stub.GetWorkspaceInfo, fusion_pb2.GetWorkspaceInfoRequest())
+    def workspace_info(self, timeout: Optional[float] = None):
+        return self._call(self.stub.GetWorkspaceInfo, fusion_pb2.GetWorkspaceInfoRequest(),
+                          timeout)
+
+    # -- config --
+    def negotiate(self, cuda_graph_mode: str = "full", fused_op_in_graph: Optional[bool] = None,
+                  mnnvl_capture_safe: Optional[bool] = None,
+                  timeout: Optional[float] = None) -> Negotiation:
+        """Config.Negotiate: the group's decision and how the fused op may sit in this client's
+        CUDA graphs. cuda_graph_mode: "none", "piecewise" or "full" (what the client wants);
+        fused_op_in_graph defaults to True unless the mode is "none". UNAVAILABLE (ArfuseError)
+        while the group has not decided yet."""
+        if cuda_graph_mode not in GRAPH_MODES:
+            raise ValueError(f"cuda_graph_mode must be one of {sorted(GRAPH_MODES)}")
+        if fused_op_in_graph is None:
+            fused_op_in_graph = cuda_graph_mode != "none"
+        capture = config_pb2.CaptureRequest(cuda_graph_mode=GRAPH_MODES[cuda_graph_mode],
+                                            fused_op_in_graph=fused_op_in_graph)
+        if mnnvl_capture_safe is not None:
+            capture.mnnvl_capture_safe = mnnvl_capture_safe
+        resp = self._call(self.config_stub.Negotiate, config_pb2.NegotiateRequest(capture=capture),
+                          timeout)
+        return Negotiation.from_proto(resp)
+
+    def wait_ready(self, timeout: float = 60.0, poll: float = 0.05):
+        """Waits until the workspace leaves INITIALIZING (READY, UNFUSED, or a failure state);
+        returns GetWorkspaceInfo. ArfuseError DEADLINE_EXCEEDED with the sidecar's reason when it
+        does not within `timeout` (a peer that never came, typically)."""
+        until = time.monotonic() + timeout
+        while True:
+            info = self.workspace_info()
+            if info.state not in (common_pb2.WORKSPACE_STATE_UNSPECIFIED,
+                                  common_pb2.WORKSPACE_STATE_INITIALIZING):
+                return info
+            if time.monotonic() >= until:
+                raise ArfuseError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"workspace of rank {self.rank} not ready after {timeout:g} s: "
+                                  f"{info.reason}")
+            time.sleep(poll)

@@ -7,13 +7,19 @@ poisoned, draining, or the group decided to run unfused), so the framework keeps
                                   norm_out=y, rms_gamma=w, rms_eps=1e-6)
     if out is None:
         out = my_allreduce_and_rmsnorm(...)
+
+A sidecar that is gone (its session stream ended: killed, crashed) is not "unavailable": the call
+raises SidecarLost, since the other ranks' sidecars are about to fail their side of the op.
+
+For CUDA graphs, FusionWorkspace.create_plan(..., doorbell=True) makes a doorbell plan once;
+arfuse.ring.DoorbellRing rings it from inside capture (docs/integration.md).
 """
 import time
 from typing import Optional
 
 import grpc
 
-from .client import (ArfuseError, Client, OpSpec, TensorLoc, common_pb2)
+from .client import (ArfuseError, Client, OpSpec, Plan, SidecarLost, TensorLoc, common_pb2)
 from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
 
 
@@ -28,6 +34,10 @@ _PATTERNS = {AllReduceFusionPattern.kAllReduce: "allreduce",
 
 # Refresh a "fusion unavailable" answer at most this often (seconds).
 _RECHECK_S = 1.0
+# How long a failed call waits for the session stream to say whether the sidecar is gone.
+_LOST_GRACE_S = 0.25
+# Opened done events kept per workspace (the sidecar reuses a small ring of them).
+_MAX_DONE_EVENTS = 64
 
 
 def _dtype_name(t, explicit: Optional[str]) -> str:
@@ -71,6 +81,7 @@ class FusionWorkspace:
         self._available = None
         self._checked_at = 0.0
         self._event = None
+        self._done_events = {}  # done_event handle -> opened IpcEvent
 
     def register(self, buffer, name: Optional[str] = None):
         name = name or f"buf{len(self._buffers)}"
@@ -94,7 +105,12 @@ class FusionWorkspace:
     def fusion_available(self) -> bool:
         now = time.monotonic()
         if self._available is None or (not self._available and now - self._checked_at > _RECHECK_S):
-            info = self.client.workspace_info()
+            try:
+                info = self.client.workspace_info()
+            except ArfuseError as e:
+                if e.code == grpc.StatusCode.UNAVAILABLE:
+                    self.client.raise_if_lost(_LOST_GRACE_S)
+                raise
             self._available = bool(info.fusion_enabled) and \
                 info.state == common_pb2.WORKSPACE_STATE_READY
             self._checked_at = now
@@ -103,6 +119,54 @@ class FusionWorkspace:
     def mark_unavailable(self):
         self._available = False
         self._checked_at = time.monotonic()
+
+    def _done_event(self, handle: bytes) -> IpcEvent:
+        ev = self._done_events.get(handle)
+        if ev is None:
+            if len(self._done_events) >= _MAX_DONE_EVENTS:
+                self._done_events.clear()
+            ev = self._done_events[handle] = IpcEvent(handle)
+        return ev
+
+    def create_plan(self, input, residual_in=None, residual_out=None, norm_out=None,
+                    rms_gamma=None, output=None,
+                    pattern: int = AllReduceFusionPattern.kARResidualRMSNorm,
+                    rms_eps: float = 1e-6, max_tokens: Optional[int] = None,
+                    dtype: Optional[str] = None, doorbell: bool = False) -> Plan:
+        """A plan over tensors inside registered buffers (located by address, like
+        allreduce_fusion), valid for up to `max_tokens` rows (default: input's rows).
+
+        doorbell=True asks for the doorbell plane: the plan's `doorbell` is the Doorbell message
+        to open with arfuse.ring.DoorbellRing. Raises ArfuseError (UNIMPLEMENTED on a sidecar
+        without the doorbell plane, RESOURCE_EXHAUSTED when its slots are taken)."""
+        op, _ = _op_spec(self, input, pattern, output, residual_in, residual_out, norm_out,
+                         rms_gamma, rms_eps, dtype)
+        if max_tokens is not None:
+            op.max_tokens = int(max_tokens)
+        return self.client.create_plan(op, doorbell=doorbell)
+
+
+def _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out, rms_gamma,
+             rms_eps, dtype):
+    """(OpSpec at input's row count, the op's main output)."""
+    shape = tuple(input.shape)
+    if len(shape) != 2:
+        raise ValueError("input must be [num_tokens, hidden]")
+    num_tokens, hidden = int(shape[0]), int(shape[1])
+    op = OpSpec(pattern=_PATTERNS[pattern], dtype=_dtype_name(input, dtype), hidden=hidden,
+                max_tokens=num_tokens, eps=rms_eps, input=workspace.locate(input))
+    if pattern == AllReduceFusionPattern.kAllReduce:
+        op.output = workspace.locate(output if output is not None else input)
+        return op, (output if output is not None else input)
+    for name, t in (("residual_in", residual_in), ("norm_out", norm_out),
+                    ("rms_gamma", rms_gamma)):
+        if t is None:
+            raise ValueError(f"{name} is required for kARResidualRMSNorm")
+    op.residual_in = workspace.locate(residual_in)
+    op.residual_out = workspace.locate(residual_out if residual_out is not None else residual_in)
+    op.norm_out = workspace.locate(norm_out)
+    op.gamma = workspace.locate(rms_gamma)
+    return op, norm_out
 
 
 def allreduce_fusion(input, workspace: FusionWorkspace,
@@ -116,8 +180,9 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
 
     Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce), or None
     when the sidecar reports fusion unavailable (nothing ran). Errors of a call that did run
-    raise ArfuseError. launch_with_pdl, use_oneshot and fp32_acc are accepted for FlashInfer
-    compatibility; the sidecar picks the path and always accumulates in fp32.
+    raise ArfuseError; a sidecar that is gone raises SidecarLost. launch_with_pdl, use_oneshot
+    and fp32_acc are accepted for FlashInfer compatibility; the sidecar picks the path and always
+    accumulates in fp32.
     """
     if quant_out is not None or scale_out is not None:
         raise NotImplementedError("quantized outputs are not served yet")
@@ -125,26 +190,9 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
         raise ValueError(f"pattern {pattern} is not supported")
     if not workspace.fusion_available():
         return None
-    shape = tuple(input.shape)
-    if len(shape) != 2:
-        raise ValueError("input must be [num_tokens, hidden]")
-    num_tokens, hidden = int(shape[0]), int(shape[1])
-    op = OpSpec(pattern=_PATTERNS[pattern], dtype=_dtype_name(input, dtype), hidden=hidden,
-                max_tokens=num_tokens, eps=rms_eps, input=workspace.locate(input))
-    if pattern == AllReduceFusionPattern.kAllReduce:
-        op.output = workspace.locate(output if output is not None else input)
-        main = output if output is not None else input
-    else:
-        for name, t in (("residual_in", residual_in), ("norm_out", norm_out),
-                        ("rms_gamma", rms_gamma)):
-            if t is None:
-                raise ValueError(f"{name} is required for kARResidualRMSNorm")
-        op.residual_in = workspace.locate(residual_in)
-        op.residual_out = workspace.locate(residual_out if residual_out is not None
-                                           else residual_in)
-        op.norm_out = workspace.locate(norm_out)
-        op.gamma = workspace.locate(rms_gamma)
-        main = norm_out
+    op, main = _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out,
+                        rms_gamma, rms_eps, dtype)
+    num_tokens = op.max_tokens
 
     wait_event = b""
     stream = None
@@ -158,13 +206,18 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     try:
         resp = workspace.client.execute_op(op, num_tokens, wait_event=wait_event,
                                            timeout=timeout)
+    except SidecarLost:
+        raise
     except ArfuseError as e:
         if e.code == grpc.StatusCode.UNAVAILABLE:
+            # The sidecar said "not now" (engine initializing, shutting down), or it is gone:
+            # the session stream tells which.
+            workspace.client.raise_if_lost(_LOST_GRACE_S)
             workspace.mark_unavailable()  # the op did not run: the framework's path takes it
             return None
         raise
     if resp.path == common_pb2.EXEC_PATH_UNSPECIFIED:
         return None
     if stream is not None and resp.done_event:
-        IpcEvent(resp.done_event).wait_on(stream)
+        workspace._done_event(bytes(resp.done_event)).wait_on(stream)
     return main

@@ -69,7 +69,9 @@ class HostShmBuffer:
         try:
             self.shm.close()
         except BufferError:
-            pass
+            # Views (memoryviews, numpy/torch tensors) still use the mapping: it goes with the
+            # last of them. Keep the object, or its __del__ would retry and complain.
+            self._still_mapped = self.shm
         self.shm = None
 
     def __enter__(self):
