@@ -8,8 +8,8 @@
 
 namespace arfuse {
 namespace {
-constexpr std::array<absl::string_view, 7> kLevels = {"trace", "debug", "info",    "warn",
-                                                     "error", "critical", "off"};
+constexpr std::array<absl::string_view, 7> kLevels = {"trace", "debug",    "info", "warn",
+                                                      "error", "critical", "off"};
 }  // namespace
 
 bool IsValidLogLevel(absl::string_view level) {

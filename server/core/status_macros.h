@@ -11,10 +11,10 @@
 #define ARFUSE_STATUS_CONCAT(a, b) ARFUSE_STATUS_CONCAT_INNER(a, b)
 
 // Returns the status of `expr` from the enclosing function when it is not OK.
-#define ARFUSE_RETURN_IF_ERROR(expr)                       \
-  do {                                                     \
-    ::absl::Status arfuse_status_ = (expr);                \
-    if (!arfuse_status_.ok()) return arfuse_status_;       \
+#define ARFUSE_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status arfuse_status_ = (expr);          \
+    if (!arfuse_status_.ok()) return arfuse_status_; \
   } while (false)
 
 // `lhs = value of expr` when OK; otherwise returns its status from the enclosing function.

@@ -25,15 +25,14 @@ Fn ResolveDriver(const char* name) {
 
 // `symbol` is what cuda.h maps the name to (some names are versioned by macro); `name` is the
 // entry point to ask the driver for.
-#define ARFUSE_DRIVER_FORWARD(name, symbol, params, args)                             \
-  extern "C" CUresult CUDAAPI symbol params {                                        \
-    static const auto fn = ResolveDriver<CUresult(CUDAAPI*) params>(#name);           \
-    if (fn == nullptr) return CUDA_ERROR_NOT_INITIALIZED;                            \
-    return fn args;                                                                  \
+#define ARFUSE_DRIVER_FORWARD(name, symbol, params, args)                   \
+  extern "C" CUresult CUDAAPI symbol params {                               \
+    static const auto fn = ResolveDriver<CUresult(CUDAAPI*) params>(#name); \
+    if (fn == nullptr) return CUDA_ERROR_NOT_INITIALIZED;                   \
+    return fn args;                                                         \
   }
 
-ARFUSE_DRIVER_FORWARD(cuDeviceGet, cuDeviceGet, (CUdevice * device, int ordinal),
-                      (device, ordinal))
+ARFUSE_DRIVER_FORWARD(cuDeviceGet, cuDeviceGet, (CUdevice * device, int ordinal), (device, ordinal))
 ARFUSE_DRIVER_FORWARD(cuDeviceGetAttribute, cuDeviceGetAttribute,
                       (int* pi, CUdevice_attribute attrib, CUdevice dev), (pi, attrib, dev))
 ARFUSE_DRIVER_FORWARD(cuMemGetAddressRange, cuMemGetAddressRange_v2,
@@ -42,8 +41,7 @@ ARFUSE_DRIVER_FORWARD(cuMemCreate, cuMemCreate,
                       (CUmemGenericAllocationHandle * handle, size_t size,
                        const CUmemAllocationProp* prop, unsigned long long flags),
                       (handle, size, prop, flags))
-ARFUSE_DRIVER_FORWARD(cuMemRelease, cuMemRelease, (CUmemGenericAllocationHandle handle),
-                      (handle))
+ARFUSE_DRIVER_FORWARD(cuMemRelease, cuMemRelease, (CUmemGenericAllocationHandle handle), (handle))
 ARFUSE_DRIVER_FORWARD(cuMemExportToShareableHandle, cuMemExportToShareableHandle,
                       (void* shareable, CUmemGenericAllocationHandle handle,
                        CUmemAllocationHandleType type, unsigned long long flags),

@@ -9,7 +9,6 @@
 #include "server/core/version.h"
 #include "server/daemon/options.h"
 #include "server/daemon/sidecar.h"
-#include "server/core/log.h"
 #include "spdlog/spdlog.h"
 
 namespace {
@@ -56,8 +55,8 @@ int main(int argc, char** argv) {
     spdlog::error("event=start_failed error=\"{}\"", st.message());
     return Fail(st);
   }
-  std::printf("arfused ready to accept: socket=%s health_port=%d\n",
-              sidecar.socket_path().c_str(), sidecar.health_port());
+  std::printf("arfused ready to accept: socket=%s health_port=%d\n", sidecar.socket_path().c_str(),
+              sidecar.health_port());
   std::fflush(stdout);
 
   std::thread signal_thread([&sidecar, signals] {

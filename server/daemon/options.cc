@@ -96,14 +96,42 @@ namespace {
 
 // Flags defined in this file, in the order --help lists them.
 const std::vector<std::string>& OwnFlagNames() {
-  static const std::vector<std::string> names = {
-      "socket", "health_port", "health_host", "metrics_port", "device", "rank", "gpu", "world_size",
-      "nnodes", "peer_dir", "peer_addr", "group", "peer_timeout", "log_level",
-      "flashinfer_allreduce_fusion_backend", "enable_flashinfer_allreduce_fusion",
-      "enforce_disable_flashinfer_allreduce_fusion", "enable_deterministic_inference", "sm",
-      "cuda_graph_mode", "mnnvl_capture_safe", "max_tokens", "hidden", "dtype", "spin_timeout",
-      "grace_period", "default_deadline", "allowed_uids", "allowed_gids", "listen", "tls_cert",
-      "tls_key", "tls_client_ca", "config", "help", "version"};
+  static const std::vector<std::string> names = {"socket",
+                                                 "health_port",
+                                                 "health_host",
+                                                 "metrics_port",
+                                                 "device",
+                                                 "rank",
+                                                 "gpu",
+                                                 "world_size",
+                                                 "nnodes",
+                                                 "peer_dir",
+                                                 "peer_addr",
+                                                 "group",
+                                                 "peer_timeout",
+                                                 "log_level",
+                                                 "flashinfer_allreduce_fusion_backend",
+                                                 "enable_flashinfer_allreduce_fusion",
+                                                 "enforce_disable_flashinfer_allreduce_fusion",
+                                                 "enable_deterministic_inference",
+                                                 "sm",
+                                                 "cuda_graph_mode",
+                                                 "mnnvl_capture_safe",
+                                                 "max_tokens",
+                                                 "hidden",
+                                                 "dtype",
+                                                 "spin_timeout",
+                                                 "grace_period",
+                                                 "default_deadline",
+                                                 "allowed_uids",
+                                                 "allowed_gids",
+                                                 "listen",
+                                                 "tls_cert",
+                                                 "tls_key",
+                                                 "tls_client_ca",
+                                                 "config",
+                                                 "help",
+                                                 "version"};
   return names;
 }
 
@@ -130,8 +158,8 @@ absl::Status SetFlag(absl::string_view name, absl::string_view value, absl::stri
   }
   std::string error;
   if (!flag->ParseFrom(value, &error)) {
-    return absl::InvalidArgumentError(absl::StrCat(origin, ": bad value \"", value, "\" for --",
-                                                   Hyphenated(name), ": ", error));
+    return absl::InvalidArgumentError(
+        absl::StrCat(origin, ": bad value \"", value, "\" for --", Hyphenated(name), ": ", error));
   }
   sources[std::string(name)] = std::string(source);
   return absl::OkStatus();
@@ -156,8 +184,7 @@ absl::Status ApplyConfigFile(const std::string& path, std::map<std::string, std:
       return absl::InvalidArgumentError(
           absl::StrCat(path, ":", lineno, ": --", Hyphenated(name), " is not allowed in a file"));
     }
-    ARFUSE_RETURN_IF_ERROR(
-        SetFlag(name, value, absl::StrCat(path, ":", lineno), sources, "file"));
+    ARFUSE_RETURN_IF_ERROR(SetFlag(name, value, absl::StrCat(path, ":", lineno), sources, "file"));
   }
   return absl::OkStatus();
 }
@@ -240,8 +267,8 @@ absl::Status Validate(const DaemonOptions& o) {
   }
   if (o.rank < 0 || o.rank >= o.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--rank must be in [0, ", o.world_size,
-                                                   ") for --world-size=", o.world_size,
-                                                   ", got ", o.rank));
+                                                   ") for --world-size=", o.world_size, ", got ",
+                                                   o.rank));
   }
   if (o.nnodes < 1 || o.nnodes > o.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--nnodes must be between 1 and --world-size (",
@@ -252,9 +279,8 @@ absl::Status Validate(const DaemonOptions& o) {
         absl::StrCat("--health-port must be between 0 and 65535, got ", o.health_port));
   }
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics-port must be -1 (off) or between 0 and 65535, got ",
-                     o.metrics_port));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-port must be -1 (off) or between 0 and 65535, got ", o.metrics_port));
   }
   if (!IsValidLogLevel(o.log_level)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -289,9 +315,9 @@ absl::Status Validate(const DaemonOptions& o) {
           absl::StrCat("--", name, " must be a positive number of seconds, got ", v));
     }
   }
-  for (const auto& [flag, ids] : {std::pair<const char*, const std::vector<std::string>*>{
-                                      "allowed-uids", &o.allowed_uids},
-                                  {"allowed-gids", &o.allowed_gids}}) {
+  for (const auto& [flag, ids] :
+       {std::pair<const char*, const std::vector<std::string>*>{"allowed-uids", &o.allowed_uids},
+        {"allowed-gids", &o.allowed_gids}}) {
     for (const auto& id : *ids) {
       if (id.empty() || id.size() > 10 || id.find_first_not_of("0123456789") != std::string::npos ||
           std::strtoull(id.c_str(), nullptr, 10) > 0xFFFFFFFEull) {

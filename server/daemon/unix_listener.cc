@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grpcpp/server_posix.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -9,8 +10,6 @@
 #include <unistd.h>
 
 #include <cstring>
-
-#include <grpcpp/server_posix.h>
 
 #include "absl/strings/str_cat.h"
 #include "server/core/log.h"
@@ -55,7 +54,10 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
 
 UnixListener::UnixListener(int fd, int wake_read, int wake_write, std::string path,
                            PeerCredentialPolicy p)
-    : fd_(fd), wake_read_(wake_read), wake_write_(wake_write), path_(std::move(path)),
+    : fd_(fd),
+      wake_read_(wake_read),
+      wake_write_(wake_write),
+      path_(std::move(path)),
       policy_(std::move(p)) {}
 
 UnixListener::~UnixListener() {

@@ -4,6 +4,7 @@
 // gRPC server as already-connected descriptors.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -11,8 +12,6 @@
 #include <set>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 

@@ -45,8 +45,8 @@ absl::Status PrepareUnixSocketPath(const std::string& path, bool create_dir) {
     }
     std::filesystem::create_directories(dir, ec);
     if (ec) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot create socket directory ",
-                                                     dir.string(), ": ", ec.message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create socket directory ", dir.string(), ": ", ec.message()));
     }
     // 0750: the socket's 0660 is only as good as the directory around it.
     ::chmod(dir.c_str(), 0750);
@@ -58,12 +58,11 @@ absl::Status PrepareUnixSocketPath(const std::string& path, bool create_dir) {
           absl::StrCat("socket path ", path, " exists and is not a socket"));
     }
     if (UnixSocketIsLive(path)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("another arfused is already serving on ", path));
+      return absl::AlreadyExistsError(absl::StrCat("another arfused is already serving on ", path));
     }
     if (::unlink(path.c_str()) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot remove stale socket ", path, ": ",
-                                                     std::strerror(errno)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
     }
     spdlog::warn("event=stale_socket_removed path={}", path);
   }

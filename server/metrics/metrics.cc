@@ -45,43 +45,87 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const std:
   auto& r = *registry_;
   const std::map<std::string, std::string> constant = {{"rank", std::to_string(rank)}};
   families_.reset(new Families{
-      prometheus::BuildCounter().Name("arfuse_ops_total")
+      prometheus::BuildCounter()
+          .Name("arfuse_ops_total")
           .Help("Ops by data plane, backend, path, reason class and result")
-          .Labels(constant).Register(r),
-      prometheus::BuildHistogram().Name("arfuse_op_latency_seconds")
+          .Labels(constant)
+          .Register(r),
+      prometheus::BuildHistogram()
+          .Name("arfuse_op_latency_seconds")
           .Help("Op latency seen by the sidecar, from request to enqueue or completion")
-          .Labels(constant).Register(r),
-      prometheus::BuildCounter().Name("arfuse_bytes_reduced_total")
-          .Help("Input bytes reduced (this rank's contribution)").Labels(constant).Register(r),
-      prometheus::BuildGauge().Name("arfuse_regions").Help("Registered regions")
-          .Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_region_bytes").Help("Bytes of registered regions")
-          .Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_workspace_bytes")
-          .Help("Workspace bytes allocated on this rank").Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_backend_info")
-          .Help("The group's backend (1 for the current one)").Labels(constant).Register(r),
-      prometheus::BuildCounter().Name("arfuse_poisonings_total")
-          .Help("Workspaces poisoned by a timed-out or aborted wait").Labels(constant)
-          .Register(r).Add({}),
-      prometheus::BuildCounter().Name("arfuse_reinitializations_total")
-          .Help("Collective workspace re-initializations").Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_peers_ready")
-          .Help("Ranks of the group that have joined").Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_mps_detected")
-          .Help("1 when CUDA MPS serves this GPU").Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_doorbell_hop_seconds")
-          .Help("Doorbell hop measured by the self-test").Labels(constant).Register(r).Add({}),
-      prometheus::BuildGauge().Name("arfuse_ready")
-          .Help("1 when readiness is SERVING").Labels(constant).Register(r).Add({}),
+          .Labels(constant)
+          .Register(r),
+      prometheus::BuildCounter()
+          .Name("arfuse_bytes_reduced_total")
+          .Help("Input bytes reduced (this rank's contribution)")
+          .Labels(constant)
+          .Register(r),
+      prometheus::BuildGauge()
+          .Name("arfuse_regions")
+          .Help("Registered regions")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_region_bytes")
+          .Help("Bytes of registered regions")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_workspace_bytes")
+          .Help("Workspace bytes allocated on this rank")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_backend_info")
+          .Help("The group's backend (1 for the current one)")
+          .Labels(constant)
+          .Register(r),
+      prometheus::BuildCounter()
+          .Name("arfuse_poisonings_total")
+          .Help("Workspaces poisoned by a timed-out or aborted wait")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildCounter()
+          .Name("arfuse_reinitializations_total")
+          .Help("Collective workspace re-initializations")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_peers_ready")
+          .Help("Ranks of the group that have joined")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_mps_detected")
+          .Help("1 when CUDA MPS serves this GPU")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_doorbell_hop_seconds")
+          .Help("Doorbell hop measured by the self-test")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildGauge()
+          .Name("arfuse_ready")
+          .Help("1 when readiness is SERVING")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
   });
   prometheus::BuildGauge()
       .Name("arfuse_build_info")
       .Help("Build and group information")
       .Labels(constant)
       .Register(r)
-      .Add({{"version", version}, {"device", device},
-            {"world_size", std::to_string(world_size)}})
+      .Add({{"version", version}, {"device", device}, {"world_size", std::to_string(world_size)}})
       .Set(1);
 }
 

@@ -1,6 +1,7 @@
 // arfused as a process: flags and their errors, the socket cases, health on both endpoints,
 // graceful shutdown.
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -12,8 +13,6 @@
 #include <regex>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -96,10 +95,10 @@ TEST(DaemonFlags, MissingValueExits2) {
 TEST(DaemonFlags, HelpExplainsHyphenatedFlags) {
   auto [code, out] = RunToCompletion({Arfused(), "--help"});
   EXPECT_EQ(code, 0);
-  for (const char* flag : {"--socket", "--health-port", "--device", "--rank", "--world-size",
-                           "--nnodes", "--peer-dir", "--log-level",
-                           "--flashinfer-allreduce-fusion-backend",
-                           "--enable-flashinfer-allreduce-fusion"}) {
+  for (const char* flag :
+       {"--socket", "--health-port", "--device", "--rank", "--world-size", "--nnodes", "--peer-dir",
+        "--log-level", "--flashinfer-allreduce-fusion-backend",
+        "--enable-flashinfer-allreduce-fusion"}) {
     EXPECT_THAT(out, HasSubstr(flag)) << flag;
   }
   EXPECT_THAT(out, HasSubstr("Deprecated"));
@@ -155,8 +154,8 @@ TEST(DaemonSocket, MissingDirectoryExits2) {
 TEST(DaemonSocket, SecondDaemonOnLiveSocketExits2) {
   Daemon first;
   ASSERT_TRUE(first.ready) << first.proc->Stderr();
-  auto [code, out] = RunToCompletion(
-      {Arfused(), "--socket=" + first.socket, "--health-port=0", "--device=host"});
+  auto [code, out] =
+      RunToCompletion({Arfused(), "--socket=" + first.socket, "--health-port=0", "--device=host"});
   EXPECT_EQ(code, 2);
   EXPECT_THAT(out, HasSubstr("another arfused is already serving on"));
   // The first one is untouched.
@@ -249,7 +248,8 @@ TEST(DaemonShutdown, SigtermWithWatchInFlightExitsZeroWithinGrace) {
   HealthCheckResponse update;
   // Wait until the watcher sees SERVING, then ask the daemon to stop.
   bool serving = false;
-  while (!serving && reader->Read(&update)) serving = update.status() == HealthCheckResponse::SERVING;
+  while (!serving && reader->Read(&update))
+    serving = update.status() == HealthCheckResponse::SERVING;
   ASSERT_TRUE(serving);
   auto start = std::chrono::steady_clock::now();
   d.proc->Signal(SIGTERM);

@@ -1,5 +1,6 @@
 // The main socket's credential check (SO_PEERCRED) and the main API over TCP with mutual TLS.
 #include <grp.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,8 +9,6 @@
 #include <regex>
 #include <sstream>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -77,8 +76,7 @@ TEST(DaemonSecurity, DisallowedUserIsRefusedEvenWhenTheSocketIsReachable) {
   ASSERT_EQ(::chmod(d.dir.c_str(), 0755), 0);
   ASSERT_EQ(::chmod(d.socket.c_str(), 0666), 0);
   EXPECT_EQ(HealthAsNobody(d.socket), 3);  // arfusectl: unreachable
-  EXPECT_TRUE(d.proc->WaitForOutput("event=connection_refused uid=65534", 10s))
-      << d.proc->Stderr();
+  EXPECT_TRUE(d.proc->WaitForOutput("event=connection_refused uid=65534", 10s)) << d.proc->Stderr();
   // The sidecar keeps serving its allowed users.
   auto channel = grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials());
   grpc::ClientContext ctx;
@@ -142,8 +140,8 @@ class MutualTls : public ::testing::Test {
     }
     grpc::ChannelArguments args;
     args.SetSslTargetNameOverride("arfuse-test");
-    return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
-                                     grpc::SslCredentials(tls), args);
+    return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::SslCredentials(tls),
+                                     args);
   }
 
   std::string dir_;
@@ -162,21 +160,20 @@ TEST_F(MutualTls, ClientWithCertificateIsServedOthersAreNot) {
   ASSERT_TRUE(d.ready) << d.proc->Stderr();
   std::smatch m;
   std::string log = d.proc->Stderr();
-  ASSERT_TRUE(std::regex_search(log, m, std::regex("event=listening_tls \\S+ port=(\\d+)")))
-      << log;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("event=listening_tls \\S+ port=(\\d+)"))) << log;
   int port = std::stoi(m[1]);
   EXPECT_TRUE(CheckOn(Channel(port, /*with_client_cert=*/true)).ok());
   EXPECT_FALSE(CheckOn(Channel(port, /*with_client_cert=*/false)).ok());
-  auto plain = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                   grpc::InsecureChannelCredentials());
+  auto plain =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   EXPECT_FALSE(CheckOn(plain).ok());
 }
 
 TEST_F(MutualTls, UnreadableKeyExits2) {
-  auto [code, out] = RunToCompletion(
-      {Arfused(), "--device=host", "--socket=" + dir_ + "/a.sock", "--listen=127.0.0.1:0",
-       "--tls-cert=" + dir_ + "/server.pem", "--tls-key=" + dir_ + "/missing.key",
-       "--tls-client-ca=" + dir_ + "/ca.pem"});
+  auto [code, out] = RunToCompletion({Arfused(), "--device=host", "--socket=" + dir_ + "/a.sock",
+                                      "--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
+                                      "--tls-key=" + dir_ + "/missing.key",
+                                      "--tls-client-ca=" + dir_ + "/ca.pem"});
   EXPECT_EQ(code, 2);
   EXPECT_THAT(out, HasSubstr("--tls-key: cannot read"));
 }

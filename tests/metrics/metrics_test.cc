@@ -64,7 +64,9 @@ TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
   EXPECT_THAT(body, HasSubstr("arfuse_regions{rank=\"1\"} 3"));
   EXPECT_THAT(body, HasSubstr("arfuse_region_bytes{rank=\"1\"} 3145728"));
   EXPECT_THAT(body, HasSubstr("arfuse_workspace_bytes{rank=\"1\"} 1073741824"));
-  EXPECT_THAT(body, HasSubstr("arfuse_backend_info{rank=\"1\",backend=\"trtllm\",fusion_enabled=\"true\"}"));
+  EXPECT_THAT(
+      body,
+      HasSubstr("arfuse_backend_info{rank=\"1\",backend=\"trtllm\",fusion_enabled=\"true\"}"));
   EXPECT_THAT(body, HasSubstr("arfuse_poisonings_total{rank=\"1\"} 1"));
   EXPECT_THAT(body, HasSubstr("arfuse_reinitializations_total{rank=\"1\"} 1"));
   EXPECT_THAT(body, HasSubstr("arfuse_peers_ready{rank=\"1\"} 2"));

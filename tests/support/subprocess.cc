@@ -96,8 +96,7 @@ bool Subprocess::WaitForOutput(const std::string& text, std::chrono::millisecond
     int status = 0;
     if (pid_ > 0 && ::waitpid(pid_, &status, WNOHANG) == pid_) {
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      return Stdout().find(text) != std::string::npos ||
-             Stderr().find(text) != std::string::npos;
+      return Stdout().find(text) != std::string::npos || Stderr().find(text) != std::string::npos;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

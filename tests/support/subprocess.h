@@ -36,10 +36,9 @@ class Subprocess {
 };
 
 // Runs to completion (bounded) and returns (exit code, stdout + stderr).
-std::pair<int, std::string> RunToCompletion(std::vector<std::string> argv,
-                                            std::vector<std::string> env = {},
-                                            std::chrono::milliseconds timeout =
-                                                std::chrono::seconds(30));
+std::pair<int, std::string> RunToCompletion(
+    std::vector<std::string> argv, std::vector<std::string> env = {},
+    std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
 // A fresh temporary directory under /tmp (short, so socket paths stay well under 107 bytes).
 std::string MakeTempDir();

@@ -19,8 +19,9 @@ grpc::ServerUnaryReactor* RunBlocking(grpc::CallbackServerContext* ctx, Fn fn) {
     reactor->Finish(ToGrpcStatus(st));
     return reactor;
   }
-  std::thread([reactor, fn = std::move(fn)]() mutable { reactor->Finish(ToGrpcStatus(fn())); })
-      .detach();
+  std::thread([reactor, fn = std::move(fn)]() mutable {
+    reactor->Finish(ToGrpcStatus(fn()));
+  }).detach();
   return reactor;
 }
 
@@ -71,9 +72,8 @@ grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* 
   std::string backend = req->backend();
   if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
     auto* reactor = ctx->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("unknown backend \"", backend.substr(0, 32),
-                     "\": expected auto, trtllm, mnnvl or none"))));
+    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "unknown backend \"", backend.substr(0, 32), "\": expected auto, trtllm, mnnvl or none"))));
     return reactor;
   }
   absl::Time deadline = DeadlineOf(*ctx);

@@ -28,9 +28,9 @@ absl::Status CheckClientApiVersion(const grpc::ServerContextBase& context) {
   std::vector<std::string> parts = absl::StrSplit(value, '.');
   unsigned major = 0;
   if (parts.empty() || !absl::SimpleAtoi(parts[0], &major)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "client API version \"", value.substr(0, 32), "\" is not MAJOR.MINOR; server API version is ",
-        kApiMajor, ".", kApiMinor));
+    return absl::FailedPreconditionError(
+        absl::StrCat("client API version \"", value.substr(0, 32),
+                     "\" is not MAJOR.MINOR; server API version is ", kApiMajor, ".", kApiMinor));
   }
   if (major != kApiMajor) {
     return absl::FailedPreconditionError(absl::StrCat("client API version ", value.substr(0, 32),

@@ -11,7 +11,8 @@ using grpc::health::v1::HealthCheckResponse;
 // the server shuts down. Writes are serialized: at most one in flight, changes queue behind it.
 class HealthWatcher final : public grpc::ServerWriteReactor<HealthCheckResponse> {
  public:
-  HealthWatcher(HealthState* state, std::string service) : state_(state), service_(std::move(service)) {
+  HealthWatcher(HealthState* state, std::string service)
+      : state_(state), service_(std::move(service)) {
     state_->AddWatcher(this);
     Push(state_->Get(service_));
   }
