@@ -4,7 +4,9 @@
 // the sidecars are) and waits; each rank joins through ConnectPeers, builds a fused workspace
 // (and NCCL when every rank has its own GPU) and times every row as a CUDA graph of --iters ops,
 // warmed up, replayed --repeats times after a host barrier; a row's figure is the median per-op
-// time, the slowest rank's. Rows:
+// time, the slowest rank's (the fused rows' slowest replay is kept too: "outlier" lines and the
+// JSON's *_max fields show stalls a median hides). ARFUSE_FUSION_TUNING (kernel knobs, see
+// kernels/allreduce_fusion/allreduce_fusion.cu) is passed to the ranks and recorded. Rows:
 //   oneshot, twoshot     fused allreduce + residual + RMSNorm (forced algorithm)
 //   choice               what the dispatcher picks for the shape (its row's time)
 //   nccl, nccl_sym       NCCL allreduce alone: regular buffers / symmetric windows
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -143,13 +146,14 @@ struct ShapeResult {
   uint32_t tokens = 0;
   uint32_t hidden = 0;
   double us[kNumRows];
+  double fused_max[2] = {NAN, NAN};  // slowest replay of oneshot, twoshot (outlier check)
   std::string choice;
 };
 
 // Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph.
 absl::StatusOr<double> TimeGraph(Exchange& ex, cudaStream_t s, const Flags& f,
                                  const std::function<absl::Status()>& enqueue,
-                                 const std::string& tag) {
+                                 const std::string& tag, double* slowest = nullptr) {
   // One eager op first: NCCL connects lazily (per algorithm and protocol) on the first call of a
   // kind, which must not happen inside a capture.
   ARFUSE_RETURN_IF_ERROR(enqueue());
@@ -187,6 +191,7 @@ absl::StatusOr<double> TimeGraph(Exchange& ex, cudaStream_t s, const Flags& f,
   ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphExecDestroy(exec));
   ARFUSE_RETURN_IF_ERROR(st);
   std::sort(samples.begin(), samples.end());
+  if (slowest != nullptr) *slowest = samples.back();
   return samples[samples.size() / 2];
 }
 
@@ -294,10 +299,12 @@ absl::Status RunRank(const Flags& f) {
       op.norm_out = norm.get();
       op.gamma = gamma.get();
       for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
-        ARFUSE_ASSIGN_OR_RETURN(r.us[algo == FusionAlgo::kOneShot ? kOneShot : kTwoShot],
+        const int i = algo == FusionAlgo::kOneShot ? 0 : 1;
+        ARFUSE_ASSIGN_OR_RETURN(r.us[i == 0 ? kOneShot : kTwoShot],
                                 TimeGraph(
                                     *ex, s, f, [&] { return ws->Launch(op, algo, s); },
-                                    absl::StrCat(tag, "/fused", static_cast<int>(algo))));
+                                    absl::StrCat(tag, "/fused", static_cast<int>(algo)),
+                                    &r.fused_max[i]));
       }
       AddRmsNormParams np = {};
       np.residual_in = res_in.get();
@@ -388,6 +395,7 @@ absl::Status RunRank(const Flags& f) {
   std::string mine;
   for (const ShapeResult& r : results) {
     for (double v : r.us) absl::StrAppend(&mine, v, ",");
+    for (double v : r.fused_max) absl::StrAppend(&mine, v, ",");
   }
   ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> all,
                           ex->Allgather("results", mine, absl::Now() + absl::Seconds(60)));
@@ -395,13 +403,15 @@ absl::Status RunRank(const Flags& f) {
     std::vector<std::string> vals = absl::StrSplit(other, ',', absl::SkipEmpty());
     size_t k = 0;
     for (ShapeResult& r : results) {
-      for (double& v : r.us) {
+      auto take_max = [&](double& v) {
         double x = NAN;
         if (k < vals.size() && absl::SimpleAtod(vals[k], &x) && !std::isnan(x) && !std::isnan(v)) {
           v = std::max(v, x);
         }
         ++k;
-      }
+      };
+      for (double& v : r.us) take_max(v);
+      for (double& v : r.fused_max) take_max(v);
     }
   }
   if (f.rank != 0) return absl::OkStatus();
@@ -436,6 +446,17 @@ absl::Status RunRank(const Flags& f) {
         ratio(r.us[kTwoShot], r.us[kUnfused]).c_str(), ratio(r.us[kChoice], r.us[kUnfused]).c_str(),
         ratio(r.us[kPull], r.us[kOneShot]).c_str());
   }
+  // Replays far slower than the median: a stall (the figures above are medians).
+  for (const ShapeResult& r : results) {
+    for (int i = 0; i < 2; ++i) {
+      const double median = r.us[i == 0 ? kOneShot : kTwoShot];
+      if (!std::isnan(r.fused_max[i]) && r.fused_max[i] > 2.0 * median + 5.0) {
+        std::printf("outlier: %s %u x %u: slowest replay %.1f us per op, median %.1f\n",
+                    i == 0 ? "oneshot" : "twoshot", r.tokens, r.hidden, r.fused_max[i], median);
+      }
+    }
+  }
+  const char* tuning = std::getenv("ARFUSE_FUSION_TUNING");
   std::ofstream json(f.json);
   json << "{\n  \"command\": \"arfuse-bench kernels " << absl::StrJoin(f.raw, " ") << "\",\n"
        << "  \"version\": \"" << kVersion << "+" << kGitRevision << "\",\n"
@@ -445,19 +466,28 @@ absl::Status RunRank(const Flags& f) {
        << ",\n  \"mps_active\": " << (mps.active() ? "true" : "false") << ",\n  \"backend\": \""
        << f.backend << "\",\n  \"workspace_kind\": \"" << ws->kind()
        << "\",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
+       << ",\n  \"fusion_tuning\": \"" << (tuning != nullptr ? tuning : "") << "\""
        << ",\n  \"iters\": " << f.iters << ",\n  \"repeats\": " << f.repeats
        << ",\n  \"unit\": \"us_per_op\",\n  \"rows\": [\n";
   for (size_t i = 0; i < results.size(); ++i) {
     const ShapeResult& r = results[i];
     json << "    {\"hidden\": " << r.hidden << ", \"tokens\": " << r.tokens
-         << ", \"bytes\": " << static_cast<uint64_t>(r.tokens) * r.hidden * 2 << ", \"choice\": \""
-         << r.choice << "\"";
+         << ", \"bytes\": " << static_cast<uint64_t>(r.tokens) * r.hidden * 2
+         << ", \"choice_path\": \"" << r.choice << "\"";
     for (int k = 0; k < kNumRows; ++k) {
       json << ", \"" << kRows[k] << "\": ";
       if (std::isnan(r.us[k])) {
         json << "null";
       } else {
         json << absl::StrFormat("%.3f", r.us[k]);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max") << "\": ";
+      if (std::isnan(r.fused_max[i])) {
+        json << "null";
+      } else {
+        json << absl::StrFormat("%.3f", r.fused_max[i]);
       }
     }
     json << "}" << (i + 1 < results.size() ? "," : "") << "\n";

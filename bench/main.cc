@@ -7,9 +7,18 @@
 namespace arfuse::bench {
 namespace {
 
+#if !defined(ARFUSE_BENCH_CUDA)
+int KernelsMain(int, char**) {
+  std::fprintf(stderr, "arfuse-bench kernels: this build has no CUDA\n");
+  return 2;
+}
+#endif
+
 constexpr Subcommand kSubcommands[] = {
     {"kernels", "fused one-shot/two-shot vs NCCL (+ add-RMSNorm) vs a peer copy, per shape",
      KernelsMain},
+    {"sidecar", "eager and doorbell planes per op vs gRPC echo / in-process launch; layer loop",
+     SidecarMain},
 };
 
 int Usage() {

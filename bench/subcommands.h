@@ -15,5 +15,6 @@ struct Subcommand {
 };
 
 int KernelsMain(int argc, char** argv);
+int SidecarMain(int argc, char** argv);
 
 }  // namespace arfuse::bench

@@ -109,6 +109,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   c->session_.world_size = resp.world_size();
   c->session_.server_api_major = resp.server_api().major();
   c->session_.server_api_minor = resp.server_api().minor();
+  c->api_version_value_ = absl::StrCat(kApiMajor, ".", kApiMinor);
+  c->session_value_ = absl::StrCat(c->session_.session_id);
   return c;
 }
 
@@ -123,8 +125,8 @@ Client::~Client() {
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const {
-  ctx->AddMetadata(kApiVersionMetadataKey, absl::StrCat(kApiMajor, ".", kApiMinor));
-  ctx->AddMetadata(kSessionKey, absl::StrCat(session_.session_id));
+  ctx->AddMetadata(kApiVersionMetadataKey, api_version_value_);
+  ctx->AddMetadata(kSessionKey, session_value_);
   if (timeout <= absl::ZeroDuration()) timeout = options_.default_timeout;
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
@@ -188,7 +190,13 @@ absl::StatusOr<Plan> Client::CreatePlan(const OpDesc& op, bool doorbell) {
   PrepareContext(&ctx, absl::ZeroDuration());
   grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
-  return Plan{resp.plan_id(), resp.generation(), resp.path(), resp.reason()};
+  Plan plan{resp.plan_id(), resp.generation(), resp.path(), resp.reason(), std::nullopt};
+  if (resp.has_doorbell() && !resp.doorbell().ipc_handle().empty()) {
+    const v1::Doorbell& d = resp.doorbell();
+    plan.doorbell = DoorbellInfo{d.ipc_handle(), d.offset(), d.request_value(),
+                                 d.complete_value(), d.reset_value()};
+  }
+  return plan;
 }
 
 absl::Status Client::DestroyPlan(const Plan& plan) {

@@ -66,11 +66,23 @@ struct OpDesc {
   std::optional<TensorLoc> gamma;
 };
 
+// CreatePlan(doorbell = true): the sidecar-owned words the ring kernel uses (client/ring,
+// docs/doorbell.md), as the Doorbell message carries them.
+struct DoorbellInfo {
+  std::string ipc_handle;  // 64 bytes: cudaIpcMemHandle_t of the doorbell block
+  uint64_t offset = 0;     // this plan's slot in the block
+  uint32_t request_value = 0;
+  uint32_t complete_value = 0;
+  uint32_t reset_value = 0;
+};
+
 struct Plan {
   uint64_t id = 0;
   uint64_t generation = 0;
   v1::ExecPath path = v1::EXEC_PATH_UNSPECIFIED;
   std::string reason;
+  // Set when the plan was created with doorbell = true and the sidecar answered with one.
+  std::optional<DoorbellInfo> doorbell;
 };
 
 struct ExecOptions {
@@ -122,6 +134,9 @@ class Client {
   // The raw stub and a context with version, session and deadline set, for calls this class
   // does not wrap.
   v1::Fusion::Stub& stub() { return *stub_; }
+  // The channel every call of this client goes over (for other services on the same socket,
+  // e.g. grpc.health.v1).
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
   void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
 
  private:
@@ -134,6 +149,9 @@ class Client {
   std::unique_ptr<grpc::ClientContext> session_ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> session_stream_;
   SessionInfo session_;
+  // The metadata values every call carries, formatted once.
+  std::string api_version_value_;
+  std::string session_value_;
 };
 
 // Turns "unix:/p", "/p" or "host:port" into a gRPC target.

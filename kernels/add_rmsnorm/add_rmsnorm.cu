@@ -10,28 +10,43 @@ namespace {
 using device::kMaxVecPerThread;
 using device::Raw16;
 
-// One block per row, rows grid-strided. The input is the allreduced sum in dtype (NCCL's
-// output): step 3 of the reference numerics is only the -0.0 -> +0.0 mapping here.
-template <DType DT>
-__global__ void __launch_bounds__(1024) AddRmsNormKernel(const AddRmsNormParams p) {
+// One block per row, rows grid-strided, with the row layout of row_math.cuh (the fused kernels
+// use the same, so both paths agree bit for bit). The input is the allreduced sum in dtype
+// (NCCL's output): step 3 of the reference numerics is only the -0.0 -> +0.0 mapping here.
+template <DType DT, int kBucket>
+__global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
+    AddRmsNormKernel(const AddRmsNormParams p) {
+  constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[32];
   const uint32_t vecs_per_row = p.hidden / device::VecTraits<DT>::kElems;
   const size_t row_bytes = static_cast<size_t>(p.hidden) * DTypeSize(DT);
   for (uint32_t row = blockIdx.x; row < p.num_tokens; row += gridDim.x) {
     const size_t offset = row * row_bytes;
-    Raw16 reduced[kMaxVecPerThread];
+    Raw16 reduced[kVec];
 #pragma unroll
-    for (int k = 0; k < kMaxVecPerThread; ++k) {
+    for (int k = 0; k < kVec; ++k) {
       const uint32_t v = threadIdx.x + k * blockDim.x;
       if (v < vecs_per_row) {
         reduced[k] = device::SanitizeNegativeZero<DT>(
             device::LoadRaw(static_cast<const char*>(p.input) + offset + v * 16u));
       }
     }
-    device::ResidualRmsNormRow<DT>(reduced, vecs_per_row, p.hidden, p.eps,
-                                   static_cast<const char*>(p.residual_in) + offset,
-                                   static_cast<char*>(p.residual_out) + offset,
-                                   static_cast<char*>(p.norm_out) + offset, p.gamma, scratch);
+    device::ResidualRmsNormRow<DT, kVec>(reduced, vecs_per_row, p.hidden, p.eps,
+                                         static_cast<const char*>(p.residual_in) + offset,
+                                         static_cast<char*>(p.residual_out) + offset,
+                                         static_cast<char*>(p.norm_out) + offset, p.gamma,
+                                         scratch);
+  }
+}
+
+template <DType DT>
+void LaunchAddRmsNormTyped(const AddRmsNormParams& p, unsigned grid, int threads, int bucket,
+                           cudaStream_t stream) {
+  switch (bucket) {
+    case 0: AddRmsNormKernel<DT, 0><<<grid, threads, 0, stream>>>(p); break;
+    case 1: AddRmsNormKernel<DT, 1><<<grid, threads, 0, stream>>>(p); break;
+    case 2: AddRmsNormKernel<DT, 2><<<grid, threads, 0, stream>>>(p); break;
+    default: AddRmsNormKernel<DT, 3><<<grid, threads, 0, stream>>>(p); break;
   }
 }
 
@@ -64,12 +79,13 @@ cudaError_t LaunchAddRmsNorm(const AddRmsNormParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const uint32_t vecs_per_row = p.hidden / (16u / static_cast<uint32_t>(DTypeSize(p.dtype)));
   const int threads = device::RowBlockThreads(vecs_per_row);
+  const int bucket = device::RowBucket(vecs_per_row);
   // Enough rows in flight to cover the GPU a few times over; no cross-block waiting here.
   const unsigned grid = std::min<uint32_t>(p.num_tokens, 4096u);
   switch (p.dtype) {
-    case DType::kBF16: AddRmsNormKernel<DType::kBF16><<<grid, threads, 0, stream>>>(p); break;
-    case DType::kFP16: AddRmsNormKernel<DType::kFP16><<<grid, threads, 0, stream>>>(p); break;
-    case DType::kFP32: AddRmsNormKernel<DType::kFP32><<<grid, threads, 0, stream>>>(p); break;
+    case DType::kBF16: LaunchAddRmsNormTyped<DType::kBF16>(p, grid, threads, bucket, stream); break;
+    case DType::kFP16: LaunchAddRmsNormTyped<DType::kFP16>(p, grid, threads, bucket, stream); break;
+    case DType::kFP32: LaunchAddRmsNormTyped<DType::kFP32>(p, grid, threads, bucket, stream); break;
   }
   return cudaGetLastError();
 }

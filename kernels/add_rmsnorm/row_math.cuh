@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/common/op_types.h"
@@ -156,23 +157,26 @@ __device__ __forceinline__ Raw16 RoundSum(const float (&acc)[VecTraits<DT>::kEle
   return SanitizeNegativeZero<DT>(out);
 }
 
-// Deterministic block sum: xor butterflies give every lane the same bits (fp add commutes
-// exactly), then every warp reduces the per-warp partials in the same order. blockDim.x must be
-// a multiple of 32. `scratch` holds 32 floats; the trailing barrier lets the caller reuse it.
-__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+// The xor butterfly of one warp: every lane ends with the same bits (fp add commutes exactly).
+__device__ __forceinline__ float WarpButterflySum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
   }
+  return v;
+}
+
+// Deterministic block sum: xor butterflies give every lane the same bits, then every warp
+// reduces the per-warp partials (zeros beyond the last warp) with the same butterfly. blockDim.x
+// must be a multiple of 32. `scratch` holds 32 floats; the trailing barrier lets the caller
+// reuse it. The fused kernels reproduce exactly this tree (also across the CTAs of a cluster).
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  v = WarpButterflySum(v);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  float t = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.0f;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, offset));
-  }
+  const float t = WarpButterflySum(lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.0f);
   __syncthreads();
   return t;
 }
@@ -180,27 +184,56 @@ __device__ __forceinline__ float BlockSum(float v, float* scratch) {
 // Most 16-byte vectors one thread keeps of a row (1024 threads x 8 vectors bounds hidden).
 inline constexpr int kMaxVecPerThread = 8;
 
-// Steps 4-5 for one row whose allreduced vectors (step 3, sanitized) this thread holds in
-// `reduced[k]` for vector index threadIdx.x + k * blockDim.x of the row. Every thread of the
-// block must call it (it synchronizes). Pointers are to the row's start.
-template <DType DT>
-__device__ __forceinline__ void ResidualRmsNormRow(Raw16 (&reduced)[kMaxVecPerThread],
-                                                   uint32_t vecs_per_row, uint32_t hidden,
-                                                   float eps, const void* residual_in_row,
-                                                   void* residual_out_row, void* norm_out_row,
-                                                   const void* gamma, float* scratch) {
+// The row layout every GPU path shares (it fixes the order of the sum of squares, so the fused
+// kernels and the add-RMSNorm kernel agree bit for bit): a row of V vectors is handled by T
+// "row threads"; row thread t holds vectors t, t + T, ..., t + (P - 1) T (those below V), with
+// P = RowVecsPerThread(V) and T = RowBlockThreads(V) (whole warps): one vector per thread up to
+// 256, two up to 1024 (T <= 512), then up to 8 with T <= 512, then 8 with up to 1024 threads.
+// Few vectors per thread keep the per-row latency low; few warps keep the block reduction cheap.
+// Depends only on the shape.
+inline int RowVecsPerThread(uint32_t vecs_per_row) {
+  if (vecs_per_row <= 256u) return 1;
+  if (vecs_per_row <= 1024u) return 2;
+  return static_cast<int>(std::min<uint32_t>(8u, (vecs_per_row + 511u) / 512u));
+}
+inline int RowBlockThreads(uint32_t vecs_per_row) {
+  const uint32_t per_thread = static_cast<uint32_t>(std::max(1, RowVecsPerThread(vecs_per_row)));
+  const uint32_t threads = (vecs_per_row + per_thread - 1u) / per_thread;
+  return static_cast<int>((threads + 31u) / 32u * 32u);
+}
+// Kernels are instantiated per bucket of the layout: register arrays of kVec = BucketVecs(b)
+// vectors and blocks of at most BucketMaxThreads(b) threads (their __launch_bounds__).
+//   0: P <= 2   1: P <= 4   2: P <= 8 (T <= 512 for all three)   3: P = 8, T <= 1024
+inline int RowBucket(uint32_t vecs_per_row) {
+  const int p = RowVecsPerThread(vecs_per_row);
+  if (p <= 2) return 0;
+  if (p <= 4) return 1;
+  return RowBlockThreads(vecs_per_row) <= 512 ? 2 : 3;
+}
+constexpr int BucketVecs(int bucket) { return bucket == 0 ? 2 : (bucket == 1 ? 4 : 8); }
+constexpr int BucketMaxThreads(int bucket) { return bucket == 3 ? 1024 : 512; }
+constexpr int BucketMinBlocks(int /*bucket*/) { return 1; }
+
+// Steps 4-5 for one row, split in two so callers can overlap the sum of squares' reduction with
+// their own barriers. Row thread `t0` (see RowBlockThreads) holds, for k < kVec, the allreduced
+// vector t0 + k * stride (step 3, sanitized) in `reduced[k]` and the residual_in vector in `res[k]`
+// (vectors >= vecs_per_row are ignored). Stores residual_out, leaves the dtype-rounded pre-norm
+// sum in `reduced` and returns this thread's sum of squares (its vectors in k order).
+template <DType DT, int kVec>
+__device__ __forceinline__ float ResidualAddRow(Raw16 (&reduced)[kVec], const Raw16 (&res)[kVec],
+                                                uint32_t t0, uint32_t stride, uint32_t vecs_per_row,
+                                                void* residual_out_row) {
   using Tr = VecTraits<DT>;
   float sum_of_squares = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kMaxVecPerThread; ++k) {
-    const uint32_t v = threadIdx.x + k * blockDim.x;
+  for (int k = 0; k < kVec; ++k) {
+    const uint32_t v = t0 + k * stride;
     if (v < vecs_per_row) {
-      const Raw16 res = LoadRaw(static_cast<const uint4*>(residual_in_row) + v);
       Raw16 pre{{0, 0, 0, 0}};
 #pragma unroll
       for (int j = 0; j < Tr::kElems; ++j) {
         const float a = Tr::ToFloat(GetBits<DT>(reduced[k], j));
-        const float r = Tr::ToFloat(GetBits<DT>(res, j));
+        const float r = Tr::ToFloat(GetBits<DT>(res[k], j));
         SetBits<DT>(pre, j, Tr::FromFloat(__fadd_rn(a, r)));
       }
       StoreRaw(static_cast<uint4*>(residual_out_row) + v, pre);
@@ -212,20 +245,41 @@ __device__ __forceinline__ void ResidualRmsNormRow(Raw16 (&reduced)[kMaxVecPerTh
       reduced[k] = pre;
     }
   }
-  const float total = BlockSum(sum_of_squares, scratch);
+  return sum_of_squares;
+}
+
+// Loads this thread's vectors of a row (row thread t0, k < kVec; vectors >= vecs_per_row are
+// left alone). All loads are issued before any is used: one memory latency, not kVec.
+template <int kVec>
+__device__ __forceinline__ void LoadRowVectors(Raw16 (&dst)[kVec], const void* row, uint32_t t0,
+                                               uint32_t stride, uint32_t vecs_per_row) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const uint32_t v = t0 + k * stride;
+    if (v < vecs_per_row) dst[k] = LoadRaw(static_cast<const uint4*>(row) + v);
+  }
+}
+
+// norm_out for the vectors of ResidualAddRow, given the row's total sum of squares and this
+// thread's gamma vectors (loaded beforehand: a load between the stores would wait for each).
+template <DType DT, int kVec>
+__device__ __forceinline__ void NormRowStore(const Raw16 (&pre)[kVec], float total, uint32_t t0,
+                                             uint32_t stride, uint32_t vecs_per_row,
+                                             uint32_t hidden, float eps, const Raw16 (&g)[kVec],
+                                             void* norm_out_row) {
+  using Tr = VecTraits<DT>;
   // IEEE division and square root, as the CPU reference: only the order of the adds differs.
   const float inv_rms =
       __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(hidden)), eps)));
 #pragma unroll
-  for (int k = 0; k < kMaxVecPerThread; ++k) {
-    const uint32_t v = threadIdx.x + k * blockDim.x;
+  for (int k = 0; k < kVec; ++k) {
+    const uint32_t v = t0 + k * stride;
     if (v < vecs_per_row) {
-      const Raw16 g = LoadRaw(static_cast<const uint4*>(gamma) + v);
       Raw16 out{{0, 0, 0, 0}};
 #pragma unroll
       for (int j = 0; j < Tr::kElems; ++j) {
-        const float y = Tr::ToFloat(GetBits<DT>(reduced[k], j));
-        const float gj = Tr::ToFloat(GetBits<DT>(g, j));
+        const float y = Tr::ToFloat(GetBits<DT>(pre[k], j));
+        const float gj = Tr::ToFloat(GetBits<DT>(g[k], j));
         SetBits<DT>(out, j, Tr::FromFloat(__fmul_rn(__fmul_rn(y, inv_rms), gj)));
       }
       StoreRaw(static_cast<uint4*>(norm_out_row) + v, out);
@@ -233,12 +287,23 @@ __device__ __forceinline__ void ResidualRmsNormRow(Raw16 (&reduced)[kMaxVecPerTh
   }
 }
 
-// Threads per block for rows of `vecs_per_row` vectors: the fewest vectors per thread that fit
-// 1024 threads, then the fewest whole warps that cover the row. Depends only on the shape.
-inline int RowBlockThreads(uint32_t vecs_per_row) {
-  const uint32_t per_thread = (vecs_per_row + 1023u) / 1024u;
-  const uint32_t threads = (vecs_per_row + per_thread - 1u) / per_thread;
-  return static_cast<int>((threads + 31u) / 32u * 32u);
+// Steps 4-5 for one row handled by the whole block (row thread = threadIdx.x, T = blockDim.x).
+// Every thread of the block must call it (it synchronizes). Pointers are to the row's start.
+template <DType DT, int kVec>
+__device__ __forceinline__ void ResidualRmsNormRow(Raw16 (&reduced)[kVec], uint32_t vecs_per_row,
+                                                   uint32_t hidden, float eps,
+                                                   const void* residual_in_row,
+                                                   void* residual_out_row, void* norm_out_row,
+                                                   const void* gamma, float* scratch) {
+  Raw16 res[kVec];
+  Raw16 g[kVec];
+  LoadRowVectors<kVec>(res, residual_in_row, threadIdx.x, blockDim.x, vecs_per_row);
+  LoadRowVectors<kVec>(g, gamma, threadIdx.x, blockDim.x, vecs_per_row);
+  const float mine = ResidualAddRow<DT, kVec>(reduced, res, threadIdx.x, blockDim.x, vecs_per_row,
+                                              residual_out_row);
+  const float total = BlockSum(mine, scratch);
+  NormRowStore<DT, kVec>(reduced, total, threadIdx.x, blockDim.x, vecs_per_row, hidden, eps, g,
+                         norm_out_row);
 }
 
 }  // namespace device

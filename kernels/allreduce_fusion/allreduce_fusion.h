@@ -131,6 +131,10 @@ cudaError_t CheckFusionParams(const FusionParams& params, const char** why = nul
 // from CheckFusionParams without launching. Capturable in CUDA graphs: all protocol state lives
 // in the workspace. The launch grid depends only on (num_tokens, hidden, world_size, dtype,
 // pattern, algo, sm_budget, device).
+// With sm_budget == 0 (the rank has its GPU to itself) the kernel is a programmatic dependent
+// launch (sm_90+): it may be scheduled while the kernel before it on the stream still runs and
+// waits (griddepcontrol.wait) for it and its stores before touching anything, then lets the
+// kernel after it be scheduled early. Results are the same; the launch gap shrinks.
 cudaError_t LaunchAllReduceFusion(const FusionParams& params, cudaStream_t stream);
 
 // Indirect launch, for ops whose token count (and params) are only known on the device when the

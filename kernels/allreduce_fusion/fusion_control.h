@@ -18,22 +18,31 @@ struct FusionControl {
   uint32_t abort;
   // One-shot: number of calls so far; buffer epoch % 3 receives this call's data.
   uint32_t lamport_epoch;
-  // One-shot: blocks of the current call that finished; the last one advances the epoch.
+  // One-shot: blocks of the current call that have read the epoch (each counts itself in right
+  // after its first pushes); the last one advances the epoch when it finishes.
   uint32_t lamport_arrived;
   // Two-shot: barrier sequence; a call's two barriers wait for seq + 1 and seq + 2.
   uint32_t twoshot_seq;
-  uint32_t twoshot_arrived;
-  uint32_t reserved0[2];
-  // One-shot: elements per rank slot the call that used buffer i wrote (what to clear later).
+  uint32_t twoshot_arrived;  // unused (the two-shot's last block at barrier B advances seq)
+  // Two-shot: blocks of the current call that arrived at barrier A ([0]) and B ([1]); the last
+  // at each signals the peers; the last at B resets both.
+  uint32_t twoshot_count[2];
+  // Unused since the one-shot writes the sentinel back right after reading each element (it
+  // used to clear the previous call's buffer and recorded here how much); kept for the layout.
   uint64_t lamport_used_elems[3];
-  uint8_t reserved1[256 - 56];
-  // Two-shot barrier: barrier[b][r] is written by block b of rank r (st.release.sys) and polled
-  // by block b of this rank (ld.acquire.sys).
+  // %globaltimer time before which no spinning thread of this rank reads the host abort word
+  // again: one PCIe read per rank per interval, claimed with a CAS. (Every spinning block
+  // reading it at once queued hundreds of PCIe reads and stalled ops for up to 2.4 ms.)
+  uint64_t host_check_ns;
+  uint8_t reserved1[256 - 64];
+  // Two-shot barrier: barrier[0][r] is written by rank r's last block to arrive at a barrier
+  // (st.release.sys) and polled by every block of this rank (ld.acquire.sys).
   uint32_t barrier[kMaxFusionBlocks][kMaxWorldSize];
 };
 static_assert(offsetof(FusionControl, error) == 0);
 static_assert(offsetof(FusionControl, abort) == 4);
 static_assert(offsetof(FusionControl, lamport_used_elems) == 32);
+static_assert(offsetof(FusionControl, host_check_ns) == 56);
 static_assert(offsetof(FusionControl, barrier) == 256);
 static_assert(sizeof(FusionControl) == 256 + kMaxFusionBlocks * kMaxWorldSize * 4);
 

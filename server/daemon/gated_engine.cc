@@ -27,6 +27,50 @@ absl::StatusOr<OpOutcome> GatedEngine::Execute(const OpArgs& op, const ExecConte
   return result;
 }
 
+absl::StatusOr<DoorbellGrant> GatedEngine::AddDoorbellPlan(const OpArgs& op_template,
+                                                           uint32_t max_tokens,
+                                                           absl::Time deadline) {
+  DoorbellHost* host = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_ || inner_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat("not serving: ", closed_reason_));
+    }
+    host = inner_->doorbell_host();
+    if (host == nullptr) {
+      return absl::FailedPreconditionError(
+          "this sidecar's engine has no doorbell plane (the doorbell plane needs --device=cuda): "
+          "use the eager plane (Execute)");
+    }
+    ++in_flight_;
+  }
+  // As for Execute: the inner engine cannot be swapped while in_flight_ > 0.
+  absl::StatusOr<DoorbellGrant> result = host->AddDoorbellPlan(op_template, max_tokens, deadline);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--in_flight_ == 0) idle_.notify_all();
+  }
+  return result;
+}
+
+absl::Status GatedEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) {
+  DoorbellHost* host = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // No engine: the plane that held the plan is gone with its engine.
+    if (inner_ == nullptr) return absl::OkStatus();
+    host = inner_->doorbell_host();
+    if (host == nullptr) return absl::OkStatus();
+    ++in_flight_;
+  }
+  absl::Status result = host->RemoveDoorbellPlan(grant, deadline);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--in_flight_ == 0) idle_.notify_all();
+  }
+  return result;
+}
+
 void GatedEngine::Abort() {
   std::lock_guard<std::mutex> lock(mu_);
   if (inner_ != nullptr) inner_->Abort();

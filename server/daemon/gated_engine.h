@@ -10,11 +10,16 @@
 #include <mutex>
 #include <string>
 
+#include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 
 namespace arfuse {
 
-class GatedEngine final : public Engine {
+// The doorbell plane is forwarded too: AddDoorbellPlan passes the gate like an op (UNAVAILABLE
+// while closed or empty, FAILED_PRECONDITION when the engine has no doorbell plane);
+// RemoveDoorbellPlan reaches the engine even while the gate is closed (a client leaving while
+// the group re-forms), and is OK when there is no engine (its plane went with it).
+class GatedEngine final : public Engine, public DoorbellHost {
  public:
   GatedEngine() = default;
 
@@ -23,6 +28,11 @@ class GatedEngine final : public Engine {
   absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
   void Abort() override;
   EngineStatus Status() const override;
+  DoorbellHost* doorbell_host() override { return this; }
+
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs& op_template, uint32_t max_tokens,
+                                                absl::Time deadline) override;
+  absl::Status RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) override;
 
   // Refuses new ops; waits until none is in flight or `deadline`. Returns how many ops were in
   // flight when the drain began; DEADLINE_EXCEEDED when some are still running at the deadline

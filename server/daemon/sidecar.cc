@@ -16,12 +16,17 @@
 #include "server/core/version.h"
 #include "server/daemon/unix_listener.h"
 #include "server/daemon/unix_socket.h"
+#include "server/doorbell/doorbell_report.h"
+#include "server/gpu/mps.h"
 #include "server/peers/exchange.h"
 #include "server/metrics/metrics.h"
 #include "server/services/config/config_service.h"
 #include "server/services/fusion/fusion_service.h"
 #include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
+#if ARFUSE_HAVE_CUDA
+#include "server/doorbell/self_test.h"
+#endif
 
 namespace arfuse {
 
@@ -98,6 +103,34 @@ absl::Status Sidecar::Start() {
                                        kVersion);
   if (options_.metrics_port >= 0) ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_port));
 
+  // MPS and the doorbell hop (docs/doorbell.md), once before the engine starts: negotiation
+  // (Config snapshot), GetWorkspaceInfo, metrics and one log line report them.
+  double doorbell_hop_us = 0;
+  if (options_.device == "cuda") {
+    const MpsInfo mps = DetectMps();
+    mps_detected_ = mps.active();
+    DoorbellHopReport hop;
+#if ARFUSE_HAVE_CUDA
+    DoorbellSelfTestOptions self_test;
+    self_test.device = options_.gpu;
+    self_test.ops = 200;
+    self_test.repeats = 3;
+    self_test.timeout = absl::Seconds(5);
+    absl::StatusOr<DoorbellHopReport> measured = RunDoorbellSelfTest(self_test);
+    if (measured.ok()) {
+      hop = *measured;
+    } else {
+      hop.error = std::string(measured.status().message());
+    }
+#else
+    hop.error = "this arfused was built without CUDA";
+#endif
+    if (hop.measured) doorbell_hop_us = hop.hop_us;
+    metrics_->SetMps(mps_detected_, doorbell_hop_us * 1e-6);
+    spdlog::info("event=doorbell_self_test gpu={} result=\"{}\" {}", options_.gpu,
+                 DescribeDoorbell(hop, mps_detected_), mps.Describe());
+  }
+
   health_main_ = std::make_unique<HealthService>(&health_);
   health_probe_ = std::make_unique<HealthService>(&health_);
   // Liveness answers as soon as the process serves; readiness waits for the group.
@@ -113,7 +146,7 @@ absl::Status Sidecar::Start() {
     config_options.capture.mode = mode.ok() ? *mode : config::CudaGraphMode::kFull;
   }
   config_options.capture.mnnvl_capture_safe = options_.mnnvl_capture_safe;
-  config_options.snapshot = [this]() -> absl::StatusOr<ConfigSnapshot> {
+  config_options.snapshot = [this, doorbell_hop_us]() -> absl::StatusOr<ConfigSnapshot> {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (!decided_) {
       return absl::UnavailableError(absl::StrCat("the group has not decided yet: ",
@@ -125,6 +158,7 @@ absl::Status Sidecar::Start() {
     snap.rank = options_.rank;
     snap.world_size = options_.world_size;
     snap.mps_detected = mps_detected_;
+    snap.doorbell_hop_us = doorbell_hop_us;
     return snap;
   };
   services_.push_back(std::make_unique<ConfigService>(std::move(config_options)));
@@ -140,6 +174,7 @@ absl::Status Sidecar::Start() {
   fusion_options.max_hidden = options_.hidden;
   fusion_options.sm = OwnTopology().sm;
   fusion_options.mps_detected = mps_detected_;
+  fusion_options.doorbell_hop_us = doorbell_hop_us;
   if (options_.dtype == "fp16") fusion_options.dtype = DType::kFP16;
   if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
   ARFUSE_ASSIGN_OR_RETURN(fusion_,

@@ -14,6 +14,7 @@
 namespace arfuse {
 
 class Exchange;
+class DoorbellHost;
 
 // Numbers match arfuse.v1.ExecPath.
 enum class ExecPath : uint8_t { kOneShot = 1, kTwoShot = 2, kUnfused = 3, kHost = 4 };
@@ -108,6 +109,10 @@ class Engine {
   virtual void Abort() = 0;
 
   virtual EngineStatus Status() const = 0;
+
+  // The doorbell plane (server/engine/doorbell_host.h), or null when this engine has none (host
+  // mode). The pointer lives as long as the engine.
+  virtual DoorbellHost* doorbell_host() { return nullptr; }
 };
 
 }  // namespace arfuse

@@ -1,6 +1,7 @@
 #include "server/gpu/cuda_engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <utility>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/gpu/cuda_status.h"
+#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/group_step.h"
 #include "server/gpu/nccl_comm.h"
@@ -74,6 +76,15 @@ absl::Time HalfwayTo(absl::Time deadline) {
   return now + (deadline - now) / 2;
 }
 
+// Doorbell plane ids: unique in the process, never 0.
+std::atomic<uint64_t> g_next_doorbell_id{1};
+
+// How long an eager op (or a plan removal) waits for doorbell ops already taken to finish: they
+// end within the spin timeout even when a peer never comes.
+absl::Time DoorbellPauseDeadline(absl::Time deadline, absl::Duration spin_timeout) {
+  return std::min(deadline, absl::Now() + spin_timeout + absl::Seconds(1));
+}
+
 }  // namespace
 
 CudaEngine::CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options)
@@ -88,7 +99,11 @@ CudaEngine::~CudaEngine() {
     absl::MutexLock state(&state_mu_);
     abortable_ = nullptr;
   }
-  // Workspace teardown aborts its spins and waits a bounded time; NCCL aborts its communicator.
+  // The doorbell plane goes before its workspace: the abort sends its waiters away (and ends a
+  // fused op spinning on a peer), then the plane stops; workspace teardown then waits a bounded
+  // time for its spins; NCCL aborts its communicator.
+  if (workspace_ != nullptr) workspace_->Abort();
+  doorbell_.reset();
   workspace_.reset();
   sym_nccl_.reset();
   nccl_.reset();
@@ -169,6 +184,18 @@ absl::Status CudaEngine::Initialize(Exchange& exchange, absl::Time deadline) {
 absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadline) {
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const int world = options_.world_size;
+  // The doorbell plane stops queuing and its waiters leave before the workspace is touched
+  // (docs/doorbell.md: Pause, re-initialize, ResetSlots, Resume). A doorbell op that waits for a
+  // peer ends at the latest when Reinitialize aborts the workspace.
+  if (doorbell_ != nullptr) {
+    bool was_running = false;
+    absl::Status paused = PauseDoorbellLocked(
+        DoorbellPauseDeadline(deadline, options_.spin_timeout), &was_running);
+    if (!paused.ok()) {
+      spdlog::warn("event=doorbell_pause_slow rank={} error=\"{}\"", options_.rank,
+                   std::string(paused.message()));
+    }
+  }
   {
     absl::MutexLock state(&state_mu_);
     status_.state = WorkspaceState::kInitializing;
@@ -208,9 +235,14 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   shares_gpu_ = max_share > 1;
   // Ranks sharing one GPU (MPS) must not starve each other of SMs while they spin: each gets an
   // equal share, the same number on every rank so every rank's grid is the same.
-  const uint32_t sm_budget = cuda_options_.sm_budget != 0
-                                 ? cuda_options_.sm_budget
-                                 : (shares_gpu_ ? static_cast<uint32_t>(min_sms / max_share) : 0);
+  // With the doorbell plane every rank also keeps one waiter block resident, and its client one
+  // ring block (docs/doorbell.md): the fused grids leave room for them.
+  const int reserved_sms = cuda_options_.enable_doorbell ? 2 * max_share + 2 : 0;
+  const uint32_t sm_budget =
+      cuda_options_.sm_budget != 0
+          ? cuda_options_.sm_budget
+          : (shares_gpu_ ? static_cast<uint32_t>(std::max(1, (min_sms - reserved_sms) / max_share))
+                         : 0);
   PrefixedExchange ex(exchange, absl::StrCat("g", generation, "/"));
 
   // Unfused path: NCCL. Kept when every rank still has its communicator.
@@ -274,14 +306,14 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
     abortable_ = nullptr;
   }
   if (!fuse_reason.empty()) {
-    workspace_.reset();
+    ResetWorkspaceLocked();
   } else {
     absl::Status built;
     if (all_have_workspace && workspace_ != nullptr &&
         workspace_->options().sm_budget == sm_budget) {
       built = workspace_->Reinitialize(ex, stream_, deadline);
     } else {
-      workspace_.reset();
+      ResetWorkspaceLocked();
       WorkspaceOptions wo;
       wo.backend = options_.backend;
       wo.vmm_handle = cuda_options_.vmm_handle;
@@ -300,8 +332,19 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
         VoteResult voted,
         ex.Vote("fuse.ok", built.ok(), built.ok() ? "" : std::string(built.message()), deadline));
     if (!voted.all_yes) {
-      workspace_.reset();
+      ResetWorkspaceLocked();
       fuse_reason = absl::StrCat("fused workspace unavailable: ", VoteReasons(voted));
+    }
+  }
+  if (doorbell_ != nullptr) {
+    // Re-initialized in place: the plans stay; their slots are re-armed (sticky errors cleared)
+    // and the plane runs again (also when an abort had paused it).
+    absl::Status reset = doorbell_->ResetSlots(deadline);
+    if (reset.ok()) reset = doorbell_->Resume();
+    if (!reset.ok()) {
+      spdlog::error("event=doorbell_reset_failed rank={} error=\"{}\"", options_.rank,
+                    std::string(reset.message()));
+      DropDoorbellLocked("its slots could not be re-armed after the re-initialization");
     }
   }
 
@@ -476,6 +519,33 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   req.forced = cuda_options_.forced;
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
 
+  // Doorbell waiters queued ahead on the stream would hold this op back until their idle
+  // timeout: they leave first, and are queued again behind it.
+  bool doorbell_resume = false;
+  if (doorbell_ != nullptr && doorbell_plans_ > 0) {
+    absl::Status paused = PauseDoorbellLocked(
+        DoorbellPauseDeadline(ctx.deadline, options_.spin_timeout), &doorbell_resume);
+    if (!paused.ok()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "doorbell ops still running on the engine's stream; the op did not run: ",
+          paused.message()));
+    }
+  }
+  struct ResumeDoorbell {
+    DoorbellPlane* plane;
+    bool armed;
+    void Now() {
+      if (!armed) return;
+      armed = false;
+      absl::Status resumed = plane->Resume();
+      if (!resumed.ok()) {
+        spdlog::warn("event=doorbell_resume_failed error=\"{}\"",
+                     std::string(resumed.message()));
+      }
+    }
+    ~ResumeDoorbell() { Now(); }
+  } resume_doorbell{doorbell_.get(), doorbell_resume};
+
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (ctx.wait_event != nullptr) {
     ARFUSE_CUDA_RETURN_IF_ERROR(
@@ -489,10 +559,14 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   } else {
     ARFUSE_RETURN_IF_ERROR(LaunchUnfused(op, choice.nccl_symmetric, ctx.deadline));
   }
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(op_done_, stream_));
+  // op_done_ serves only the synchronous wait below (WaitEvent: hot polls for 1 ms, then backs
+  // off); an asynchronous op replies right after the enqueue and does not pay for the record.
+  if (ctx.synchronous) ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(op_done_, stream_));
   if (ctx.done_event != nullptr) {
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(ctx.done_event), stream_));
   }
+  // Waiters queue again behind the op at once, not after a synchronous wait.
+  resume_doorbell.Now();
   if (ctx.synchronous) {
     absl::Status done = WaitEvent(op_done_, ctx.deadline);
     if (absl::IsDeadlineExceeded(done) && fused) {
@@ -571,6 +645,207 @@ EngineStatus CudaEngine::Status() const {
     s.reason = absl::StrCat("workspace poisoned: ", FusionErrorName(abortable_->error_code()));
   }
   return s;
+}
+
+// ---- doorbell plane ----
+
+void CudaEngine::ResetWorkspaceLocked() {
+  if (workspace_ != nullptr) {
+    // A doorbell op spinning on a peer ends now; the plane's waiters leave.
+    workspace_->Abort();
+    DropDoorbellLocked("its workspace is rebuilt or dropped");
+  }
+  workspace_.reset();
+}
+
+void CudaEngine::DropDoorbellLocked(const char* why) {
+  if (doorbell_ == nullptr) return;
+  spdlog::warn("event=doorbell_plane_dropped rank={} plane_id={} plans={} reason=\"{}\"",
+               options_.rank, doorbell_id_, doorbell_plans_, why);
+  // Stop + bounded teardown: rings on its slots fail with kStopped.
+  doorbell_.reset();
+  doorbell_id_ = 0;
+  doorbell_plans_ = 0;
+}
+
+absl::Status CudaEngine::EnsureDoorbellLocked() {
+  if (doorbell_ != nullptr) return absl::OkStatus();
+  DoorbellPlaneOptions o;
+  o.device = device_;
+  o.stream = stream_;
+  o.local_workspace = workspace_->local_base();
+  o.layout = workspace_->layout();
+  o.host_abort = workspace_->device_host_abort();
+  o.queue_depth = cuda_options_.doorbell_queue_depth;
+  o.programmatic_launch = cuda_options_.doorbell_programmatic_launch;
+  absl::StatusOr<std::unique_ptr<DoorbellPlane>> plane = DoorbellPlane::Create(o);
+  if (!plane.ok()) {
+    return absl::Status(plane.status().code(), absl::StrCat("cannot create the doorbell plane: ",
+                                                            plane.status().message()));
+  }
+  ARFUSE_RETURN_IF_ERROR((*plane)->Start());
+  doorbell_ = std::move(*plane);
+  doorbell_id_ = g_next_doorbell_id.fetch_add(1);
+  doorbell_plans_ = 0;
+  spdlog::info("event=doorbell_plane_ready rank={} plane_id={} generation={}", options_.rank,
+               doorbell_id_, workspace_->generation());
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PauseDoorbellLocked(absl::Time deadline, bool* resume) {
+  *resume = doorbell_->Status().running;
+  absl::Status paused = doorbell_->Pause(deadline);
+  if (!paused.ok() && *resume) {
+    // Nothing was launched: let the plane serve again rather than leave it paused.
+    *resume = false;
+    absl::Status resumed = doorbell_->Resume();
+    if (!resumed.ok()) {
+      spdlog::warn("event=doorbell_resume_failed rank={} error=\"{}\"", options_.rank,
+                   std::string(resumed.message()));
+    }
+  }
+  return paused;
+}
+
+DispatchRequest CudaEngine::DispatchRequestLocked(const OpArgs& op) const {
+  DispatchRequest req;
+  req.sm = sm_;
+  req.world_size = options_.world_size;
+  req.num_tokens = op.num_tokens;
+  req.hidden = op.hidden;
+  req.dtype = op.dtype;
+  req.fused_available = workspace_ != nullptr && !workspace_->poisoned();
+  req.twoshot_available =
+      IsFusionSupported(op.dtype, options_.world_size, op.pattern, FusionAlgo::kTwoShot);
+  req.nccl_available = nccl_ != nullptr;
+  req.nccl_symmetric_available =
+      symmetric_buffer_ != nullptr &&
+      PayloadBytes(op.num_tokens, op.hidden, op.dtype) <= symmetric_bytes_;
+  req.forced = cuda_options_.forced;
+  return req;
+}
+
+absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlan(const OpArgs& op_template,
+                                                          uint32_t max_tokens,
+                                                          absl::Time deadline) {
+  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
+    mu_.Unlock();
+    return absl::DeadlineExceededError("an op held the engine until the deadline");
+  }
+  absl::StatusOr<DoorbellGrant> out = AddDoorbellPlanLocked(op_template, max_tokens);
+  mu_.Unlock();
+  return out;
+}
+
+absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op_template,
+                                                                uint32_t max_tokens) {
+  if (!cuda_options_.enable_doorbell) {
+    return absl::FailedPreconditionError(
+        "the doorbell plane is disabled on this engine: use the eager plane (Execute)");
+  }
+  WorkspaceState state;
+  std::string reason;
+  {
+    absl::MutexLock s(&state_mu_);
+    state = status_.state;
+    reason = status_.reason;
+  }
+  if (state == WorkspaceState::kInitializing) {
+    return absl::UnavailableError(absl::StrCat("engine is not initialized (", reason, ")"));
+  }
+  if (state == WorkspaceState::kPoisoned || (workspace_ != nullptr && workspace_->poisoned())) {
+    return absl::FailedPreconditionError(
+        "the workspace is poisoned: re-initialize every rank, then create the doorbell plan");
+  }
+  if (workspace_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the doorbell plane runs only the fused kernels and this group runs unfused (", reason,
+        "): use the eager plane (CreatePlan without doorbell, then Execute)"));
+  }
+  if (max_tokens == 0) return absl::InvalidArgumentError("a doorbell plan needs max_tokens > 0");
+  OpArgs op = op_template;
+  op.num_tokens = max_tokens;
+  ARFUSE_RETURN_IF_ERROR(ValidateOp(op));
+  ARFUSE_ASSIGN_OR_RETURN(const DoorbellDispatch dispatch,
+                          ChooseDoorbellDispatch(cuda_options_.table, DispatchRequestLocked(op)));
+  ARFUSE_ASSIGN_OR_RETURN(const FusionParams params,
+                          workspace_->MakeParams(op, FusionAlgo::kOneShot));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  ARFUSE_RETURN_IF_ERROR(EnsureDoorbellLocked());
+  DoorbellPlanOptions plan_options;
+  plan_options.max_tokens = max_tokens;
+  plan_options.twoshot_min_tokens = dispatch.twoshot_min_tokens;
+  ARFUSE_ASSIGN_OR_RETURN(const DoorbellHandle handle, doorbell_->AddPlan(params, plan_options));
+  ++doorbell_plans_;
+  DoorbellGrant grant;
+  grant.plane_id = doorbell_id_;
+  grant.slot = handle.slot;
+  grant.ipc_handle = handle.ipc_handle;
+  grant.offset = handle.offset;
+  grant.request_value = handle.request_value;
+  grant.complete_value = handle.complete_value;
+  grant.reset_value = handle.reset_value;
+  grant.max_tokens = max_tokens;
+  grant.twoshot_min_tokens = dispatch.twoshot_min_tokens;
+  grant.path_at_max = dispatch.path_at_max;
+  grant.reason = dispatch.reason;
+  spdlog::info(
+      "event=doorbell_plan_registered rank={} plane_id={} slot={} hidden={} max_tokens={} "
+      "twoshot_min_tokens={} plans={}",
+      options_.rank, doorbell_id_, handle.slot, op.hidden, max_tokens,
+      dispatch.twoshot_min_tokens, doorbell_plans_);
+  return grant;
+}
+
+absl::Status CudaEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) {
+  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
+    mu_.Unlock();
+    return absl::DeadlineExceededError(
+        "an op held the engine until the deadline; the doorbell plan was not removed");
+  }
+  absl::Status out = absl::OkStatus();
+  if (doorbell_ != nullptr && grant.plane_id == doorbell_id_) {
+    cudaSetDevice(device_);
+    absl::Status removed = doorbell_->RemovePlan(grant.slot);
+    if (removed.ok()) {
+      --doorbell_plans_;
+    } else if (!absl::IsNotFound(removed)) {
+      out = removed;
+    }
+    if (removed.ok() || !absl::IsNotFound(removed)) {
+      // Triples queued before the removal may still run the plan's op: wait until they are gone,
+      // so that the caller may unmap the plan's memory.
+      bool resume = false;
+      absl::Status paused =
+          PauseDoorbellLocked(DoorbellPauseDeadline(deadline, options_.spin_timeout), &resume);
+      if (resume) {
+        absl::Status resumed = doorbell_->Resume();
+        if (!resumed.ok()) {
+          spdlog::warn("event=doorbell_resume_failed rank={} error=\"{}\"", options_.rank,
+                       std::string(resumed.message()));
+        }
+      }
+      if (!paused.ok()) {
+        out = absl::DeadlineExceededError(absl::StrCat(
+            "doorbell plan removed, but doorbell ops were still running at the deadline (",
+            paused.message(), "): its memory must stay mapped"));
+      }
+    }
+  }
+  mu_.Unlock();
+  return out;
+}
+
+DoorbellSlot* CudaEngine::doorbell_slot_for_testing(const DoorbellGrant& grant) const {
+  absl::MutexLock lock(&mu_);
+  if (doorbell_ == nullptr || grant.plane_id != doorbell_id_) return nullptr;
+  return doorbell_->slot_for_testing(grant.slot);
+}
+
+absl::StatusOr<DoorbellPlaneStatus> CudaEngine::DoorbellStatus() const {
+  absl::MutexLock lock(&mu_);
+  if (doorbell_ == nullptr) return absl::NotFoundError("no doorbell plane");
+  return doorbell_->Status();
 }
 
 }  // namespace arfuse

@@ -10,6 +10,14 @@
 // Execute: fit / poison / generation checks, then the stream waits on ctx.wait_event, the op is
 // launched, ctx.done_event recorded, and with ctx.synchronous the op is awaited until
 // ctx.deadline (then aborted: the workspace is poisoned). One op in flight per engine.
+//
+// The doorbell plane (docs/doorbell.md): the engine owns one DoorbellPlane over its workspace,
+// created on the first AddDoorbellPlan (so a sidecar that never serves a doorbell pays nothing),
+// on the engine's stream. Eager ops pause it while they are enqueued (queued waiters leave at
+// once) and resume it after. An in-place re-initialization pauses it, re-initializes the
+// workspace, re-arms the slots (ResetSlots) and resumes it: plans survive. A workspace that is
+// rebuilt or dropped takes the plane with it (aborted first, then stopped, then the workspace
+// freed): its plans are gone and their rings fail with kStopped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,6 +29,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/doorbell/doorbell_plane.h"
+#include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/gpu/dispatch_table.h"
 #include "server/gpu/peer_memory.h"
@@ -38,11 +48,16 @@ struct CudaEngineOptions {
   DispatchTable table = DispatchTable::Published();
   bool enable_nccl = true;
   bool enable_nccl_symmetric = true;
-  // FusionParams::sm_budget; 0 = automatic (SMs / ranks sharing this GPU).
+  // FusionParams::sm_budget; 0 = automatic: SMs / ranks sharing this GPU, less two blocks per
+  // rank (its doorbell waiter and its client's ring kernel) when the doorbell plane is enabled.
   uint32_t sm_budget = 0;
+  // The doorbell plane (AddDoorbellPlan). Off: AddDoorbellPlan answers FAILED_PRECONDITION.
+  bool enable_doorbell = true;
+  uint32_t doorbell_queue_depth = 8;
+  bool doorbell_programmatic_launch = false;
 };
 
-class CudaEngine final : public Engine {
+class CudaEngine final : public Engine, public DoorbellHost {
  public:
   CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options);
   ~CudaEngine() override;
@@ -51,6 +66,19 @@ class CudaEngine final : public Engine {
   absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
   void Abort() override;
   EngineStatus Status() const override;
+  DoorbellHost* doorbell_host() override { return this; }
+
+  // DoorbellHost. The plan's twoshot_min_tokens comes from the dispatch table (the same on every
+  // rank); a shape the dispatcher sends to the unfused path at max_tokens is refused with
+  // FAILED_PRECONDITION (use the eager plane).
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs& op_template, uint32_t max_tokens,
+                                                absl::Time deadline) override;
+  absl::Status RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) override;
+  // The plane's counters and health; NOT_FOUND while there is no plane.
+  absl::StatusOr<DoorbellPlaneStatus> DoorbellStatus() const;
+  // Tests that ring from this process (a legacy IPC handle cannot be opened by the process that
+  // exported it): the grant's slot, or null when its plane is gone.
+  DoorbellSlot* doorbell_slot_for_testing(const DoorbellGrant& grant) const;
 
   // The path Execute would take for this shape now (forced choice included).
   absl::StatusOr<DispatchChoice> Choose(uint32_t num_tokens, uint32_t hidden, DType dtype) const;
@@ -75,6 +103,21 @@ class CudaEngine final : public Engine {
   absl::Status CheckFusedError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InitializeLocked(Exchange& exchange, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts the workspace's spins, stops and frees the doorbell plane, then frees the workspace.
+  void ResetWorkspaceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops and frees the doorbell plane (never blocks long: see ~DoorbellPlane); its plans are
+  // gone.
+  void DropDoorbellLocked(const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Creates and starts the plane over the current workspace when there is none yet.
+  absl::Status EnsureDoorbellLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlanLocked(const OpArgs& op_template,
+                                                      uint32_t max_tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pauses the plane until `deadline` so that nothing queued ahead of the engine's stream runs
+  // any more; `*resume` says whether Resume must follow (it was running).
+  absl::Status PauseDoorbellLocked(absl::Time deadline, bool* resume)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  DispatchRequest DispatchRequestLocked(const OpArgs& op) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;
   CudaEngineOptions cuda_options_;
@@ -93,6 +136,11 @@ class CudaEngine final : public Engine {
   void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by sym_nccl_
   size_t symmetric_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
+  // The doorbell plane over workspace_ (null until the first doorbell plan, and without a
+  // workspace); plane ids are unique in the process, so grants of a dropped plane are told apart.
+  std::unique_ptr<DoorbellPlane> doorbell_ ABSL_GUARDED_BY(mu_);
+  uint64_t doorbell_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t doorbell_plans_ ABSL_GUARDED_BY(mu_) = 0;
   // Status() and Abort() must not wait for an op: their state lives under a second lock.
   mutable absl::Mutex state_mu_;
   mutable EngineStatus status_ ABSL_GUARDED_BY(state_mu_);

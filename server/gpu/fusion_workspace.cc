@@ -155,11 +155,7 @@ absl::Status FusionWorkspace::CheckFits(uint32_t num_tokens, uint32_t hidden, DT
   return absl::OkStatus();
 }
 
-absl::Status FusionWorkspace::Launch(const OpArgs& op, FusionAlgo algo, cudaStream_t stream) {
-  if (poisoned()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "workspace is poisoned (", FusionErrorName(error_code()), "): re-initialize every rank"));
-  }
+absl::StatusOr<FusionParams> FusionWorkspace::MakeParams(const OpArgs& op, FusionAlgo algo) const {
   ARFUSE_RETURN_IF_ERROR(CheckFits(op.num_tokens, op.hidden, op.dtype));
   FusionParams p = {};
   for (int r = 0; r < memory_->world_size(); ++r) p.peer_workspace[r] = memory_->peer(r);
@@ -187,6 +183,15 @@ absl::Status FusionWorkspace::Launch(const OpArgs& op, FusionAlgo algo, cudaStre
     return absl::InvalidArgumentError(
         absl::StrCat("fused kernel refused the op: ", why != nullptr ? why : "invalid arguments"));
   }
+  return p;
+}
+
+absl::Status FusionWorkspace::Launch(const OpArgs& op, FusionAlgo algo, cudaStream_t stream) {
+  if (poisoned()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "workspace is poisoned (", FusionErrorName(error_code()), "): re-initialize every rank"));
+  }
+  ARFUSE_ASSIGN_OR_RETURN(const FusionParams p, MakeParams(op, algo));
   last_stream_ = stream;
   ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAllReduceFusion(p, stream));
   return absl::OkStatus();

@@ -72,6 +72,11 @@ class FusionWorkspace {
   // the kernels refuse the arguments.
   absl::Status Launch(const OpArgs& op, FusionAlgo algo, cudaStream_t stream);
 
+  // The kernel params Launch would use for `op` and `algo`, checked (CheckFits and
+  // CheckFusionParams) but not launched; the doorbell plane's plan table holds them.
+  // INVALID_ARGUMENT as Launch.
+  absl::StatusOr<FusionParams> MakeParams(const OpArgs& op, FusionAlgo algo) const;
+
   // The kernels' error code as last written to the host mirror (FusionError); 0 = healthy.
   uint32_t error_code() const;
   bool poisoned() const { return error_code() != 0; }
@@ -88,6 +93,12 @@ class FusionWorkspace {
   // Rank r's workspace as mapped in this process (unicast); for benchmarks' peer reads.
   void* peer_base(int r) const { return memory_->peer(r); }
   const WorkspaceOptions& options() const { return options_; }
+  // This rank's own workspace (peer_base(rank())) and rank.
+  void* local_base() const { return memory_->local(); }
+  int rank() const { return memory_->rank(); }
+  // Device address of the host-mapped abort word (FusionParams::host_abort): the doorbell
+  // plane's waiters poll it, so Abort() also sends them away.
+  const uint32_t* device_host_abort() const { return &device_host_words_->abort; }
 
  private:
   FusionWorkspace(const WorkspaceOptions& options, const WorkspaceLayout& layout)

@@ -109,6 +109,25 @@ TEST(DispatchTable, UnfusedPicksSymmetricPerSize) {
   EXPECT_FALSE(c->nccl_symmetric);
 }
 
+// The SM90 TP2 symmetric ranges are the measured ones (docs/benchmarks.md): NCCL's symmetric
+// kernels + add-RMSNorm won below 64 KiB and from 1.75 MiB to 8 MiB.
+TEST(DispatchTable, Sm90Tp2SymmetricRangesAreTheMeasuredOnes) {
+  const DispatchTable t = DispatchTable::Published();
+  DispatchRequest r = Req(90, 2, 1, 4096);
+  r.forced = ForcedPath::kUnfused;
+  const struct {
+    uint32_t tokens;
+    bool symmetric;
+  } cases[] = {{7, true},   {8, false},   {64, false},   {128, false},
+               {224, true}, {1024, true}, {1025, false}, {2048, false}};
+  for (const auto& c : cases) {
+    r.num_tokens = c.tokens;  // x 4096 x 2 B
+    auto choice = ChooseExecPath(t, r);
+    ASSERT_TRUE(choice.ok());
+    EXPECT_EQ(choice->nccl_symmetric, c.symmetric) << c.tokens << " tokens";
+  }
+}
+
 TEST(DispatchTable, WithoutNcclTheFusedPathRunsWhateverTheSize) {
   const DispatchTable t = DispatchTable::Published();
   DispatchRequest r = Req(90, 8, 2048, 8192);  // far above the TP8 limit
@@ -219,7 +238,7 @@ TEST(DispatchTable, SerializeParseRoundTrip) {
   EXPECT_EQ(e->oneshot_max_bytes, 32 * kMiB);
   ASSERT_EQ(e->nccl_symmetric.size(), 2u);
   EXPECT_EQ(e->nccl_symmetric[1].lo, 1536 * kKiB);
-  EXPECT_NE(e->source.find("anchor"), std::string::npos);
+  EXPECT_NE(e->source.find("measured"), std::string::npos);
 }
 
 TEST(DispatchTable, ParseMeasuredTableWithComments) {

@@ -143,7 +143,9 @@ class SimGroup {
     p.eps = 1e-5f;
     p.rank = rank;
     p.world_size = world_;
-    p.sm_budget = static_cast<uint32_t>(std::max(1, sms_ / world_));
+    // Ranks share the GPU: each gets its share of the SMs (and no programmatic launches). A
+    // group with `whole_gpu_` set passes 0 (small grids only: they fit next to each other).
+    p.sm_budget = whole_gpu_ ? 0u : static_cast<uint32_t>(std::max(1, sms_ / world_));
     p.dtype = dtype_;
     p.pattern = pattern;
     p.algo = algo;
@@ -178,6 +180,7 @@ class SimGroup {
   uint32_t max_tokens_, hidden_;
   DType dtype_;
   int sms_ = 0;
+  bool whole_gpu_ = false;
   uint64_t timeout_ns_ = kNormalTimeoutNs;
   WorkspaceLayout layout_{};
   std::vector<std::unique_ptr<DeviceBuffer>> workspaces_, inputs_, residual_in_, residual_out_,
@@ -563,6 +566,119 @@ TEST(FusionGpu, TokenCountsShrinkAndGrowWithinOneWorkspace) {
       VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
     }
   }
+}
+
+// World size 2 with random inputs: the allreduce result is one rounding of x0 + x1 on the CPU
+// and on the GPU, so the fused op must equal "CPU allreduce, then LaunchAddRmsNorm" bit for bit,
+// for every row layout (row_math.cuh: 1, 2, 3-4, 5-8 vectors per thread, blocks up to 1024
+// threads), one row per CTA and several rows per CTA, one-shot and two-shot.
+TEST(FusionGpu, EveryRowLayoutEqualsAllreduceThenAddRmsNorm) {
+  struct Case {
+    uint32_t hidden, tokens;
+  };
+  const Case cases[] = {{4096, 1},   {4096, 5},  {4096, 200}, {7168, 1},  {7168, 18},
+                        {7168, 90},  {8192, 1},  {8192, 33},  {8192, 150}, {2048, 3},
+                        {2056, 7},   {12288, 2}, {16384, 9},  {24576, 2},  {40960, 3}};
+  for (const Case& c : cases) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "hidden " << c.hidden << " tokens " << c.tokens
+                                        << " algo " << static_cast<int>(algo));
+      SimGroup g(2, c.tokens, c.hidden, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      CUDA_OK(g.Init());
+      std::mt19937 rng(c.hidden + c.tokens);
+      HostOp op(g, c.tokens);
+      op.FillRandom(rng);
+      ASSERT_TRUE(op.Upload(g));
+      // Twice: the second op runs on buffers the first one's reads put the sentinel back into.
+      for (int round = 0; round < 2; ++round) {
+        CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, c.tokens));
+        CUDA_OK(g.SyncAll());
+        for (int r = 0; r < 2; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+      }
+      CpuOpArgs sum_args = op.Args(Pattern::kAllReduce);
+      ASSERT_TRUE(ReferenceFusedOp(sum_args).ok());
+      const size_t bytes = g.Bytes(c.tokens);
+      DeviceBuffer sum(bytes), residual_out(bytes), norm_out(bytes);
+      CUDA_OK(cudaMemcpy(sum.ptr, op.want_out.data(), bytes, cudaMemcpyHostToDevice));
+      AddRmsNormParams p{};
+      p.input = sum.ptr;
+      p.residual_in = g.residual_in_[0]->ptr;
+      p.residual_out = residual_out.ptr;
+      p.norm_out = norm_out.ptr;
+      p.gamma = g.gamma_->ptr;
+      p.num_tokens = c.tokens;
+      p.hidden = c.hidden;
+      p.eps = 1e-5f;
+      p.dtype = DType::kBF16;
+      CUDA_OK(LaunchAddRmsNorm(p, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto want_residual = Download(residual_out.ptr, bytes);
+      const auto want_norm = Download(norm_out.ptr, bytes);
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(Download(g.residual_out_[r]->ptr, bytes), want_residual) << "rank " << r;
+        EXPECT_EQ(Download(g.norm_out_[r]->ptr, bytes), want_norm) << "rank " << r;
+      }
+    }
+  }
+}
+
+// Ranks that pass sm_budget 0 (as with one GPU per rank) get programmatic dependent launches:
+// each op may be scheduled while the one before it on the stream still runs and must wait for
+// it. Back-to-back ops, then a captured graph of several ops replayed with changing inputs,
+// with both algorithms interleaved. Small token counts only: two whole-GPU grids must fit the
+// one GPU side by side.
+TEST(FusionGpu, ProgrammaticLaunchesBackToBackAndInGraphs) {
+  SimGroup g(2, 16, 4096, DType::kBF16);
+  ASSERT_TRUE(g.ok());
+  g.whole_gpu_ = true;
+  CUDA_OK(g.Init());
+  std::mt19937 rng(2024);
+  const uint32_t token_cycle[] = {1, 16, 3, 8};
+  for (int step = 0; step < 4; ++step) {
+    const uint32_t tokens = token_cycle[step];
+    SCOPED_TRACE(::testing::Message() << "tokens " << tokens);
+    HostOp op(g, tokens);
+    op.FillRandom(rng);
+    ASSERT_TRUE(op.Upload(g));
+    for (int i = 0; i < 200; ++i) {
+      const FusionAlgo algo = i % 5 == 4 ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
+      CUDA_OK(g.Launch(tokens >= 2 ? algo : FusionAlgo::kOneShot,
+                       Pattern::kAllReduceResidualRmsNorm, tokens));
+    }
+    CUDA_OK(g.SyncAll());
+    for (int r = 0; r < 2; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+    VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+  }
+  // A graph of 6 ops per rank (one-shot and two-shot), replayed with new inputs each time.
+  const uint32_t tokens = 9;
+  std::vector<cudaGraphExec_t> execs(2, nullptr);
+  for (int r = 0; r < 2; ++r) {
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(g.streams_[r], cudaStreamCaptureModeThreadLocal));
+    cudaError_t launch = cudaSuccess;
+    for (int i = 0; i < 6 && launch == cudaSuccess; ++i) {
+      launch = LaunchAllReduceFusion(
+          g.Params(r, i % 3 == 1 ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot,
+                   Pattern::kAllReduceResidualRmsNorm, tokens),
+          g.streams_[r]);
+    }
+    CUDA_OK(cudaStreamEndCapture(g.streams_[r], &graph));
+    CUDA_OK(launch);
+    CUDA_OK(cudaGraphInstantiate(&execs[r], graph, 0));
+    cudaGraphDestroy(graph);
+  }
+  for (int replay = 0; replay < 5; ++replay) {
+    SCOPED_TRACE(::testing::Message() << "replay " << replay);
+    HostOp op(g, tokens);
+    op.FillRandom(rng);
+    ASSERT_TRUE(op.Upload(g));
+    for (int r = 0; r < 2; ++r) CUDA_OK(cudaGraphLaunch(execs[r], g.streams_[r]));
+    CUDA_OK(g.SyncAll());
+    for (int r = 0; r < 2; ++r) ASSERT_EQ(g.ErrorWord(r), 0u) << "rank " << r;
+    VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
+  }
+  for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {

@@ -4,7 +4,8 @@
 
 namespace arfuse {
 
-Executor::Executor(int threads, size_t max_queued) : max_queued_(max_queued) {
+Executor::Executor(int threads, size_t max_queued)
+    : max_queued_(max_queued), slots_(static_cast<size_t>(threads)) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -40,6 +41,24 @@ void Executor::Shutdown() {
   for (auto& t : drained) t(/*cancelled=*/true);
 }
 
+bool Executor::RunInlineIfIdle(const Task& task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || !queue_.empty() || running_ >= slots_) return false;
+    ++running_;
+  }
+  task(/*cancelled=*/false);
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+    wake = !queue_.empty();
+  }
+  // A task queued while this one ran waited for the slot: a worker takes it now.
+  if (wake) cv_.notify_one();
+  return true;
+}
+
 size_t Executor::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
@@ -50,12 +69,21 @@ void Executor::Loop() {
     Task task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping and drained
+      cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && running_ < slots_); });
+      if (queue_.empty()) return;  // stopping (Shutdown drained the queue)
       task = std::move(queue_.front());
       queue_.pop_front();
+      ++running_;
     }
     task(/*cancelled=*/false);
+    bool more = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+      more = !queue_.empty();
+    }
+    // Another worker may be waiting for the slot this task held.
+    if (more) cv_.notify_one();
   }
 }
 

@@ -6,15 +6,30 @@
 // and register/unregister to the control executor (opening an IPC handle, draining ops in
 // flight). Every accepted call ends in exactly one status before its deadline (the client's, or
 // options.default_deadline when it sent none).
+//
+// The eager plane's fast path: an op that finds the op executor idle (nothing running, nothing
+// queued) runs on the callback thread that received it and replies from there, with no thread
+// hand-off (a worker wake-up and a reply sent from another thread cost tens of microseconds per
+// op, more when cores are idle in deep sleep states, against a ~70 us gRPC round trip). It holds
+// the executor's only slot meanwhile, so ops arriving during it queue behind it as before: at
+// most one callback thread is ever held by an op, for as long as the op may take (bounded by its
+// deadline: the CUDA enqueue takes microseconds; a synchronous or host-mode op waits for its
+// peers).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
+#include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/registry/opener.h"
 #include "server/registry/registry.h"
@@ -41,6 +56,9 @@ struct FusionServiceOptions {
   DType dtype = DType::kBF16;
   uint32_t sm = 0;
   bool mps_detected = false;
+  // The daemon's doorbell self-test (docs/doorbell.md): us per op over in-process; 0 when not
+  // measured.
+  double doorbell_hop_us = 0;
 };
 
 class FusionService final : public v1::Fusion::CallbackService {
@@ -101,10 +119,33 @@ class FusionService final : public v1::Fusion::CallbackService {
   // API version, then the `arfuse-session` metadata, then the session itself.
   absl::StatusOr<uint64_t> SessionOf(const grpc::CallbackServerContext& ctx) const;
 
+  // ---- doorbell plane (docs/doorbell.md) ----
+  // One registered doorbell plan: the engine's grant and the hold on the plan's regions, kept
+  // (mapped, counted in flight) until the engine confirmed its kernels let go of them.
+  struct DoorbellPlan;
+  using DoorbellPlans = std::vector<std::shared_ptr<DoorbellPlan>>;
+  // CreatePlan{doorbell: true}: registers the plan with the engine's doorbell plane on a
+  // control thread and answers with the Doorbell message.
+  grpc::ServerUnaryReactor* CreateDoorbellPlan(grpc::CallbackServerContext* ctx,
+                                               uint64_t session, const v1::CreatePlanRequest* req,
+                                               v1::CreatePlanResponse* resp);
+  // Takes the session's doorbell plans (all of them, or plan_id's) out of the table.
+  DoorbellPlans TakeDoorbellPlans(uint64_t session, std::optional<uint64_t> plan_id);
+  // Removes them from the engine (may wait until `deadline`) and releases their regions; plans
+  // whose removal was not confirmed keep their regions mapped until the service is destroyed.
+  // Returns the first error.
+  absl::Status RemoveDoorbellPlans(const DoorbellPlans& plans, absl::Time deadline);
+  // Session end: removes the session's doorbell plans on a control thread.
+  void EndSessionDoorbells(uint64_t session);
+
   const FusionServiceOptions options_;
   const EngineGetter engine_;
   const std::unique_ptr<EventIpc> events_;
   Registry registry_;
+  // Declared before the executors, so that it outlives their threads.
+  std::mutex doorbell_mu_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DoorbellPlan>> doorbell_plans_;
+  DoorbellPlans doorbell_parked_;
   Executor ops_;
   Executor control_;
 };

@@ -1,0 +1,43 @@
+#include <cuda_bf16.h>
+
+#include "bench/layer_standin.h"
+
+namespace arfuse::bench {
+namespace {
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void LayerStandInKernel(const __nv_bfloat16* __restrict__ norm_out,
+                                   __nv_bfloat16* __restrict__ input, size_t count,
+                                   uint32_t busy_ns) {
+  const uint64_t start = GlobalTimerNs();
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < count;
+       i += size_t{gridDim.x} * blockDim.x) {
+    input[i] = __float2bfloat16(__bfloat162float(norm_out[i]) * 0.5f);
+  }
+  // The rest of the layer's time: the block stays resident, as a GEMM's would.
+  while (GlobalTimerNs() - start < busy_ns) {
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchLayerStandIn(const void* norm_out, void* input, size_t count, uint32_t busy_ns,
+                               cudaStream_t stream) {
+  if (norm_out == nullptr || input == nullptr || count == 0) return cudaErrorInvalidValue;
+  constexpr int kThreads = 256;
+  // A few blocks only: a stand-in, not a bandwidth test; under MPS it leaves the sidecar's
+  // kernels their SMs.
+  const size_t want = (count + kThreads - 1) / kThreads;
+  const int blocks = static_cast<int>(want < 16 ? want : 16);
+  LayerStandInKernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(norm_out),
+                                                      static_cast<__nv_bfloat16*>(input), count,
+                                                      busy_ns);
+  return cudaGetLastError();
+}
+
+}  // namespace arfuse::bench

@@ -1,0 +1,38 @@
+// Which algorithm a doorbell plan's rings run (docs/doorbell.md): the doorbell plane runs only
+// the fused kernels, and the device picks one-shot or two-shot per ring by one token threshold
+// that must be the same on every rank. Both come from the dispatch table here, so a ring of n
+// tokens runs exactly what an eager op of n tokens would, and a plan whose shape the dispatcher
+// sends to the unfused path is refused (FAILED_PRECONDITION: use the eager plane). CUDA-free,
+// unit-tested in CI.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/engine/engine.h"
+#include "server/gpu/dispatch_table.h"
+
+namespace arfuse {
+
+// DoorbellPlanOptions::twoshot_min_tokens that means "never two-shot".
+inline constexpr uint32_t kDoorbellNeverTwoShot = 0xffffffffu;
+
+struct DoorbellDispatch {
+  // Rings with num_tokens >= this run two-shot, the others one-shot.
+  uint32_t twoshot_min_tokens = kDoorbellNeverTwoShot;
+  // The path of a ring of max_tokens (one-shot or two-shot).
+  ExecPath path_at_max = ExecPath::kOneShot;
+  std::string reason;
+};
+
+// `at_max` is the dispatch request of the plan at its largest token count (num_tokens =
+// max_tokens), as an eager op of that shape would be dispatched now (fused_available false when
+// the workspace is missing or poisoned). Every token count 1..max_tokens must take a fused path:
+// FAILED_PRECONDITION naming the reason otherwise (no fused workspace, forced unfused, a payload
+// above the fused limits, the two-shot kernel unavailable in its range). INVALID_ARGUMENT for
+// max_tokens 0.
+absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& table,
+                                                        const DispatchRequest& at_max);
+
+}  // namespace arfuse

@@ -1,0 +1,431 @@
+// The Fusion service's doorbell wiring (docs/doorbell.md) over a real gRPC server, host shared
+// memory and a fake engine with a doorbell plane: CreatePlan{doorbell} fills the Doorbell
+// message from the engine's grant, the engine's refusals (a shape that runs unfused, no fused
+// workspace) pass through with their reason, DestroyPlan and the end of the session remove the
+// plan from the engine before its regions are released, and host mode is refused with
+// FAILED_PRECONDITION. Also the GatedEngine's forwarding of the doorbell calls.
+#include <grpcpp/grpcpp.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/daemon/gated_engine.h"
+#include "server/engine/doorbell_host.h"
+#include "server/registry/host_shm_opener.h"
+#include "server/services/fusion/fusion_service.h"
+
+namespace arfuse {
+namespace {
+
+using ::arfuse::client::Client;
+using ::arfuse::client::ClientOptions;
+using ::arfuse::client::HostShmBuffer;
+using ::arfuse::client::Region;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kHidden = 64;
+constexpr uint32_t kTokens = 4;
+constexpr uint64_t kTensorBytes = uint64_t{kTokens} * kHidden * sizeof(float);
+
+// An engine with a doorbell plane that records what it is asked: slots are handed out in order,
+// the grant carries recognisable values, and AddDoorbellPlan can be made to refuse.
+class FakeDoorbellEngine final : public Engine, public DoorbellHost {
+ public:
+  absl::Status Initialize(Exchange&, absl::Time) override { return absl::OkStatus(); }
+  absl::StatusOr<OpOutcome> Execute(const OpArgs&, const ExecContext&) override {
+    return OpOutcome{ExecPath::kOneShot, "fake"};
+  }
+  void Abort() override {}
+  EngineStatus Status() const override {
+    EngineStatus st;
+    st.state = WorkspaceState::kReady;
+    st.generation = 3;
+    st.backend = "trtllm";
+    st.fusion_enabled = true;
+    return st;
+  }
+  DoorbellHost* doorbell_host() override { return this; }
+
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs& op, uint32_t max_tokens,
+                                                absl::Time) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++adds_;
+    last_op_ = op;
+    last_max_tokens_ = max_tokens;
+    if (!refuse_.ok()) return refuse_;
+    DoorbellGrant g;
+    g.plane_id = 11;
+    g.slot = next_slot_++;
+    g.ipc_handle = std::string(64, 'H');
+    g.offset = uint64_t{g.slot} * 384;
+    g.request_value = 0x52494e47u;
+    g.complete_value = 0x444f4e45u;
+    g.reset_value = 0;
+    g.max_tokens = max_tokens;
+    g.twoshot_min_tokens = 3;
+    g.path_at_max = ExecPath::kTwoShot;
+    g.reason = "doorbell plane: one-shot below 3 tokens, two-shot from 3 tokens (fake)";
+    active_.push_back(g.slot);
+    return g;
+  }
+  absl::Status RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++removes_;
+    removed_.push_back(grant.slot);
+    if (grant.plane_id != 11) return absl::OkStatus();
+    std::erase(active_, grant.slot);
+    return absl::OkStatus();
+  }
+
+  void Refuse(absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refuse_ = std::move(s);
+  }
+  int adds() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return adds_;
+  }
+  int removes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return removes_;
+  }
+  std::vector<uint32_t> active() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return active_;
+  }
+  std::vector<uint32_t> removed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return removed_;
+  }
+  OpArgs last_op() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_op_;
+  }
+  uint32_t last_max_tokens() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_max_tokens_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  absl::Status refuse_;
+  int adds_ = 0, removes_ = 0;
+  uint32_t next_slot_ = 0;
+  std::vector<uint32_t> active_, removed_;
+  OpArgs last_op_;
+  uint32_t last_max_tokens_ = 0;
+};
+
+// An engine without a doorbell plane (as the host engine).
+class PlainEngine final : public Engine {
+ public:
+  absl::Status Initialize(Exchange&, absl::Time) override { return absl::OkStatus(); }
+  absl::StatusOr<OpOutcome> Execute(const OpArgs&, const ExecContext&) override {
+    return OpOutcome{ExecPath::kHost, "plain"};
+  }
+  void Abort() override {}
+  EngineStatus Status() const override {
+    EngineStatus st;
+    st.state = WorkspaceState::kReady;
+    return st;
+  }
+};
+
+class FusionDoorbellTest : public ::testing::Test {
+ protected:
+  // `device`: kCudaIpc makes the service behave as --device=cuda (the opener still serves host
+  // shared memory, so no GPU is needed).
+  void Start(MemoryKind device) {
+    char tmpl[] = "/tmp/arfuse-doorbell-svc-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    socket_ = dir_ + "/fusion.sock";
+    FusionServiceOptions options;
+    options.device = device;
+    options.rank = 0;
+    options.world_size = 2;
+    options.default_deadline = absl::Seconds(20);
+    options.doorbell_hop_us = 2.5;
+    options.mps_detected = true;
+    service_ = std::make_unique<FusionService>(
+        options, [this] { return engine_ptr_.load(); }, std::make_unique<HostShmOpener>(),
+        nullptr);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+
+  void TearDown() override {
+    if (server_) {
+      service_->Shutdown();
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      server_.reset();
+    }
+    service_.reset();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  std::unique_ptr<Client> Connect() {
+    ClientOptions o;
+    o.target = socket_;
+    o.client_name = "doorbell-test";
+    o.default_timeout = absl::Seconds(30);
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  // input | residual | norm_out | gamma (fp32) in one shm region.
+  struct Buffers {
+    HostShmBuffer buf;
+    Region region;
+  };
+  Buffers Make(Client& c, const std::string& name = "buf") {
+    Buffers b{*HostShmBuffer::Create(3 * kTensorBytes + kHidden * sizeof(float)), {}};
+    auto r = c.RegisterHostShm(name, b.buf.shm_name(), b.buf.size());
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (r.ok()) b.region = *r;
+    return b;
+  }
+
+  static void Ref(v1::RegionRef* ref, const Region& r, uint64_t offset) {
+    ref->set_region_id(r.id);
+    ref->set_generation(r.generation);
+    ref->set_offset(offset);
+  }
+
+  // CreatePlan{doorbell} on the raw stub (the Doorbell message as sent).
+  grpc::Status CreateDoorbellPlan(Client& c, const Region& r, uint32_t max_tokens,
+                                  v1::CreatePlanResponse* resp) {
+    v1::CreatePlanRequest req;
+    req.set_doorbell(true);
+    v1::OpSpec* op = req.mutable_op();
+    op->set_pattern(v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM);
+    op->set_dtype(v1::DTYPE_FP32);
+    op->set_hidden(kHidden);
+    op->set_max_tokens(max_tokens);
+    Ref(op->mutable_input(), r, 0);
+    Ref(op->mutable_residual_in(), r, kTensorBytes);
+    Ref(op->mutable_residual_out(), r, kTensorBytes);
+    Ref(op->mutable_norm_out(), r, 2 * kTensorBytes);
+    Ref(op->mutable_gamma(), r, 3 * kTensorBytes);
+    grpc::ClientContext ctx;
+    c.PrepareContext(&ctx, absl::Seconds(30));
+    return c.stub().CreatePlan(&ctx, req, resp);
+  }
+
+  // The region's in-flight count as the sidecar lists it.
+  uint32_t InFlight(Client& c, const Region& r) {
+    auto regions = c.ListRegions();
+    EXPECT_TRUE(regions.ok()) << regions.status();
+    if (!regions.ok()) return 0;
+    for (const auto& info : *regions) {
+      if (info.region_id() == r.id) return info.in_flight();
+    }
+    return 0;
+  }
+
+  bool WaitFor(const std::function<bool()>& cond, absl::Duration timeout = absl::Seconds(30)) {
+    absl::Time until = absl::Now() + timeout;
+    while (absl::Now() < until) {
+      if (cond()) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return cond();
+  }
+
+  std::string dir_, socket_;
+  FakeDoorbellEngine engine_;
+  std::atomic<Engine*> engine_ptr_{&engine_};
+  std::unique_ptr<FusionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+TEST_F(FusionDoorbellTest, HostModeRefusesTheDoorbellWithFailedPrecondition) {
+  Start(MemoryKind::kHostShm);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  Buffers b = Make(*c);
+  v1::CreatePlanResponse resp;
+  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("the doorbell plane needs --device=cuda"));
+  EXPECT_THAT(s.error_message(), HasSubstr("use Execute (eager plane)"));
+  EXPECT_EQ(engine_.adds(), 0);
+  // No plan was left behind: the region unregisters at once.
+  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+}
+
+TEST_F(FusionDoorbellTest, CreatePlanFillsTheDoorbellFromTheEnginesGrant) {
+  Start(MemoryKind::kCudaIpc);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  Buffers b = Make(*c);
+  v1::CreatePlanResponse resp;
+  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_NE(resp.plan_id(), 0u);
+  ASSERT_TRUE(resp.has_doorbell());
+  EXPECT_EQ(resp.doorbell().ipc_handle(), std::string(64, 'H'));
+  EXPECT_EQ(resp.doorbell().offset(), 0u);
+  EXPECT_EQ(resp.doorbell().request_value(), 0x52494e47u);
+  EXPECT_EQ(resp.doorbell().complete_value(), 0x444f4e45u);
+  EXPECT_EQ(resp.doorbell().reset_value(), 0u);
+  EXPECT_EQ(resp.path(), v1::EXEC_PATH_TWOSHOT);
+  EXPECT_THAT(resp.reason(), HasSubstr("two-shot from 3 tokens"));
+  // The engine got the plan's tensors resolved at max_tokens.
+  EXPECT_EQ(engine_.last_max_tokens(), kTokens);
+  const OpArgs op = engine_.last_op();
+  EXPECT_EQ(op.hidden, kHidden);
+  EXPECT_EQ(op.dtype, DType::kFP32);
+  EXPECT_EQ(op.pattern, Pattern::kAllReduceResidualRmsNorm);
+  EXPECT_NE(op.input, nullptr);
+  EXPECT_NE(op.gamma, nullptr);
+  EXPECT_EQ(static_cast<const char*>(op.residual_in) - static_cast<const char*>(op.input),
+            static_cast<ptrdiff_t>(kTensorBytes));
+  // While the plane may write them, the plan's regions are held.
+  EXPECT_EQ(InFlight(*c, b.region), 1u);
+  // A second plan gets the next slot.
+  v1::CreatePlanResponse second;
+  ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, 2, &second).ok());
+  EXPECT_EQ(second.doorbell().offset(), 384u);
+  EXPECT_EQ(engine_.active(), (std::vector<uint32_t>{0, 1}));
+
+  // DestroyPlan removes it from the engine, then releases the regions.
+  client::Plan plan;
+  plan.id = resp.plan_id();
+  plan.generation = resp.generation();
+  ASSERT_TRUE(c->DestroyPlan(plan).ok());
+  EXPECT_EQ(engine_.active(), (std::vector<uint32_t>{1}));
+  EXPECT_EQ(engine_.removed(), (std::vector<uint32_t>{0}));
+  // Destroying it again is the registry's NOT_FOUND and removes nothing more.
+  EXPECT_EQ(c->DestroyPlan(plan).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_.removes(), 1);
+  // The second plan still holds the region.
+  EXPECT_EQ(InFlight(*c, b.region), 1u);
+  client::Plan plan2;
+  plan2.id = second.plan_id();
+  plan2.generation = second.generation();
+  ASSERT_TRUE(c->DestroyPlan(plan2).ok());
+  EXPECT_EQ(InFlight(*c, b.region), 0u);
+  EXPECT_TRUE(engine_.active().empty());
+  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+
+  auto info = c->GetWorkspaceInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_DOUBLE_EQ(info->doorbell_hop_us(), 2.5);
+  EXPECT_TRUE(info->mps_detected());
+}
+
+TEST_F(FusionDoorbellTest, TheEnginesRefusalPassesThroughAndLeavesNoPlan) {
+  Start(MemoryKind::kCudaIpc);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  Buffers b = Make(*c);
+  engine_.Refuse(absl::FailedPreconditionError(
+      "a plan of 4096 tokens x 8192 hidden bf16 runs unfused at max_tokens (payload above the "
+      "fused limits); the doorbell plane runs only the fused kernels: use the eager plane"));
+  v1::CreatePlanResponse resp;
+  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("runs unfused"));
+  EXPECT_THAT(s.error_message(), HasSubstr("use the eager plane"));
+  EXPECT_EQ(engine_.adds(), 1);
+  // The plan and its hold are gone: the region is free and unregisters at once.
+  EXPECT_EQ(InFlight(*c, b.region), 0u);
+  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+}
+
+TEST_F(FusionDoorbellTest, AnEngineWithoutADoorbellPlaneIsRefused) {
+  PlainEngine plain;
+  engine_ptr_ = &plain;
+  Start(MemoryKind::kCudaIpc);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  Buffers b = Make(*c);
+  v1::CreatePlanResponse resp;
+  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("no doorbell plane"));
+  // Engine still initializing: UNAVAILABLE (retry).
+  engine_ptr_ = nullptr;
+  s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  engine_ptr_ = &engine_;
+}
+
+TEST_F(FusionDoorbellTest, SessionEndRemovesItsDoorbellPlans) {
+  Start(MemoryKind::kCudaIpc);
+  {
+    auto c = Connect();
+    ASSERT_NE(c, nullptr);
+    Buffers b = Make(*c);
+    v1::CreatePlanResponse resp;
+    ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, kTokens, &resp).ok());
+    ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, 1, &resp).ok());
+    EXPECT_EQ(engine_.active().size(), 2u);
+    // The client goes away with its plans.
+  }
+  EXPECT_TRUE(WaitFor([&] { return engine_.active().empty(); }));
+  EXPECT_EQ(engine_.removes(), 2);
+  // Another session's plans are untouched by that.
+  auto c2 = Connect();
+  ASSERT_NE(c2, nullptr);
+  Buffers b2 = Make(*c2, "other");
+  v1::CreatePlanResponse resp;
+  ASSERT_TRUE(CreateDoorbellPlan(*c2, b2.region, kTokens, &resp).ok());
+  EXPECT_EQ(engine_.active().size(), 1u);
+}
+
+// ---- GatedEngine forwarding ----
+
+TEST(GatedEngineDoorbellTest, ForwardsThroughTheGate) {
+  GatedEngine gate;
+  ASSERT_NE(gate.doorbell_host(), nullptr);
+  OpArgs op;
+  // Empty: UNAVAILABLE to add, nothing to remove.
+  auto added = gate.AddDoorbellPlan(op, 4, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(added.status().code(), absl::StatusCode::kUnavailable);
+  DoorbellGrant stale;
+  stale.plane_id = 5;
+  EXPECT_TRUE(gate.RemoveDoorbellPlan(stale, absl::Now() + absl::Seconds(1)).ok());
+
+  auto owned = std::make_unique<FakeDoorbellEngine>();
+  FakeDoorbellEngine* fake = owned.get();
+  ASSERT_TRUE(gate.Swap(std::move(owned)).ok());
+  // Installed but closed: still UNAVAILABLE.
+  EXPECT_EQ(gate.AddDoorbellPlan(op, 4, absl::Now() + absl::Seconds(1)).status().code(),
+            absl::StatusCode::kUnavailable);
+  gate.Resume();
+  added = gate.AddDoorbellPlan(op, 4, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(added.ok()) << added.status();
+  EXPECT_EQ(fake->adds(), 1);
+  EXPECT_EQ(gate.ops_in_flight(), 0u);
+  // Removal reaches the engine even while the gate is drained (a client leaving mid re-form).
+  ASSERT_TRUE(gate.Drain(absl::Now() + absl::Seconds(1)).ok());
+  EXPECT_TRUE(gate.RemoveDoorbellPlan(*added, absl::Now() + absl::Seconds(1)).ok());
+  EXPECT_EQ(fake->removes(), 1);
+  EXPECT_TRUE(fake->active().empty());
+
+  // An engine without a doorbell plane: FAILED_PRECONDITION to add, OK to remove.
+  ASSERT_TRUE(gate.Swap(std::make_unique<PlainEngine>()).ok());
+  gate.Resume();
+  added = gate.AddDoorbellPlan(op, 4, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(added.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(added.status().message(), HasSubstr("--device=cuda"));
+  EXPECT_TRUE(gate.RemoveDoorbellPlan(stale, absl::Now() + absl::Seconds(1)).ok());
+}
+
+}  // namespace
+}  // namespace arfuse
