@@ -1,6 +1,7 @@
 #include "server/daemon/gated_engine.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace arfuse {
 
@@ -19,7 +20,9 @@ absl::StatusOr<OpOutcome> GatedEngine::Execute(const OpArgs& op, const ExecConte
     ++in_flight_;
   }
   // The inner engine cannot be swapped while in_flight_ > 0 (Swap requires a drained gate).
+  const absl::Time start = absl::Now();
   absl::StatusOr<OpOutcome> result = engine->Execute(op, ctx);
+  if (observer_) observer_(op, result, absl::Now() - start);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (--in_flight_ == 0) idle_.notify_all();

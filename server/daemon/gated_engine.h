@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +27,11 @@ class GatedEngine final : public Engine, public DoorbellHost {
   // Not used: the daemon initializes the inner engine before installing it.
   absl::Status Initialize(Exchange& exchange, absl::Time deadline) override;
   absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
+
+  // Called after every op that reached an engine (metrics); set before ops run.
+  using OpObserver =
+      std::function<void(const OpArgs&, const absl::StatusOr<OpOutcome>&, absl::Duration elapsed)>;
+  void SetOpObserver(OpObserver observer) { observer_ = std::move(observer); }
   void Abort() override;
   EngineStatus Status() const override;
   DoorbellHost* doorbell_host() override { return this; }
@@ -49,6 +55,7 @@ class GatedEngine final : public Engine, public DoorbellHost {
   uint64_t ops_in_flight() const;
 
  private:
+  OpObserver observer_;
   mutable std::mutex mu_;
   std::condition_variable idle_;
   std::unique_ptr<Engine> inner_;

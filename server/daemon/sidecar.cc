@@ -2,11 +2,10 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,8 +17,8 @@
 #include "server/daemon/unix_socket.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/gpu/mps.h"
-#include "server/peers/exchange.h"
 #include "server/metrics/metrics.h"
+#include "server/peers/exchange.h"
 #include "server/services/config/config_service.h"
 #include "server/services/fusion/fusion_service.h"
 #include "server/services/peer/peer_service.h"
@@ -48,8 +47,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Sidecar::MutualTlsCrede
     }
     return ss.str();
   };
-  grpc::SslServerCredentialsOptions tls(
-      GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions tls(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   ARFUSE_ASSIGN_OR_RETURN(pair.private_key, read("tls-key", options_.tls_key));
   ARFUSE_ASSIGN_OR_RETURN(pair.cert_chain, read("tls-cert", options_.tls_cert));
@@ -99,8 +97,8 @@ absl::Status Sidecar::Start() {
   for (const auto& w : migrated.warnings) spdlog::warn("event=flag_migration warning=\"{}\"", w);
   flags_ = migrated.flags;
 
-  metrics_ = std::make_unique<Metrics>(options_.rank, options_.world_size, options_.device,
-                                       kVersion);
+  metrics_ =
+      std::make_unique<Metrics>(options_.rank, options_.world_size, options_.device, kVersion);
   if (options_.metrics_port >= 0) ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_port));
 
   // MPS and the doorbell hop (docs/doorbell.md), once before the engine starts: negotiation
@@ -131,6 +129,24 @@ absl::Status Sidecar::Start() {
                  DescribeDoorbell(hop, mps_detected_), mps.Describe());
   }
 
+  // Every eager op, by backend, path and a short reason class (low-cardinality labels only).
+  gate_.SetOpObserver(
+      [this](const OpArgs& op, const absl::StatusOr<OpOutcome>& result, absl::Duration elapsed) {
+        OpSample sample;
+        sample.plane = "eager";
+        {
+          std::lock_guard<std::mutex> lock(state_mu_);
+          sample.backend = decided_ ? decision_.backend : "none";
+          sample.reason = !result.ok()                           ? "error"
+                          : decided_ && decision_.fusion_enabled ? "dispatch"
+                                                                 : "fusion_disabled";
+        }
+        sample.ok = result.ok();
+        sample.path = result.ok() ? ExecPathName(result->path) : "none";
+        sample.latency_s = absl::ToDoubleSeconds(elapsed);
+        sample.bytes = static_cast<uint64_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
+        metrics_->RecordOp(sample);
+      });
   health_main_ = std::make_unique<HealthService>(&health_);
   health_probe_ = std::make_unique<HealthService>(&health_);
   // Liveness answers as soon as the process serves; readiness waits for the group.
@@ -149,8 +165,8 @@ absl::Status Sidecar::Start() {
   config_options.snapshot = [this, doorbell_hop_us]() -> absl::StatusOr<ConfigSnapshot> {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (!decided_) {
-      return absl::UnavailableError(absl::StrCat("the group has not decided yet: ",
-                                                 not_ready_reason_));
+      return absl::UnavailableError(
+          absl::StrCat("the group has not decided yet: ", not_ready_reason_));
     }
     ConfigSnapshot snap;
     snap.decision = decision_;
@@ -179,12 +195,11 @@ absl::Status Sidecar::Start() {
   if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
   ARFUSE_ASSIGN_OR_RETURN(fusion_,
                           FusionService::Create(fusion_options, [this] { return &gate_; }));
-  auto peer_service =
-      std::make_unique<PeerService>(absl::Seconds(options_.peer_timeout_s));
+  auto peer_service = std::make_unique<PeerService>(absl::Seconds(options_.peer_timeout_s));
   peer_service_ = peer_service.get();
   services_.push_back(std::move(peer_service));
-  services_.push_back(std::make_unique<AdminService>(this,
-                                                     absl::Seconds(options_.default_deadline_s)));
+  services_.push_back(
+      std::make_unique<AdminService>(this, absl::Seconds(options_.default_deadline_s)));
 
   // The health-only server: plaintext TCP for Kubernetes probes, nothing but grpc.health.v1.
   {
@@ -251,8 +266,8 @@ absl::Status Sidecar::Start() {
   spdlog::info(
       "event=listening socket={} health_port={} metrics_port={} device={} gpu={} rank={} "
       "world_size={} nnodes={} sm={}",
-      options_.socket, health_port_, metrics_port(), options_.device, options_.gpu,
-      options_.rank, options_.world_size, options_.nnodes, OwnTopology().sm);
+      options_.socket, health_port_, metrics_port(), options_.device, options_.gpu, options_.rank,
+      options_.world_size, options_.nnodes, OwnTopology().sm);
   supervisor_ = std::thread([this] { SuperviseGroup(); });
   return absl::OkStatus();
 }

@@ -3,6 +3,9 @@
 // recovery after a poisoning, the live backend switch) and shutdown.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/service_type.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -10,9 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/service_type.h>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"

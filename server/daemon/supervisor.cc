@@ -54,7 +54,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decis
   eo.backend = decision.fusion_enabled ? decision.backend : "none";
   eo.max_tokens = options_.max_tokens;
   eo.max_hidden = options_.hidden;
-  eo.dtype = options_.dtype == "fp32" ? DType::kFP32
+  eo.dtype = options_.dtype == "fp32"   ? DType::kFP32
              : options_.dtype == "fp16" ? DType::kFP16
                                         : DType::kBF16;
   eo.spin_timeout = absl::Seconds(options_.spin_timeout_s);
@@ -117,8 +117,7 @@ absl::Status Sidecar::FormGroup() {
         "no GPU architecture (host mode without --sm): the CPU implementation runs");
     report.decision = none;
   } else {
-    absl::StatusOr<config::Decision> local =
-        config::ResolveBackend(report.flags, report.topology);
+    absl::StatusOr<config::Decision> local = config::ResolveBackend(report.flags, report.topology);
     if (local.ok()) {
       report.decision = *local;
     } else {
@@ -135,8 +134,8 @@ absl::Status Sidecar::FormGroup() {
   }
   ARFUSE_ASSIGN_OR_RETURN(config::Decision decision, config::Consensus(reports));
   for (const auto& w : decision.warnings) spdlog::warn("event=config_warning warning=\"{}\"", w);
-  spdlog::info("event=config_decided backend={} fusion_enabled={} reasons=\"{}\"",
-               decision.backend, decision.fusion_enabled, absl::StrJoin(decision.reasons, "; "));
+  spdlog::info("event=config_decided backend={} fusion_enabled={} reasons=\"{}\"", decision.backend,
+               decision.fusion_enabled, absl::StrJoin(decision.reasons, "; "));
 
   ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, BuildEngine(decision, join_deadline));
   EngineStatus es = engine->Status();
@@ -257,8 +256,8 @@ absl::StatusOr<v1::ReinitializeResponse> Sidecar::Reinitialize(absl::Time deadli
   while (absl::Now() < deadline) {
     {
       std::lock_guard<std::mutex> lock(state_mu_);
-      if (reinitializations_ > before && health_.Get(kReadinessService) ==
-                                             grpc::health::v1::HealthCheckResponse::SERVING) {
+      if (reinitializations_ > before &&
+          health_.Get(kReadinessService) == grpc::health::v1::HealthCheckResponse::SERVING) {
         v1::ReinitializeResponse out;
         EngineStatus es = gate_.Status();
         out.set_generation(es.generation);
@@ -318,10 +317,10 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   if (!gathered.ok()) {
     std::lock_guard<std::mutex> lock(state_mu_);
     admin_exchange_diverged_ = true;
-    return absl::Status(gathered.status().code(),
-                        absl::StrCat("backend switch vote failed (every rank must be asked): ",
-                                     gathered.status().message(), "; backend unchanged: ",
-                                     previous.backend));
+    return absl::Status(
+        gathered.status().code(),
+        absl::StrCat("backend switch vote failed (every rank must be asked): ",
+                     gathered.status().message(), "; backend unchanged: ", previous.backend));
   }
   std::vector<std::string> payloads = *std::move(gathered);
   std::vector<config::RankReport> reports;
@@ -344,10 +343,9 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   if (backend != "none" && !decision.fusion_enabled) {
     // Agreeing on a backend that cannot fuse here is refused rather than silently unfused.
     // Every rank reaches this same answer from the same reports, so none builds an engine.
-    return absl::FailedPreconditionError(
-        absl::StrCat("backend ", backend, " is not feasible: ",
-                     absl::StrJoin(decision.reasons, "; "), "; backend unchanged: ",
-                     previous.backend));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "backend ", backend, " is not feasible: ", absl::StrJoin(decision.reasons, "; "),
+        "; backend unchanged: ", previous.backend));
   }
   absl::StatusOr<std::unique_ptr<Engine>> built = BuildEngine(decision, deadline);
   std::string failure = built.ok() ? "" : std::string(built.status().message());

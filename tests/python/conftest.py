@@ -38,7 +38,7 @@ class Group:
     """N host-mode sidecars of one group, stopped (SIGTERM, then SIGKILL) at the end."""
 
     def __init__(self, binary, world_size, start_ranks=None, hidden=1024, max_tokens=64,
-                 dtype="fp32"):
+                 dtype="fp32", extra_args=()):
         self.dir = tempfile.mkdtemp(prefix="arfuse-pytest-")
         os.makedirs(os.path.join(self.dir, "peers"))
         self.world_size = world_size
@@ -51,7 +51,7 @@ class Group:
                  "--health-port=0", f"--hidden={hidden}", f"--max-tokens={max_tokens}",
                  f"--dtype={dtype}", "--peer-timeout=30", "--log-level=warn",
                  # Decide as an H200 group with fusion on, so the fused path is what is tested.
-                 "--sm=90", "--flashinfer-allreduce-fusion-backend=auto"],
+                 "--sm=90", "--flashinfer-allreduce-fusion-backend=auto", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT))
         for r in (start_ranks if start_ranks is not None else range(world_size)):
             self._wait_socket(r)
