@@ -62,7 +62,6 @@ UnixListener::UnixListener(int fd, int wake_read, int wake_write, std::string pa
 
 UnixListener::~UnixListener() {
   Stop();
-  ::close(fd_);
   ::close(wake_read_);
   ::close(wake_write_);
   ::unlink(path_.c_str());
@@ -73,10 +72,17 @@ void UnixListener::Serve(grpc::Server* server) {
 }
 
 void UnixListener::Stop() {
-  if (!thread_.joinable()) return;
-  char byte = 1;
-  (void)!::write(wake_write_, &byte, 1);
-  thread_.join();
+  if (thread_.joinable()) {
+    char byte = 1;
+    (void)!::write(wake_write_, &byte, 1);
+    thread_.join();
+  }
+  // Close the listening socket too: connections still queued in the backlog are refused at
+  // once, instead of waiting out the shutdown grace period for an accept that never comes.
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
 }
 
 void UnixListener::AcceptLoop(grpc::Server* server) {
