@@ -24,7 +24,40 @@ __global__ void LayerStandInKernel(const __nv_bfloat16* __restrict__ norm_out,
   }
 }
 
+constexpr int kBusyThreads = 256;
+
+__global__ void FullGpuBusyKernel(float* scratch, uint32_t iters) {
+  // Four independent FMA chains per thread: issue-bound, so every warp slot it loses to another
+  // context's resident blocks shows in its time.
+  float a = threadIdx.x * 1e-3f, b = a + 1.0f, c = a + 2.0f, d = a + 3.0f;
+  for (uint32_t i = 0; i < iters; ++i) {
+    a = fmaf(a, 0.9999f, 0.5f);
+    b = fmaf(b, 0.9998f, 0.25f);
+    c = fmaf(c, 0.9997f, 0.125f);
+    d = fmaf(d, 0.9996f, 0.0625f);
+  }
+  if (threadIdx.x == 0) scratch[blockIdx.x] = a + b + c + d;
+}
+
 }  // namespace
+
+int FullGpuBusyBlocks(int waves) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, FullGpuBusyKernel, kBusyThreads, 0) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return sms * (per_sm > 0 ? per_sm : 1) * (waves > 0 ? waves : 1);
+}
+
+cudaError_t LaunchFullGpuBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream) {
+  const int blocks = FullGpuBusyBlocks(waves);
+  if (scratch == nullptr || blocks <= 0) return cudaErrorInvalidValue;
+  FullGpuBusyKernel<<<blocks, kBusyThreads, 0, stream>>>(scratch, iters);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchLayerStandIn(const void* norm_out, void* input, size_t count, uint32_t busy_ns,
                                cudaStream_t stream) {

@@ -15,4 +15,12 @@ namespace arfuse::bench {
 cudaError_t LaunchLayerStandIn(const void* norm_out, void* input, size_t count, uint32_t busy_ns,
                                cudaStream_t stream);
 
+// A client kernel that wants the whole GPU (what a GEMM of the layer does): a fixed amount of FMA
+// work in `waves` waves of as many 256-thread blocks as fit every SM at once. Its time measures
+// what kernels of other processes holding SM slots (the sidecar's idle serving launch) cost the
+// client. `scratch` receives one float per block (never read; keeps the work alive).
+cudaError_t LaunchFullGpuBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream);
+// Blocks of LaunchFullGpuBusy's grid for `waves` (scratch must hold that many floats).
+int FullGpuBusyBlocks(int waves);
+
 }  // namespace arfuse::bench

@@ -221,8 +221,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
 // ------------------------------------------------------------------------------------ results
 
 // Rows in table order.
-constexpr const char* kRows[] = {"echo",         "eager",          "eager_sync",
-                                 "inproc",       "doorbell",       "compute",
+constexpr const char* kRows[] = {"echo",         "eager",          "eager_sync", "inproc",
+                                 "busy",         "doorbell",       "busy_idle",  "compute",
                                  "layer_inproc", "layer_doorbell", "layer_nccl"};
 
 struct RowResult {
@@ -867,6 +867,24 @@ struct ClientRun {
                     gpu->ws_note.empty() ? "a rank has no in-process workspace" : gpu->ws_note);
     }
 
+    // What the sidecar's idle doorbell plane costs a client kernel that wants the whole GPU:
+    // the same graph of full-GPU kernels before any doorbell plan exists (nothing of the
+    // sidecar resident) and after (its serving launch resident and idle, between rings).
+    constexpr int kBusyWaves = 4;
+    constexpr uint32_t kBusyIters = 4096;
+    float* busy_scratch = nullptr;
+    const bool busy_ok =
+        all("busy",
+            cudaMalloc(&busy_scratch, sizeof(float) * FullGpuBusyBlocks(kBusyWaves)) == cudaSuccess,
+            "scratch allocation");
+    auto busy = [&]() -> absl::Status {
+      return ARFUSE_CUDA_STATUS(LaunchFullGpuBusy(busy_scratch, kBusyWaves, kBusyIters, s));
+    };
+    if (busy_ok) {
+      AddGraphRow("busy", tokens, hidden, TimeGraph(ex, s, f, busy, tag + "/busy"), "-",
+                  "full-GPU client kernel, no doorbell plan yet (nothing of the sidecar resident)");
+    }
+
     // Doorbell: a plan with a doorbell, rung from this process's stream.
     std::optional<client::Plan> dplan;
     std::string dnote;
@@ -923,6 +941,11 @@ struct ClientRun {
     } else {
       AddSkippedRow("doorbell", tokens, hidden, dnote);
     }
+    if (busy_ok && db_ok) {
+      AddGraphRow("busy_idle", tokens, hidden, TimeGraph(ex, s, f, busy, tag + "/busy_idle"), "-",
+                  "the same kernel while the doorbell plane waits for the next ring");
+    }
+    if (busy_scratch != nullptr) cudaFree(busy_scratch);
 
     // The layer loop: stand-in compute, then the fused op.
     AddGraphRow("compute", tokens, hidden, TimeGraph(ex, s, f, standin, tag + "/compute"), "-",
@@ -1459,6 +1482,11 @@ int Launch(Flags f) {
         k.met = k.value <= k.target;
         checks.push_back(k);
         vs[d] = absl::StrFormat("%+.1f us vs inproc", k.value);
+      }
+      if (const RowResult* bi = find("busy_idle", t, h)) {
+        if (const RowResult* b = find("busy", t, h)) {
+          vs[bi] = absl::StrFormat("%.3fx busy (%+.1f us)", bi->p50 / b->p50, bi->p50 - b->p50);
+        }
       }
       const RowResult* compute = find("compute", t, h);
       const RowResult* lin = find("layer_inproc", t, h);

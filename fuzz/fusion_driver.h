@@ -8,7 +8,9 @@
 //
 // Oracles besides ASan/UBSan: every tensor of an op that resolves is written (outputs) or read
 // (inputs) over its full extent, and each fake allocation is exactly the registered size, so a
-// validation gap that lets a tensor leave its region is a heap-buffer-overflow.
+// validation gap that lets a tensor leave its region is a heap-buffer-overflow. After every step
+// the registry's totals (Admin.GetStats, the region gauges) match the live session's regions,
+// and the totals observer was last told exactly those totals.
 #pragma once
 
 #include <cstddef>
@@ -101,12 +103,24 @@ inline void TouchTensors(const ResolvedOp& op) {
     if (!bytes.ok()) __builtin_trap();  // resolved ops have representable sizes
     const void* p = nullptr;
     switch (role) {
-      case TensorRole::kInput: p = a.input; break;
-      case TensorRole::kOutput: p = a.output; break;
-      case TensorRole::kResidualIn: p = a.residual_in; break;
-      case TensorRole::kResidualOut: p = a.residual_out; break;
-      case TensorRole::kNormOut: p = a.norm_out; break;
-      case TensorRole::kGamma: p = a.gamma; break;
+      case TensorRole::kInput:
+        p = a.input;
+        break;
+      case TensorRole::kOutput:
+        p = a.output;
+        break;
+      case TensorRole::kResidualIn:
+        p = a.residual_in;
+        break;
+      case TensorRole::kResidualOut:
+        p = a.residual_out;
+        break;
+      case TensorRole::kNormOut:
+        p = a.norm_out;
+        break;
+      case TensorRole::kGamma:
+        p = a.gamma;
+        break;
     }
     if (p == nullptr) __builtin_trap();  // every role of the pattern must be placed
     if (IsOutputRole(role)) {
@@ -125,8 +139,28 @@ class FusionDriver {
  public:
   explicit FusionDriver(MemoryKind kind = MemoryKind::kHostShm)
       : registry_(FuzzLimits(), std::make_unique<FuzzOpener>(kind), kFuzzBootNonce) {
+    registry_.SetTotalsObserver([this](const RegistryTotals& t) { observed_ = t; });
     auto s = registry_.OpenSession("fuzz");
     session_ = s.ok() ? *s : 0;
+  }
+
+  // Traps unless the totals agree with the one live session (hello sessions close at once) and
+  // with the observer's last report. Nothing runs concurrently, so both must be exact.
+  void CheckTotals() {
+    const RegistryTotals t = registry_.totals();
+    if (!(t == observed_)) __builtin_trap();
+    RegistryTotals want;
+    auto list = registry_.ListRegions(session_);
+    if (list.ok()) {
+      want.sessions = 1;
+      want.regions = list->size();
+      for (const RegionInfo& r : *list) want.region_bytes += r.byte_size;
+    }
+    if (t.sessions != want.sessions || t.regions != want.regions ||
+        t.region_bytes != want.region_bytes) {
+      __builtin_trap();
+    }
+    if (t.sessions == 0 && t.plans != 0) __builtin_trap();
   }
 
   // One request. For registrations and plans, the id and generation it got (seeds use them).
@@ -155,8 +189,7 @@ class FusionDriver {
         v1::UnregisterRegionRequest req;
         if (!req.ParseFromArray(data, static_cast<int>(size))) return Unparsed();
         // No op is in flight between steps, so this never waits.
-        return registry_.UnregisterRegion(session_, req.region_id(), req.generation(),
-                                          absl::Now());
+        return registry_.UnregisterRegion(session_, req.region_id(), req.generation(), absl::Now());
       }
       case kCreatePlan: {
         v1::CreatePlanRequest req;
@@ -233,6 +266,7 @@ class FusionDriver {
 
   Registry registry_;
   uint64_t session_ = 0;
+  RegistryTotals observed_;
 };
 
 inline int RunRecords(FusionDriver& driver, const uint8_t* data, size_t size);
@@ -243,8 +277,7 @@ inline int RunInput(const uint8_t* data, size_t size) {
   int steps = 0;
   {
     // The first record's high bit picks a sidecar serving CUDA IPC instead of host memory.
-    FusionDriver driver(size > 0 && (data[0] & 0x80) ? MemoryKind::kCudaIpc
-                                                     : MemoryKind::kHostShm);
+    FusionDriver driver(size > 0 && (data[0] & 0x80) ? MemoryKind::kCudaIpc : MemoryKind::kHostShm);
     steps = RunRecords(driver, data, size);
   }
   // Every mapping is closed once the registry (and with it the session) is gone.
@@ -261,6 +294,7 @@ inline int RunRecords(FusionDriver& driver, const uint8_t* data, size_t size) {
     pos += 3;
     if (len > size - pos) len = size - pos;
     (void)driver.Step(type, data + pos, len);
+    driver.CheckTotals();
     pos += len;
     ++steps;
   }

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -471,9 +472,9 @@ int RunSetBackend(const ParsedArgs& args, Io& io) {
     v1::SetBackendResponse resp;
     grpc::Status st = v1::Admin::NewStub(r.channel)->SetBackend(r.Context().get(), req, &resp);
     if (st.ok()) {
-      *line = absl::StrCat("backend ", resp.previous_backend(), " -> ", resp.backend(),
-                           ", fusion ", resp.fusion_enabled() ? "enabled" : "disabled",
-                           ", generation ", resp.generation());
+      *line = absl::StrCat("backend ", resp.previous_backend(), " -> ", resp.backend(), ", fusion ",
+                           resp.fusion_enabled() ? "enabled" : "disabled", ", generation ",
+                           resp.generation());
     }
     return st;
   });
@@ -596,8 +597,9 @@ const std::vector<Command>& Commands() {
 void PrintUsage(std::ostream& o) {
   o << "usage: arfusectl <command> [options]\n\ncommands:\n";
   for (const Command& c : Commands()) {
+    // Pad to the longest name (set-backend, reinitialize) plus two spaces; never truncate.
     std::string name = "  " + c.name;
-    name.resize(12, ' ');
+    name.resize(std::max<size_t>(name.size() + 2, 16), ' ');
     o << name << c.summary << "\n";
   }
   o << "\nexit status: 0 ok, 1 server error or not serving, 2 invalid input, 3 unreachable\n"
@@ -639,8 +641,8 @@ int RunArfusectl(const std::vector<std::string>& args, std::ostream& out, std::o
     return command.run(*parsed, io);
   }
   return Usage(io, absl::StrCat("unknown command \"", verb.substr(0, 64),
-                                "\" (commands: resolve, health, info, version; see arfusectl "
-                                "--help)"));
+                                "\" (commands: resolve, health, info, stats, drain, set-backend, "
+                                "reinitialize, version; see arfusectl --help)"));
 }
 
 }  // namespace arfuse::cli

@@ -150,6 +150,9 @@ enum class DoorbellOutcome : uint32_t {
   kStopped = 4,   // the host's stop word: nothing consumed
   kAborted = 5,   // the workspace abort word or the host abort word: nothing consumed
   kRejected = 6,  // took a ring with num_tokens above the plan's maximum: the op does not run
+  // A serving launch (LaunchDoorbellServe) ran an op in place and it failed: the op was completed
+  // with its error; nothing is left for the kernels behind.
+  kFailedInPlace = 7,
 };
 const char* DoorbellOutcomeName(uint32_t outcome);
 
@@ -175,14 +178,19 @@ struct DoorbellControl {
 };
 static_assert(sizeof(DoorbellControl) == 16);
 
-// Written by the completion kernel for the host (host-mapped), one per queued triple.
+// Written for the host (host-mapped), one per queued triple: the first four words by the
+// completion kernel, the last two by a serving launch (zero for a plain waiter).
 struct DoorbellReport {
   uint32_t outcome;  // DoorbellOutcome
   uint32_t slot;
   uint32_t num_tokens;
-  uint32_t error;  // the DoorbellError written to the slot (0: the op succeeded)
+  uint32_t error;            // the DoorbellError written to the slot (0: the op succeeded)
+  uint32_t served_in_place;  // ops the serving launch ran and completed itself
+  uint32_t error_in_place;   // the DoorbellError of the in-place op that failed (0: none)
+  uint32_t reserved[2];
 };
-static_assert(sizeof(DoorbellReport) == 16);
+static_assert(sizeof(DoorbellReport) == 32);
+static_assert(offsetof(DoorbellReport, served_in_place) == 16);
 
 struct DoorbellWaitParams {
   DoorbellSlot* slots;              // the block (kMaxDoorbellSlots slots)
@@ -227,6 +235,58 @@ cudaError_t LaunchDoorbellSetError(DoorbellSlot* slots, uint32_t slot_mask, uint
 // Re-arms the slots in slot_mask: request, complete and error to their reset values. Only valid
 // while no kernel of either side uses them (DoorbellPlane::ResetSlots pauses first).
 cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// The serving launch: a waiter that runs one-shot ops itself. One grid of `blocks` blocks stays
+// resident between rings; block 0's first warp polls like LaunchDoorbellWait. A ring for a slot in
+// inplace_mask whose token count is below the plan's two-shot threshold (and within its maximum)
+// is run in place by every block (the one-shot body of kernels/allreduce_fusion, rows spread over
+// the grid) and completed by block 0 (slot error, served count, release of kDoorbellComplete)
+// without leaving the kernel: no launch and no kernel boundary per op. Any other ring (two-shot,
+// another shape, a token count above the maximum) is written to the op record exactly as the
+// waiter does, and the launch ends so the fused launches and the completion kernel behind it run
+// it. The launch also ends on the waiter's conditions (idle deadline, now measured from the last
+// op; generation; stop; abort words) and after an in-place op that failed (kFailedInPlace).
+//
+// Cross-rank: an in-place op is the same one-shot op as the indirect launch would run (same
+// block size, so the same bits per row; the one-shot is independent of the grid size across
+// ranks), so ranks may serve a given op in place or not independently.
+
+// Per-launch words (device memory, 128 bytes, zeroed once by the host): every word is zero
+// between launches (the last block to leave a launch zeroes them; the next launch on the stream
+// starts after it ended).
+struct DoorbellServeState {
+  uint32_t ticket;    // ops announced so far in this launch (block 0 release-stores at GPU scope)
+  uint32_t finished;  // (block, op) pairs finished (every block adds 1 per op, acq_rel)
+  uint32_t leave;     // set before the last ticket: the blocks leave instead of running an op
+  uint32_t left;      // blocks that left (the last one zeroes the words)
+  // The announced op (written before the ticket): its slot, token count, and how many blocks
+  // run it (min(grid, tokens): blocks beyond sit it out).
+  uint32_t slot;
+  uint32_t tokens;
+  uint32_t active;
+  uint32_t reserved[25];
+};
+static_assert(sizeof(DoorbellServeState) == kDoorbellLineBytes);
+
+struct DoorbellServeParams {
+  DoorbellWaitParams wait;
+  // The shape served in place: dtype, pattern, hidden, rank, world size, sm_budget and layout as
+  // in every plan of inplace_mask (pointers and num_tokens are not used).
+  FusionParams inplace_template;
+  DoorbellServeState* state;
+  DoorbellReport* report;  // optional: device address of the triple's host-mapped report
+  uint32_t inplace_mask;   // slots (subset of wait.slot_mask) whose plans match the template
+  uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency), >= 1
+};
+static_assert(sizeof(DoorbellServeParams) == 400, "DoorbellServeParams is a kernel parameter");
+
+// Enqueues the serving launch. cudaErrorInvalidValue (nothing launched) when the wait params or
+// the template are invalid, the masks are empty or inconsistent, the state is null or
+// misaligned, or the template's shape has no kernel. programmatic_dependent as for the waiter.
+cudaError_t LaunchDoorbellServe(const DoorbellServeParams& params, cudaStream_t stream,
+                                bool programmatic_dependent = false);
+cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& params, const char** why = nullptr);
 
 cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& params, const char** why = nullptr);
 cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& params,

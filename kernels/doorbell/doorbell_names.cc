@@ -54,6 +54,8 @@ const char* DoorbellOutcomeName(uint32_t outcome) {
       return "aborted";
     case DoorbellOutcome::kRejected:
       return "rejected";
+    case DoorbellOutcome::kFailedInPlace:
+      return "failed_in_place";
   }
   return "unknown";
 }

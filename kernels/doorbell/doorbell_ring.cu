@@ -19,10 +19,13 @@ __global__ void __launch_bounds__(1)
     DoorbellRingKernel(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns) {
   // A sticky error: the slot is not usable until the sidecar resets it. Do not ring (the op
   // does not run; the client reads the error word).
-  if (LoadRelaxedSys(&slot->error) != 0) return;
+  // Both loads are issued before either is used: one round trip to the sidecar's memory, not two.
+  const uint32_t error = LoadRelaxedSys(&slot->error);
+  const uint32_t complete = LoadRelaxedSys(&slot->complete);
+  if (error != 0) return;
   // The completion word must be armed. It is not when an op whose ring timed out completed late:
   // ringing now would take that stale completion for this op's.
-  if (LoadRelaxedSys(&slot->complete) != kDoorbellReset) {
+  if (complete != kDoorbellReset) {
     CasRelaxedSys(&slot->error, 0u, static_cast<uint32_t>(DoorbellError::kDesynchronized));
     return;
   }

@@ -1,6 +1,10 @@
 // The sidecar's doorbell kernels: the waiter launched ahead on the sidecar's stream, the
 // completion kernel behind the fused launch, and the slot maintenance kernels.
 // docs/doorbell.md has the protocol and the memory-ordering argument.
+#include <algorithm>
+
+#include "kernels/add_rmsnorm/row_math.cuh"
+#include "kernels/allreduce_fusion/fusion_device.cuh"
 #include "kernels/doorbell/doorbell.h"
 #include "kernels/doorbell/doorbell_device.cuh"
 
@@ -32,20 +36,24 @@ __device__ uint32_t WaiterCheck(const DoorbellWaitParams& w, uint64_t start, uin
   return 0;
 }
 
-// One warp: lane i polls slot i's request word when bit i of the mask is set.
-__global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParams w) {
-  // Launched as a programmatic dependent of the previous op's completion kernel: the op record
-  // it reads must not be overwritten before that kernel finished.
-  WaitForPrerequisiteGrid();
+// What one poll for a ring ended with: the slot taken (served >= 0), or the outcome that ended
+// the poll with nothing consumed.
+struct RingPoll {
+  int served;
+  uint32_t outcome;
+};
+
+// Warp 0 only (all 32 lanes; the result is the same in every lane). Lane i polls slot i's request
+// word when bit i of the mask is set; lane 0 looks at the control words, the abort words and the
+// idle deadline (measured from `start`, lane 0's value) every kWaitCheckNs.
+__device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
   const uint32_t lane = threadIdx.x;
   const bool mine = ((w.slot_mask >> lane) & 1u) != 0;
   const uint32_t* my_request = &w.slots[lane].request;
-  const uint64_t start = GlobalTimerNs();
   uint64_t last_check = start;
-  int served = -1;
   // Kicked or stopped before it started (a queued waiter after a plan change or a pause): leave
   // without polling at all.
-  uint32_t outcome = lane == 0 ? WaiterCheck(w, start, start) : 0;
+  uint32_t outcome = lane == 0 ? WaiterCheck(w, start, GlobalTimerNs()) : 0;
   outcome = __shfl_sync(0xffffffffu, outcome, 0);
   for (uint32_t polls = 1; outcome == 0; ++polls) {
     // Relaxed polls; the CAS below acquires.
@@ -61,16 +69,9 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
               kDoorbellRequest;
       }
       won = __shfl_sync(0xffffffffu, won, 0);
-      if (won != 0) {
-        served = s;
-        // Let the fused launch behind be scheduled now (programmatic dependent launch): its
-        // blocks wait for this kernel to finish before they read the op.
-        AllowDependentLaunch();
-        break;
-      }
+      if (won != 0) return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed)};
       hits &= hits - 1;
     }
-    if (served >= 0) break;
     if (polls % kWaitPollsPerClock == 0) {
       if (lane == 0) {
         const uint64_t now = GlobalTimerNs();
@@ -82,7 +83,13 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
       outcome = __shfl_sync(0xffffffffu, outcome, 0);
     }
   }
+  return RingPoll{-1, outcome};
+}
 
+// Warp 0 only: writes the op record for the kernels behind (and, in a serving launch, for the
+// blocks of the grid): nothing consumed (served < 0, `outcome` says why), or the ring taken.
+__device__ void WriteOpRecord(const DoorbellWaitParams& w, int served, uint32_t outcome) {
+  const uint32_t lane = threadIdx.x;
   DoorbellOp* op = w.op;
   if (served < 0) {
     // Nothing consumed: the fused launches behind see num_tokens == 0 and touch nothing.
@@ -92,6 +99,7 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
       op->slot = 0xffffffffu;
       op->num_tokens = 0;
     }
+    __syncwarp();
     return;
   }
   // The plan table is written by the host before the plan's bit enters any waiter's mask, so
@@ -114,6 +122,19 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
     op->slot = static_cast<uint32_t>(served);
     op->num_tokens = n;
   }
+  __syncwarp();
+}
+
+// One warp: polls, then writes the op for the kernels behind.
+__global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParams w) {
+  // Launched as a programmatic dependent of the previous op's completion kernel: the op record
+  // it reads must not be overwritten before that kernel finished.
+  WaitForPrerequisiteGrid();
+  const RingPoll r = PollForRing(w, GlobalTimerNs());
+  // Let the fused launch behind be scheduled now (programmatic dependent launch): its blocks wait
+  // for this kernel to finish before they read the op.
+  if (r.served >= 0) AllowDependentLaunch();
+  WriteOpRecord(w, r.served, r.outcome);
 }
 
 // One thread, after the fused launches of the op on the same stream.
@@ -169,25 +190,272 @@ __global__ void DoorbellResetSlotsKernel(DoorbellSlot* slots, uint32_t mask) {
   StoreReleaseSys(&slots[i].error, 0u);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The serving launch (doorbell.h, LaunchDoorbellServe). Block 0's first warp polls; per ring it
+// either announces an in-place op (ticket) or ends the launch (leave + ticket). Every block runs
+// an announced op's one-shot body over its rows, then counts itself in `finished`; block 0 waits
+// for every block's count before it completes the op, so:
+//   * the client's completion acquire sees every block's output stores (each block's stores, its
+//     bar.sync, its acq_rel count; block 0's acquire of the total, then its system-scope release
+//     of the completion word: a causality chain);
+//   * op k + 1 is announced only after every block finished op k, which is what the kernel
+//     boundary guarantees between two one-shot launches (the epoch advanced by op k's last block
+//     is visible to every block that reads it for op k + 1, through the same chain and the
+//     ticket's release/acquire; the Lamport buffer argument of docs/kernels.md holds unchanged).
+// Idle blocks wait for the ticket with __nanosleep between polls of one L2 word: they hold their
+// SM slots (registers, threads) but issue almost nothing.
+constexpr uint32_t kCmdRun = 1;
+constexpr uint32_t kCmdLeave = 2;
+constexpr uint32_t kTicketBackoffNs = 100;
+
+// Whether a ring taken from slot `slot` with `n` tokens runs in place in a launch of the
+// template's shape: the same checks as the op record's (token count within the plan's maximum,
+// below its two-shot threshold), plus the shape of the launch.
+__device__ bool RunsInPlace(const DoorbellServeParams& sp, const DoorbellPlanEntry& e, int slot,
+                            uint32_t n) {
+  if (slot < 0 || ((sp.inplace_mask >> slot) & 1u) == 0) return false;
+  const FusionParams& p = e.params;
+  const FusionParams& t = sp.inplace_template;
+  const uint64_t bytes = static_cast<uint64_t>(n) * p.hidden * DTypeSize(p.dtype);
+  return n > 0 && n <= e.max_tokens && n < e.twoshot_min_tokens && p.dtype == t.dtype &&
+         p.pattern == t.pattern && p.hidden == t.hidden && p.world_size == t.world_size &&
+         p.rank == t.rank && p.sm_budget == t.sm_budget && bytes <= t.layout.lamport_slot_bytes;
+}
+
+// Block 0, thread 0: completes an in-place op every block finished. Returns the DoorbellError
+// written to the slot (0: the op succeeded).
+__device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p) {
+  const uint32_t fusion =
+      LoadRelaxedSys(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error);
+  const uint32_t error =
+      fusion != 0 ? (static_cast<uint32_t>(DoorbellError::kFusionFailed) | (fusion & 0xffu)) : 0u;
+  // The error first, then the release of the completion: a client that sees the completion sees
+  // the error. The count needs no answer (a reduction, no round trip).
+  if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
+  atomicAdd(&slot->served, 1u);
+  StoreReleaseSys(&slot->complete, kDoorbellComplete);
+  return error;
+}
+
+// Every block: the op's params into shared memory, from the plan table (read-only while the
+// launch runs: cached loads, L1 hits after the first op) with the ring's token count.
+__device__ void LoadInPlaceParams(const DoorbellServeParams& sp, uint32_t slot, uint32_t n,
+                                  FusionParams* out) {
+  const uint64_t* src = reinterpret_cast<const uint64_t*>(&sp.wait.plans[slot].params);
+  uint64_t* dst = reinterpret_cast<uint64_t*>(out);
+  for (uint32_t i = threadIdx.x; i < sizeof(FusionParams) / sizeof(uint64_t); i += blockDim.x) {
+    dst[i] = __ldg(src + i);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    out->num_tokens = n;
+    out->algo = FusionAlgo::kOneShot;
+  }
+  __syncthreads();
+}
+
+template <DType DT, bool kNorm, int kBucket>
+__global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
+    DoorbellServeKernel(const DoorbellServeParams sp) {
+  // As the waiter: the op record must not be overwritten before the kernel before it finished.
+  WaitForPrerequisiteGrid();
+  __shared__ FusionParams s_params;
+  __shared__ uint32_t s_cmd, s_slot, s_tokens, s_active;
+  DoorbellServeState* const st = sp.state;
+  const uint32_t units = gridDim.x;
+  const fusion_device::KernelConfig cfg = fusion_device::DefaultKernelConfig();
+  uint32_t ops = 0;             // ops announced in this launch: the same count in every block
+  uint32_t target = 0;          // block 0: (block, op) counts expected in `finished` so far
+  uint64_t since = 0;           // block 0, lane 0: the idle deadline counts from here
+  uint32_t error_in_place = 0;  // block 0, thread 0: the failed in-place op's error, slot and
+  uint32_t failed_slot = 0;     // token count
+  uint32_t failed_tokens = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) since = GlobalTimerNs();
+  for (;;) {
+    if (blockIdx.x == 0) {
+      if (threadIdx.x < 32) {
+        const uint32_t failed = __shfl_sync(0xffffffffu, error_in_place, 0);
+        RingPoll r{-1, static_cast<uint32_t>(DoorbellOutcome::kFailedInPlace)};
+        bool in_place = false;
+        uint32_t n = 0;
+        if (failed == 0) {
+          r = PollForRing(sp.wait, since);
+          if (r.served >= 0) {
+            // Read after lane 0's acquiring CAS (every lane: the value is broadcast by the load).
+            n = LoadRelaxedSys(&sp.wait.slots[r.served].num_tokens);
+            in_place = RunsInPlace(sp, sp.wait.plans[r.served], r.served, n);
+          }
+          // Anything else goes to the kernels behind through the op record, as from the waiter.
+          if (!in_place) WriteOpRecord(sp.wait, r.served, r.outcome);
+        } else if (threadIdx.x == 0) {
+          // The failed op's slot and token count stay in the record for the host's report;
+          // nothing is left to run.
+          sp.wait.op->params.num_tokens = 0;
+          sp.wait.op->outcome = r.outcome;
+          sp.wait.op->slot = failed_slot;
+          sp.wait.op->num_tokens = failed_tokens;
+        }
+        __syncwarp();
+        if (threadIdx.x == 0) {
+          const uint32_t active = in_place ? min(units, n) : 0u;
+          if (in_place) {
+            StoreVolatile32(&st->slot, static_cast<uint32_t>(r.served));
+            StoreVolatile32(&st->tokens, n);
+            StoreVolatile32(&st->active, active);
+          } else {
+            StoreVolatile32(&st->leave, 1u);
+          }
+          // The words above (and the op record) before the ticket. With one active block (one
+          // token, or a one-block grid) nobody else runs the op: the ticket still moves so the
+          // other blocks keep count.
+          StoreReleaseGpu32(&st->ticket, ops + 1);
+          s_cmd = in_place ? kCmdRun : kCmdLeave;
+          s_slot = static_cast<uint32_t>(r.served);
+          s_tokens = n;
+          s_active = active;
+        }
+      }
+      __syncthreads();
+    } else {
+      if (threadIdx.x == 0) {
+        while (LoadAcquireGpu32(&st->ticket) <= ops) __nanosleep(kTicketBackoffNs);
+        s_cmd = LoadVolatile32(&st->leave) != 0 ? kCmdLeave : kCmdRun;
+        s_slot = LoadVolatile32(&st->slot);
+        s_tokens = LoadVolatile32(&st->tokens);
+        s_active = LoadVolatile32(&st->active);
+      }
+      __syncthreads();
+    }
+    if (s_cmd == kCmdLeave) break;
+    ++ops;
+    const uint32_t active = s_active;
+    // Blocks beyond the op's rows sit it out: they neither run it nor count (the one-shot
+    // body's own counting and epoch advance use `active` as the grid).
+    if (blockIdx.x < active) {
+      LoadInPlaceParams(sp, s_slot, s_tokens, &s_params);
+      fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
+      // Every thread's stores of this block before its count (or, for block 0, the completion).
+      __syncthreads();
+      if (threadIdx.x == 0 && active > 1) AtomicAddAcqRelGpu(&st->finished, 1u);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (active > 1) {
+        target += active;
+        // Every resident block ends its op within its spins' deadline; a block that never
+        // became resident (SMs taken by other contexts' spinning kernels) must not wedge the
+        // launch: past twice that deadline the op fails as a timeout (the late block sees
+        // `leave` and does not run it).
+        const uint64_t wait_start = GlobalTimerNs();
+        while (LoadAcquireGpu32(&st->finished) < target) {
+          __nanosleep(32);
+          if (GlobalTimerNs() - wait_start > 2 * s_params.spin_timeout_ns) {
+            atomicCAS(
+                &fusion_device::ControlOf(s_params.peer_workspace[s_params.rank], s_params.layout)
+                     ->error,
+                0u, static_cast<uint32_t>(FusionError::kTimeout));
+            break;
+          }
+        }
+      }
+      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params);
+      failed_slot = s_slot;
+      failed_tokens = s_tokens;
+      // For the host's counters while the launch stays resident (a posted store to host
+      // memory, after the completion: off the client's path).
+      if (sp.report != nullptr) {
+        static_cast<volatile DoorbellReport*>(sp.report)->served_in_place = ops;
+      }
+      since = GlobalTimerNs();
+    }
+    // s_params and the shared words are rewritten at the next op: nobody may still read them.
+    __syncthreads();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0 && sp.report != nullptr) {
+      volatile DoorbellReport* r = sp.report;
+      r->served_in_place = ops;
+      r->error_in_place = error_in_place;
+    }
+    // Every block read the words before it counts itself out; the next launch on the stream
+    // starts after this one ended.
+    if (AtomicAddAcqRelGpu(&st->left, 1u) == units - 1) {
+      StoreVolatile32(&st->ticket, 0u);
+      StoreVolatile32(&st->finished, 0u);
+      StoreVolatile32(&st->leave, 0u);
+      StoreVolatile32(&st->left, 0u);
+    }
+  }
+  // The launches behind (a handed-off op) may be scheduled now; they wait for this grid to end.
+  AllowDependentLaunch();
+}
+
 bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
 template <typename Kernel, typename Params>
-cudaError_t LaunchSmall(Kernel kernel, unsigned threads, const Params& params, cudaStream_t stream,
-                        bool programmatic) {
+cudaError_t LaunchSmall(Kernel kernel, unsigned threads, unsigned grid, const Params& params,
+                        cudaStream_t stream, bool programmatic) {
   if (!programmatic) {
-    kernel<<<1, threads, 0, stream>>>(params);
+    kernel<<<grid, threads, 0, stream>>>(params);
     return cudaGetLastError();
   }
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1);
+  config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, params);
+}
+
+// The serving launch's grid: at most max_blocks, and never more than can be resident at once
+// within the template's SM budget (every block must be resident: block 0 waits for all of them).
+template <DType DT, bool kNorm, int kBucket>
+cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
+  const FusionParams& t = sp.inplace_template;
+  const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
+  const int threads = device::RowBlockThreads(vecs_per_row);
+  auto* kernel = &DoorbellServeKernel<DT, kNorm, kBucket>;
+  int device = 0;
+  int sms = 0;
+  int per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess) {
+    return cudaErrorInvalidDevice;
+  }
+  if (t.sm_budget > 0) sms = std::min(sms, static_cast<int>(t.sm_budget));
+  const uint32_t resident = static_cast<uint32_t>(std::max(1, sms * std::max(1, per_sm)));
+  const unsigned grid = std::max(1u, std::min(sp.max_blocks, resident));
+  return LaunchSmall(kernel, static_cast<unsigned>(threads), grid, sp, stream, pdl);
+}
+
+template <DType DT, bool kNorm>
+cudaError_t LaunchServeBucket(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
+  switch (device::RowBucket(sp.inplace_template.hidden / device::VecTraits<DT>::kElems)) {
+    case 0:
+      return LaunchServeTyped<DT, kNorm, 0>(sp, stream, pdl);
+    case 1:
+      return LaunchServeTyped<DT, kNorm, 1>(sp, stream, pdl);
+    case 2:
+      return LaunchServeTyped<DT, kNorm, 2>(sp, stream, pdl);
+    default:
+      return LaunchServeTyped<DT, kNorm, 3>(sp, stream, pdl);
+  }
+}
+
+template <DType DT>
+cudaError_t LaunchServeForDType(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
+  switch (sp.inplace_template.pattern) {
+    case Pattern::kAllReduce:
+      return LaunchServeBucket<DT, false>(sp, stream, pdl);
+    case Pattern::kAllReduceResidualRmsNorm:
+      return LaunchServeBucket<DT, true>(sp, stream, pdl);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -227,7 +495,7 @@ cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& c, const c
 cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream,
                                bool programmatic_dependent) {
   if (cudaError_t err = CheckDoorbellWaitParams(params, nullptr); err != cudaSuccess) return err;
-  return LaunchSmall(DoorbellWaitKernel, 32, params, stream, programmatic_dependent);
+  return LaunchSmall(DoorbellWaitKernel, 32, 1, params, stream, programmatic_dependent);
 }
 
 cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream,
@@ -235,7 +503,45 @@ cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStr
   if (cudaError_t err = CheckDoorbellCompleteParams(params, nullptr); err != cudaSuccess) {
     return err;
   }
-  return LaunchSmall(DoorbellCompleteKernel, 1, params, stream, programmatic_dependent);
+  return LaunchSmall(DoorbellCompleteKernel, 1, 1, params, stream, programmatic_dependent);
+}
+
+cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& sp, const char** why) {
+  const char* problem = nullptr;
+  if (CheckDoorbellWaitParams(sp.wait, &problem) != cudaSuccess) {
+    // problem names it
+  } else if (sp.state == nullptr || !Aligned(sp.state, kDoorbellLineBytes)) {
+    problem = "serving state is null or not 128-byte aligned";
+  } else if (sp.report != nullptr && !Aligned(sp.report, 4)) {
+    problem = "doorbell report is misaligned";
+  } else if (sp.inplace_mask == 0 || (sp.inplace_mask & ~sp.wait.slot_mask) != 0) {
+    problem = "in-place slot mask is empty or not within the waiter's slot mask";
+  } else if (sp.max_blocks == 0) {
+    problem = "serving launch has no blocks (max_blocks is 0)";
+  } else {
+    FusionParams t = sp.inplace_template;
+    t.num_tokens = 0;
+    t.algo = FusionAlgo::kOneShot;
+    if (CheckFusionParams(t, &problem) != cudaSuccess && problem == nullptr) {
+      problem = "in-place template is not a valid fused op";
+    }
+  }
+  if (why != nullptr) *why = problem;
+  return problem == nullptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchDoorbellServe(const DoorbellServeParams& params, cudaStream_t stream,
+                                bool programmatic_dependent) {
+  if (cudaError_t err = CheckDoorbellServeParams(params, nullptr); err != cudaSuccess) return err;
+  switch (params.inplace_template.dtype) {
+    case DType::kBF16:
+      return LaunchServeForDType<DType::kBF16>(params, stream, programmatic_dependent);
+    case DType::kFP16:
+      return LaunchServeForDType<DType::kFP16>(params, stream, programmatic_dependent);
+    case DType::kFP32:
+      return LaunchServeForDType<DType::kFP32>(params, stream, programmatic_dependent);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t LaunchDoorbellSetError(DoorbellSlot* slots, uint32_t slot_mask, uint32_t code,

@@ -1,5 +1,9 @@
 #include "server/daemon/gated_engine.h"
 
+#include <algorithm>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -88,6 +92,7 @@ EngineStatus GatedEngine::Status() const {
     return status;
   }
   EngineStatus status = inner_->Status();
+  status.generation += generation_base_;
   if (!open_ && status.state != WorkspaceState::kPoisoned) status.state = WorkspaceState::kDraining;
   return status;
 }
@@ -112,7 +117,13 @@ void GatedEngine::Resume() {
   open_ = inner_ != nullptr;
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> GatedEngine::Swap(std::unique_ptr<Engine> engine) {
+void GatedEngine::SetClosedReason(std::string reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_reason_ = std::move(reason);
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> GatedEngine::Swap(std::unique_ptr<Engine> engine,
+                                                          uint64_t generation_base) {
   std::lock_guard<std::mutex> lock(mu_);
   // An op still in flight would run on a destroyed engine.
   if (in_flight_ > 0) {
@@ -120,6 +131,7 @@ absl::StatusOr<std::unique_ptr<Engine>> GatedEngine::Swap(std::unique_ptr<Engine
         absl::StrCat("cannot swap the engine with ", in_flight_, " op(s) in flight"));
   }
   std::swap(inner_, engine);
+  generation_base_ = inner_ == nullptr ? 0 : generation_base;
   if (inner_ == nullptr) closed_reason_ = "the group is re-forming";
   return engine;
 }
@@ -132,6 +144,22 @@ bool GatedEngine::has_engine() const {
 uint64_t GatedEngine::ops_in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
   return in_flight_;
+}
+
+absl::StatusOr<uint64_t> AgreedGenerationBase(uint64_t own,
+                                              const std::vector<std::string>& offers) {
+  uint64_t base = own;
+  for (size_t r = 0; r < offers.size(); ++r) {
+    uint64_t v = 0;
+    if (!absl::SimpleAtoi(offers[r], &v)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " offered a malformed workspace generation \"",
+                       absl::CHexEscape(offers[r].substr(0, 32)),
+                       "\" when the group formed: do all ranks run the same arfused build?"));
+    }
+    base = std::max(base, v);
+  }
+  return base;
 }
 
 }  // namespace arfuse

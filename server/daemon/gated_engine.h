@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
@@ -46,10 +47,20 @@ class GatedEngine final : public Engine, public DoorbellHost {
   absl::StatusOr<uint32_t> Drain(absl::Time deadline);
   // Opens the gate again.
   void Resume();
+  // What ops refused while the gate is closed or empty are told after "not serving ops: " (and
+  // Status().reason while empty), e.g. why the group is re-forming. Drain and Swap(nullptr) set
+  // their own; call after them.
+  void SetClosedReason(std::string reason);
   // Installs `engine` (may be null) and returns the previous one. The gate must be drained:
   // FAILED_PRECONDITION while ops are in flight (the previous engine stays). The gate stays as it
   // was (closed after Drain) until Resume.
-  absl::StatusOr<std::unique_ptr<Engine>> Swap(std::unique_ptr<Engine> engine);
+  //
+  // Status() reports the engine's generation plus `generation_base`. Every engine the daemon
+  // builds counts its generations from 1, so the daemon passes the highest generation any rank
+  // has served: the generation clients see keeps growing across re-forms and backend switches,
+  // and an op stamped with one from before is refused as stale.
+  absl::StatusOr<std::unique_ptr<Engine>> Swap(std::unique_ptr<Engine> engine,
+                                               uint64_t generation_base = 0);
   // The inner engine's status, for readiness checks; kInitializing when empty.
   bool has_engine() const;
   uint64_t ops_in_flight() const;
@@ -59,9 +70,16 @@ class GatedEngine final : public Engine, public DoorbellHost {
   mutable std::mutex mu_;
   std::condition_variable idle_;
   std::unique_ptr<Engine> inner_;
+  uint64_t generation_base_ = 0;
   bool open_ = false;
   uint64_t in_flight_ = 0;
   std::string closed_reason_ = "the group is initializing";
 };
+
+// The generation base a re-formed group counts on from: the highest of this rank's own served
+// generation and every rank's offer (decimal, one per rank, index = rank). FAILED_PRECONDITION
+// naming the rank for an offer that is not a number (every rank sees the same offers, so every
+// rank refuses alike).
+absl::StatusOr<uint64_t> AgreedGenerationBase(uint64_t own, const std::vector<std::string>& offers);
 
 }  // namespace arfuse

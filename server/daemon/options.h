@@ -40,6 +40,9 @@ struct DaemonOptions {
   int hidden = 8192;
   std::string dtype = "bf16";
   double spin_timeout_s = 5;
+  // Blocks the doorbell plane's serving launch keeps resident to run one-shot ops in place
+  // (docs/doorbell.md); 0 = no in-place serving (one waiter warp, a launch per op).
+  int doorbell_serve_blocks = 32;
   double grace_period_s = 10;
   double default_deadline_s = 10;
   std::vector<std::string> allowed_uids;

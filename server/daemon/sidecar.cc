@@ -195,6 +195,9 @@ absl::Status Sidecar::Start() {
   if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
   ARFUSE_ASSIGN_OR_RETURN(fusion_,
                           FusionService::Create(fusion_options, [this] { return &gate_; }));
+  // The region gauges follow the registry: register, unregister, and a client's session end.
+  fusion_->registry().SetTotalsObserver(
+      [m = metrics_.get()](const RegistryTotals& t) { m->SetRegions(t.regions, t.region_bytes); });
   auto peer_service = std::make_unique<PeerService>(absl::Seconds(options_.peer_timeout_s));
   peer_service_ = peer_service.get();
   services_.push_back(std::move(peer_service));
@@ -320,6 +323,11 @@ void Sidecar::ShutdownNow() {
     gate_.Abort();
   });
   if (unix_listener_ != nullptr) unix_listener_->Stop();
+  // Clients hold their Fusion.Session stream open for as long as they are connected, and
+  // Server::Shutdown waits for every call: ending the sessions first (UNAVAILABLE, "sidecar
+  // shutting down") lets the process exit as soon as the ops in flight are done instead of after
+  // the whole grace period.
+  if (fusion_ != nullptr) fusion_->BeginShutdown();
   if (main_server_ != nullptr) main_server_->Shutdown(deadline);
   if (fusion_ != nullptr) fusion_->Shutdown();
   gate_.Abort();

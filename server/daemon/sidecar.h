@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/config/fusion_config.h"
 #include "server/daemon/device_probe.h"
@@ -70,6 +71,9 @@ class Sidecar final : public AdminControl {
   // The supervisor: forms the group, serves, and re-forms it after a poisoning or on request.
   void SuperviseGroup();
   absl::Status FormGroup();
+  // Collective (over exchange_): the highest workspace generation any rank has served, which the
+  // new engine's generations are counted on from.
+  absl::StatusOr<uint64_t> AgreeGenerationBase(absl::Time deadline);
   // Builds and initializes an engine for `decision` (collective over exchange_).
   absl::StatusOr<std::unique_ptr<Engine>> BuildEngine(const config::Decision& decision,
                                                       absl::Time deadline);
@@ -112,6 +116,9 @@ class Sidecar final : public AdminControl {
   uint64_t poisonings_ = 0;
   uint64_t reinitializations_ = 0;
   uint64_t backend_switches_ = 0;
+  // The highest workspace generation this process has served (what clients saw); carried into
+  // every engine that replaces the current one, so generations never repeat within the group.
+  uint64_t served_generation_ = 0;
   // A collective admin call failed on this rank only: tag counts differ until the group re-forms.
   bool admin_exchange_diverged_ = false;
 

@@ -1,6 +1,7 @@
 // The group supervisor: peers, the config decision and its vote, the engine; recovery after a
 // poisoning; the live backend switch. Every rank runs the same steps in the same order, so the
 // collectives (tags) line up across ranks.
+#include <algorithm>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +68,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decis
     // current device is not it in general).
     CudaEngineOptions cuda_options;
     cuda_options.device = options_.gpu;
+    cuda_options.doorbell_serve_blocks = static_cast<uint32_t>(options_.doorbell_serve_blocks);
     ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<CudaEngine> cuda, MakeCudaEngine(eo, cuda_options));
     engine = std::move(cuda);
 #else
@@ -137,6 +139,7 @@ absl::Status Sidecar::FormGroup() {
   spdlog::info("event=config_decided backend={} fusion_enabled={} reasons=\"{}\"", decision.backend,
                decision.fusion_enabled, absl::StrJoin(decision.reasons, "; "));
 
+  ARFUSE_ASSIGN_OR_RETURN(const uint64_t generation_base, AgreeGenerationBase(join_deadline));
   ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, BuildEngine(decision, join_deadline));
   EngineStatus es = engine->Status();
   if (!es.fusion_enabled && decision.fusion_enabled) {
@@ -145,13 +148,35 @@ absl::Status Sidecar::FormGroup() {
     decision.reasons.push_back(es.reason);
   }
   metrics_->SetWorkspaceBytes(es.workspace_bytes);
-  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> previous, gate_.Swap(std::move(engine)));
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> previous,
+                          gate_.Swap(std::move(engine), generation_base));
   previous.reset();
+  const uint64_t generation = generation_base + es.generation;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    served_generation_ = std::max(served_generation_, generation);
+  }
   gate_.Resume();
   Publish(decision, true);
   spdlog::info("event=ready backend={} fusion_enabled={} generation={} workspace_bytes={}",
-               es.backend, decision.fusion_enabled, es.generation, es.workspace_bytes);
+               es.backend, decision.fusion_enabled, generation, es.workspace_bytes);
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Sidecar::AgreeGenerationBase(absl::Time deadline) {
+  // Every engine counts its generations from 1, so without this a re-formed group would hand out
+  // generation 1 again and an op stamped before the re-form would pass as current. Every rank
+  // offers the highest generation it has served (0 for a process that just started, such as a
+  // restarted peer) and all take the maximum: the ranks agree, and the generation only grows.
+  uint64_t served = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    served = served_generation_;
+  }
+  ARFUSE_ASSIGN_OR_RETURN(
+      std::vector<std::string> offered,
+      exchange_->Allgather("workspace-generation", absl::StrCat(served), deadline));
+  return AgreedGenerationBase(served, offered);
 }
 
 void Sidecar::SuperviseGroup() {
@@ -173,8 +198,10 @@ void Sidecar::SuperviseGroup() {
       WaitFor(absl::Seconds(1));
       continue;
     }
-    // Serving. Watch for a poisoned workspace (a peer died or stalled mid-op) or a request to
-    // re-initialize; either re-forms the group, which also waits for a restarted peer.
+    // Serving. Watch for a poisoned workspace (a peer died or stalled mid-op), a lost peer link
+    // (a peer died, or the group was re-formed without this rank, while no op ran) or a request
+    // to re-initialize; each re-forms the group, which also waits for a restarted peer.
+    absl::Status link = absl::OkStatus();
     while (!ShutdownRequested() && !reinit_requested_) {
 #if ARFUSE_HAVE_CUDA
       if (options_.device == "cuda") {
@@ -199,16 +226,40 @@ void Sidecar::SuperviseGroup() {
         not_ready_reason_ = "workspace poisoned; re-forming the group";
         break;
       }
+      // A non-blocking check of the socket (no collective, no traffic): the 50 ms tick bounds how
+      // long an idle group serves with a member gone.
+      link = exchange_->LinkStatus();
+      if (!link.ok()) {
+        // The workspace is shared with a rank that is gone: as unusable as a poisoned one, and
+        // counted as a poisoning (a peer fault), whether or not an op was running.
+        std::lock_guard<std::mutex> lock(state_mu_);
+        ++poisonings_;
+        not_ready_reason_ =
+            absl::StrCat("peer link lost (", link.message(), "); re-forming the group");
+        break;
+      }
       WaitFor(absl::Milliseconds(50));
     }
     if (ShutdownRequested()) break;
-    bool poisoned = gate_.Status().state == WorkspaceState::kPoisoned;
-    if (poisoned) metrics_->IncPoisonings();
-    spdlog::warn("event=group_reform reason={}", poisoned ? "poisoned" : "requested");
+    const bool poisoned = gate_.Status().state == WorkspaceState::kPoisoned;
+    std::string cause = "a re-initialization request";
+    if (poisoned) {
+      cause = "a poisoned workspace";
+      metrics_->IncPoisonings();
+      spdlog::warn("event=group_reform reason=poisoned");
+    } else if (!link.ok()) {
+      cause = absl::StrCat("a lost peer link (", link.message(), ")");
+      metrics_->IncPoisonings();
+      spdlog::warn("event=group_reform reason=peer_lost error=\"{}\"", link.message());
+    } else {
+      spdlog::warn("event=group_reform reason=requested");
+    }
     SetReadiness(false);
     gate_.Abort();
     (void)gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
     (void)gate_.Swap(nullptr);
+    // Ops refused until the group serves again say why (UNAVAILABLE: retry).
+    gate_.SetClosedReason(absl::StrCat("the group is re-forming after ", cause));
     exchange_.reset();
     {
       std::lock_guard<std::mutex> lock(state_mu_);
@@ -227,7 +278,7 @@ v1::GetStatsResponse Sidecar::Stats() {
   out.set_backend(decided_ ? decision_.backend : "none");
   out.set_poisonings(poisonings_);
   out.set_reinitializations(reinitializations_);
-  out.set_sessions(static_cast<uint32_t>(fusion_->registry().session_count()));
+  FillUsageStats(fusion_->registry().totals(), metrics_->op_totals(), &out);
   out.set_uptime_seconds(static_cast<uint64_t>(absl::ToInt64Seconds(absl::Now() - started_)));
   out.set_version(kVersion);
   return out;
@@ -370,7 +421,15 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
     SetReadiness(true);
     return drained.status();
   }
-  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> old, gate_.Swap(*std::move(built)));
+  // The new engine counts generations from 1 again: continue from the one served so far (the
+  // same on every rank, as the group formed with one agreed base and switches together).
+  uint64_t generation_base = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    generation_base = served_generation_;
+  }
+  ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> old,
+                          gate_.Swap(*std::move(built), generation_base));
   old.reset();
   gate_.Resume();
   EngineStatus es = gate_.Status();
@@ -379,6 +438,7 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
     // A group that re-forms later (after a poisoning) keeps the switched backend.
     std::lock_guard<std::mutex> lock(state_mu_);
     flags_ = flags;
+    served_generation_ = std::max(served_generation_, es.generation);
   }
   Publish(decision, true);
   spdlog::info("event=backend_switched from={} to={} fusion_enabled={} generation={}",

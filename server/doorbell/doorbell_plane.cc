@@ -31,7 +31,14 @@ void StoreControl(uint32_t* word, uint32_t value) {
 
 DoorbellReport ReadReport(const DoorbellReport* r) {
   const volatile DoorbellReport* v = r;
-  return DoorbellReport{v->outcome, v->slot, v->num_tokens, v->error};
+  DoorbellReport out{};
+  out.outcome = v->outcome;
+  out.slot = v->slot;
+  out.num_tokens = v->num_tokens;
+  out.error = v->error;
+  out.served_in_place = v->served_in_place;
+  out.error_in_place = v->error_in_place;
+  return out;
 }
 
 void ClearReport(DoorbellReport* r) {
@@ -40,6 +47,8 @@ void ClearReport(DoorbellReport* r) {
   v->slot = 0;
   v->num_tokens = 0;
   v->error = 0;
+  v->served_in_place = 0;
+  v->error_in_place = 0;
 }
 
 // Largest token count with `hidden` that fits the workspace for both algorithms.
@@ -117,6 +126,11 @@ absl::Status DoorbellPlane::Allocate() {
       "doorbell plan table reset");
   ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(op_, 0, sizeof(DoorbellOp), side_stream_),
                        "doorbell op record reset");
+  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellServeState)),
+                       "doorbell serving state allocation");
+  serve_state_ = static_cast<DoorbellServeState*>(raw);
+  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(serve_state_, 0, sizeof(DoorbellServeState), side_stream_),
+                       "doorbell serving state reset");
 
   ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped),
                        "doorbell control words allocation");
@@ -200,6 +214,7 @@ DoorbellPlane::~DoorbellPlane() {
   if (block_ != nullptr) cudaFree(block_);
   if (plan_table_ != nullptr) cudaFree(plan_table_);
   if (op_ != nullptr) cudaFree(op_);
+  if (serve_state_ != nullptr) cudaFree(serve_state_);
   if (control_host_ != nullptr) cudaFreeHost(control_host_);
   if (reports_host_ != nullptr) cudaFreeHost(reports_host_);
   if (staging_ != nullptr) cudaFreeHost(staging_);
@@ -216,6 +231,36 @@ absl::Status DoorbellPlane::WaitSideStream(absl::Time deadline, const char* what
     }
     absl::SleepFor(absl::Microseconds(20));
   }
+}
+
+bool DoorbellPlane::ServeParamsLocked(DoorbellServeParams* sp) const {
+  if (!options_.serve_in_place || options_.serve_blocks == 0) return false;
+  // The lowest active slot that runs one-shot rings picks the shape; every active plan of the
+  // same shape is served in place too.
+  const Plan* first = nullptr;
+  uint32_t mask = 0;
+  uint32_t rows = 0;
+  for (uint32_t i = 0; i < kMaxDoorbellSlots; ++i) {
+    const Plan& p = plans_[i];
+    if (!p.active || !UsesOneShot(p.options)) continue;
+    if (first == nullptr) first = &p;
+    const FusionParams& a = p.params;
+    const FusionParams& b = first->params;
+    if (a.dtype != b.dtype || a.pattern != b.pattern || a.hidden != b.hidden ||
+        a.world_size != b.world_size || a.rank != b.rank || a.sm_budget != b.sm_budget) {
+      continue;
+    }
+    mask |= 1u << i;
+    // One-shot rings are below the two-shot threshold and within the maximum.
+    rows = std::max(rows, std::min(p.options.max_tokens, p.options.twoshot_min_tokens - 1));
+  }
+  if (first == nullptr) return false;
+  sp->inplace_template = first->params;
+  sp->inplace_template.num_tokens = 0;
+  sp->inplace_template.algo = FusionAlgo::kOneShot;
+  sp->inplace_mask = mask;
+  sp->max_blocks = std::max(1u, std::min(options_.serve_blocks, rows));
+  return true;
 }
 
 uint32_t DoorbellPlane::ActiveMaskLocked() const {
@@ -446,6 +491,13 @@ void DoorbellPlane::Stop() {
 DoorbellPlaneStatus DoorbellPlane::Status() const {
   absl::MutexLock lock(&mu_);
   DoorbellPlaneStatus s = counters_;
+  // In-place ops of launches still queued or resident (their report's count is live).
+  for (const auto& [seq, entry] : inflight_) {
+    const uint32_t live =
+        static_cast<const volatile DoorbellReport*>(reports_host_ + entry)->served_in_place;
+    s.served += live;
+    s.served_in_place += live;
+  }
   s.running = state_ == State::kRunning;
   s.paused = state_ == State::kPaused;
   s.plans = static_cast<uint32_t>(__builtin_popcount(ActiveMaskLocked()));
@@ -504,6 +556,18 @@ void DoorbellPlane::Loop() {
   }
 }
 
+void DoorbellPlane::NoteFusionFailureLocked(uint32_t slot, uint32_t tokens, uint32_t error) {
+  if ((error & ~0xffu) != static_cast<uint32_t>(DoorbellError::kFusionFailed) ||
+      !counters_.health.ok()) {
+    return;
+  }
+  counters_.health = absl::FailedPreconditionError(
+      absl::StrCat("doorbell op on slot ", slot, " failed: ", DoorbellErrorName(error),
+                   "; re-initialize the workspace, then ResetSlots"));
+  spdlog::error("event=doorbell_op_failed slot={} tokens={} error=\"{}\"", slot, tokens,
+                DoorbellErrorName(error));
+}
+
 void DoorbellPlane::PumpLocked() {
   if (state_ == State::kFailed) return;
   while (!inflight_.empty()) {
@@ -517,6 +581,13 @@ void DoorbellPlane::PumpLocked() {
     inflight_.pop_front();
     free_entries_.push_back(entry);
     const DoorbellReport r = ReadReport(reports_host_ + entry);
+    counters_.served += r.served_in_place;
+    counters_.served_in_place += r.served_in_place;
+    if (r.error_in_place != 0) {
+      ++counters_.failed;
+      counters_.last_error = r.error_in_place;
+      NoteFusionFailureLocked(r.slot, r.num_tokens, r.error_in_place);
+    }
     switch (static_cast<DoorbellOutcome>(r.outcome)) {
       case DoorbellOutcome::kServed:
       case DoorbellOutcome::kRejected:
@@ -528,15 +599,11 @@ void DoorbellPlane::PumpLocked() {
         if (r.error != 0) {
           if (r.outcome == static_cast<uint32_t>(DoorbellOutcome::kServed)) ++counters_.failed;
           counters_.last_error = r.error;
-          if ((r.error & ~0xffu) == static_cast<uint32_t>(DoorbellError::kFusionFailed) &&
-              counters_.health.ok()) {
-            counters_.health = absl::FailedPreconditionError(absl::StrCat(
-                "doorbell op on slot ", r.slot, " failed: ", DoorbellErrorName(r.error),
-                "; re-initialize the workspace, then ResetSlots"));
-            spdlog::error("event=doorbell_op_failed slot={} tokens={} error=\"{}\"", r.slot,
-                          r.num_tokens, DoorbellErrorName(r.error));
-          }
+          NoteFusionFailureLocked(r.slot, r.num_tokens, r.error);
         }
+        break;
+      case DoorbellOutcome::kFailedInPlace:
+        // Counted above from error_in_place; the launch ended so the host sees it now.
         break;
       case DoorbellOutcome::kIdle:
         ++counters_.idle;
@@ -603,7 +670,15 @@ absl::Status DoorbellPlane::EnqueueTripleLocked() {
   // launch: scheduled early, its whole grid would sit on SMs the first one's peers (ranks sharing
   // the GPU) may need to become co-resident.
   const bool pdl = options_.programmatic_launch;
-  ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");
+  DoorbellServeParams sp{};
+  if (ServeParamsLocked(&sp)) {
+    sp.wait = w;
+    sp.state = serve_state_;
+    sp.report = reports_device_ + entry;
+    ARFUSE_DOORBELL_CUDA(LaunchDoorbellServe(sp, options_.stream, pdl), "doorbell serving launch");
+  } else {
+    ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");
+  }
   for (size_t i = 0; i < signatures_.size(); ++i) {
     ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(signatures_[i].grid_template,
                                                        reinterpret_cast<const FusionParams*>(op_),

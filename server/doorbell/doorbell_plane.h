@@ -73,6 +73,14 @@ struct DoorbellPlaneOptions {
   // dependents (sm_90+), so they are scheduled while the kernel before them still runs: hides
   // two launch latencies per op. Off by default until measured (doorbell_bench --pdl).
   bool programmatic_launch = false;
+  // Serve one-shot rings in place (LaunchDoorbellServe): the queued waiter runs them itself, with
+  // no launch per op, while the launch stays resident between rings. Rings it cannot run (two-shot,
+  // another plan shape) go to the fused launches behind it as without this option.
+  bool serve_in_place = true;
+  // Most blocks a serving launch keeps resident (fewer when the in-place plans have fewer rows
+  // or fewer fit the SM budget). Idle, they poll one word with __nanosleep: their cost to the
+  // client's kernels is the SM slots they hold (docs/doorbell.md has the measurement).
+  uint32_t serve_blocks = 32;
 };
 
 struct DoorbellPlanOptions {
@@ -101,12 +109,13 @@ struct DoorbellPlaneStatus {
   bool running = false;  // waiters are being kept queued
   bool paused = false;
   uint32_t plans = 0;
-  uint64_t served = 0;      // ops run (successfully or not)
-  uint64_t failed = 0;      // served ops whose slot got an error
-  uint64_t rejected = 0;    // rings with a token count above the plan's maximum
-  uint64_t idle = 0;        // waiters that reached their deadline with no ring
-  uint64_t kicked = 0;      // waiters sent away by a plan change or a pause
-  uint32_t last_error = 0;  // DoorbellError of the last failed op
+  uint64_t served = 0;           // ops run (successfully or not)
+  uint64_t served_in_place = 0;  // of which by a serving launch without a launch per op
+  uint64_t failed = 0;           // served ops whose slot got an error
+  uint64_t rejected = 0;         // rings with a token count above the plan's maximum
+  uint64_t idle = 0;             // waiters that reached their deadline with no ring
+  uint64_t kicked = 0;           // waiters sent away by a plan change or a pause
+  uint32_t last_error = 0;       // DoorbellError of the last failed op
 };
 
 class DoorbellPlane {
@@ -173,15 +182,22 @@ class DoorbellPlane {
   // Waiters launched before now leave (kKicked) without consuming anything.
   void KickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A served op's slot got a kFusionFailed error: health FAILED_PRECONDITION (first one wins).
+  void NoteFusionFailureLocked(uint32_t slot, uint32_t tokens, uint32_t error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs `what` on the side stream and waits for it until `deadline`.
   absl::Status WaitSideStream(absl::Time deadline, const char* what);
   uint32_t ActiveMaskLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills the serving launch's template, in-place mask and grid cap from the active plans;
+  // false when no plan can be served in place (the plain waiter is queued then).
+  bool ServeParamsLocked(DoorbellServeParams* sp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DoorbellPlaneOptions options_;
   // Device memory.
   DoorbellBlock* block_ = nullptr;  // exported
   DoorbellPlanEntry* plan_table_ = nullptr;
   DoorbellOp* op_ = nullptr;
+  DoorbellServeState* serve_state_ = nullptr;
   // Host-mapped: host pointer and device address of the same words.
   DoorbellControl* control_host_ = nullptr;
   const DoorbellControl* control_device_ = nullptr;

@@ -189,8 +189,8 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   // peer ends at the latest when Reinitialize aborts the workspace.
   if (doorbell_ != nullptr) {
     bool was_running = false;
-    absl::Status paused = PauseDoorbellLocked(
-        DoorbellPauseDeadline(deadline, options_.spin_timeout), &was_running);
+    absl::Status paused =
+        PauseDoorbellLocked(DoorbellPauseDeadline(deadline, options_.spin_timeout), &was_running);
     if (!paused.ok()) {
       spdlog::warn("event=doorbell_pause_slow rank={} error=\"{}\"", options_.rank,
                    std::string(paused.message()));
@@ -363,10 +363,13 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
     status_.fusion_enabled = false;
     status_.reason = fuse_reason;
   } else {
-    status_.state = WorkspaceState::kInitializing;
-    status_.reason = absl::StrCat("no path: ", fuse_reason, "; ", nccl_reason);
-    return absl::FailedPreconditionError(
-        absl::StrCat("engine has no path to run ops: ", fuse_reason, "; ", nccl_reason));
+    // Fusion is off (or impossible) and NCCL cannot run either (ranks sharing a GPU): the
+    // sidecar still comes up, says so, and refuses every op with FAILED_PRECONDITION, so clients
+    // take their own path at once instead of waiting for a workspace that never comes.
+    status_.state = WorkspaceState::kUnfused;
+    status_.fusion_enabled = false;
+    status_.reason = absl::StrCat("no path in the sidecar (", fuse_reason, "; ", nccl_reason,
+                                  "): clients run their own path");
   }
   spdlog::info(
       "event=engine_ready rank={} world_size={} generation={} backend={} fused={} nccl={} "
@@ -526,9 +529,9 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
     absl::Status paused = PauseDoorbellLocked(
         DoorbellPauseDeadline(ctx.deadline, options_.spin_timeout), &doorbell_resume);
     if (!paused.ok()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "doorbell ops still running on the engine's stream; the op did not run: ",
-          paused.message()));
+      return absl::DeadlineExceededError(
+          absl::StrCat("doorbell ops still running on the engine's stream; the op did not run: ",
+                       paused.message()));
     }
   }
   struct ResumeDoorbell {
@@ -539,8 +542,7 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
       armed = false;
       absl::Status resumed = plane->Resume();
       if (!resumed.ok()) {
-        spdlog::warn("event=doorbell_resume_failed error=\"{}\"",
-                     std::string(resumed.message()));
+        spdlog::warn("event=doorbell_resume_failed error=\"{}\"", std::string(resumed.message()));
       }
     }
     ~ResumeDoorbell() { Now(); }
@@ -593,9 +595,8 @@ absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::T
     // NCCL's symmetric kernels need both buffers in registered windows: the client's are not.
     ARFUSE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(symmetric_buffer_, op.input, bytes, cudaMemcpyDeviceToDevice, stream_));
-    ARFUSE_RETURN_IF_ERROR(
-        sym_nccl_->AllReduce(symmetric_buffer_, symmetric_buffer_, count, op.dtype, stream_,
-                             deadline));
+    ARFUSE_RETURN_IF_ERROR(sym_nccl_->AllReduce(symmetric_buffer_, symmetric_buffer_, count,
+                                                op.dtype, stream_, deadline));
     if (op.pattern == Pattern::kAllReduce) {
       ARFUSE_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(op.output, symmetric_buffer_, bytes, cudaMemcpyDeviceToDevice, stream_));
@@ -678,6 +679,8 @@ absl::Status CudaEngine::EnsureDoorbellLocked() {
   o.host_abort = workspace_->device_host_abort();
   o.queue_depth = cuda_options_.doorbell_queue_depth;
   o.programmatic_launch = cuda_options_.doorbell_programmatic_launch;
+  o.serve_in_place = cuda_options_.doorbell_serve_blocks > 0;
+  o.serve_blocks = cuda_options_.doorbell_serve_blocks;
   absl::StatusOr<std::unique_ptr<DoorbellPlane>> plane = DoorbellPlane::Create(o);
   if (!plane.ok()) {
     return absl::Status(plane.status().code(), absl::StrCat("cannot create the doorbell plane: ",
@@ -758,9 +761,9 @@ absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op
         "the workspace is poisoned: re-initialize every rank, then create the doorbell plan");
   }
   if (workspace_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the doorbell plane runs only the fused kernels and this group runs unfused (", reason,
-        "): use the eager plane (CreatePlan without doorbell, then Execute)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the doorbell plane runs only the fused kernels and this group runs unfused (",
+                     reason, "): use the eager plane (CreatePlan without doorbell, then Execute)"));
   }
   if (max_tokens == 0) return absl::InvalidArgumentError("a doorbell plan needs max_tokens > 0");
   OpArgs op = op_template;
@@ -792,8 +795,8 @@ absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op
   spdlog::info(
       "event=doorbell_plan_registered rank={} plane_id={} slot={} hidden={} max_tokens={} "
       "twoshot_min_tokens={} plans={}",
-      options_.rank, doorbell_id_, handle.slot, op.hidden, max_tokens,
-      dispatch.twoshot_min_tokens, doorbell_plans_);
+      options_.rank, doorbell_id_, handle.slot, op.hidden, max_tokens, dispatch.twoshot_min_tokens,
+      doorbell_plans_);
   return grant;
 }
 

@@ -154,6 +154,25 @@ void Metrics::RecordOp(const OpSample& s) {
   families_->latency.Add({{"plane", s.plane}, {"path", s.path}}, LatencyBuckets())
       .Observe(s.latency_s);
   if (s.ok) families_->bytes.Add({{"path", s.path}}).Increment(static_cast<double>(s.bytes));
+  // Relaxed: each counter is a tally on its own; no reader infers anything from their order.
+  if (!s.ok) {
+    ops_failed_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  ops_ok_.fetch_add(1, std::memory_order_relaxed);
+  bytes_reduced_.fetch_add(s.bytes, std::memory_order_relaxed);
+  const bool fused = s.path == "oneshot" || s.path == "twoshot";
+  (fused ? ops_fused_ : ops_unfused_).fetch_add(1, std::memory_order_relaxed);
+}
+
+OpTotals Metrics::op_totals() const {
+  OpTotals t;
+  t.ok = ops_ok_.load(std::memory_order_relaxed);
+  t.failed = ops_failed_.load(std::memory_order_relaxed);
+  t.fused = ops_fused_.load(std::memory_order_relaxed);
+  t.unfused = ops_unfused_.load(std::memory_order_relaxed);
+  t.bytes_reduced = bytes_reduced_.load(std::memory_order_relaxed);
+  return t;
 }
 
 void Metrics::SetRegions(uint64_t count, uint64_t bytes) {

@@ -2,6 +2,8 @@
 // class, result; never client names, regions or shapes.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -25,6 +27,19 @@ struct OpSample {
   uint64_t bytes = 0;
 };
 
+// Running op counts since the process started, as Admin.GetStats reports them. Fused: the
+// one-shot and two-shot kernels; unfused: every other path that completed (the NCCL fallback, and
+// the CPU implementation of host mode, which stands in for the unfused path), so ok = fused +
+// unfused whenever no op is being recorded. bytes_reduced counts completed ops only, like
+// arfuse_bytes_reduced_total.
+struct OpTotals {
+  uint64_t ok = 0;
+  uint64_t failed = 0;
+  uint64_t fused = 0;
+  uint64_t unfused = 0;
+  uint64_t bytes_reduced = 0;
+};
+
 class Metrics {
  public:
   Metrics(int rank, int world_size, const std::string& device, const std::string& version);
@@ -34,7 +49,10 @@ class Metrics {
   absl::Status Serve(int port);
   int port() const { return port_; }
 
+  // Counts the op in the Prometheus families and in op_totals(). Thread-safe.
   void RecordOp(const OpSample& sample);
+  // Every op RecordOp saw so far (whether or not /metrics is served). Thread-safe.
+  OpTotals op_totals() const;
   void SetRegions(uint64_t count, uint64_t bytes);
   void SetWorkspaceBytes(uint64_t bytes);
   void SetBackend(const std::string& backend, bool fusion_enabled);
@@ -53,6 +71,12 @@ class Metrics {
   std::unique_ptr<Families> families_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
+  // Kept apart from the Prometheus families so GetStats reads them without parsing labels.
+  std::atomic<uint64_t> ops_ok_{0};
+  std::atomic<uint64_t> ops_failed_{0};
+  std::atomic<uint64_t> ops_fused_{0};
+  std::atomic<uint64_t> ops_unfused_{0};
+  std::atomic<uint64_t> bytes_reduced_{0};
 };
 
 }  // namespace arfuse

@@ -149,9 +149,8 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address, int* bound_port) 
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
-    *bound_port = ss.ss_family == AF_INET6
-                      ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
-                      : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    *bound_port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                           : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
     ::freeaddrinfo(res);
     return fd;
   }
@@ -164,8 +163,8 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address, int* bound_port) 
 
 CoordinatorServer::CoordinatorServer(const CoordinatorServerOptions& options)
     : options_(options),
-      coordinator_(std::make_shared<Coordinator>(options.group, options.world_size,
-                                                 options.nnodes)),
+      coordinator_(
+          std::make_shared<Coordinator>(options.group, options.world_size, options.nnodes)),
       wake_(std::make_shared<Wake>()) {}
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
@@ -225,14 +224,14 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
   std::shared_ptr<Wake> wake = wake_;
   const uint64_t seq = frame.seq;
   auto send_error = [weak, wake, seq](const absl::Status& s) {
-    if (auto c = weak.lock()) c->Push(EncodeFrame(FrameType::kError, seq, 0, EncodeError(s)), {}, *wake);
+    if (auto c = weak.lock())
+      c->Push(EncodeFrame(FrameType::kError, seq, 0, EncodeError(s)), {}, *wake);
   };
   switch (frame.type) {
     case FrameType::kJoin: {
       v1::JoinRequest req;
       std::string group, req_bytes;
-      if (!DecodeJoinBody(frame.body, &group, &req_bytes).ok() ||
-          !req.ParseFromString(req_bytes)) {
+      if (!DecodeJoinBody(frame.body, &group, &req_bytes).ok() || !req.ParseFromString(req_bytes)) {
         send_error(absl::InvalidArgumentError("malformed join request"));
         return;
       }
@@ -243,25 +242,24 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
       info.group = group;
       info.node_id = req.node_id();
       info.build_version = req.build_version();
-      coordinator_->Join(conn->id, info, CoordinatorDeadline(frame.timeout_ms),
-                         [weak, wake, seq, send_error](JoinResult r) {
-                           if (!r.status.ok()) return send_error(r.status);
-                           v1::JoinResponse resp;
-                           resp.set_epoch(r.epoch);
-                           for (const auto& m : r.members) {
-                             auto* j = resp.add_members();
-                             j->set_rank(m.rank);
-                             j->set_world_size(m.world_size);
-                             j->set_nnodes(m.nnodes);
-                             j->set_node_id(m.node_id);
-                             j->set_build_version(m.build_version);
-                                                        }
-                           if (auto c = weak.lock()) {
-                             c->Push(EncodeFrame(FrameType::kJoinOk, seq, 0,
-                                                 resp.SerializeAsString()),
-                                     {}, *wake);
-                           }
-                         });
+      coordinator_->Join(
+          conn->id, info, CoordinatorDeadline(frame.timeout_ms),
+          [weak, wake, seq, send_error](JoinResult r) {
+            if (!r.status.ok()) return send_error(r.status);
+            v1::JoinResponse resp;
+            resp.set_epoch(r.epoch);
+            for (const auto& m : r.members) {
+              auto* j = resp.add_members();
+              j->set_rank(m.rank);
+              j->set_world_size(m.world_size);
+              j->set_nnodes(m.nnodes);
+              j->set_node_id(m.node_id);
+              j->set_build_version(m.build_version);
+            }
+            if (auto c = weak.lock()) {
+              c->Push(EncodeFrame(FrameType::kJoinOk, seq, 0, resp.SerializeAsString()), {}, *wake);
+            }
+          });
       return;
     }
     case FrameType::kCollective:
@@ -277,8 +275,12 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
         case v1::COLLECTIVE_KIND_ALLGATHER:
           c.kind = with_fd ? CollectiveKind::kAllgatherFd : CollectiveKind::kAllgather;
           break;
-        case v1::COLLECTIVE_KIND_BARRIER: c.kind = CollectiveKind::kBarrier; break;
-        case v1::COLLECTIVE_KIND_VOTE: c.kind = CollectiveKind::kVote; break;
+        case v1::COLLECTIVE_KIND_BARRIER:
+          c.kind = CollectiveKind::kBarrier;
+          break;
+        case v1::COLLECTIVE_KIND_VOTE:
+          c.kind = CollectiveKind::kVote;
+          break;
         default:
           send_error(absl::InvalidArgumentError(
               absl::StrCat("unknown collective kind ", static_cast<int>(req.kind()))));
@@ -316,8 +318,7 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
     case FrameType::kLeave: {
       v1::LeaveRequest req;
       req.ParseFromString(frame.body);
-      coordinator_->ParticipantGone(
-          conn->id, absl::StrCat("left: ", req.reason().substr(0, 200)));
+      coordinator_->ParticipantGone(conn->id, absl::StrCat("left: ", req.reason().substr(0, 200)));
       return;
     }
     default:
@@ -353,9 +354,8 @@ void CoordinatorServer::Loop() {
     absl::Duration wait = coordinator_->NextDeadline() - absl::Now();
     int timeout_ms = 1000;
     if (wait < absl::Seconds(1)) {
-      timeout_ms = wait <= absl::ZeroDuration()
-                       ? 0
-                       : static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1;
+      timeout_ms =
+          wait <= absl::ZeroDuration() ? 0 : static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1;
     }
     int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0 && errno != EINTR) {
@@ -374,6 +374,7 @@ void CoordinatorServer::Loop() {
         if (l == 2) {
           int one = 1;
           ::setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+          EnableKeepalive(cfd);
         }
         auto c = std::make_shared<Conn>();
         c->id = next_conn_id_++;

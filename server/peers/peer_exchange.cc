@@ -38,9 +38,8 @@ absl::Status ValidateOptions(const PeerOptions& o) {
         absl::StrCat("rank ", o.rank, " is out of range for world_size ", o.world_size));
   }
   if (o.nnodes < 1 || o.nnodes > o.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("nnodes ", o.nnodes,
-                                                   " is out of range [1, world_size ",
-                                                   o.world_size, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nnodes ", o.nnodes, " is out of range [1, world_size ", o.world_size, "]"));
   }
   if (o.group.empty() || o.group.size() > 64) {
     return absl::InvalidArgumentError("peer group name must have 1 to 64 characters");
@@ -95,8 +94,7 @@ absl::StatusOr<UniqueFd> ConnectTcp(const std::string& address, absl::Time deadl
   addrinfo* res = nullptr;
   int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
   if (rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot resolve ", address, ": ", gai_strerror(rc)));
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", address, ": ", gai_strerror(rc)));
   }
   std::string last = "no address";
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
@@ -119,6 +117,7 @@ absl::StatusOr<UniqueFd> ConnectTcp(const std::string& address, absl::Time deadl
     if (r == 0) {
       int one = 1;
       ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      peers::EnableKeepalive(fd.get());
       ::freeaddrinfo(res);
       return fd;
     }
@@ -175,6 +174,39 @@ class SocketExchange final : public PeerExchange {
   }
   int tcp_port() const override { return server_ ? server_->tcp_port() : 0; }
 
+  absl::Status LinkStatus() override {
+    // Rank 0 hosts the coordinator, which hears every rank's connection close (or its Leave).
+    if (server_) {
+      absl::Status broken = server_->coordinator()->broken();
+      if (!broken.ok()) {
+        return absl::UnavailableError(absl::StrCat("peer group '", options_.group, "' epoch ",
+                                                   epoch_, " is broken: ", broken.message()));
+      }
+    }
+    // A collective in progress owns the connection and reports a lost link itself, within its
+    // own deadline; checking again after it is enough.
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return absl::OkStatus();
+    if (!lost_.ok()) return lost_;
+    if (!conn_) return absl::UnavailableError("this rank has no connection to its peer group");
+    pollfd p{conn_.get(), POLLIN, 0};
+    int ready = ::poll(&p, 1, 0);
+    if (ready < 0) {
+      if (errno == EINTR) return absl::OkStatus();
+      return absl::InternalError(
+          absl::StrCat("poll on the peer connection failed: ", strerror(errno)));
+    }
+    if (ready == 0) return absl::OkStatus();
+    // Readable while idle: the coordinator closed the connection (it died, or re-formed the group
+    // without this rank), or a late answer to a call this rank gave up on arrived. Such answers
+    // stay buffered; Call() skips them by seq.
+    bool eof = false;
+    absl::Status read = peers::ReadAvailable(conn_.get(), in_, in_fds_, &eof);
+    if (!read.ok()) return Lost("an idle link check", read);
+    if (eof) return Lost("an idle link check", absl::UnavailableError("connection closed"));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::vector<std::string>> Allgather(const std::string& tag,
                                                      const std::string& payload,
                                                      absl::Time deadline) override {
@@ -226,8 +258,7 @@ class SocketExchange final : public PeerExchange {
     ARFUSE_RETURN_IF_ERROR(ParseResponse(f, &resp));
     if (f.fds.size() != static_cast<size_t>(options_.world_size)) {
       return absl::InternalError(absl::StrCat("allgather_fd '", tag, "' delivered ", f.fds.size(),
-                                              " descriptors for world_size ",
-                                              options_.world_size));
+                                              " descriptors for world_size ", options_.world_size));
     }
     std::vector<int> out;
     for (auto& u : f.fds) out.push_back(u.release());
@@ -269,8 +300,8 @@ class SocketExchange final : public PeerExchange {
       if (!f.ok()) {
         if (absl::IsDeadlineExceeded(f.status())) {
           return absl::DeadlineExceededError(absl::StrCat(
-              "rank ", options_.rank, ": no answer from the coordinator (rank 0) for '",
-              req.tag(), "' before the deadline (is rank 0 stopped?)"));
+              "rank ", options_.rank, ": no answer from the coordinator (rank 0) for '", req.tag(),
+              "' before the deadline (is rank 0 stopped?)"));
         }
         return Lost(req.tag(), f.status());
       }
@@ -310,8 +341,7 @@ class SocketExchange final : public PeerExchange {
     // Retries cover rank 0 not listening yet and a broken group being re-formed (ABORTED);
     // everything else the coordinator says is final.
     while (absl::Now() < deadline) {
-      absl::StatusOr<UniqueFd> fd =
-          unix_ ? ConnectUnix(target) : ConnectTcp(target, deadline);
+      absl::StatusOr<UniqueFd> fd = unix_ ? ConnectUnix(target) : ConnectTcp(target, deadline);
       if (fd.ok()) {
         reached = true;
         std::string in;
@@ -319,8 +349,8 @@ class SocketExchange final : public PeerExchange {
         absl::Status s = peers::SendAll(
             fd->get(), peers::EncodeFrame(FrameType::kJoin, 1, peers::RemainingMs(deadline), body),
             {}, deadline);
-        absl::StatusOr<Frame> f = s.ok() ? peers::RecvFrame(fd->get(), in, in_fds, deadline)
-                                         : absl::StatusOr<Frame>(s);
+        absl::StatusOr<Frame> f =
+            s.ok() ? peers::RecvFrame(fd->get(), in, in_fds, deadline) : absl::StatusOr<Frame>(s);
         if (f.ok() && f->type == FrameType::kJoinOk) {
           v1::JoinResponse resp;
           if (!resp.ParseFromString(f->body) || resp.members_size() != options_.world_size) {
@@ -339,8 +369,8 @@ class SocketExchange final : public PeerExchange {
           }
           conn_ = std::move(*fd);
           in_ = std::move(in);
-          spdlog::info("event=peer_joined group={} rank={} world_size={} epoch={}",
-                       options_.group, options_.rank, options_.world_size, epoch_);
+          spdlog::info("event=peer_joined group={} rank={} world_size={} epoch={}", options_.group,
+                       options_.rank, options_.world_size, epoch_);
           return absl::OkStatus();
         }
         if (f.ok() && f->type == FrameType::kError) {
@@ -389,9 +419,9 @@ absl::StatusOr<std::string> PeerSocketPath(const std::string& peer_dir, const st
   absl::StrAppend(&path, group, "-rank0.sock");
   constexpr size_t kMax = sizeof(sockaddr_un::sun_path) - 1;
   if (path.size() > kMax) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer socket path \"", path, "\" is ", path.size(), " bytes; Unix sockets allow at most ",
-        kMax, ": use a shorter --peer-dir"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer socket path \"", path, "\" is ", path.size(),
+                     " bytes; Unix sockets allow at most ", kMax, ": use a shorter --peer-dir"));
   }
   return path;
 }

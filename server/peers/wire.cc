@@ -1,6 +1,8 @@
 #include "server/peers/wire.h"
 
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -47,14 +49,14 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<Uniq
                                                    " bytes exceeds the limit of ", kMaxFrameBody));
   }
   if (h.nfds > kMaxFrameFds) {
-    return absl::InvalidArgumentError(absl::StrCat("peer frame announces ", h.nfds, " fds (max ",
-                                                   kMaxFrameFds, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer frame announces ", h.nfds, " fds (max ", kMaxFrameFds, ")"));
   }
   if (buf.size() < sizeof(h) + h.body_len) return std::optional<Frame>();
   // The fds were attached to the frame's first byte, so they arrived with it.
   if (fds.size() < h.nfds) {
-    return absl::InvalidArgumentError(absl::StrCat("peer frame announces ", h.nfds,
-                                                   " fds but ", fds.size(), " arrived"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer frame announces ", h.nfds, " fds but ", fds.size(), " arrived"));
   }
   Frame f;
   f.type = static_cast<FrameType>(h.type);
@@ -169,6 +171,14 @@ absl::Status SendSome(int fd, const std::string& data, size_t* offset,
     *offset += static_cast<size_t>(n);
   }
   return absl::OkStatus();
+}
+
+void EnableKeepalive(int fd) {
+  int on = 1, idle_s = 5, interval_s = 2, probes = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof(interval_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
 }
 
 uint32_t RemainingMs(absl::Time deadline) {

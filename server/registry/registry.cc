@@ -128,8 +128,7 @@ void ResolvedOp::Release() {
 
 // ---- Registry ----
 
-Registry::Registry(RegistryLimits limits, std::unique_ptr<MemoryOpener> opener,
-                   uint64_t boot_nonce)
+Registry::Registry(RegistryLimits limits, std::unique_ptr<MemoryOpener> opener, uint64_t boot_nonce)
     : limits_(limits),
       opener_(std::move(opener)),
       boot_nonce_(boot_nonce != 0 ? boot_nonce : RandomBootNonce()),
@@ -155,6 +154,38 @@ size_t Registry::session_count() const {
   return state_->sessions.size();
 }
 
+RegistryTotals Registry::totals() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  // Summed on demand rather than kept as running counts: at most max_sessions entries, and the
+  // per-session figures are the ones the caps already keep exact.
+  RegistryTotals t;
+  t.sessions = state_->sessions.size();
+  for (const auto& [id, s] : state_->sessions) {
+    t.regions += s->regions.size();
+    t.region_bytes += s->region_bytes;
+    t.plans += s->plans.size();
+  }
+  return t;
+}
+
+void Registry::SetTotalsObserver(TotalsObserver observer) {
+  {
+    std::lock_guard<std::mutex> lock(observer_mu_);
+    observer_ = std::move(observer);
+  }
+  // The observer starts from the current totals, not from the next change.
+  NotifyTotals();
+}
+
+void Registry::NotifyTotals() {
+  // Holding observer_mu_ across reading the totals and the call orders the calls: whichever runs
+  // last reads the totals after every change made so far, so a race between two changes never
+  // leaves the observer with the older figures.
+  std::lock_guard<std::mutex> lock(observer_mu_);
+  if (!observer_) return;
+  observer_(totals());
+}
+
 std::shared_ptr<Session> Registry::FindSessionLocked(uint64_t session_id) const {
   auto it = state_->sessions.find(session_id);
   if (it == state_->sessions.end()) return nullptr;
@@ -171,21 +202,26 @@ absl::Status Registry::CheckSession(uint64_t session_id) const {
 }
 
 absl::StatusOr<uint64_t> Registry::OpenSession(const std::string& client_name) {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->sessions.size() >= limits_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "too many sessions: the limit is ", limits_.max_sessions, "; close an idle client"));
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->sessions.size() >= limits_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "too many sessions: the limit is ", limits_.max_sessions, "; close an idle client"));
+    }
+    auto s = std::make_shared<Session>();
+    do {
+      s->id = NextUnique(*state_, boot_nonce_ ^ 0x5e55105e55105e55ULL);
+    } while (state_->sessions.contains(s->id));
+    s->log_seq = state_->next_session_seq++;
+    // Only a bounded, printable prefix is kept: it goes to logs.
+    for (char c : client_name.substr(0, 64)) s->client_name += (c >= 0x20 && c < 0x7f) ? c : '?';
+    state_->sessions[s->id] = s;
+    spdlog::info("event=session_open session_seq={} client=\"{}\"", s->log_seq, s->client_name);
+    id = s->id;
   }
-  auto s = std::make_shared<Session>();
-  do {
-    s->id = NextUnique(*state_, boot_nonce_ ^ 0x5e55105e55105e55ULL);
-  } while (state_->sessions.contains(s->id));
-  s->log_seq = state_->next_session_seq++;
-  // Only a bounded, printable prefix is kept: it goes to logs.
-  for (char c : client_name.substr(0, 64)) s->client_name += (c >= 0x20 && c < 0x7f) ? c : '?';
-  state_->sessions[s->id] = s;
-  spdlog::info("event=session_open session_seq={} client=\"{}\"", s->log_seq, s->client_name);
-  return s->id;
+  NotifyTotals();
+  return id;
 }
 
 void Registry::CloseSession(uint64_t session_id) {
@@ -202,13 +238,12 @@ void Registry::CloseSession(uint64_t session_id) {
   state_->released.notify_all();
   spdlog::info("event=session_close session_seq={} regions={} plans={}", s->log_seq,
                s->regions.size(), s->plans.size());
+  NotifyTotals();
   // Regions not in flight unmap here, outside the lock; the rest when their ops end.
 }
 
-absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id,
-                                                      const RegionSpec& spec) {
-  ARFUSE_RETURN_IF_ERROR(
-      ValidateRegionSpec(spec, opener_->kind(), opener_->device_id(), limits_));
+absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id, const RegionSpec& spec) {
+  ARFUSE_RETURN_IF_ERROR(ValidateRegionSpec(spec, opener_->kind(), opener_->device_id(), limits_));
   {
     // Cheap checks first, so a client over its caps never makes us open anything.
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -218,8 +253,9 @@ absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id,
           "unknown session (it ended, or the sidecar restarted): open a new Session stream");
     }
     if (s->region_names.contains(spec.name)) {
-      return absl::AlreadyExistsError("a region of this name is already registered in this "
-                                      "session; unregister it first");
+      return absl::AlreadyExistsError(
+          "a region of this name is already registered in this "
+          "session; unregister it first");
     }
     if (s->regions.size() >= limits_.max_regions_per_session) {
       return absl::ResourceExhaustedError(absl::StrCat("session has ", s->regions.size(),
@@ -227,9 +263,9 @@ absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id,
                                                        limits_.max_regions_per_session));
     }
     if (spec.byte_size > limits_.max_bytes_per_session - s->region_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session would hold ", s->region_bytes, " + ", spec.byte_size,
-          " bytes of regions; the limit is ", limits_.max_bytes_per_session));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session would hold ", s->region_bytes, " + ", spec.byte_size,
+                       " bytes of regions; the limit is ", limits_.max_bytes_per_session));
     }
   }
   // Opening may take a while (cudaIpcOpenMemHandle): never under the lock.
@@ -244,32 +280,37 @@ absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id,
   region->byte_size = spec.byte_size;
   region->kind = *spec.kind;
   region->mapping = std::move(mapping);
-  std::shared_ptr<Region> loser;  // closed outside the lock if the checks fail now
-  std::lock_guard<std::mutex> lock(state_->mu);
-  std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  // The session may have ended or raced another registration while the memory was opened.
-  if (!s) {
-    loser = std::move(region);
-    return absl::FailedPreconditionError("session ended while the region was being opened");
+  RegionHandle handle;
+  {
+    std::shared_ptr<Region> loser;  // closed outside the lock if the checks fail now
+    std::lock_guard<std::mutex> lock(state_->mu);
+    std::shared_ptr<Session> s = FindSessionLocked(session_id);
+    // The session may have ended or raced another registration while the memory was opened.
+    if (!s) {
+      loser = std::move(region);
+      return absl::FailedPreconditionError("session ended while the region was being opened");
+    }
+    if (s->region_names.contains(spec.name)) {
+      loser = std::move(region);
+      return absl::AlreadyExistsError(
+          "a region of this name is already registered in this session; unregister it first");
+    }
+    if (s->regions.size() >= limits_.max_regions_per_session ||
+        spec.byte_size > limits_.max_bytes_per_session - s->region_bytes) {
+      loser = std::move(region);
+      return absl::ResourceExhaustedError("session reached its region caps meanwhile");
+    }
+    region->id = state_->next_region_id++;
+    region->generation = NextUnique(*state_, boot_nonce_);
+    s->regions[region->id] = region;
+    s->region_names[spec.name] = region->id;
+    s->region_bytes += spec.byte_size;
+    spdlog::info("event=region_register session_seq={} region={} bytes={} kind={}", s->log_seq,
+                 region->id, region->byte_size, MemoryKindName(region->kind));
+    handle = RegionHandle{region->id, region->generation};
   }
-  if (s->region_names.contains(spec.name)) {
-    loser = std::move(region);
-    return absl::AlreadyExistsError(
-        "a region of this name is already registered in this session; unregister it first");
-  }
-  if (s->regions.size() >= limits_.max_regions_per_session ||
-      spec.byte_size > limits_.max_bytes_per_session - s->region_bytes) {
-    loser = std::move(region);
-    return absl::ResourceExhaustedError("session reached its region caps meanwhile");
-  }
-  region->id = state_->next_region_id++;
-  region->generation = NextUnique(*state_, boot_nonce_);
-  s->regions[region->id] = region;
-  s->region_names[spec.name] = region->id;
-  s->region_bytes += spec.byte_size;
-  spdlog::info("event=region_register session_seq={} region={} bytes={} kind={}", s->log_seq,
-               region->id, region->byte_size, MemoryKindName(region->kind));
-  return RegionHandle{region->id, region->generation};
+  NotifyTotals();
+  return handle;
 }
 
 absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
@@ -287,8 +328,8 @@ absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
         absl::StrCat("region ", region_id, " is not registered in this session"));
   }
   std::shared_ptr<Region> r = it->second;
-  ARFUSE_RETURN_IF_ERROR(CheckGeneration(absl::StrCat("region ", region_id), generation,
-                                         r->generation));
+  ARFUSE_RETURN_IF_ERROR(
+      CheckGeneration(absl::StrCat("region ", region_id), generation, r->generation));
   if (r->unregistering) {
     return absl::AbortedError(
         absl::StrCat("region ", region_id, " is already being unregistered by another call"));
@@ -297,8 +338,7 @@ absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
   r->unregistering = true;
   const auto until = absl::ToChronoTime(deadline);
   while (r->in_flight > 0 && !s->closed) {
-    if (state_->released.wait_until(lock, until) == std::cv_status::timeout &&
-        r->in_flight > 0) {
+    if (state_->released.wait_until(lock, until) == std::cv_status::timeout && r->in_flight > 0) {
       break;
     }
   }
@@ -315,6 +355,7 @@ absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
   spdlog::info("event=region_unregister session_seq={} region={}", s->log_seq, region_id);
   dropped = std::move(r);
   lock.unlock();
+  NotifyTotals();
   return absl::OkStatus();
 }
 
@@ -334,49 +375,57 @@ absl::StatusOr<std::vector<RegionInfo>> Registry::ListRegions(uint64_t session_i
 
 absl::StatusOr<PlanInfo> Registry::CreatePlan(uint64_t session_id, const OpRequest& op) {
   ARFUSE_ASSIGN_OR_RETURN(OpShape shape, ValidateOpShape(op, limits_));
-  std::lock_guard<std::mutex> lock(state_->mu);
-  std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
+  PlanInfo info;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    std::shared_ptr<Session> s = FindSessionLocked(session_id);
+    if (!s) {
+      return absl::FailedPreconditionError(
+          "unknown session (it ended, or the sidecar restarted): open a new Session stream");
+    }
+    if (s->plans.size() >= limits_.max_plans_per_session) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session has ", s->plans.size(), " plans; the limit is ", limits_.max_plans_per_session));
+    }
+    // Resolving at max_tokens checks every tensor at its largest; the hold is released at once.
+    ARFUSE_ASSIGN_OR_RETURN(ResolvedOp probe,
+                            ResolveLocked(*s, shape, op, shape.max_tokens, /*from_plan=*/false));
+    for (auto& r : probe.held_) --r->in_flight;
+    probe.held_.clear();
+    Plan plan;
+    plan.id = state_->next_plan_id++;
+    plan.generation = NextUnique(*state_, boot_nonce_);
+    plan.shape = shape;
+    plan.refs = op;
+    s->plans[plan.id] = plan;
+    spdlog::info(
+        "event=plan_create session_seq={} plan={} pattern={} dtype={} hidden={} "
+        "max_tokens={}",
+        s->log_seq, plan.id, PatternName(shape.pattern), DTypeName(shape.dtype), shape.hidden,
+        shape.max_tokens);
+    info = PlanInfo{plan.id, plan.generation, shape};
   }
-  if (s->plans.size() >= limits_.max_plans_per_session) {
-    return absl::ResourceExhaustedError(absl::StrCat("session has ", s->plans.size(),
-                                                     " plans; the limit is ",
-                                                     limits_.max_plans_per_session));
-  }
-  // Resolving at max_tokens checks every tensor at its largest; the hold is released at once.
-  ARFUSE_ASSIGN_OR_RETURN(ResolvedOp probe,
-                          ResolveLocked(*s, shape, op, shape.max_tokens, /*from_plan=*/false));
-  for (auto& r : probe.held_) --r->in_flight;
-  probe.held_.clear();
-  Plan plan;
-  plan.id = state_->next_plan_id++;
-  plan.generation = NextUnique(*state_, boot_nonce_);
-  plan.shape = shape;
-  plan.refs = op;
-  s->plans[plan.id] = plan;
-  spdlog::info("event=plan_create session_seq={} plan={} pattern={} dtype={} hidden={} "
-               "max_tokens={}",
-               s->log_seq, plan.id, PatternName(shape.pattern), DTypeName(shape.dtype),
-               shape.hidden, shape.max_tokens);
-  return PlanInfo{plan.id, plan.generation, shape};
+  NotifyTotals();
+  return info;
 }
 
 absl::Status Registry::DestroyPlan(uint64_t session_id, uint64_t plan_id, uint64_t generation) {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    std::shared_ptr<Session> s = FindSessionLocked(session_id);
+    if (!s) {
+      return absl::FailedPreconditionError(
+          "unknown session (it ended, or the sidecar restarted): open a new Session stream");
+    }
+    auto it = s->plans.find(plan_id);
+    if (it == s->plans.end()) {
+      return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
+    }
+    ARFUSE_RETURN_IF_ERROR(
+        CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation));
+    s->plans.erase(it);
   }
-  auto it = s->plans.find(plan_id);
-  if (it == s->plans.end()) {
-    return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
-  }
-  ARFUSE_RETURN_IF_ERROR(
-      CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation));
-  s->plans.erase(it);
+  NotifyTotals();
   return absl::OkStatus();
 }
 
@@ -459,12 +508,24 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
   for (size_t i = 0; i < roles.size(); ++i) {
     char* p = static_cast<char*>(regions[i]->mapping->base()) + placements[i].offset;
     switch (roles[i]) {
-      case TensorRole::kInput: op.args_.input = p; break;
-      case TensorRole::kOutput: op.args_.output = p; break;
-      case TensorRole::kResidualIn: op.args_.residual_in = p; break;
-      case TensorRole::kResidualOut: op.args_.residual_out = p; break;
-      case TensorRole::kNormOut: op.args_.norm_out = p; break;
-      case TensorRole::kGamma: op.args_.gamma = p; break;
+      case TensorRole::kInput:
+        op.args_.input = p;
+        break;
+      case TensorRole::kOutput:
+        op.args_.output = p;
+        break;
+      case TensorRole::kResidualIn:
+        op.args_.residual_in = p;
+        break;
+      case TensorRole::kResidualOut:
+        op.args_.residual_out = p;
+        break;
+      case TensorRole::kNormOut:
+        op.args_.norm_out = p;
+        break;
+      case TensorRole::kGamma:
+        op.args_.gamma = p;
+        break;
     }
   }
   // One hold per distinct region: in_flight counts ops, not tensors.

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,18 @@ struct PlanInfo {
   uint64_t plan_id = 0;
   uint64_t generation = 0;
   OpShape shape;
+};
+
+// What every open session holds together (Admin.GetStats, the metrics gauges). A region counts
+// from its registration until its unregistration or its session's end, even while ops in flight
+// still keep its mapping open.
+struct RegistryTotals {
+  uint64_t sessions = 0;
+  uint64_t regions = 0;
+  uint64_t region_bytes = 0;
+  uint64_t plans = 0;
+
+  friend bool operator==(const RegistryTotals&, const RegistryTotals&) = default;
 };
 
 namespace registry_internal {
@@ -102,8 +116,8 @@ class Registry {
   // Resolves a plan (or an explicit op) for `num_tokens` tokens to pointers, holding its regions
   // in flight until the ResolvedOp is released. An explicit op with max_tokens 0 is sized by
   // num_tokens.
-  absl::StatusOr<ResolvedOp> ResolvePlan(uint64_t session_id, uint64_t plan_id,
-                                         uint64_t generation, uint32_t num_tokens);
+  absl::StatusOr<ResolvedOp> ResolvePlan(uint64_t session_id, uint64_t plan_id, uint64_t generation,
+                                         uint32_t num_tokens);
   absl::StatusOr<ResolvedOp> ResolveOp(uint64_t session_id, const OpRequest& op,
                                        uint32_t num_tokens);
 
@@ -111,6 +125,16 @@ class Registry {
   int32_t device_id() const;
   const RegistryLimits& limits() const { return limits_; }
   size_t session_count() const;
+  RegistryTotals totals() const;
+
+  // Told the totals after every change to them (session open and end, region register and
+  // unregister, plan create and destroy), and once right away when set. Calls never overlap, and
+  // each reports the totals as they are when it runs, so the last call always leaves an observer
+  // with the current totals even when changes race. Runs on the thread that made the change,
+  // outside the registry's lock; it must be quick and must not change the registry (that would
+  // deadlock). An empty function removes the observer.
+  using TotalsObserver = std::function<void(const RegistryTotals&)>;
+  void SetTotalsObserver(TotalsObserver observer);
 
  private:
   using Session = registry_internal::Session;
@@ -118,11 +142,16 @@ class Registry {
   absl::StatusOr<ResolvedOp> ResolveLocked(Session& session, const OpShape& shape,
                                            const OpRequest& refs, uint32_t num_tokens,
                                            bool from_plan);
+  // Reports the current totals to the observer, if any. Never called with state_->mu held.
+  void NotifyTotals();
 
   const RegistryLimits limits_;
   const std::unique_ptr<MemoryOpener> opener_;
   const uint64_t boot_nonce_;
   std::shared_ptr<registry_internal::State> state_;
+  // Taken before state_->mu, never while holding it.
+  std::mutex observer_mu_;
+  TotalsObserver observer_;
 };
 
 // 64 random bits from the OS (std::random_device), never 0.

@@ -1,10 +1,17 @@
 // The live backend switch, re-initialization, drain and stats through arfusectl against two
-// host-mode sidecars (--sm makes them resolve backends as a GPU of that architecture would).
+// host-mode sidecars (--sm makes them resolve backends as a GPU of that architecture would), and
+// GetStats' usage figures against one sidecar driven by the C++ client.
+#include <grpcpp/grpcpp.h>
+
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "arfuse/v1/admin.grpc.pb.h"
+#include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse {
@@ -126,6 +133,173 @@ TEST_F(AdminTest, DrainStopsOpsAndReadinessUntilReinitialized) {
   ASSERT_EQ(rcode, 0) << rout;
   auto [h2code, h2] = Ctl({"health", "--addr=" + Addr(0), "--service=arfuse.v1.Fusion"});
   EXPECT_EQ(h2code, 0) << h2;
+}
+
+// ---- GetStats: regions, plans and op counters from the sidecar's real state ----
+
+using ::arfuse::client::Client;
+using ::arfuse::client::HostShmBuffer;
+using ::arfuse::client::OpDesc;
+using ::arfuse::client::Region;
+using ::arfuse::client::TensorLoc;
+
+constexpr uint32_t kHidden = 256;
+constexpr uint32_t kWorkspaceTokens = 16;              // --max-tokens: the host workspace's slot
+constexpr uint64_t kRowBytes = uint64_t{kHidden} * 2;  // bf16
+// input | residual | norm_out, each sized for 2 * kWorkspaceTokens tokens, so a plan may ask for
+// more tokens than the workspace holds (the engine refuses those ops, the registry does not).
+constexpr uint64_t kTensorBytes = 2 * kWorkspaceTokens * kRowBytes;
+constexpr uint64_t kTensorsRegionBytes = 3 * kTensorBytes;
+constexpr uint64_t kGammaRegionBytes = kRowBytes;
+
+absl::StatusOr<v1::GetStatsResponse> GetStats(const std::string& socket) {
+  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  v1::GetStatsResponse out;
+  grpc::Status st = v1::Admin::NewStub(channel)->GetStats(&ctx, {}, &out);
+  if (!st.ok()) return absl::UnavailableError(st.error_message());
+  return out;
+}
+
+OpDesc NormOp(const Region& tensors, const Region& gamma, uint32_t max_tokens) {
+  OpDesc op;
+  op.pattern = Pattern::kAllReduceResidualRmsNorm;
+  op.dtype = DType::kBF16;
+  op.hidden = kHidden;
+  op.max_tokens = max_tokens;
+  op.input = TensorLoc{tensors, 0};
+  op.residual_in = TensorLoc{tensors, kTensorBytes};
+  op.residual_out = op.residual_in;
+  op.norm_out = TensorLoc{tensors, 2 * kTensorBytes};
+  op.gamma = TensorLoc{gamma, 0};
+  return op;
+}
+
+class AdminStatsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<::arfuse::testing::DaemonProcess>(
+        std::vector<std::string>{"--max-tokens=" + std::to_string(kWorkspaceTokens),
+                                 "--hidden=" + std::to_string(kHidden), "--dtype=bf16"});
+    ASSERT_TRUE(daemon_->ready) << daemon_->proc->Stderr();
+    // Ops need the engine, which comes after the socket accepts.
+    ASSERT_TRUE(daemon_->proc->WaitForOutput("event=ready", 60s)) << daemon_->proc->Stderr();
+  }
+
+  v1::GetStatsResponse Stats() {
+    absl::StatusOr<v1::GetStatsResponse> s = GetStats(daemon_->socket);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : v1::GetStatsResponse{};
+  }
+
+  std::unique_ptr<::arfuse::testing::DaemonProcess> daemon_;
+};
+
+TEST_F(AdminStatsTest, CountsRegionsPlansAndOpsAndReleasesThem) {
+  v1::GetStatsResponse before = Stats();
+  EXPECT_EQ(before.sessions(), 0u);
+  EXPECT_EQ(before.regions(), 0u);
+  EXPECT_EQ(before.region_bytes(), 0u);
+  EXPECT_EQ(before.plans(), 0u);
+  EXPECT_EQ(before.ops_ok(), 0u);
+  EXPECT_EQ(before.ops_failed(), 0u);
+
+  auto client = Client::Connect({.target = daemon_->socket, .client_name = "admin-stats"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto tensors_buf = HostShmBuffer::Create(kTensorsRegionBytes, "tensors");
+  auto gamma_buf = HostShmBuffer::Create(kGammaRegionBytes, "gamma");
+  ASSERT_TRUE(tensors_buf.ok() && gamma_buf.ok());
+  auto tensors =
+      (*client)->RegisterHostShm("tensors", tensors_buf->shm_name(), kTensorsRegionBytes);
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  auto gamma = (*client)->RegisterHostShm("gamma", gamma_buf->shm_name(), kGammaRegionBytes);
+  ASSERT_TRUE(gamma.ok()) << gamma.status();
+  auto fits = (*client)->CreatePlan(NormOp(*tensors, *gamma, kWorkspaceTokens));
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  auto too_big = (*client)->CreatePlan(NormOp(*tensors, *gamma, 2 * kWorkspaceTokens));
+  ASSERT_TRUE(too_big.ok()) << too_big.status();
+
+  // 3 ops of 4 tokens and one of 16 complete; one of 32 tokens reaches the engine and fails
+  // there (it does not fit the workspace slot); one of 0 tokens is refused before the engine and
+  // is not an op at all.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE((*client)->Execute(*fits, 4).ok());
+  ASSERT_TRUE((*client)->Execute(*fits, kWorkspaceTokens).ok());
+  auto failed = (*client)->Execute(*too_big, 2 * kWorkspaceTokens);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(failed.status().message(), HasSubstr("exceeds the workspace slot"));
+  auto refused = (*client)->Execute(*fits, 0);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("num_tokens"));
+
+  v1::GetStatsResponse during = Stats();
+  EXPECT_EQ(during.sessions(), 1u);
+  EXPECT_EQ(during.regions(), 2u);
+  EXPECT_EQ(during.region_bytes(), kTensorsRegionBytes + kGammaRegionBytes);
+  EXPECT_EQ(during.plans(), 2u);
+  EXPECT_EQ(during.ops_ok(), 4u);
+  EXPECT_EQ(during.ops_failed(), 1u);
+  // Host mode runs the CPU implementation: the unfused path, never a fused kernel.
+  EXPECT_EQ(during.ops_fused(), 0u);
+  EXPECT_EQ(during.ops_unfused(), 4u);
+  EXPECT_EQ(during.bytes_reduced(), (3 * 4 + kWorkspaceTokens) * kRowBytes);
+
+  ASSERT_TRUE((*client)->DestroyPlan(*too_big).ok());
+  ASSERT_TRUE((*client)->Unregister(*gamma).ok());
+  v1::GetStatsResponse after_unregister = Stats();
+  EXPECT_EQ(after_unregister.regions(), 1u);
+  EXPECT_EQ(after_unregister.region_bytes(), kTensorsRegionBytes);
+  EXPECT_EQ(after_unregister.plans(), 1u);
+
+  // The client goes away: its session's end releases the rest. The sidecar notices the stream's
+  // end asynchronously, hence the bounded poll.
+  client->reset();
+  v1::GetStatsResponse released;
+  for (absl::Time until = absl::Now() + absl::Seconds(15); absl::Now() < until;) {
+    released = Stats();
+    if (released.sessions() == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(released.sessions(), 0u);
+  EXPECT_EQ(released.regions(), 0u);
+  EXPECT_EQ(released.region_bytes(), 0u);
+  EXPECT_EQ(released.plans(), 0u);
+  // Op counters count since the start: the session's end does not take them back.
+  EXPECT_EQ(released.ops_ok(), 4u);
+  EXPECT_EQ(released.ops_failed(), 1u);
+  EXPECT_EQ(released.bytes_reduced(), during.bytes_reduced());
+}
+
+TEST_F(AdminStatsTest, SessionsAddUpAcrossClients) {
+  auto a = Client::Connect({.target = daemon_->socket, .client_name = "a"});
+  auto b = Client::Connect({.target = daemon_->socket, .client_name = "b"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto buf_a = HostShmBuffer::Create(4096, "a");
+  auto buf_b = HostShmBuffer::Create(8192, "b");
+  ASSERT_TRUE(buf_a.ok() && buf_b.ok());
+  // The same name in two sessions is two regions.
+  ASSERT_TRUE((*a)->RegisterHostShm("r", buf_a->shm_name(), 4096).ok());
+  ASSERT_TRUE((*b)->RegisterHostShm("r", buf_b->shm_name(), 8192).ok());
+  v1::GetStatsResponse both = Stats();
+  EXPECT_EQ(both.sessions(), 2u);
+  EXPECT_EQ(both.regions(), 2u);
+  EXPECT_EQ(both.region_bytes(), 4096u + 8192u);
+  // A refused registration changes nothing.
+  auto dup = (*a)->RegisterHostShm("r", buf_a->shm_name(), 4096);
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(dup.status().message(), HasSubstr("already registered"));
+  EXPECT_EQ(Stats().regions(), 2u);
+
+  a->reset();
+  v1::GetStatsResponse one;
+  for (absl::Time until = absl::Now() + absl::Seconds(15); absl::Now() < until;) {
+    one = Stats();
+    if (one.sessions() == 1) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(one.sessions(), 1u);
+  EXPECT_EQ(one.regions(), 1u);
+  EXPECT_EQ(one.region_bytes(), 8192u);
 }
 
 }  // namespace

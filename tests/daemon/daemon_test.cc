@@ -9,11 +9,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <regex>
 #include <string>
 #include <thread>
 
+#include "arfuse/v1/fusion.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -66,6 +68,15 @@ TEST(DaemonFlags, RankOutsideWorldSizeExits2) {
   auto [code, out] = RunToCompletion({Arfused(), "--rank=2", "--world-size=2"});
   EXPECT_EQ(code, 2);
   EXPECT_THAT(out, HasSubstr("--rank must be in [0, 2)"));
+}
+
+TEST(DaemonFlags, DoorbellServeBlocksOutOfRangeExits2) {
+  auto [code, out] = RunToCompletion({Arfused(), "--doorbell-serve-blocks=129"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("--doorbell-serve-blocks must be 0..128, got 129"));
+  auto [code2, out2] = RunToCompletion({Arfused(), "--doorbell-serve-blocks=-1"});
+  EXPECT_EQ(code2, 2);
+  EXPECT_THAT(out2, HasSubstr("--doorbell-serve-blocks must be 0..128, got -1"));
 }
 
 TEST(DaemonFlags, BadEnumValuesExit2) {
@@ -264,6 +275,50 @@ TEST(DaemonShutdown, SigtermWithWatchInFlightExitsZeroWithinGrace) {
   ASSERT_TRUE(code.has_value()) << "arfused did not exit after SIGTERM";
   EXPECT_EQ(*code, 0) << d.proc->Stderr();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+  EXPECT_THAT(d.proc->Stderr(), HasSubstr("event=shutdown_done exit_code=0"));
+}
+
+// A client holds its Fusion.Session stream open for as long as it is connected. SIGTERM must end
+// it at once (UNAVAILABLE, so the client knows to reconnect) and exit without waiting the whole
+// grace period for a stream that never ends by itself. What remains after the stream ended is
+// gRPC's graceful GOAWAY: the server waits for the client to acknowledge a PING, and a client with
+// no call in progress (this one, or client/cpp after Connect) reads its connection only on gRPC's
+// 5 s backup poll. Hence "well before the grace": under half of it, not "at once".
+TEST(DaemonShutdown, SigtermEndsOpenSessionWithUnavailableAndExitsWellBeforeTheGrace) {
+  constexpr auto kGrace = 20s;
+  Daemon d({"--grace-period=20"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  auto channel = grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials());
+  auto stub = v1::Fusion::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto stream = stub->Session(&ctx);
+  v1::SessionRequest request;
+  request.set_client_name("shutdown-test");
+  ASSERT_TRUE(stream->Write(request));
+  v1::SessionResponse response;
+  ASSERT_TRUE(stream->Read(&response)) << d.proc->Stderr();
+  ASSERT_NE(response.session_id(), 0u);
+
+  auto start = std::chrono::steady_clock::now();
+  d.proc->Signal(SIGTERM);
+  EXPECT_FALSE(stream->Read(&response)) << "the stream carried another message";
+  grpc::Status status = stream->Finish();
+  auto stream_ended = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("sidecar shutting down"));
+  auto code = d.proc->Wait(kGrace + 10s);
+  auto exited = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(code.has_value()) << "arfused did not exit after SIGTERM";
+  EXPECT_EQ(*code, 0) << d.proc->Stderr();
+  EXPECT_LT(stream_ended, 5s);
+  EXPECT_LT(exited, kGrace / 2) << "shutdown waited for the open session\n" << d.proc->Stderr();
+  std::printf(
+      "[shutdown] session stream ended after %.3f s, process exited after %.3f s "
+      "(grace %lld s)\n",
+      std::chrono::duration<double>(stream_ended).count(),
+      std::chrono::duration<double>(exited).count(), static_cast<long long>(kGrace.count()));
+  EXPECT_THAT(d.proc->Stderr(), HasSubstr("event=sessions_ended_for_shutdown sessions=1"));
   EXPECT_THAT(d.proc->Stderr(), HasSubstr("event=shutdown_done exit_code=0"));
 }
 

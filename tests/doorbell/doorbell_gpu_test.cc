@@ -180,11 +180,12 @@ DoorbellPlaneOptions FastOptions() {
 // Replays graphs of captured rings thousands of times, inputs changing from replay to replay,
 // token counts crossing the two-shot threshold; every replay is checked against the CPU. Then a
 // burst of replays with no host synchronization at all.
-class DoorbellReplay : public ::testing::TestWithParam<bool> {};
+class DoorbellReplay : public ::testing::TestWithParam<int> {};
 
 TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
   REQUIRE_GPU();
-  const bool pdl = GetParam();
+  const bool pdl = GetParam() == 1;
+  const bool in_place = GetParam() == 2;
   for (int world : {2, 4}) {
     SCOPED_TRACE(::testing::Message() << "world " << world << " programmatic launch " << pdl);
     RankGroup g(GroupShape{world, 64, 1024, DType::kBF16});
@@ -192,6 +193,7 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
     ASSERT_TRUE(g.Init().ok());
     DoorbellPlaneOptions options = FastOptions();
     options.programmatic_launch = pdl;
+    options.serve_in_place = in_place;
     Planes planes(g, options);
     ASSERT_TRUE(planes.status().ok()) << planes.status();
     DoorbellPlanOptions opts;
@@ -246,16 +248,26 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
       EXPECT_TRUE(s.health.ok()) << s.health;
       EXPECT_EQ(s.served, static_cast<uint64_t>(verified + burst)) << "rank " << r;
       EXPECT_EQ(s.failed, 0u);
+      // One-shot rings (4 of the 6 token counts) ran in place, and only then.
+      if (in_place) {
+        EXPECT_GT(s.served_in_place, 0u) << "rank " << r;
+      } else {
+        EXPECT_EQ(s.served_in_place, 0u) << "rank " << r;
+      }
       EXPECT_EQ(ReadSlot(planes.slot(*plan, r)).served, static_cast<uint32_t>(verified + burst));
       EXPECT_EQ(g.ErrorWord(r), 0u);
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Launch, DoorbellReplay, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? std::string("programmatic") : std::string("plain");
-                         });
+// plain: waiter + fused launches + completion per ring; programmatic: the same with programmatic
+// dependent launches; in_place: the serving launch runs the one-shot rings itself (the two-shot
+// ones still go through the fused launch behind it).
+std::string LaunchModeName(const ::testing::TestParamInfo<int>& info) {
+  static const char* const kNames[] = {"plain", "programmatic", "in_place"};
+  return kNames[info.param];
+}
+INSTANTIATE_TEST_SUITE_P(Launch, DoorbellReplay, ::testing::Values(0, 1, 2), LaunchModeName);
 
 // A client that never rings: waiters reach their deadline, consume nothing and are replaced; the
 // plane still serves the next ring; teardown does not wait.

@@ -1,40 +1,19 @@
 // Metrics are scraped over HTTP the way Prometheus does it.
 #include "server/metrics/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/metrics/scrape.h"
 
 namespace arfuse {
 namespace {
 
+using ::arfuse::testing::HttpGet;
 using ::testing::HasSubstr;
-
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  (void)!::write(fd, request.data(), request.size());
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-  ::close(fd);
-  return out;
-}
 
 TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
   Metrics metrics(1, 2, "host", "0.1.0");
@@ -74,6 +53,45 @@ TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
   EXPECT_THAT(body, HasSubstr("arfuse_ready{rank=\"1\"} 1"));
   EXPECT_THAT(body, HasSubstr("arfuse_build_info{rank=\"1\",device=\"host\",version=\"0.1.0\","
                               "world_size=\"2\"} 1"));
+}
+
+TEST(Metrics, OpTotalsCountResultsPathsAndBytes) {
+  Metrics metrics(0, 2, "host", "0.1.0");
+  EXPECT_EQ(metrics.op_totals().ok, 0u);
+  metrics.RecordOp({"eager", "trtllm", "oneshot", "dispatch", true, 1e-5, 4096});
+  metrics.RecordOp({"eager", "trtllm", "twoshot", "dispatch", true, 1e-5, 8192});
+  metrics.RecordOp({"eager", "none", "unfused", "fusion_disabled", true, 1e-5, 1024});
+  metrics.RecordOp({"eager", "none", "host", "fusion_disabled", true, 1e-5, 512});
+  metrics.RecordOp({"eager", "trtllm", "none", "error", false, 1e-3, 65536});
+  const OpTotals t = metrics.op_totals();
+  EXPECT_EQ(t.ok, 4u);
+  EXPECT_EQ(t.failed, 1u);
+  // One-shot and two-shot are the fused kernels; NCCL and the CPU implementation are not.
+  EXPECT_EQ(t.fused, 2u);
+  EXPECT_EQ(t.unfused, 2u);
+  // A failed op reduced nothing.
+  EXPECT_EQ(t.bytes_reduced, 4096u + 8192 + 1024 + 512);
+}
+
+TEST(Metrics, OpTotalsAreExactUnderConcurrentRecording) {
+  Metrics metrics(0, 1, "host", "0.1.0");
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&metrics, t] {
+      for (int i = 0; i < 500; ++i) {
+        const bool ok = i % 5 != 0;
+        metrics.RecordOp({"eager", "none", t % 2 == 0 ? "oneshot" : "host",
+                          ok ? "dispatch" : "error", ok, 1e-6, 16});
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const OpTotals t = metrics.op_totals();
+  EXPECT_EQ(t.failed, 4u * 100);
+  EXPECT_EQ(t.ok, 4u * 400);
+  EXPECT_EQ(t.fused, 2u * 400);
+  EXPECT_EQ(t.unfused, 2u * 400);
+  EXPECT_EQ(t.bytes_reduced, 4u * 400 * 16);
 }
 
 TEST(Metrics, BackendSwitchLeavesOneCurrentBackend) {

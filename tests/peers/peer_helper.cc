@@ -58,6 +58,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   Say(absl::StrCat("JOINED ", (*ex)->epoch()));
+  if (mode == "close") {
+    // Joined; then leaves on purpose (as a sidecar re-forming its group does) and stays alive.
+    ex->reset();
+    Say("CLOSED");
+    for (;;) ::pause();
+  }
   arfuse::Exchange& x = **ex;
   const int rank = o.rank;
 
@@ -69,7 +75,8 @@ int main(int argc, char** argv) {
     bool yes = rank != o.world_size - 1;
     auto vote = x.Vote("vote", yes, yes ? "" : "not enough memory", deadline());
     if (!vote.ok()) return SayStatus("VOTE", vote.status(), start), 1;
-    Say(absl::StrCat("VOTE ", vote->all_yes ? "yes" : "no", " ", absl::StrJoin(vote->reasons, "|")));
+    Say(absl::StrCat("VOTE ", vote->all_yes ? "yes" : "no", " ",
+                     absl::StrJoin(vote->reasons, "|")));
     for (int i = 0; i < 3; ++i) {  // a tag reused call after call
       absl::Status b = x.Barrier("step", deadline());
       if (!b.ok()) return SayStatus("BARRIER", b, start), 1;
@@ -78,8 +85,8 @@ int main(int argc, char** argv) {
     if (!o.peer_dir.empty()) {
       int mfd = ::memfd_create("peer-helper", MFD_CLOEXEC);
       std::string content = absl::StrCat("fd-of-rank-", rank);
-      if (mfd < 0 || ::write(mfd, content.data(), content.size()) !=
-                         static_cast<ssize_t>(content.size())) {
+      if (mfd < 0 ||
+          ::write(mfd, content.data(), content.size()) != static_cast<ssize_t>(content.size())) {
         Say("FD memfd failed");
         return 1;
       }
@@ -112,6 +119,31 @@ int main(int argc, char** argv) {
     absl::Time t1 = absl::Now();
     SayStatus("AFTER", x.Barrier("after", absl::Now() + op_timeout), t1);
     // Stay up (rank 0 hosts the coordinator) until the test has read every rank's answers.
+    for (;;) ::pause();
+  }
+  if (mode == "watch") {
+    // Joined; checks the link the way the daemon's watch loop does (no collective, every 20 ms)
+    // and prints LINK_OK once it has held for a while, then LINK <status> when it is lost.
+    Say("READY");
+    const absl::Time t0 = absl::Now();
+    bool said_ok = false;
+    for (;;) {
+      absl::Status s = x.LinkStatus();
+      if (!s.ok()) {
+        SayStatus("LINK", s, t0);
+        break;
+      }
+      if (!said_ok && absl::Now() - t0 > absl::Milliseconds(200)) {
+        Say("LINK_OK");
+        said_ok = true;
+      }
+      absl::SleepFor(absl::Milliseconds(20));  // the watch loop's tick, not a synchronization
+    }
+    // A lost link stays lost, and a collective after it fails at once with the same status.
+    absl::Status again = x.LinkStatus();
+    absl::Time t1 = absl::Now();
+    SayStatus("AFTER", x.Barrier("after", absl::Now() + op_timeout), t1);
+    Say(absl::StrCat("STILL_LOST ", again.ok() ? "no" : "yes"));
     for (;;) ::pause();
   }
   Say("UNKNOWN_MODE");

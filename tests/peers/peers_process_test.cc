@@ -2,13 +2,13 @@
 // over real sockets. Waits are bounded by generous deadlines (a loaded 2-core machine), never
 // by sleeps.
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <map>
@@ -98,9 +98,8 @@ class PeersProcessTest : public ::testing::Test {
     ASSERT_EQ(std::system(cmd.c_str()), 0);
   }
   Proc& Spawn(int rank, int world, const std::string& mode, std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {
-        absl::StrCat("--rank=", rank), absl::StrCat("--world=", world), "--mode=" + mode,
-        "--group=" + group_, "--join_ms=60000"};
+    std::vector<std::string> args = {absl::StrCat("--rank=", rank), absl::StrCat("--world=", world),
+                                     "--mode=" + mode, "--group=" + group_, "--join_ms=60000"};
     bool has_tcp = false;
     for (auto& e : extra) has_tcp |= e.rfind("--tcp=", 0) == 0;
     if (!has_tcp) args.push_back("--dir=" + dir_);
@@ -242,6 +241,83 @@ TEST_F(PeersProcessTest, StoppedPeerTimesOutNamingIt) {
     EXPECT_LT(r.elapsed_ms, 3000 + 5000);
   }
   ::kill(victim.pid(), SIGCONT);
+}
+
+// LinkStatus: a peer that goes away while the group is idle (no collective running) is noticed
+// from the socket alone, by the coordinator's rank and by the others.
+TEST_F(PeersProcessTest, IdleRankKilledIsNoticedByTheCoordinatorWithoutACollective) {
+  Proc& watcher = Spawn(0, 2, "watch");
+  Proc& victim = Spawn(1, 2, "victim");
+  ASSERT_EQ(victim.Await("READY"), "READY");
+  ASSERT_EQ(watcher.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(::kill(victim.pid(), SIGKILL), 0);
+  StatusLine link = ParseStatus(watcher.Await("LINK ", absl::Seconds(10)));
+  EXPECT_EQ(link.code, "UNAVAILABLE");
+  EXPECT_THAT(link.message, HasSubstr("is broken: rank 1 of group"));
+  EXPECT_THAT(link.message, HasSubstr("went away"));
+  EXPECT_EQ(watcher.Await("STILL_LOST"), "STILL_LOST yes");
+}
+
+TEST_F(PeersProcessTest, IdleCoordinatorKilledIsNoticedByTheOtherRanksWithoutACollective) {
+  Proc& coordinator = Spawn(0, 3, "victim");
+  Proc& w1 = Spawn(1, 3, "watch");
+  Proc& w2 = Spawn(2, 3, "watch");
+  ASSERT_EQ(coordinator.Await("READY"), "READY");
+  ASSERT_EQ(w1.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(w2.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(::kill(coordinator.pid(), SIGKILL), 0);
+  for (Proc* p : {&w1, &w2}) {
+    StatusLine link = ParseStatus(p->Await("LINK ", absl::Seconds(10)));
+    EXPECT_EQ(link.code, "UNAVAILABLE");
+    EXPECT_THAT(link.message, HasSubstr("lost its connection to the coordinator (rank 0)"));
+    EXPECT_THAT(link.message, HasSubstr("connection closed"));
+    StatusLine after = ParseStatus(p->Await("AFTER"));
+    EXPECT_EQ(after.code, "UNAVAILABLE");
+    EXPECT_LT(after.elapsed_ms, 1000);
+  }
+}
+
+// The coordinator's rank re-forms its group (closes its exchange) while alive: the other ranks
+// must notice that too, or they would serve on a group that no longer exists.
+TEST_F(PeersProcessTest, CoordinatorClosingTheGroupIsNoticedByIdleRanks) {
+  Proc& w1 = Spawn(1, 2, "watch");
+  Proc& closer = Spawn(0, 2, "close");
+  ASSERT_EQ(closer.Await("CLOSED"), "CLOSED");
+  StatusLine link = ParseStatus(w1.Await("LINK ", absl::Seconds(10)));
+  EXPECT_EQ(link.code, "UNAVAILABLE");
+  EXPECT_THAT(link.message, HasSubstr("rank 0 went away"));
+}
+
+// A rank that leaves on purpose (its sidecar re-forms) breaks the group for the coordinator too.
+TEST_F(PeersProcessTest, RankLeavingOnPurposeIsNoticedByTheCoordinator) {
+  Proc& watcher = Spawn(0, 2, "watch");
+  Proc& closer = Spawn(1, 2, "close");
+  ASSERT_EQ(closer.Await("CLOSED"), "CLOSED");
+  StatusLine link = ParseStatus(watcher.Await("LINK ", absl::Seconds(10)));
+  EXPECT_EQ(link.code, "UNAVAILABLE");
+  EXPECT_THAT(link.message, HasSubstr("rank 1 of group"));
+}
+
+TEST_F(PeersProcessTest, HealthyIdleGroupKeepsItsLink) {
+  Proc& w0 = Spawn(0, 2, "watch");
+  Proc& w1 = Spawn(1, 2, "watch");
+  ASSERT_EQ(w0.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(w1.Await("LINK_OK"), "LINK_OK");
+  // Both keep checking every 20 ms: no loss is reported while nobody leaves.
+  EXPECT_EQ(w0.Await("LINK ", absl::Seconds(1)), "");
+  EXPECT_EQ(w1.Await("LINK ", absl::Milliseconds(100)), "");
+}
+
+TEST_F(PeersProcessTest, IdleCoordinatorKilledIsNoticedOverTcp) {
+  const std::string tcp = absl::StrCat("--tcp=127.0.0.1:", FreeTcpPort());
+  Proc& coordinator = Spawn(0, 2, "victim", {tcp, "--nnodes=2"});
+  Proc& watcher = Spawn(1, 2, "watch", {tcp, "--nnodes=2"});
+  ASSERT_EQ(coordinator.Await("READY"), "READY");
+  ASSERT_EQ(watcher.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(::kill(coordinator.pid(), SIGKILL), 0);
+  StatusLine link = ParseStatus(watcher.Await("LINK ", absl::Seconds(10)));
+  EXPECT_EQ(link.code, "UNAVAILABLE");
+  EXPECT_THAT(link.message, HasSubstr("rank 0 went away"));
 }
 
 TEST_F(PeersProcessTest, ReformedGroupGetsANewEpoch) {

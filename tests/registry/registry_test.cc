@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -81,9 +83,9 @@ TEST_F(RegistryTest, RegisterListUnregister) {
   EXPECT_EQ((*list)[0].name, "a");
   EXPECT_EQ((*list)[0].byte_size, 4096u);
   EXPECT_EQ((*list)[0].generation, h.generation);
-  ASSERT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
-                                     absl::Now() + absl::Seconds(5))
-                  .ok());
+  ASSERT_TRUE(
+      reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(5))
+          .ok());
   EXPECT_EQ(OpenMappingCount(), baseline_);
   EXPECT_TRUE(reg_->ListRegions(session_)->empty());
 }
@@ -166,8 +168,7 @@ TEST_F(RegistryTest, UnknownSessionIsFailedPrecondition) {
   auto r = reg_->RegisterRegion(session_ + 1, HostSpec("a", 64));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("unknown session"));
-  EXPECT_EQ(reg_->ListRegions(session_ + 1).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg_->ListRegions(session_ + 1).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(RegistryTest, UnknownRegionIsNotFound) {
@@ -180,8 +181,8 @@ TEST_F(RegistryTest, AnotherSessionsRegionIsNotFoundAndNotNamed) {
   auto other = *reg_->OpenSession("other");
   auto h = reg_->RegisterRegion(other, HostSpec("secret-name", 262144));
   ASSERT_TRUE(h.ok());
-  absl::Status s = reg_->UnregisterRegion(session_, h->region_id, h->generation,
-                                          absl::Now() + absl::Seconds(1));
+  absl::Status s =
+      reg_->UnregisterRegion(session_, h->region_id, h->generation, absl::Now() + absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(s.message(), Not(HasSubstr("secret")));
   auto op = reg_->ResolveOp(session_, NormOpOn(*h), 1);
@@ -316,8 +317,8 @@ TEST_F(RegistryTest, UnregisterWaitsForTheOpInFlight) {
     released = true;
     op->Release();
   });
-  absl::Status s = reg_->UnregisterRegion(session_, h.region_id, h.generation,
-                                          absl::Now() + absl::Seconds(30));
+  absl::Status s =
+      reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(30));
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(released.load());  // it returned only after the op let go
   worker.join();
@@ -334,9 +335,9 @@ TEST_F(RegistryTest, UnregisterDuringAnOpTimesOutAndKeepsTheRegion) {
   EXPECT_THAT(s.message(), HasSubstr("still used by 1 op(s) in flight; it stays registered"));
   EXPECT_EQ(reg_->ListRegions(session_)->size(), 1u);
   op->Release();
-  EXPECT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
-                                     absl::Now() + absl::Seconds(1))
-                  .ok());
+  EXPECT_TRUE(
+      reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(1))
+          .ok());
 }
 
 TEST_F(RegistryTest, NewOpsAreRefusedWhileUnregistering) {
@@ -384,9 +385,9 @@ TEST_F(RegistryTest, SessionEndWakesAWaitingUnregister) {
   auto op = reg_->ResolveOp(session_, NormOpOn(h), 1);
   ASSERT_TRUE(op.ok());
   std::thread unreg([&] {
-    EXPECT_TRUE(reg_->UnregisterRegion(session_, h.region_id, h.generation,
-                                       absl::Now() + absl::Seconds(60))
-                    .ok());
+    EXPECT_TRUE(
+        reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(60))
+            .ok());
   });
   absl::SleepFor(absl::Milliseconds(50));
   absl::Time start = absl::Now();
@@ -449,6 +450,134 @@ TEST_F(RegistryTest, ConcurrentClientsKeepCountsConsistent) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(reg_->session_count(), 1u);  // the fixture's own
+}
+
+// ---- totals (Admin.GetStats, the region gauges) ----
+
+// Records every report of the totals observer.
+struct TotalsLog {
+  std::mutex mu;
+  std::vector<RegistryTotals> seen;
+  Registry::TotalsObserver Observer() {
+    return [this](const RegistryTotals& t) {
+      std::lock_guard<std::mutex> lock(mu);
+      seen.push_back(t);
+    };
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return seen.size();
+  }
+  RegistryTotals last() {
+    std::lock_guard<std::mutex> lock(mu);
+    return seen.empty() ? RegistryTotals{} : seen.back();
+  }
+};
+
+RegistryTotals Totals(uint64_t sessions, uint64_t regions, uint64_t bytes, uint64_t plans) {
+  return RegistryTotals{sessions, regions, bytes, plans};
+}
+
+TEST_F(RegistryTest, TotalsFollowRegionsPlansAndSessionEnd) {
+  TotalsLog log;
+  reg_->SetTotalsObserver(log.Observer());
+  // Setting the observer reports the current totals at once: the fixture's empty session.
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_EQ(log.last(), Totals(1, 0, 0, 0));
+
+  RegionHandle a = Register("a", 262144);
+  Register("b", 4096);
+  EXPECT_EQ(log.last(), Totals(1, 2, 266240, 0));
+  auto plan = reg_->CreatePlan(session_, NormOpOn(a));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto plan2 = reg_->CreatePlan(session_, NormOpOn(a, 64, 4));
+  ASSERT_TRUE(plan2.ok()) << plan2.status();
+  EXPECT_EQ(log.last(), Totals(1, 2, 266240, 2));
+  EXPECT_EQ(reg_->totals(), log.last());
+
+  // A second session's holdings add up with the first's.
+  auto other = reg_->OpenSession("other");
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(reg_->RegisterRegion(*other, HostSpec("c", 8192)).ok());
+  EXPECT_EQ(log.last(), Totals(2, 3, 274432, 2));
+
+  ASSERT_TRUE(reg_->DestroyPlan(session_, plan2->plan_id, plan2->generation).ok());
+  EXPECT_EQ(log.last(), Totals(2, 3, 274432, 1));
+  // Unregistering a region leaves the plan over it (it fails when used, not before).
+  ASSERT_TRUE(
+      reg_->UnregisterRegion(session_, a.region_id, a.generation, absl::Now() + absl::Seconds(5))
+          .ok());
+  EXPECT_EQ(log.last(), Totals(2, 2, 12288, 1));
+
+  // A session's end releases all it held.
+  reg_->CloseSession(*other);
+  EXPECT_EQ(log.last(), Totals(1, 1, 4096, 1));
+  reg_->CloseSession(session_);
+  EXPECT_EQ(log.last(), Totals(0, 0, 0, 0));
+  EXPECT_EQ(reg_->totals(), Totals(0, 0, 0, 0));
+}
+
+TEST_F(RegistryTest, RefusedChangesLeaveTotalsAlone) {
+  RegionHandle a = Register("a", 262144);
+  TotalsLog log;
+  reg_->SetTotalsObserver(log.Observer());
+  const RegistryTotals before = reg_->totals();
+  EXPECT_EQ(before, Totals(1, 1, 262144, 0));
+
+  auto dup = reg_->RegisterRegion(session_, HostSpec("a", 4096));
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  auto plan = reg_->CreatePlan(session_, NormOpOn(a, 64, 1u << 14));  // past the region's end
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("end past the region"));
+  absl::Status stale = reg_->UnregisterRegion(session_, a.region_id, a.generation + 1, absl::Now());
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(stale.message(), HasSubstr("stale generation"));
+  absl::Status unknown = reg_->DestroyPlan(session_, 999, 1);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(unknown.message(), HasSubstr("does not exist"));
+
+  EXPECT_EQ(reg_->totals(), before);
+  // Only the report made when the observer was set: refusals change nothing and report nothing.
+  EXPECT_EQ(log.size(), 1u);
+  EXPECT_EQ(log.last(), before);
+}
+
+TEST_F(RegistryTest, RacingChangesLeaveTheObserverWithTheCurrentTotals) {
+  TotalsLog log;
+  reg_->SetTotalsObserver(log.Observer());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto sid = reg_->OpenSession(absl::StrCat("c", t));
+      ASSERT_TRUE(sid.ok());
+      for (int i = 0; i < 40; ++i) {
+        auto h = reg_->RegisterRegion(*sid, HostSpec(absl::StrCat("r", i), 4096 * (t + 1)));
+        ASSERT_TRUE(h.ok()) << h.status();
+        // Every other region is given back; thread t keeps 20 regions of 4096 * (t + 1) bytes.
+        if (i % 2 == 0) {
+          ASSERT_TRUE(reg_->UnregisterRegion(*sid, h->region_id, h->generation,
+                                             absl::Now() + absl::Seconds(30))
+                          .ok());
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  // 20 regions per thread: 20 * 4096 * (1 + 2 + 3 + 4) bytes, 5 sessions with the fixture's.
+  const RegistryTotals want = Totals(5, 80, 20 * 4096 * 10, 0);
+  EXPECT_EQ(reg_->totals(), want);
+  EXPECT_EQ(log.last(), want);
+  // 1 (set) + 4 opens + 4 * 40 registrations + 4 * 20 unregistrations.
+  EXPECT_EQ(log.size(), 1u + 4 + 160 + 80);
+}
+
+TEST_F(RegistryTest, ClearedObserverIsNotCalled) {
+  TotalsLog log;
+  reg_->SetTotalsObserver(log.Observer());
+  reg_->SetTotalsObserver(nullptr);
+  Register("a", 4096);
+  EXPECT_EQ(log.size(), 1u);
+  EXPECT_EQ(reg_->totals(), Totals(1, 1, 4096, 0));
 }
 
 // ---- HostShmOpener over shm objects made here ----

@@ -5,6 +5,7 @@
 // Every call is bounded; every outcome is either OK with outputs equal to the CPU reference, or
 // a specific error code.
 #include <dirent.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/mman.h>
 
@@ -14,8 +15,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -242,10 +241,11 @@ TEST_P(PeerFaultTest, SurvivorFailsWithinDeadlineGoesNotServingAndGroupReforms) 
   std::printf("[fault] %s: victim's own op ended with %s after %s\n", f.name,
               victim_status.ToString().c_str(), absl::FormatDuration(victim_took).c_str());
   EXPECT_EQ(RecoverAndRun(Ptrs(c), 5, absl::Seconds(90)), "") << g.Logs();
-  std::printf("[fault] %s: group re-formed; 6 checked ops on every rank done %s after the "
-              "victim was %s\n",
-              f.name, absl::FormatDuration(absl::Now() - back).c_str(),
-              f.signal == SIGSTOP ? "continued" : "restarted");
+  std::printf(
+      "[fault] %s: group re-formed; 6 checked ops on every rank done %s after the "
+      "victim was %s\n",
+      f.name, absl::FormatDuration(absl::Now() - back).c_str(),
+      f.signal == SIGSTOP ? "continued" : "restarted");
   EXPECT_TRUE(g.WaitAllReady(absl::Seconds(10))) << g.Logs();
   auto info_after = c[s]->client().GetWorkspaceInfo();
   ASSERT_TRUE(info_after.ok()) << info_after.status();
@@ -261,11 +261,10 @@ INSTANTIATE_TEST_SUITE_P(Faults, PeerFaultTest,
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A peer frozen while idle (no op of its own in flight): the survivor poisons and re-forms, and
-// the continued peer should notice that its group is gone (its link to the coordinator closed)
-// and re-form too, without waiting for its client's next op. Disabled: today the continued rank
-// stays READY/SERVING on the dead workspace until an op of its own fails (ABORTED), so the
-// survivor waits NOT_SERVING meanwhile (docs/reliability.md, "Findings").
-TEST(PeerFault, DISABLED_IdlePeerFrozenThenContinuedReformsWithoutAnOp) {
+// the continued peer notices that its group is gone (its link to the coordinator closed: the
+// supervisor's watch loop checks it every 50 ms) and re-forms too, without waiting for its
+// client's next op.
+TEST(PeerFault, IdlePeerFrozenThenContinuedReformsWithoutAnOp) {
   SidecarConfig cfg = Config();
   Group g(2, cfg);
   ASSERT_TRUE(g.StartAll()) << g.Logs();
@@ -298,10 +297,9 @@ TEST(PeerFault, DISABLED_IdlePeerFrozenThenContinuedReformsWithoutAnOp) {
 }
 
 // A peer killed while idle and restarted: the survivor's link to it closed, so the survivor
-// should go NOT_SERVING and re-form with the new process without waiting for an op. Disabled:
-// today the survivor stays READY on the broken group (readiness says SERVING), and the
-// restarted rank cannot join until an op on the survivor times out (docs/reliability.md).
-TEST(PeerFault, DISABLED_IdlePeerKilledAndRestartedReformsWithoutAnOp) {
+// goes NOT_SERVING (counting a peer fault) and re-forms with the new process without waiting for
+// an op.
+TEST(PeerFault, IdlePeerKilledAndRestartedReformsWithoutAnOp) {
   SidecarConfig cfg = Config();
   Group g(2, cfg);
   ASSERT_TRUE(g.StartAll()) << g.Logs();
@@ -310,15 +308,19 @@ TEST(PeerFault, DISABLED_IdlePeerKilledAndRestartedReformsWithoutAnOp) {
   ASSERT_TRUE(g[1].Wait(10000ms).has_value());
   EXPECT_TRUE(WaitReadiness(g[0].socket(), false, absl::Seconds(10)))
       << "the survivor still reports SERVING with its peer gone";
+  auto stats = GetStats(g[0].socket());
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_GE(stats->poisonings(), 1u);
+  EXPECT_THAT(g[0].Log(), HasSubstr("reason=peer_lost"));
   ASSERT_TRUE(g[1].Start()) << g.Logs();
   EXPECT_TRUE(g.WaitAllReady(absl::Seconds(30))) << g.Logs();
 }
 
 // After a collective re-initialization the workspace generation must change, so that an op
-// stamped with the old one (workspace_generation) is refused as stale (design §5). Disabled:
-// each re-form builds a fresh engine whose generation restarts at 1, so it repeats
-// (docs/reliability.md, "Findings").
-TEST(PeerFault, DISABLED_ReinitializationChangesTheWorkspaceGeneration) {
+// stamped with the old one (workspace_generation) is refused as stale (design §5). Each re-form
+// builds a fresh engine; the ranks agree on the highest generation any of them served and count
+// on from it, so the generation grows and is the same on every rank.
+TEST(PeerFault, ReinitializationChangesTheWorkspaceGeneration) {
   Group g(2, Config());
   ASSERT_TRUE(g.StartAll()) << g.Logs();
   ASSERT_TRUE(g.WaitAllReady(kFormTimeout)) << g.Logs();
@@ -348,13 +350,23 @@ TEST(PeerFault, DISABLED_ReinitializationChangesTheWorkspaceGeneration) {
   ASSERT_TRUE(g.WaitAllReady(kFormTimeout)) << g.Logs();
   auto after = c[0]->client().GetWorkspaceInfo();
   ASSERT_TRUE(after.ok());
-  EXPECT_NE(after->generation(), before->generation());
+  EXPECT_GT(after->generation(), before->generation());
+  // Every rank agrees on the new generation.
+  auto after1 = c[1]->client().GetWorkspaceInfo();
+  ASSERT_TRUE(after1.ok());
+  EXPECT_EQ(after1->generation(), after->generation());
+  std::printf("[fault] reinitialize: workspace generation %llu -> %llu\n",
+              static_cast<unsigned long long>(before->generation()),
+              static_cast<unsigned long long>(after->generation()));
   client::ExecOptions eo;
   eo.synchronous = true;
   eo.workspace_generation = before->generation();
   c[0]->Prepare(3);
   auto r = c[0]->client().Execute(c[0]->plan(), c[0]->shape().tokens, eo);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("stale generation"));
+  // The current generation (and the same plan and regions) still serve, on every rank.
+  EXPECT_EQ(Lockstep(Ptrs(c), 2, 40), "") << g.Logs();
 }
 
 // ------------------------------------------------------------------ (b) client killed
@@ -407,8 +419,8 @@ class ClientKilledTest : public ::testing::Test {
 
 TEST_F(ClientKilledTest, HoldingRegionsReleasesThemAndOthersKeepServing) {
   auto victim = StartVictim("hold", 4);
-  ASSERT_TRUE(victim->WaitForOutput("holding 4 regions", 30s)) << victim->Stdout()
-                                                                 << victim->Stderr();
+  ASSERT_TRUE(victim->WaitForOutput("holding 4 regions", 30s))
+      << victim->Stdout() << victim->Stderr();
   auto st = GetStats((*group_)[0].socket());
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->sessions(), base_sessions_ + 1);
@@ -416,8 +428,8 @@ TEST_F(ClientKilledTest, HoldingRegionsReleasesThemAndOthersKeepServing) {
   victim->Signal(SIGKILL);
   ASSERT_TRUE(victim->Wait(10s).has_value());
   UnlinkShmOf(victim->pid());
-  EXPECT_TRUE(BackToBaseline(absl::Seconds(15)))
-      << "sessions/mappings did not return to baseline\n" << group_->Logs();
+  EXPECT_TRUE(BackToBaseline(absl::Seconds(15))) << "sessions/mappings did not return to baseline\n"
+                                                 << group_->Logs();
   // The other client's region is untouched and it keeps serving.
   auto list = observer_->client().ListRegions();
   ASSERT_TRUE(list.ok()) << list.status();
@@ -440,8 +452,8 @@ TEST_F(ClientKilledTest, MidOpReleasesRegionWhenTheOpEndsAndOthersKeepServing) {
   EXPECT_TRUE(peer_->Check(&why)) << why;
   UnlinkShmOf(victim->pid());
   // Then the dead session's mapping closes (the op held it until it ended).
-  EXPECT_TRUE(BackToBaseline(absl::Seconds(15)))
-      << "sessions/mappings did not return to baseline\n" << group_->Logs();
+  EXPECT_TRUE(BackToBaseline(absl::Seconds(15))) << "sessions/mappings did not return to baseline\n"
+                                                 << group_->Logs();
   EXPECT_EQ(Lockstep({observer_.get(), peer_.get()}, 3, 20), "") << group_->Logs();
 }
 
@@ -496,8 +508,8 @@ TEST(SidecarRestart, ClientSeesUnavailableReRegistersAndStaleReferencesAreRefuse
     stale.norm_out->region = c.stale_region();
     stale.gamma->region = c.stale_region();
     auto r = c.client().ExecuteOp(stale, c.shape().tokens);
-    EXPECT_THAT(r.status().code(), AnyOf(absl::StatusCode::kFailedPrecondition,
-                                         absl::StatusCode::kNotFound))
+    EXPECT_THAT(r.status().code(),
+                AnyOf(absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound))
         << r.status();
     if (c.stale_region().id == c.region().id) {
       EXPECT_THAT(r.status().message(), HasSubstr("stale generation"));
@@ -506,15 +518,15 @@ TEST(SidecarRestart, ClientSeesUnavailableReRegistersAndStaleReferencesAreRefuse
   }
   {
     auto r = c.client().Execute(c.stale_plan(), c.shape().tokens);
-    EXPECT_THAT(r.status().code(), AnyOf(absl::StatusCode::kFailedPrecondition,
-                                         absl::StatusCode::kNotFound))
+    EXPECT_THAT(r.status().code(),
+                AnyOf(absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound))
         << r.status();
     std::printf("[fault] restart: stale plan -> %s\n", r.status().ToString().c_str());
   }
   {
     absl::Status st = c.client().Unregister(c.stale_region());
-    EXPECT_THAT(st.code(), AnyOf(absl::StatusCode::kFailedPrecondition,
-                                 absl::StatusCode::kNotFound))
+    EXPECT_THAT(st.code(),
+                AnyOf(absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound))
         << st;
   }
   {
@@ -708,16 +720,21 @@ TEST(SigtermUnderLoad, EveryCallEndsInOneStatusNoneHangsExitZero) {
       int refused_in_a_row = 0;
       for (uint64_t i = 0; refused_in_a_row < 3 && !stop; ++i) {
         absl::Status s;
-        const char* what = i % 3 == 0 ? "ListRegions" : i % 3 == 1 ? "GetWorkspaceInfo"
-                                                                   : "CreatePlan";
+        const char* what = i % 3 == 0   ? "ListRegions"
+                           : i % 3 == 1 ? "GetWorkspaceInfo"
+                                        : "CreatePlan";
         absl::Time t0 = absl::Now();
         {
           std::lock_guard<std::mutex> lock(tally.mu);
           ++tally.issued;
         }
         switch (i % 3) {
-          case 0: s = c->client().ListRegions().status(); break;
-          case 1: s = c->client().GetWorkspaceInfo().status(); break;
+          case 0:
+            s = c->client().ListRegions().status();
+            break;
+          case 1:
+            s = c->client().GetWorkspaceInfo().status();
+            break;
           case 2: {
             auto p2 = c->client().CreatePlan(c->op());
             s = p2.status();
@@ -771,8 +788,8 @@ TEST(SigtermUnderLoad, EveryCallEndsInOneStatusNoneHangsExitZero) {
   EXPECT_EQ(tally.wrong, 0);
   EXPECT_LT(tally.slowest, kOpTimeout) << "a call outlived its deadline";
   for (auto& [k, n] : tally.by_code) {
-    EXPECT_THAT(k, AnyOf("OK", "UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED",
-                         "FAILED_PRECONDITION", "CANCELLED"))
+    EXPECT_THAT(k, AnyOf("OK", "UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION",
+                         "CANCELLED"))
         << n << " call(s) ended with " << k;
   }
   ASSERT_TRUE(code0.has_value() && code1.has_value()) << "a sidecar did not exit after SIGTERM";

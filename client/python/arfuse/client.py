@@ -324,7 +324,8 @@ class Client:
     def create_plan(self, op: OpSpec, doorbell: bool = False) -> Plan:
         """Validates the op once. doorbell=True also sets up the doorbell plane for it: the plan's
         `doorbell` is then the Doorbell message (None if the sidecar answered without one). A
-        sidecar without the doorbell plane answers UNIMPLEMENTED (use the eager plane)."""
+        sidecar that cannot serve it (host mode, an unfused shape) answers FAILED_PRECONDITION,
+        one whose 32 slots are taken RESOURCE_EXHAUSTED: use the eager plane then."""
         resp = self._call(self.stub.CreatePlan,
                           fusion_pb2.CreatePlanRequest(op=op.to_proto(), doorbell=doorbell))
         bell = None

@@ -137,8 +137,9 @@ class FusionWorkspace:
         allreduce_fusion), valid for up to `max_tokens` rows (default: input's rows).
 
         doorbell=True asks for the doorbell plane: the plan's `doorbell` is the Doorbell message
-        to open with arfuse.ring.DoorbellRing. Raises ArfuseError (UNIMPLEMENTED on a sidecar
-        without the doorbell plane, RESOURCE_EXHAUSTED when its slots are taken)."""
+        to open with arfuse.ring.DoorbellRing. Raises ArfuseError (FAILED_PRECONDITION on a sidecar
+        that cannot serve it: host mode or an unfused shape; RESOURCE_EXHAUSTED when its slots
+        are taken)."""
         op, _ = _op_spec(self, input, pattern, output, residual_in, residual_out, norm_out,
                          rms_gamma, rms_eps, dtype)
         if max_tokens is not None:

@@ -141,6 +141,14 @@ class _CudaRt:
             raise RuntimeError(f"{what} failed: {lib.cudaGetErrorName(err).decode()}")
 
 
+class _IpcHandle(ctypes.Structure):
+    """cudaIpcEventHandle_t / cudaIpcMemHandle_t: 64 opaque bytes, passed *by value* to the
+    Open calls (a bare ctypes array would decay to a pointer and the runtime would read garbage
+    off the stack)."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 CUDA_EVENT_DISABLE_TIMING = 0x2
 CUDA_EVENT_INTERPROCESS = 0x4
 
@@ -210,7 +218,10 @@ class IpcEvent:
                           "cudaIpcGetEventHandle")
             self.handle = bytes(h)
         else:
-            h = (ctypes.c_char * 64).from_buffer_copy(handle)
+            if len(handle) != 64:
+                raise ValueError(f"an IPC event handle is 64 bytes, got {len(handle)}")
+            h = _IpcHandle.from_buffer_copy(handle)
+            rt.cudaIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle]
             _CudaRt.check(rt.cudaIpcOpenEventHandle(ctypes.byref(ev), h),
                           "cudaIpcOpenEventHandle")
             self.event = ev.value

@@ -1,6 +1,8 @@
 #include "server/services/admin/admin_service.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -25,7 +27,26 @@ grpc::ServerUnaryReactor* RunBlocking(grpc::CallbackServerContext* ctx, Fn fn) {
   return reactor;
 }
 
+// GetStats' counts of sessions, regions and plans are uint32 on the wire; the registry's caps
+// keep them far below, but a wrapped count would read as a small, plausible number.
+uint32_t Saturate32(uint64_t v) {
+  return static_cast<uint32_t>(std::min<uint64_t>(v, std::numeric_limits<uint32_t>::max()));
+}
+
 }  // namespace
+
+void FillUsageStats(const RegistryTotals& registry, const OpTotals& ops,
+                    v1::GetStatsResponse* out) {
+  out->set_sessions(Saturate32(registry.sessions));
+  out->set_regions(Saturate32(registry.regions));
+  out->set_region_bytes(registry.region_bytes);
+  out->set_plans(Saturate32(registry.plans));
+  out->set_ops_ok(ops.ok);
+  out->set_ops_failed(ops.failed);
+  out->set_ops_fused(ops.fused);
+  out->set_ops_unfused(ops.unfused);
+  out->set_bytes_reduced(ops.bytes_reduced);
+}
 
 AdminService::AdminService(AdminControl* control, absl::Duration default_deadline)
     : control_(control), default_deadline_(default_deadline) {}

@@ -9,6 +9,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "arfuse/v1/admin.grpc.pb.h"
+#include "server/metrics/metrics.h"
+#include "server/registry/registry.h"
 
 namespace arfuse {
 
@@ -24,6 +26,13 @@ class AdminControl {
                                                             absl::Time deadline) = 0;
   virtual absl::StatusOr<v1::ReinitializeResponse> Reinitialize(absl::Time deadline) = 0;
 };
+
+// The usage part of GetStats: sessions, regions, region_bytes and plans from the registry's
+// totals (what the open sessions hold now), and the op counters (since the process started; ops
+// that reached the engine, so requests refused by validation or while not serving are not
+// counted; see OpTotals for fused and unfused). The daemon's Stats() calls it; the rest (state,
+// backend, ...) is the daemon's own.
+void FillUsageStats(const RegistryTotals& registry, const OpTotals& ops, v1::GetStatsResponse* out);
 
 class AdminService final : public v1::Admin::CallbackService {
  public:

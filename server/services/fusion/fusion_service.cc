@@ -1,6 +1,7 @@
 #include "server/services/fusion/fusion_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -31,6 +32,11 @@ absl::Status EngineUnavailable() {
   return absl::UnavailableError("the sidecar's engine is still initializing; retry shortly");
 }
 
+absl::Status ShuttingDown() {
+  return absl::UnavailableError(
+      "sidecar shutting down: the session is closed; open a new session once the sidecar is back");
+}
+
 }  // namespace
 
 // ---- construction ----
@@ -46,8 +52,8 @@ absl::StatusOr<std::unique_ptr<FusionService>> FusionService::Create(FusionServi
 }
 
 FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
-                             std::unique_ptr<MemoryOpener> opener,
-                             std::unique_ptr<EventIpc> events, uint64_t boot_nonce)
+                             std::unique_ptr<MemoryOpener> opener, std::unique_ptr<EventIpc> events,
+                             uint64_t boot_nonce)
     : options_(std::move(options)),
       engine_(std::move(engine)),
       events_(std::move(events)),
@@ -61,6 +67,7 @@ FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
 FusionService::~FusionService() { Shutdown(); }
 
 void FusionService::Shutdown() {
+  BeginShutdown();
   ops_.Shutdown();
   control_.Shutdown();
 }
@@ -83,6 +90,8 @@ absl::Time FusionService::DeadlineOf(const grpc::CallbackServerContext& ctx) con
 
 absl::StatusOr<uint64_t> FusionService::SessionOf(const grpc::CallbackServerContext& ctx) const {
   ARFUSE_RETURN_IF_ERROR(CheckClientApiVersion(ctx));
+  // Sessions were ended at shutdown: say why rather than "unknown session".
+  if (shutting_down_.load(std::memory_order_acquire)) return ShuttingDown();
   const auto& md = ctx.client_metadata();
   auto it = md.find(kSessionMetadataKey);
   if (it == md.end()) {
@@ -109,6 +118,10 @@ class FusionService::SessionReactor final
       RequestFinish(version);
       return;
     }
+    if (!service_->TrackSession(this)) {
+      RequestFinish(ShuttingDown());
+      return;
+    }
     StartRead(&request_);
   }
 
@@ -121,19 +134,15 @@ class FusionService::SessionReactor final
     bool first = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      first = !opened_ && !finish_requested_;
+      // Ending already (the service is shutting down): no more reads or writes.
+      if (finish_requested_) return;
+      first = !opened_;
     }
     if (first) {
       auto id = service_->registry_.OpenSession(request_.client_name());
       if (!id.ok()) {
         RequestFinish(id.status());
         return;
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        opened_ = true;
-        session_id_ = *id;
-        write_pending_ = true;
       }
       const FusionServiceOptions& o = service_->options_;
       response_.set_session_id(*id);
@@ -142,6 +151,15 @@ class FusionService::SessionReactor final
       response_.set_device(static_cast<v1::DeviceKind>(o.device));
       response_.set_rank(o.rank);
       response_.set_world_size(o.world_size);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        opened_ = true;
+        session_id_ = *id;
+        // Shutdown asked to finish meanwhile: OnDone closes the session just opened.
+        if (finish_requested_) return;
+        // Set before StartWrite, so a finish requested from another thread waits for the write.
+        write_pending_ = true;
+      }
       StartWrite(&response_);
     }
     // Later messages carry nothing; reading on is how the end of the stream is noticed.
@@ -165,6 +183,8 @@ class FusionService::SessionReactor final
   }
 
   void OnDone() override {
+    // First, so that BeginShutdown takes no new reference to a stream that is done.
+    service_->UntrackSession(this);
     uint64_t id = 0;
     bool opened = false;
     {
@@ -176,11 +196,18 @@ class FusionService::SessionReactor final
       service_->registry_.CloseSession(id);
       service_->EndSessionDoorbells(id);
     }
-    delete this;
+    Unref();
   }
 
- private:
-  // Finish exactly once, and never while a write is outstanding.
+  // BeginShutdown holds a reference while it finishes the stream from its own thread, so that an
+  // OnDone running meanwhile does not delete the reactor under it.
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  // Finish exactly once, and never while a write is outstanding. Safe from any thread; a no-op
+  // once the stream is finishing.
   void RequestFinish(const absl::Status& status) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -193,7 +220,10 @@ class FusionService::SessionReactor final
     Finish(ToGrpcStatus(status));
   }
 
+ private:
   FusionService* const service_;
+  // One for the stream (dropped in OnDone), one per BeginShutdown in progress.
+  std::atomic<int> refs_{1};
   v1::SessionRequest request_;
   v1::SessionResponse response_;
   std::mutex mu_;
@@ -208,6 +238,37 @@ class FusionService::SessionReactor final
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* FusionService::Session(
     grpc::CallbackServerContext* ctx) {
   return new SessionReactor(this, ctx);
+}
+
+bool FusionService::TrackSession(SessionReactor* reactor) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  if (shutting_down_.load(std::memory_order_acquire)) return false;
+  sessions_.insert(reactor);
+  return true;
+}
+
+void FusionService::UntrackSession(SessionReactor* reactor) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  sessions_.erase(reactor);
+}
+
+void FusionService::BeginShutdown() {
+  std::vector<SessionReactor*> open;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    if (shutting_down_.exchange(true, std::memory_order_acq_rel)) return;
+    for (SessionReactor* r : sessions_) {
+      r->Ref();
+      open.push_back(r);
+    }
+  }
+  // Outside the lock: Finish hands the stream back to gRPC, which may call OnDone on another
+  // thread (and OnDone takes sessions_mu_).
+  for (SessionReactor* r : open) {
+    r->RequestFinish(ShuttingDown());
+    r->Unref();
+  }
+  if (!open.empty()) spdlog::info("event=sessions_ended_for_shutdown sessions={}", open.size());
 }
 
 // ---- regions ----
@@ -460,8 +521,11 @@ grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerCo
 
 struct FusionService::DoorbellPlan {
   DoorbellPlan(uint64_t session, const PlanInfo& plan, ResolvedOp held)
-      : session(session), plan_id(plan.plan_id), generation(plan.generation),
-        max_tokens(plan.shape.max_tokens), hold(std::move(held)) {}
+      : session(session),
+        plan_id(plan.plan_id),
+        generation(plan.generation),
+        max_tokens(plan.shape.max_tokens),
+        hold(std::move(held)) {}
   const uint64_t session;
   const uint64_t plan_id;
   const uint64_t generation;
@@ -491,8 +555,8 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
   auto plan = registry_.CreatePlan(session, ToOpRequest(req->op()));
   if (!plan.ok()) return FinishNow(ctx, plan.status());
   // The plane's kernels write the plan's tensors until it is removed: its regions stay held.
-  auto held = registry_.ResolvePlan(session, plan->plan_id, plan->generation,
-                                    plan->shape.max_tokens);
+  auto held =
+      registry_.ResolvePlan(session, plan->plan_id, plan->generation, plan->shape.max_tokens);
   if (!held.ok()) {
     registry_.DestroyPlan(session, plan->plan_id, plan->generation).IgnoreError();
     return FinishNow(ctx, held.status());
@@ -540,8 +604,8 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
           d->set_reset_value(entry->grant.reset_value);
           resp->set_path(ToProtoPath(entry->grant.path_at_max));
           resp->set_reason(entry->grant.reason);
-          spdlog::info("event=doorbell_plan_created plan={} slot={} max_tokens={}",
-                       entry->plan_id, entry->grant.slot, entry->max_tokens);
+          spdlog::info("event=doorbell_plan_created plan={} slot={} max_tokens={}", entry->plan_id,
+                       entry->grant.slot, entry->max_tokens);
         }
       }
     }
@@ -604,8 +668,8 @@ void FusionService::EndSessionDoorbells(uint64_t session) {
   if (plans.empty()) return;
   const absl::Time deadline = absl::Now() + options_.default_deadline;
   absl::Status queued = control_.Submit([this, plans, deadline](bool cancelled) {
-    RemoveDoorbellPlans(plans, cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1))
-                                         : deadline)
+    RemoveDoorbellPlans(plans,
+                        cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)
         .IgnoreError();
   });
   // Shutting down or a full queue: remove now, briefly (this runs on a gRPC thread).

@@ -17,12 +17,14 @@
 // peers).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -78,8 +80,15 @@ class FusionService final : public v1::Fusion::CallbackService {
                 uint64_t boot_nonce = 0);
   ~FusionService() override;
 
-  // Refuses new ops and control calls (UNAVAILABLE) and ends queued ones with UNAVAILABLE. Call
-  // before grpc::Server::Shutdown. Waits only for the op running now, bounded by its deadline.
+  // Shutdown begins: ends every open Session stream with UNAVAILABLE ("sidecar shutting down")
+  // and answers new sessions and session-bound calls the same way. Ops already accepted (running
+  // or queued) are left to finish. Never blocks. Call before grpc::Server::Shutdown, which
+  // otherwise waits its whole deadline for Session streams: clients hold them open for as long
+  // as they are connected.
+  void BeginShutdown();
+
+  // BeginShutdown, then refuses new ops and control calls (UNAVAILABLE) and ends queued ones with
+  // UNAVAILABLE. Never blocks: the op running now ends by its own deadline.
   void Shutdown();
 
   Registry& registry() { return registry_; }
@@ -104,8 +113,7 @@ class FusionService final : public v1::Fusion::CallbackService {
   grpc::ServerUnaryReactor* DestroyPlan(grpc::CallbackServerContext* ctx,
                                         const v1::DestroyPlanRequest* req,
                                         v1::DestroyPlanResponse* resp) override;
-  grpc::ServerUnaryReactor* Execute(grpc::CallbackServerContext* ctx,
-                                    const v1::ExecuteRequest* req,
+  grpc::ServerUnaryReactor* Execute(grpc::CallbackServerContext* ctx, const v1::ExecuteRequest* req,
                                     v1::ExecuteResponse* resp) override;
   grpc::ServerUnaryReactor* GetWorkspaceInfo(grpc::CallbackServerContext* ctx,
                                              const v1::GetWorkspaceInfoRequest* req,
@@ -119,6 +127,11 @@ class FusionService final : public v1::Fusion::CallbackService {
   // API version, then the `arfuse-session` metadata, then the session itself.
   absl::StatusOr<uint64_t> SessionOf(const grpc::CallbackServerContext& ctx) const;
 
+  // Open Session streams, so that BeginShutdown can end them. TrackSession is false once
+  // shutdown began (the stream is refused).
+  bool TrackSession(SessionReactor* reactor);
+  void UntrackSession(SessionReactor* reactor);
+
   // ---- doorbell plane (docs/doorbell.md) ----
   // One registered doorbell plan: the engine's grant and the hold on the plan's regions, kept
   // (mapped, counted in flight) until the engine confirmed its kernels let go of them.
@@ -126,8 +139,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   using DoorbellPlans = std::vector<std::shared_ptr<DoorbellPlan>>;
   // CreatePlan{doorbell: true}: registers the plan with the engine's doorbell plane on a
   // control thread and answers with the Doorbell message.
-  grpc::ServerUnaryReactor* CreateDoorbellPlan(grpc::CallbackServerContext* ctx,
-                                               uint64_t session, const v1::CreatePlanRequest* req,
+  grpc::ServerUnaryReactor* CreateDoorbellPlan(grpc::CallbackServerContext* ctx, uint64_t session,
+                                               const v1::CreatePlanRequest* req,
                                                v1::CreatePlanResponse* resp);
   // Takes the session's doorbell plans (all of them, or plan_id's) out of the table.
   DoorbellPlans TakeDoorbellPlans(uint64_t session, std::optional<uint64_t> plan_id);
@@ -142,6 +155,9 @@ class FusionService final : public v1::Fusion::CallbackService {
   const EngineGetter engine_;
   const std::unique_ptr<EventIpc> events_;
   Registry registry_;
+  std::atomic<bool> shutting_down_{false};
+  std::mutex sessions_mu_;
+  std::set<SessionReactor*> sessions_;  // not owned: each deletes itself after OnDone
   // Declared before the executors, so that it outlives their threads.
   std::mutex doorbell_mu_;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DoorbellPlan>> doorbell_plans_;

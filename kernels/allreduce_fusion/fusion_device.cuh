@@ -1,0 +1,590 @@
+// Device code of the fused allreduce (+ residual add + RMSNorm) kernels: the spin helpers and
+// the one-shot and two-shot bodies. CUDA only; included by kernels/allreduce_fusion (the by-value
+// and indirect kernels) and kernels/doorbell (the serving kernel that runs one-shot ops in place).
+// docs/kernels.md has the protocol and the memory-ordering argument; the comments here say which
+// step of it each piece is.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/add_rmsnorm/row_math.cuh"
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/allreduce_fusion/fusion_control.h"
+#include "kernels/common/memory_model.cuh"
+
+namespace arfuse {
+namespace fusion_device {
+
+using device::Raw16;
+using namespace ::arfuse::device_sync;  // NOLINT(build/namespaces): the memory-model helpers
+
+// Spins: a thread looks at the clock every kPollsPerCheck unsuccessful polls; a block reads its
+// workspace's abort and error words at most every kWordCheckNs, and ONE thread of the rank (a
+// CAS on FusionControl::host_check_ns) reads the host abort word (mapped host memory: a PCIe
+// read) at most every kHostCheckNs. PCIe reads of one host word from every spinning thread (or
+// block) queue behind each other: that stalled a 256-token one-shot for 2.4 ms per op and the
+// two-shot at 1024-2048 tokens for 0.3-1 ms.
+constexpr uint32_t kPollsPerCheck = 32;
+constexpr uint64_t kWordCheckNs = 2'000;
+constexpr uint64_t kHostCheckNs = 50'000;
+
+// Launch-time knobs the kernels receive by value (see Tuning below for their defaults).
+struct KernelConfig {
+  uint32_t lookahead;    // one-shot: rows a block pushes ahead of the row it reduces (>= 1)
+  uint32_t tight_polls;  // polls of one spin before it sleeps between polls
+  uint32_t backoff_ns;   // that sleep (__nanosleep)
+  // Two-shot: 1 = barriers between ranks per block (a system-scope release per block and
+  // barrier, blocks run the phases at their own pace); 0 = one grid-wide barrier per rank.
+  uint32_t twoshot_block_barriers;
+};
+__host__ __device__ constexpr KernelConfig DefaultKernelConfig() {
+  return KernelConfig{1, 24, 64, 1};
+}
+
+__device__ __forceinline__ FusionControl* ControlOf(void* workspace, const WorkspaceLayout& l) {
+  return reinterpret_cast<FusionControl*>(static_cast<char*>(workspace) + l.control_offset);
+}
+
+// Records the first error of this workspace, mirrors it to the host word, and tells every peer
+// to stop spinning (they would otherwise wait for their own deadline). A peer's own failure
+// (kPeerAbort) is not forwarded again; a thread that lost the race to record is quiet unless
+// `forward_always` (a launch on a poisoned workspace forwards every time).
+__device__ inline void RecordError(const FusionParams& p, uint32_t code, bool forward_always) {
+  FusionControl* ctrl = ControlOf(p.peer_workspace[p.rank], p.layout);
+  const uint32_t previous = atomicCAS(&ctrl->error, 0u, code);
+  if (previous == 0u && p.host_error != nullptr) StoreVolatile32(p.host_error, code);
+  if (code == static_cast<uint32_t>(FusionError::kPeerAbort)) return;
+  if (previous != 0u && !forward_always) return;
+  for (int q = 0; q < p.world_size; ++q) {
+    if (q == p.rank) continue;
+    StoreVolatile32(&ControlOf(p.peer_workspace[q], p.layout)->abort,
+                    static_cast<uint32_t>(FusionError::kPeerAbort));
+  }
+  __threadfence_system();
+}
+
+// Per-block spin bookkeeping, in shared memory: the first failure any thread of the block saw,
+// and when the block next looks at the abort/error words.
+struct BlockWatch {
+  unsigned long long next_word_check_ns;
+  uint32_t fail;
+  uint32_t reserved;
+};
+
+__device__ __forceinline__ void InitWatch(BlockWatch& w) {
+  w.next_word_check_ns = 0;
+  w.fail = 0;
+}
+
+// Per-thread: polls so far (all spins of this kernel) and the first check's time (the deadline
+// is measured from there: graph replays need no new params).
+struct SpinClock {
+  uint64_t start_ns = 0;
+  uint32_t polls = 0;
+};
+
+// Called every kPollsPerCheck unsuccessful polls. Returns a FusionError code (0: keep spinning).
+// kPoisoned means "leave quietly": another thread of this rank failed and recorded it.
+__device__ __forceinline__ uint32_t SpinCheck(const FusionParams& p, FusionControl* ctrl,
+                                              BlockWatch& w, SpinClock& clock) {
+  if (*static_cast<volatile uint32_t*>(&w.fail) != 0) {
+    return static_cast<uint32_t>(FusionError::kPoisoned);
+  }
+  const uint64_t now = GlobalTimerNs();
+  if (clock.start_ns == 0) {
+    clock.start_ns = now;
+    return 0;
+  }
+  uint32_t code = 0;
+  if (now - clock.start_ns > p.spin_timeout_ns) {
+    code = static_cast<uint32_t>(FusionError::kTimeout);
+  } else {
+    const unsigned long long due =
+        *static_cast<volatile unsigned long long*>(&w.next_word_check_ns);
+    // One thread of the block claims each check.
+    if (now >= due && atomicCAS(&w.next_word_check_ns, due, now + kWordCheckNs) == due) {
+      const uint32_t abort = LoadVolatile32(&ctrl->abort);
+      if (abort != 0) {
+        code = abort == static_cast<uint32_t>(FusionError::kPeerAbort)
+                   ? abort
+                   : static_cast<uint32_t>(FusionError::kHostAbort);
+      } else if (LoadVolatile32(&ctrl->error) != 0) {
+        code = static_cast<uint32_t>(FusionError::kPoisoned);
+      } else if (p.host_abort != nullptr) {
+        unsigned long long* const next =
+            reinterpret_cast<unsigned long long*>(&ctrl->host_check_ns);
+        const unsigned long long host_due = *static_cast<volatile unsigned long long*>(next);
+        if (now >= host_due && atomicCAS(next, host_due, now + kHostCheckNs) == host_due &&
+            LoadVolatile32(p.host_abort) != 0) {
+          code = static_cast<uint32_t>(FusionError::kHostAbort);
+        }
+      }
+    }
+  }
+  if (code != 0) atomicCAS(&w.fail, 0u, code);
+  return code;
+}
+
+// One failed poll: back off after the first `tight_polls` of this spin, check every
+// kPollsPerCheck. Returns a failure code or 0.
+__device__ __forceinline__ uint32_t SpinStep(const FusionParams& p, FusionControl* ctrl,
+                                             BlockWatch& w, SpinClock& clock, uint32_t& spin_polls,
+                                             const KernelConfig& cfg) {
+  if (++spin_polls > cfg.tight_polls) __nanosleep(cfg.backoff_ns);
+  if (++clock.polls % kPollsPerCheck != 0) return 0;
+  return SpinCheck(p, ctrl, w, clock);
+}
+
+// The sum of squares of one row over the block, with exactly the tree of device::BlockSum
+// (lanes butterfly, then every warp butterflies the per-warp partials, zeros beyond the last).
+// `scratch` (32 floats) alternates between two buffers row by row, so no trailing barrier is
+// needed: a buffer is written again two rows later, after a barrier every reader of it passed.
+// All threads of the block call it.
+__device__ __forceinline__ float RowSumOfSquares(float v, float* scratch) {
+  v = device::WarpButterflySum(v);
+  const uint32_t lane = threadIdx.x & 31u;
+  if (lane == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return device::WarpButterflySum(lane < (blockDim.x >> 5) ? scratch[lane] : 0.0f);
+}
+
+// Polls the vectors of this thread (row thread t0, k < kVec) at `src` until no element of any
+// holds the sentinel (raw bits). Returns a failure code or 0.
+template <DType DT, int kVec>
+__device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* src, uint32_t t0,
+                                                uint32_t stride, uint32_t vecs_per_row,
+                                                const FusionParams& p, FusionControl* ctrl,
+                                                BlockWatch& w, SpinClock& clock,
+                                                const KernelConfig& cfg) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const uint32_t v = t0 + k * stride;
+    if (v < vecs_per_row) x[k] = device::LoadRawVolatile(src + v * 16ull);
+  }
+  uint32_t spin_polls = 0;
+  while (true) {
+    bool pending = false;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const uint32_t v = t0 + k * stride;
+      if (v < vecs_per_row && device::HasSentinel<DT>(x[k])) pending = true;
+    }
+    if (!pending) return 0;
+    if (const uint32_t code = SpinStep(p, ctrl, w, clock, spin_polls, cfg); code != 0) {
+      return code;
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const uint32_t v = t0 + k * stride;
+      if (v < vecs_per_row && device::HasSentinel<DT>(x[k])) {
+        x[k] = device::LoadRawVolatile(src + v * 16ull);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One-shot Lamport. Call k (k = this workspace's epoch) uses buffer k % 3 on every rank.
+// Block b handles rows b, b + grid, ... on every rank (the row layout of row_math.cuh).
+//   1. push: this rank's sanitized input rows go into slot `rank` of buffer k % 3 of every peer,
+//      `lookahead` rows ahead of the row being reduced;
+//   2. for each row: spin until no element of any peer's slot holds the sentinel (raw bits),
+//      write the sentinel back right after reading (the buffer is clean for call k + 3: peers
+//      write it again only in call k + 3, which needs this rank's call-k+2 data, stored only
+//      after this kernel ended), sum in rank order (own input at position `rank`), then the
+//      row's epilogue (the block reduces the sum of squares);
+//   3. every CTA counts itself in right after its first pushes; the last one advances the epoch
+//      (every CTA read it before counting itself; the next call is a later kernel).
+// Pushing row r never waits for anything but reads of rows before r, on any rank: no cycle.
+// Loads that depend on nothing (the first row's input and residual, gamma) are issued before
+// the control words are read, and each row's successor is loaded while the row is finished.
+// (Splitting small rows over the CTAs of a cluster, as FlashInfer does, was measured: 0.3 us
+// slower at hidden 4096 and no faster at 8192, so rows stay within one CTA.)
+template <DType DT, bool kNorm, int kBucket>
+// `unit` / `units`: this block's index and the number of blocks taking part (blockIdx.x and
+// gridDim.x for a kernel that runs one op; the doorbell's serving kernel passes its own).
+__device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelConfig& cfg,
+                                            const uint32_t unit, const uint32_t units) {
+  using Tr = device::VecTraits<DT>;
+  constexpr int kVec = device::BucketVecs(kBucket);
+  __shared__ float scratch[2][32];
+  __shared__ BlockWatch watch;
+  __shared__ uint32_t s_error, s_epoch;
+  char* const local = static_cast<char*>(p.peer_workspace[p.rank]);
+  FusionControl* const ctrl = ControlOf(local, p.layout);
+  const uint32_t stride = blockDim.x;  // row threads of a row
+  const uint32_t t0 = threadIdx.x;     // this thread's row thread
+  const uint32_t vecs_per_row = p.hidden / Tr::kElems;
+  const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
+  const uint32_t tokens = p.num_tokens;
+  const int n = p.world_size;
+  const char* const input = static_cast<const char*>(p.input);
+  const char* const residual_in = static_cast<const char*>(p.residual_in);
+
+  // This thread's vectors of the row being reduced: input (sanitized), residual_in; gamma.
+  Raw16 own[kVec];
+  Raw16 res[kVec];
+  Raw16 gamma[kVec];
+  auto load_row = [&](uint32_t row) {
+    device::LoadRowVectors<kVec>(own, input + row * row_bytes, t0, stride, vecs_per_row);
+    if constexpr (kNorm) {
+      device::LoadRowVectors<kVec>(res, residual_in + row * row_bytes, t0, stride, vecs_per_row);
+    }
+  };
+  // First the loads that depend on nothing, then the control words (thread 0).
+  if (unit < tokens) load_row(unit);
+  if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
+  if (threadIdx.x == 0) {
+    InitWatch(watch);
+    s_error = LoadVolatile32(&ctrl->error);
+    s_epoch = LoadAcquireGpu32(&ctrl->lamport_epoch);
+  }
+  __syncthreads();
+  // A poisoned workspace: nothing is touched; block 0 forwards the abort.
+  if (s_error != 0) {
+    if (threadIdx.x == 0 && unit == 0) {
+      RecordError(p, static_cast<uint32_t>(FusionError::kPoisoned), true);
+    }
+    return;
+  }
+  const uint64_t buffer_offset =
+      p.layout.lamport_offset + (s_epoch % 3) * p.layout.lamport_buffer_bytes;
+  const uint64_t push_offset =
+      buffer_offset + static_cast<uint64_t>(p.rank) * p.layout.lamport_slot_bytes;
+  SpinClock clock;
+  uint32_t failure = 0;
+
+  auto push_vectors = [&](uint32_t row, const Raw16(&x)[kVec]) {
+    for (int s = 1; s < n; ++s) {
+      const int q = (p.rank + s) % n;  // start with the next rank: links loaded evenly
+      char* const dst = static_cast<char*>(p.peer_workspace[q]) + push_offset + row * row_bytes;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const uint32_t v = t0 + k * stride;
+        if (v < vecs_per_row) device::StoreRaw(dst + v * 16ull, x[k]);
+      }
+    }
+  };
+  auto push_row = [&](uint32_t row) {
+    Raw16 x[kVec];
+    device::LoadRowVectors<kVec>(x, input + row * row_bytes, t0, stride, vecs_per_row);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) x[k] = device::SanitizeNegativeZero<DT>(x[k]);
+    push_vectors(row, x);
+  };
+
+  // 1. the first pushes (the first row's input is already here), then count this CTA in.
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) own[k] = device::SanitizeNegativeZero<DT>(own[k]);
+  uint32_t ahead = unit;
+  if (ahead < tokens) {
+    push_vectors(ahead, own);
+    ahead += units;
+    for (uint32_t j = 1; j < cfg.lookahead && ahead < tokens; ++j, ahead += units) push_row(ahead);
+  }
+  uint32_t arrived = 0;
+  if (threadIdx.x == 0) arrived = atomicAdd(&ctrl->lamport_arrived, 1u);
+
+  // 2. rows.
+  const Raw16 sentinel = device::SentinelVector<DT>();
+  uint32_t parity = 0;
+  for (uint32_t row = unit; row < tokens; row += units) {
+    Raw16 sum[kVec];  // the rounded sum, then the pre-norm sum
+    if (failure == 0) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) own[k] = device::SanitizeNegativeZero<DT>(own[k]);
+      if (ahead < tokens) {
+        push_row(ahead);
+        ahead += units;
+      }
+      const char* const row_inbox = local + buffer_offset + row * row_bytes;
+      // Wait until every peer's vectors of this row are here (polls batched over k). With two
+      // ranks the polled vectors are the peer's data; with more they are re-read below.
+      Raw16 peer[kVec];
+      for (int s = 1; s < n && failure == 0; ++s) {
+        const int q = (p.rank + s) % n;
+        failure = WaitVectors<DT, kVec>(peer, row_inbox + q * p.layout.lamport_slot_bytes, t0,
+                                        stride, vecs_per_row, p, ctrl, watch, clock, cfg);
+      }
+      if (failure != 0) {
+        if (failure != static_cast<uint32_t>(FusionError::kPoisoned)) {
+          RecordError(p, failure, false);
+        }
+      } else {
+        // Sum in rank order (own input at position `rank`), then write the sentinel back.
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const uint32_t v = t0 + k * stride;
+          if (v >= vecs_per_row) continue;
+          float acc[Tr::kElems];
+          for (int q = 0; q < n; ++q) {
+            const Raw16 x = q == p.rank ? own[k]
+                            : n == 2    ? peer[k]
+                                        : device::LoadRawVolatile(
+                                              row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
+            device::Accumulate<DT>(acc, x, q == 0);
+          }
+          sum[k] = device::RoundSum<DT>(acc);
+        }
+        for (int q = 0; q < n; ++q) {
+          if (q == p.rank) continue;
+          char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            const uint32_t v = t0 + k * stride;
+            if (v < vecs_per_row) device::StoreRaw(src + v * 16ull, sentinel);
+          }
+        }
+        if constexpr (!kNorm) {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            const uint32_t v = t0 + k * stride;
+            if (v < vecs_per_row) {
+              device::StoreRaw(static_cast<char*>(p.output) + row * row_bytes + v * 16ull, sum[k]);
+            }
+          }
+        }
+      }
+    }
+    if constexpr (kNorm) {
+      // Every thread of the block takes part in the reduction, failed or not (barrier).
+      const bool ok = failure == 0;
+      const float mine = ok ? device::ResidualAddRow<DT, kVec>(
+                                  sum, res, t0, stride, vecs_per_row,
+                                  static_cast<char*>(p.residual_out) + row * row_bytes)
+                            : 0.0f;
+      // The next row's loads overlap the reduction (sanitized when the row starts).
+      if (ok && row + units < tokens) load_row(row + units);
+      const float total = RowSumOfSquares(mine, scratch[parity]);
+      parity ^= 1u;
+      if (ok) {
+        device::NormRowStore<DT, kVec>(sum, total, t0, stride, vecs_per_row, p.hidden, p.eps, gamma,
+                                       static_cast<char*>(p.norm_out) + row * row_bytes);
+      }
+    } else {
+      if (failure != 0) break;
+      if (row + units < tokens) load_row(row + units);
+    }
+  }
+  // 3. the last CTA to count itself in advances the epoch.
+  if (threadIdx.x == 0 && failure == 0 && arrived == units - 1) {
+    StoreVolatile32(&ctrl->lamport_arrived, 0u);
+    StoreVolatile32(&ctrl->lamport_epoch, s_epoch + 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two-shot: rank q owns the token slice [q * S, (q + 1) * S), S = ceil(T / N). Block b handles
+// slice rows b, b + grid, ... (same on every rank, the grid depends only on the shape):
+//   1. scatter: rows of slice q go to slot `rank` of q's scatter inbox;
+//   2. barrier A between ranks (value seq + 1): per block, or grid-wide (see barrier below);
+//   3. the owner sums its slice rows in rank order, rounds (step 3), and writes the reduced row
+//      into every rank's gather inbox at the row's global position;
+//   4. barrier B (value seq + 2);
+//   5. every rank reads the gathered rows of block b and runs the epilogue with its own
+//      residual_in: the same bits on every rank because the reduced rows are identical.
+// Inbox reuse by the next call is safe: a peer starts call k + 1 only after its call-k kernel
+// ended, i.e. after this rank's blocks all signalled barrier B of call k (done reading
+// scatter); a peer's block writes gather in call k + 1 only after this rank's matching block
+// (or, grid-wide, all of its blocks) signalled barrier A of call k + 1, i.e. after this rank's
+// call-k kernel ended. The last block to count itself in at barrier B (every block read the
+// sequence long before) resets the counters and advances the sequence.
+template <DType DT, bool kNorm, int kBucket>
+__device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelConfig& cfg) {
+  using Tr = device::VecTraits<DT>;
+  constexpr int kVec = device::BucketVecs(kBucket);
+  __shared__ float scratch[2][32];
+  __shared__ BlockWatch watch;
+  __shared__ uint32_t s_error, s_seq;
+  char* const local = static_cast<char*>(p.peer_workspace[p.rank]);
+  FusionControl* const ctrl = ControlOf(local, p.layout);
+  const uint32_t vecs_per_row = p.hidden / Tr::kElems;
+  const uint32_t t0 = threadIdx.x;
+  const uint32_t stride = blockDim.x;
+  Raw16 gamma[kVec];
+  if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
+  if (threadIdx.x == 0) {
+    InitWatch(watch);
+    s_error = LoadVolatile32(&ctrl->error);
+    s_seq = LoadAcquireGpu32(&ctrl->twoshot_seq);
+  }
+  __syncthreads();
+  if (s_error != 0) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+      RecordError(p, static_cast<uint32_t>(FusionError::kPoisoned), true);
+    }
+    return;
+  }
+  const uint32_t seq = s_seq;
+  const uint32_t n = static_cast<uint32_t>(p.world_size);
+  const uint32_t slice = (p.num_tokens + n - 1) / n;
+  const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
+  const char* const input = static_cast<const char*>(p.input);
+  SpinClock clock;
+  uint32_t failure = 0;                            // this thread's
+  bool block_failed = false;                       // any thread's: uniform across the block
+  uint32_t* const counters = ctrl->twoshot_count;  // barrier A, B: zero between calls
+  bool last_at_b = false;
+
+  // Barrier between ranks, value seq + 1 (A) or seq + 2 (B); peers may already be one barrier
+  // further (value + 1): flags compare as sequence numbers. Every block also counts itself in
+  // (acq_rel at GPU scope); the last one at B resets the counters and advances the sequence.
+  //  * per block (default): thread q (< N) of block b signals rank q (st.release.sys of
+  //    barrier[b][rank]; bar.sync orders the block's stores before it) and polls barrier[b][q];
+  //    blocks go through the phases at their own pace.
+  //  * grid-wide: the last block of this rank to count itself in signals every peer with ONE
+  //    release at system scope (cumulative over the GPU-scope counting chain, so it publishes
+  //    every block's stores, NVLink ones included); every block's thread 0 polls barrier[0][q].
+  const bool per_block = cfg.twoshot_block_barriers != 0;
+  auto barrier = [&](uint32_t phase, uint32_t value) -> bool {
+    __syncthreads();
+    if (per_block) {
+      if (threadIdx.x == 0 && phase == 1 && AtomicAddAcqRelGpu(&counters[1], 1u) == gridDim.x - 1) {
+        last_at_b = true;
+      }
+      const uint32_t q = threadIdx.x;
+      if (q < n && q != static_cast<uint32_t>(p.rank)) {
+        StoreReleaseSys(&ControlOf(p.peer_workspace[q], p.layout)->barrier[blockIdx.x][p.rank],
+                        value);
+        const uint32_t* flag = &ctrl->barrier[blockIdx.x][q];
+        uint32_t spin_polls = 0;
+        while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
+          failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
+          if (failure != 0) break;
+        }
+      }
+    } else if (threadIdx.x == 0) {
+      const uint32_t old = AtomicAddAcqRelGpu(&counters[phase], 1u);
+      if (old == gridDim.x - 1) {
+        if (phase == 1) last_at_b = true;
+        for (uint32_t q = 0; q < n; ++q) {
+          if (q == static_cast<uint32_t>(p.rank)) continue;
+          StoreReleaseSys(&ControlOf(p.peer_workspace[q], p.layout)->barrier[0][p.rank], value);
+        }
+      }
+      for (uint32_t q = 0; q < n && failure == 0; ++q) {
+        if (q == static_cast<uint32_t>(p.rank)) continue;
+        const uint32_t* flag = &ctrl->barrier[0][q];
+        uint32_t spin_polls = 0;
+        while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
+          failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
+          if (failure != 0) break;
+        }
+      }
+    }
+    block_failed = __syncthreads_or(failure != 0) != 0;
+    return block_failed;
+  };
+
+  // 1. scatter, starting with the next rank so the N - 1 links are loaded evenly.
+  for (uint32_t step = 1; step < n; ++step) {
+    const uint32_t q = (static_cast<uint32_t>(p.rank) + step) % n;
+    char* const inbox = static_cast<char*>(p.peer_workspace[q]) + p.layout.scatter_offset +
+                        static_cast<uint64_t>(p.rank) * p.layout.scatter_slot_bytes;
+    for (uint32_t i = blockIdx.x; i < slice; i += gridDim.x) {
+      const uint32_t token = q * slice + i;
+      if (token >= p.num_tokens) break;
+      Raw16 x[kVec];
+      device::LoadRowVectors<kVec>(x, input + token * row_bytes, t0, stride, vecs_per_row);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const uint32_t v = t0 + k * stride;
+        if (v < vecs_per_row) {
+          device::StoreRaw(inbox + i * row_bytes + v * 16ull,
+                           device::SanitizeNegativeZero<DT>(x[k]));
+        }
+      }
+    }
+  }
+  if (!barrier(0, seq + 1)) {
+    // 3. reduce the own slice and all-gather it.
+    const char* const scatter = local + p.layout.scatter_offset;
+    for (uint32_t i = blockIdx.x; i < slice; i += gridDim.x) {
+      const uint32_t token = static_cast<uint32_t>(p.rank) * slice + i;
+      if (token >= p.num_tokens) break;
+      float acc[kVec][Tr::kElems];
+      for (uint32_t q = 0; q < n; ++q) {
+        Raw16 x[kVec];
+        if (q == static_cast<uint32_t>(p.rank)) {
+          device::LoadRowVectors<kVec>(x, input + token * row_bytes, t0, stride, vecs_per_row);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) x[k] = device::SanitizeNegativeZero<DT>(x[k]);
+        } else {
+          // Written by a peer before barrier A: read past L1.
+          const char* const src = scatter + q * p.layout.scatter_slot_bytes + i * row_bytes;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            const uint32_t v = t0 + k * stride;
+            if (v < vecs_per_row) x[k] = device::LoadRawCg(src + v * 16ull);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) device::Accumulate<DT>(acc[k], x[k], q == 0);
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const uint32_t v = t0 + k * stride;
+        if (v >= vecs_per_row) continue;
+        const Raw16 reduced = device::RoundSum<DT>(acc[k]);
+        for (uint32_t step = 0; step < n; ++step) {
+          const uint32_t q = (static_cast<uint32_t>(p.rank) + step) % n;
+          device::StoreRaw(static_cast<char*>(p.peer_workspace[q]) + p.layout.gather_offset +
+                               token * row_bytes + v * 16ull,
+                           reduced);
+        }
+      }
+    }
+    if (!barrier(1, seq + 2)) {
+      // 5. epilogue over the gathered rows this block's peers wrote.
+      const char* const gather = local + p.layout.gather_offset;
+      uint32_t parity = 0;
+      for (uint32_t s = 0; s < n; ++s) {
+        for (uint32_t i = blockIdx.x; i < slice; i += gridDim.x) {
+          const uint32_t token = s * slice + i;
+          if (token >= p.num_tokens) break;
+          const uint64_t off = token * row_bytes;
+          Raw16 reduced[kVec];
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            const uint32_t v = t0 + k * stride;
+            if (v < vecs_per_row) reduced[k] = device::LoadRawCg(gather + off + v * 16ull);
+          }
+          if constexpr (kNorm) {
+            Raw16 res[kVec];
+            device::LoadRowVectors<kVec>(res, static_cast<const char*>(p.residual_in) + off, t0,
+                                         stride, vecs_per_row);
+            const float mine = device::ResidualAddRow<DT, kVec>(
+                reduced, res, t0, stride, vecs_per_row, static_cast<char*>(p.residual_out) + off);
+            const float total = RowSumOfSquares(mine, scratch[parity]);
+            parity ^= 1u;
+            device::NormRowStore<DT, kVec>(reduced, total, t0, stride, vecs_per_row, p.hidden,
+                                           p.eps, gamma, static_cast<char*>(p.norm_out) + off);
+          } else {
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              const uint32_t v = t0 + k * stride;
+              if (v < vecs_per_row) {
+                device::StoreRaw(static_cast<char*>(p.output) + off + v * 16ull, reduced[k]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  if (block_failed) {
+    if (failure != 0 && failure != static_cast<uint32_t>(FusionError::kPoisoned)) {
+      RecordError(p, failure, false);
+    }
+    return;
+  }
+  if (threadIdx.x == 0 && last_at_b) {
+    // Every block counted itself in at both barriers: no more increments in this call.
+    StoreVolatile32(&counters[0], 0u);
+    StoreVolatile32(&counters[1], 0u);
+    StoreVolatile32(&ctrl->twoshot_seq, seq + 2);
+  }
+}
+
+}  // namespace fusion_device
+}  // namespace arfuse
