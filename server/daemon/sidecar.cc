@@ -2,14 +2,18 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
@@ -28,6 +32,41 @@
 #endif
 
 namespace arfuse {
+namespace {
+
+// Counts the unary calls in flight on the main server. Streams are left out: clients hold their
+// Session stream for as long as they are connected (FusionService::BeginShutdown ends those) and
+// health Watch streams never end by themselves. Shutdown waits for this count, not for gRPC's
+// own drain, which also waits for every idle connection to answer its GOAWAY ping (seconds for a
+// client that is not reading its connection).
+class UnaryCallCounter final : public grpc::experimental::Interceptor {
+ public:
+  explicit UnaryCallCounter(std::atomic<int64_t>* calls) : calls_(calls) {
+    calls_->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~UnaryCallCounter() override { calls_->fetch_sub(1, std::memory_order_release); }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    methods->Proceed();
+  }
+
+ private:
+  std::atomic<int64_t>* const calls_;
+};
+
+class UnaryCallCounterFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit UnaryCallCounterFactory(std::atomic<int64_t>* calls) : calls_(calls) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (info->type() != grpc::experimental::ServerRpcInfo::Type::UNARY) return nullptr;
+    return new UnaryCallCounter(calls_);
+  }
+
+ private:
+  std::atomic<int64_t>* const calls_;
+};
+
+}  // namespace
 
 Sidecar::Sidecar(DaemonOptions options) : options_(std::move(options)) {}
 
@@ -247,6 +286,11 @@ absl::Status Sidecar::Start() {
     }
     // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
     builder.SetMaxReceiveMessageSize(1 << 20);
+    {
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
+      counters.push_back(std::make_unique<UnaryCallCounterFactory>(&unary_calls_));
+      builder.experimental().SetInterceptorCreators(std::move(counters));
+    }
     builder.RegisterService(health_main_.get());
     builder.RegisterService(fusion_.get());
     for (auto& service : services_) builder.RegisterService(service.get());
@@ -328,7 +372,17 @@ void Sidecar::ShutdownNow() {
   // shutting down") lets the process exit as soon as the ops in flight are done instead of after
   // the whole grace period.
   if (fusion_ != nullptr) fusion_->BeginShutdown();
-  if (main_server_ != nullptr) main_server_->Shutdown(deadline);
+  // Every unary call in flight gets the grace period; once none is left (and the ended Session
+  // streams are done) the server stops at once instead of draining idle connections.
+  while (std::chrono::system_clock::now() < deadline &&
+         (unary_calls_.load(std::memory_order_acquire) > 0 ||
+          (fusion_ != nullptr && fusion_->open_sessions() > 0))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (main_server_ != nullptr) {
+    main_server_->Shutdown(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(100)));
+  }
   if (fusion_ != nullptr) fusion_->Shutdown();
   gate_.Abort();
   health_.Shutdown();

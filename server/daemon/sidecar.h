@@ -99,6 +99,8 @@ class Sidecar final : public AdminControl {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<UnixListener> unix_listener_;
   std::unique_ptr<grpc::Server> main_server_;
+  // Unary calls in flight on main_server_ (an interceptor counts them); shutdown waits for 0.
+  std::atomic<int64_t> unary_calls_{0};
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<FusionService> fusion_;
   PeerService* peer_service_ = nullptr;  // owned by services_

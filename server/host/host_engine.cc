@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -40,8 +40,7 @@ using host::HostWsHeader;
 // RAII owner of one shared-memory mapping. munmap never blocks.
 class ShmMapping {
  public:
-  static absl::StatusOr<std::unique_ptr<ShmMapping>> Create(const std::string& name,
-                                                            size_t bytes) {
+  static absl::StatusOr<std::unique_ptr<ShmMapping>> Create(const std::string& name, size_t bytes) {
     int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) {
       return absl::FailedPreconditionError(
@@ -51,8 +50,8 @@ class ShmMapping {
       int e = errno;
       ::close(fd);
       ::shm_unlink(name.c_str());
-      return absl::FailedPreconditionError(absl::StrCat("cannot size host workspace to ", bytes,
-                                                        " bytes: ", strerror(e)));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot size host workspace to ", bytes, " bytes: ", strerror(e)));
     }
     return Map(fd, bytes);
   }
@@ -107,9 +106,9 @@ class HostEngine final : public Engine {
  public:
   explicit HostEngine(const EngineOptions& options)
       : options_(options),
-        slot_bytes_(host::AlignUp(static_cast<size_t>(options.max_tokens) * options.max_hidden *
-                                      DTypeSize(options.dtype),
-                                  host::kHostWsSlotAlign)) {}
+        slot_bytes_(host::AlignUp(
+            static_cast<size_t>(options.max_tokens) * options.max_hidden * DTypeSize(options.dtype),
+            host::kHostWsSlotAlign)) {}
 
   ~HostEngine() override { Abort(); }
 
@@ -163,6 +162,7 @@ class HostEngine final : public Engine {
         h->slot_bytes = slot_bytes_;
         h->total_bytes = total;
         h->abort_word.store(0, std::memory_order_relaxed);
+        h->abort_seq.store(0, std::memory_order_relaxed);
         for (int r = 0; r < options_.world_size; ++r) new (Sync(mapping->data(), r)) HostRankSync{};
       } else {
         local_problem = std::string(m.status().message());
@@ -197,8 +197,7 @@ class HostEngine final : public Engine {
         }
       }
     }
-    auto vote = exchange.Vote("host_engine/mapped", local_problem.empty(), local_problem,
-                              deadline);
+    auto vote = exchange.Vote("host_engine/mapped", local_problem.empty(), local_problem, deadline);
     // Once every rank has voted, every rank that could map it has: the name can go.
     if (!name.empty()) ::shm_unlink(name.c_str());
     if (!vote.ok()) {
@@ -210,8 +209,7 @@ class HostEngine final : public Engine {
       SetState(WorkspaceState::kInitializing, why);
       spdlog::warn("event=host_workspace_failed rank={} generation={} reasons=\"{}\"",
                    options_.rank, next_gen, why);
-      return absl::FailedPreconditionError(
-          absl::StrCat("host workspace not built: ", why));
+      return absl::FailedPreconditionError(absl::StrCat("host workspace not built: ", why));
     }
     mapping_ = std::move(mapping);
     header_ = reinterpret_cast<HostWsHeader*>(mapping_->data());
@@ -239,13 +237,12 @@ class HostEngine final : public Engine {
     {
       std::lock_guard<std::mutex> s(state_mu_);
       if (state_ == WorkspaceState::kPoisoned) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "host workspace is poisoned (", reason_, "); every rank must re-initialize (generation ",
-            generation_, ")"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("host workspace is poisoned (", reason_,
+                         "); every rank must re-initialize (generation ", generation_, ")"));
       }
       if (state_ != WorkspaceState::kReady || header_ == nullptr) {
-        return absl::UnavailableError(
-            absl::StrCat("host workspace is not initialized: ", reason_));
+        return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
       }
     }
     ARFUSE_RETURN_IF_ERROR(Validate(op));
@@ -267,9 +264,12 @@ class HostEngine final : public Engine {
     HostRankSync* mine = Sync(base, options_.rank);
     const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
     std::memcpy(Slot(base, b, options_.rank), op.input, bytes);
-    mine->desc[b] = HostSlotDesc{op.hidden, op.num_tokens, FloatBitsOf(op.eps),
+    mine->desc[b] = HostSlotDesc{op.hidden,
+                                 op.num_tokens,
+                                 FloatBitsOf(op.eps),
                                  static_cast<uint8_t>(op.pattern),
-                                 static_cast<uint8_t>(op.dtype), 0};
+                                 static_cast<uint8_t>(op.dtype),
+                                 0};
     // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
     mine->written_seq[b].store(s, std::memory_order_release);
     // 3. Wait for every rank's slot of this call.
@@ -278,10 +278,12 @@ class HostEngine final : public Engine {
         deadline, by_ctx, s, "arrive"));
     // A rank that gave up while this one waited may have seen this rank arrive; failing here
     // too keeps the outcome alike on every rank in all but the narrowest race.
-    if (uint32_t w = header_->abort_word.load(std::memory_order_acquire); w != 0) {
-      return Fail(absl::AbortedError(absl::StrCat("op ", s, ": rank ", w - 1,
-                                                  " gave up on this op; rank ", options_.rank,
-                                                  " drops it too")));
+    if (uint32_t w = header_->abort_word.load(std::memory_order_acquire);
+        host::DropsOpAfterAbort(w, header_->abort_seq.load(std::memory_order_acquire), s)) {
+      return Fail(
+          absl::AbortedError(absl::StrCat("op ", s, ": rank ", w - 1, " gave up on this op; rank ",
+                                          options_.rank, " drops it too")),
+          s);
     }
     // 4. Every rank must run the same op; a mismatch is refused alike on every rank, and the
     // buffer is still released below so the protocol stays in step.
@@ -290,9 +292,9 @@ class HostEngine final : public Engine {
       const HostSlotDesc& d = Sync(base, q)->desc[b];
       const HostSlotDesc& m = mine->desc[b];
       if (std::memcmp(&d, &m, sizeof(d)) != 0) {
-        agreed = absl::InvalidArgumentError(absl::StrCat(
-            "ranks disagree on the op: rank ", q, " ran ", Describe(d), " but rank ",
-            options_.rank, " ran ", Describe(m)));
+        agreed = absl::InvalidArgumentError(absl::StrCat("ranks disagree on the op: rank ", q,
+                                                         " ran ", Describe(d), " but rank ",
+                                                         options_.rank, " ran ", Describe(m)));
       }
     }
     absl::Status ran = agreed;
@@ -364,9 +366,8 @@ class HostEngine final : public Engine {
       return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(op.dtype)));
     }
     if (op.hidden == 0 || op.hidden % kHiddenMultiple != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("hidden ", op.hidden,
-                                                     " must be a positive multiple of ",
-                                                     kHiddenMultiple));
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden ", op.hidden, " must be a positive multiple of ", kHiddenMultiple));
     }
     if (op.hidden > options_.max_hidden) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -376,11 +377,11 @@ class HostEngine final : public Engine {
     const uint64_t cap =
         uint64_t{options_.max_tokens} * options_.max_hidden * DTypeSize(options_.dtype);
     if (bytes > cap) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "op of ", op.num_tokens, " tokens x ", op.hidden, " hidden ", DTypeName(op.dtype), " (",
-          bytes, " bytes) exceeds the workspace slot of ", cap, " bytes (max_tokens ",
-          options_.max_tokens, " x max_hidden ", options_.max_hidden, " ",
-          DTypeName(options_.dtype), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("op of ", op.num_tokens, " tokens x ", op.hidden, " hidden ",
+                       DTypeName(op.dtype), " (", bytes, " bytes) exceeds the workspace slot of ",
+                       cap, " bytes (max_tokens ", options_.max_tokens, " x max_hidden ",
+                       options_.max_hidden, " ", DTypeName(options_.dtype), ")"));
     }
     if (!std::isfinite(op.eps) || op.eps < 0) {
       return absl::InvalidArgumentError("eps must be finite and non-negative");
@@ -426,22 +427,25 @@ class HostEngine final : public Engine {
           return RankList(m);
         };
         if (abort_.load(std::memory_order_acquire)) {
-          return Fail(absl::AbortedError(absl::StrCat("op ", seq, " aborted on rank ",
-                                                      options_.rank, " while ranks ", missing(),
-                                                      " had yet to ", what)));
+          return Fail(
+              absl::AbortedError(absl::StrCat("op ", seq, " aborted on rank ", options_.rank,
+                                              " while ranks ", missing(), " had yet to ", what)),
+              seq);
         }
         uint32_t w = header_->abort_word.load(std::memory_order_acquire);
         if (w != 0) {
           return Fail(absl::AbortedError(absl::StrCat("op ", seq, ": rank ", w - 1,
                                                       " gave up, so rank ", options_.rank,
-                                                      " stops waiting for ranks ", missing())));
+                                                      " stops waiting for ranks ", missing())),
+                      seq);
         }
         absl::Time now = absl::Now();
         if (now >= deadline) {
-          return Fail(absl::DeadlineExceededError(absl::StrCat(
-              "op ", seq, ": ranks ", missing(), " did not ", what, " within ",
-              absl::FormatDuration(now - start), " (",
-              by_ctx ? "the op's deadline" : "spin_timeout", ")")));
+          return Fail(absl::DeadlineExceededError(
+                          absl::StrCat("op ", seq, ": ranks ", missing(), " did not ", what,
+                                       " within ", absl::FormatDuration(now - start), " (",
+                                       by_ctx ? "the op's deadline" : "spin_timeout", ")")),
+                      seq);
         }
         // Polling, not synchronization: on a loaded machine with more ranks than cores, a
         // spinner must leave the core to the rank it waits for.
@@ -456,7 +460,13 @@ class HostEngine final : public Engine {
     }
   }
 
-  absl::Status Fail(absl::Status s) {
+  // `seq`: the op this rank gives up on. The lowest one any rank gave up on is recorded before
+  // the abort word is raised (see HostWsHeader::abort_seq).
+  absl::Status Fail(absl::Status s, uint64_t seq) {
+    uint64_t low = header_->abort_seq.load(std::memory_order_acquire);
+    while ((low == 0 || seq < low) &&
+           !header_->abort_seq.compare_exchange_weak(low, seq, std::memory_order_acq_rel)) {
+    }
     uint32_t expected = 0;
     header_->abort_word.compare_exchange_strong(expected, static_cast<uint32_t>(options_.rank) + 1,
                                                 std::memory_order_acq_rel);
@@ -495,9 +505,8 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeHostEngine(const EngineOptions& opti
                                                    " is out of range [1, ", kMaxWorldSize, "]"));
   }
   if (options.rank < 0 || options.rank >= options.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", options.rank,
-                                                   " is out of range for world_size ",
-                                                   options.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", options.rank, " is out of range for world_size ", options.world_size));
   }
   if (options.dtype != DType::kBF16 && options.dtype != DType::kFP16 &&
       options.dtype != DType::kFP32) {
@@ -507,15 +516,16 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeHostEngine(const EngineOptions& opti
   if (options.max_tokens == 0 || options.max_hidden == 0 ||
       options.max_hidden % kHiddenMultiple != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "workspace capacity max_tokens ", options.max_tokens, " x max_hidden ",
-        options.max_hidden, " must be positive with max_hidden a multiple of ", kHiddenMultiple));
+        "workspace capacity max_tokens ", options.max_tokens, " x max_hidden ", options.max_hidden,
+        " must be positive with max_hidden a multiple of ", kHiddenMultiple));
   }
   // 1 GiB per slot is far beyond any decode or prefill chunk; it guards against overflow and
   // against a typo mapping all of /dev/shm.
-  const uint64_t slot = uint64_t{options.max_tokens} * options.max_hidden * DTypeSize(options.dtype);
+  const uint64_t slot =
+      uint64_t{options.max_tokens} * options.max_hidden * DTypeSize(options.dtype);
   if (slot > (uint64_t{1} << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace slot of ", slot,
-                                                   " bytes exceeds the 1 GiB limit of host mode"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace slot of ", slot, " bytes exceeds the 1 GiB limit of host mode"));
   }
   if (options.spin_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("spin_timeout must be positive");

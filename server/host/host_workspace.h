@@ -18,7 +18,7 @@
 namespace arfuse::host {
 
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
-inline constexpr uint32_t kHostWsLayoutVersion = 1;
+inline constexpr uint32_t kHostWsLayoutVersion = 2;              // 2: abort_seq
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
@@ -47,9 +47,22 @@ struct alignas(64) HostWsHeader {
   // rank's spin sees it and leaves at once instead of waiting out its own deadline.
   std::atomic<uint32_t> abort_word;
   uint32_t reserved;
+  // The lowest op sequence any rank gave up on, stored before abort_word is raised (so a rank that
+  // acquires abort_word sees it). Ops before it had every rank's input when the failure came and
+  // still run on the ranks that reach them; ops from it on are dropped alike on every rank.
+  std::atomic<uint64_t> abort_seq;
 };
 static_assert(sizeof(HostWsHeader) == 64);
 static_assert(offsetof(HostWsHeader, abort_word) == 40);
+static_assert(offsetof(HostWsHeader, abort_seq) == 48);
+
+// Whether a rank that found every rank's input for op `seq` must drop it because a rank gave up:
+// only when the failure was at this op or an earlier one. (A rank that gave up on a later op
+// completed this one with everyone's input; dropping it here would make the ranks disagree on its
+// outcome.)
+inline bool DropsOpAfterAbort(uint32_t abort_word, uint64_t abort_seq, uint64_t seq) {
+  return abort_word != 0 && (abort_seq == 0 || seq >= abort_seq);
+}
 
 // One cache line per rank so ranks' flags never share a line.
 struct alignas(64) HostRankSync {

@@ -280,10 +280,10 @@ TEST(DaemonShutdown, SigtermWithWatchInFlightExitsZeroWithinGrace) {
 
 // A client holds its Fusion.Session stream open for as long as it is connected. SIGTERM must end
 // it at once (UNAVAILABLE, so the client knows to reconnect) and exit without waiting the whole
-// grace period for a stream that never ends by itself. What remains after the stream ended is
-// gRPC's graceful GOAWAY: the server waits for the client to acknowledge a PING, and a client with
-// no call in progress (this one, or client/cpp after Connect) reads its connection only on gRPC's
-// 5 s backup poll. Hence "well before the grace": under half of it, not "at once".
+// grace period for a stream that never ends by itself, nor for gRPC's graceful GOAWAY (the server
+// would wait for an idle client, one that reads its connection only on gRPC's 5 s backup poll, to
+// acknowledge a PING): the sidecar stops the server as soon as no unary call is in flight.
+// Measured 0.15-0.18 s here; the bound leaves room for a loaded CI machine.
 TEST(DaemonShutdown, SigtermEndsOpenSessionWithUnavailableAndExitsWellBeforeTheGrace) {
   constexpr auto kGrace = 20s;
   Daemon d({"--grace-period=20"});
@@ -312,7 +312,8 @@ TEST(DaemonShutdown, SigtermEndsOpenSessionWithUnavailableAndExitsWellBeforeTheG
   ASSERT_TRUE(code.has_value()) << "arfused did not exit after SIGTERM";
   EXPECT_EQ(*code, 0) << d.proc->Stderr();
   EXPECT_LT(stream_ended, 5s);
-  EXPECT_LT(exited, kGrace / 2) << "shutdown waited for the open session\n" << d.proc->Stderr();
+  EXPECT_LT(exited, 3s) << "shutdown waited for the open session or the idle connection\n"
+                        << d.proc->Stderr();
   std::printf(
       "[shutdown] session stream ended after %.3f s, process exited after %.3f s "
       "(grace %lld s)\n",

@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference_op.h"
+#include "server/host/host_workspace.h"
 #include "server/peers/local_exchange.h"
 
 namespace arfuse {
@@ -250,6 +251,18 @@ TEST(HostEngine, MissingRankTimesOutPoisonsAndReinitializeRecovers) {
   EXPECT_EQ(tt[0].norm_out, tt[1].norm_out);
 }
 
+// After a rank gave up on op k, ops before k (every rank's input already there) still run on a
+// rank that reaches them late; ops from k on are dropped. Without the recorded op, a rank frozen
+// inside op k - 1 and continued later dropped it although its peer had completed it.
+TEST(HostEngineAbort, OnlyOpsFromTheOneGivenUpOnAreDropped) {
+  EXPECT_FALSE(host::DropsOpAfterAbort(/*abort_word=*/0, /*abort_seq=*/0, /*seq=*/6));
+  EXPECT_FALSE(host::DropsOpAfterAbort(1, 7, 6));
+  EXPECT_TRUE(host::DropsOpAfterAbort(1, 7, 7));
+  EXPECT_TRUE(host::DropsOpAfterAbort(2, 7, 8));
+  // A word without a recorded op (written by nothing but an older layout) drops everything.
+  EXPECT_TRUE(host::DropsOpAfterAbort(1, 0, 6));
+}
+
 TEST(HostEngine, SpinTimeoutBoundsAnOpWithoutADeadline) {
   auto ex = LocalExchangeGroup::Create(2);
   std::vector<std::unique_ptr<Engine>> eng;
@@ -375,7 +388,8 @@ TEST(HostEngine, InitializeRefusesAnEngineOfAnotherRankAndTellsEveryRank) {
   OnRanks(2, [&](int r) { st[r] = eng[r]->Initialize(*ex[r], Soon()); });
   for (auto& s : st) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-    EXPECT_THAT(s.message(), HasSubstr("rank 1: engine is rank 0 of 2 but the peer group says rank 1"));
+    EXPECT_THAT(s.message(),
+                HasSubstr("rank 1: engine is rank 0 of 2 but the peer group says rank 1"));
   }
 }
 

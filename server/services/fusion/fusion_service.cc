@@ -247,6 +247,11 @@ bool FusionService::TrackSession(SessionReactor* reactor) {
   return true;
 }
 
+size_t FusionService::open_sessions() const {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  return sessions_.size();
+}
+
 void FusionService::UntrackSession(SessionReactor* reactor) {
   std::lock_guard<std::mutex> lock(sessions_mu_);
   sessions_.erase(reactor);

@@ -92,6 +92,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   void Shutdown();
 
   Registry& registry() { return registry_; }
+  // Session streams not yet done (shutdown waits for the ones BeginShutdown ended).
+  size_t open_sessions() const;
   // Ops waiting behind the one running (tests, metrics).
   size_t queued_ops() const { return ops_.queued(); }
   const FusionServiceOptions& options() const { return options_; }
@@ -156,7 +158,7 @@ class FusionService final : public v1::Fusion::CallbackService {
   const std::unique_ptr<EventIpc> events_;
   Registry registry_;
   std::atomic<bool> shutting_down_{false};
-  std::mutex sessions_mu_;
+  mutable std::mutex sessions_mu_;
   std::set<SessionReactor*> sessions_;  // not owned: each deletes itself after OnDone
   // Declared before the executors, so that it outlives their threads.
   std::mutex doorbell_mu_;
