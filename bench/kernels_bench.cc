@@ -34,6 +34,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/flag_args.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/core/log.h"
@@ -66,33 +67,13 @@ struct Flags {
   std::vector<std::string> raw;  // flags to pass on to the ranks
 };
 
-absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& v) {
-  std::vector<uint32_t> out;
-  for (absl::string_view part : absl::StrSplit(v, ',')) {
-    uint32_t x = 0;
-    if (!absl::SimpleAtoi(part, &x) || x == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("\"", part, "\" is not a positive number"));
-    }
-    out.push_back(x);
-  }
-  return out;
-}
-
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    const size_t eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("flag \"", a, "\" is not --key=value"));
-    }
-    const std::string key = a.substr(2, eq - 2), value = a.substr(eq + 1);
-    auto num = [&](int* out) -> absl::Status {
-      if (!absl::SimpleAtoi(value, out)) {
-        return absl::InvalidArgumentError(absl::StrCat("--", key, " needs a number"));
-      }
-      return absl::OkStatus();
-    };
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<FlagArg> args, SplitFlagArgs(argc, argv));
+  for (const FlagArg& arg : args) {
+    const std::string& key = arg.key;
+    const std::string& value = arg.value;
+    auto num = [&](int* out) { return ParseIntFlag(arg, out); };
     if (key == "rank") {
       ARFUSE_RETURN_IF_ERROR(num(&f.rank));
       continue;
@@ -101,7 +82,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.dir = value;
       continue;
     }
-    f.raw.push_back(a);
+    f.raw.push_back(arg.raw);
     if (key == "world") {
       ARFUSE_RETURN_IF_ERROR(num(&f.world));
     } else if (key == "backend") {
@@ -109,9 +90,9 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     } else if (key == "vmm") {
       f.vmm = value;
     } else if (key == "tokens") {
-      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParseList(value));
+      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParsePositiveList(arg));
     } else if (key == "hidden") {
-      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParseList(value));
+      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParsePositiveList(arg));
     } else if (key == "repeats") {
       ARFUSE_RETURN_IF_ERROR(num(&f.repeats));
     } else if (key == "iters") {
@@ -300,11 +281,11 @@ absl::Status RunRank(const Flags& f) {
       op.gamma = gamma.get();
       for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
         const int i = algo == FusionAlgo::kOneShot ? 0 : 1;
-        ARFUSE_ASSIGN_OR_RETURN(r.us[i == 0 ? kOneShot : kTwoShot],
-                                TimeGraph(
-                                    *ex, s, f, [&] { return ws->Launch(op, algo, s); },
-                                    absl::StrCat(tag, "/fused", static_cast<int>(algo)),
-                                    &r.fused_max[i]));
+        ARFUSE_ASSIGN_OR_RETURN(
+            r.us[i == 0 ? kOneShot : kTwoShot],
+            TimeGraph(
+                *ex, s, f, [&] { return ws->Launch(op, algo, s); },
+                absl::StrCat(tag, "/fused", static_cast<int>(algo)), &r.fused_max[i]));
       }
       AddRmsNormParams np = {};
       np.residual_in = res_in.get();
@@ -343,16 +324,15 @@ absl::Status RunRank(const Flags& f) {
                   tag + "/nccl_sym"));
           AddRmsNormParams symp = np;
           symp.input = sym;
-          ARFUSE_ASSIGN_OR_RETURN(
-              r.us[kNcclSymNorm],
-              TimeGraph(
-                  *ex, s, f,
-                  [&] {
-                    ARFUSE_RETURN_IF_ERROR(
-                        sym_nccl->AllReduce(sym, sym, count, DType::kBF16, s, far));
-                    return ARFUSE_CUDA_STATUS(LaunchAddRmsNorm(symp, s));
-                  },
-                  tag + "/nccl_sym_norm"));
+          ARFUSE_ASSIGN_OR_RETURN(r.us[kNcclSymNorm],
+                                  TimeGraph(
+                                      *ex, s, f,
+                                      [&] {
+                                        ARFUSE_RETURN_IF_ERROR(sym_nccl->AllReduce(
+                                            sym, sym, count, DType::kBF16, s, far));
+                                        return ARFUSE_CUDA_STATUS(LaunchAddRmsNorm(symp, s));
+                                      },
+                                      tag + "/nccl_sym_norm"));
         }
         r.us[kUnfused] = std::isnan(r.us[kNcclSymNorm])
                              ? r.us[kNcclNorm]

@@ -68,6 +68,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/flag_args.h"
 #include "bench/subcommands.h"
 #include "client/cpp/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -129,35 +130,13 @@ struct Flags {
   std::vector<std::string> raw;  // the user's flags, passed on to the clients and into the JSON
 };
 
-absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& v, const std::string& what) {
-  std::vector<uint32_t> out;
-  for (absl::string_view part : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-    uint32_t x = 0;
-    if (!absl::SimpleAtoi(part, &x) || x == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", what, ": \"", std::string(part), "\" is not a positive number"));
-    }
-    out.push_back(x);
-  }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", what, " is empty"));
-  return out;
-}
-
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const size_t eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("flag \"", a, "\" is not --key=value"));
-    }
-    const std::string key = a.substr(2, eq - 2), value = a.substr(eq + 1);
-    auto num = [&](int* out) -> absl::Status {
-      if (!absl::SimpleAtoi(value, out)) {
-        return absl::InvalidArgumentError(absl::StrCat("--", key, " needs a number"));
-      }
-      return absl::OkStatus();
-    };
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<FlagArg> args, SplitFlagArgs(argc, argv));
+  for (const FlagArg& arg : args) {
+    const std::string& key = arg.key;
+    const std::string& value = arg.value;
+    auto num = [&](int* out) { return ParseIntFlag(arg, out); };
     if (key == "client_rank") {
       ARFUSE_RETURN_IF_ERROR(num(&f.client_rank));
       continue;
@@ -166,15 +145,15 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.dir = value;
       continue;
     }
-    f.raw.push_back(a);
+    f.raw.push_back(arg.raw);
     if (key == "ranks") {
       ARFUSE_RETURN_IF_ERROR(num(&f.ranks));
     } else if (key == "device") {
       f.device = value;
     } else if (key == "tokens") {
-      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParseList(value, key));
+      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParsePositiveList(arg));
     } else if (key == "hidden") {
-      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParseList(value, key));
+      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParsePositiveList(arg));
     } else if (key == "iters") {
       ARFUSE_RETURN_IF_ERROR(num(&f.iters));
     } else if (key == "warmup") {

@@ -44,8 +44,11 @@ TEST(DoorbellLayout, DeviceRecordsKeepTheirSizes) {
   EXPECT_EQ(sizeof(DoorbellOp), 328u);
   EXPECT_EQ(offsetof(DoorbellOp, params), 0u);  // LaunchAllReduceFusionIndirect reads it there
   EXPECT_EQ(sizeof(DoorbellControl), 16u);
-  EXPECT_EQ(sizeof(DoorbellReport), 16u);
+  EXPECT_EQ(sizeof(DoorbellReport), 32u);
+  EXPECT_EQ(offsetof(DoorbellReport, served_in_place), 16u);
   EXPECT_EQ(sizeof(DoorbellWaitParams), 64u);
+  EXPECT_EQ(sizeof(DoorbellServeState), 128u);   // zeroed by the host, one line
+  EXPECT_EQ(sizeof(DoorbellServeParams), 400u);  // a kernel parameter
 }
 
 // The values travel to clients in CreatePlan's Doorbell message and are baked into captured
@@ -176,6 +179,57 @@ FusionParams GoodTemplate() {
   t.pattern = Pattern::kAllReduceResidualRmsNorm;
   t.algo = FusionAlgo::kOneShot;
   return t;
+}
+
+DoorbellServeParams GoodServe() {
+  DoorbellServeParams sp{};
+  sp.wait = GoodWait();
+  sp.wait.slot_mask = 0x3;
+  sp.inplace_template = GoodTemplate();
+  sp.state = reinterpret_cast<DoorbellServeState*>(uintptr_t{0x60000});
+  sp.inplace_mask = 0x1;
+  sp.max_blocks = 32;
+  return sp;
+}
+
+TEST(DoorbellLaunch, ServingLaunchRefusesBadParamsBeforeTheDevice) {
+  const char* why = nullptr;
+  EXPECT_EQ(CheckDoorbellServeParams(GoodServe(), &why), cudaSuccess);
+  EXPECT_EQ(why, nullptr);
+  struct Case {
+    void (*mutate)(DoorbellServeParams&);
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](DoorbellServeParams& sp) { sp.wait.idle_timeout_ns = 0; }, "idle timeout is zero"},
+      {[](DoorbellServeParams& sp) { sp.state = nullptr; }, "serving state is null"},
+      {[](DoorbellServeParams& sp) {
+         sp.state = reinterpret_cast<DoorbellServeState*>(uintptr_t{0x60040});
+       },
+       "128-byte aligned"},
+      {[](DoorbellServeParams& sp) {
+         sp.report = reinterpret_cast<DoorbellReport*>(uintptr_t{0x50001});
+       },
+       "report is misaligned"},
+      {[](DoorbellServeParams& sp) { sp.inplace_mask = 0; }, "in-place slot mask is empty"},
+      {[](DoorbellServeParams& sp) { sp.inplace_mask = 0x4; }, "not within the waiter's"},
+      {[](DoorbellServeParams& sp) { sp.max_blocks = 0; }, "max_blocks is 0"},
+      {[](DoorbellServeParams& sp) { sp.inplace_template.world_size = 3; }, "combination"},
+      {[](DoorbellServeParams& sp) { sp.inplace_template.hidden = 1028; },
+       "hidden is not a positive multiple of 8"},
+      {[](DoorbellServeParams& sp) { sp.inplace_template.spin_timeout_ns = 0; },
+       "spin_timeout_ns is zero"},
+  };
+  for (const Case& c : cases) {
+    DoorbellServeParams sp = GoodServe();
+    c.mutate(sp);
+    why = nullptr;
+    EXPECT_EQ(CheckDoorbellServeParams(sp, &why), cudaErrorInvalidValue) << c.message;
+    ASSERT_NE(why, nullptr) << c.message;
+    EXPECT_THAT(why, HasSubstr(c.message));
+    // The launcher refuses the same without touching the device (no GPU here).
+    EXPECT_EQ(LaunchDoorbellServe(sp, nullptr), cudaErrorInvalidValue) << c.message;
+  }
 }
 
 TEST(FusionIndirect, RefusesBadParamsPointerOrTemplateBeforeTheDevice) {
