@@ -1,16 +1,13 @@
 // Multi-process peer tests: every rank is a peer_helper process (posix_spawn + exec) talking
 // over real sockets. Waits are bounded by generous deadlines (a loaded 2-core machine), never
 // by sleeps.
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -21,8 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/peers/peer_exchange.h"
-
-extern char** environ;
+#include "tests/support/line_process.h"
 
 namespace arfuse {
 namespace {
@@ -30,58 +26,14 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-class Proc {
+// One rank: peer_helper with `args`; its stdout lines are what the test reads.
+class Proc : public testing::LineProcess {
  public:
-  explicit Proc(const std::vector<std::string>& args) {
-    int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) return;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
-    std::vector<std::string> all = {std::string(ARFUSE_BINARY_DIR) + "/tests/peers/peer_helper"};
-    all.insert(all.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&fa);
-    ::close(p[1]);
-    out_ = p[0];
-  }
-  ~Proc() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (out_ >= 0) ::close(out_);
-  }
-  pid_t pid() const { return pid_; }
-
-  // The next line starting with `prefix` (earlier lines are skipped), or "" on timeout/EOF.
+  explicit Proc(const std::vector<std::string>& args)
+      : LineProcess("tests/peers/peer_helper", args) {}
   std::string Await(const std::string& prefix, absl::Duration timeout = absl::Seconds(60)) {
-    absl::Time deadline = absl::Now() + timeout;
-    for (;;) {
-      size_t nl;
-      while ((nl = buf_.find('\n')) != std::string::npos) {
-        std::string line = buf_.substr(0, nl);
-        buf_.erase(0, nl + 1);
-        if (line.rfind(prefix, 0) == 0) return line;
-      }
-      absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) return "";
-      pollfd pfd{out_, POLLIN, 0};
-      if (::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
-      char tmp[4096];
-      ssize_t n = ::read(out_, tmp, sizeof(tmp));
-      if (n <= 0) return "";
-      buf_.append(tmp, n);
-    }
+    return LineProcess::Await(prefix, timeout);
   }
-
- private:
-  pid_t pid_ = -1;
-  int out_ = -1;
-  std::string buf_;
 };
 
 class PeersProcessTest : public ::testing::Test {
