@@ -516,6 +516,10 @@ int RunStats(const ParsedArgs& args, Io& io) {
   if (args.Switch("json")) {
     io.out << "{\"addr\":" << JsonString(server->addr) << ",\"backend\":" << JsonString(s.backend())
            << ",\"state\":" << JsonString(StateText(s.state())) << ",\"sessions\":" << s.sessions()
+           << ",\"regions\":" << s.regions() << ",\"region_bytes\":" << s.region_bytes()
+           << ",\"plans\":" << s.plans() << ",\"ops_ok\":" << s.ops_ok()
+           << ",\"ops_failed\":" << s.ops_failed() << ",\"ops_fused\":" << s.ops_fused()
+           << ",\"ops_unfused\":" << s.ops_unfused() << ",\"bytes_reduced\":" << s.bytes_reduced()
            << ",\"poisonings\":" << s.poisonings()
            << ",\"reinitializations\":" << s.reinitializations()
            << ",\"uptime_seconds\":" << s.uptime_seconds()
@@ -523,8 +527,12 @@ int RunStats(const ParsedArgs& args, Io& io) {
   } else {
     io.out << "arfused at " << server->addr << " (version " << s.version() << ", up "
            << s.uptime_seconds() << " s)\n  backend " << s.backend() << ", state "
-           << StateText(s.state()) << "\n  sessions " << s.sessions() << ", poisonings "
-           << s.poisonings() << ", re-initializations " << s.reinitializations() << "\n";
+           << StateText(s.state()) << "\n  sessions " << s.sessions() << ", regions " << s.regions()
+           << " (" << s.region_bytes() << " bytes), plans " << s.plans() << "\n  ops ok "
+           << s.ops_ok() << " (fused " << s.ops_fused() << ", unfused " << s.ops_unfused()
+           << "), failed " << s.ops_failed() << ", bytes reduced " << s.bytes_reduced()
+           << "\n  poisonings " << s.poisonings() << ", re-initializations "
+           << s.reinitializations() << "\n";
   }
   return kExitOk;
 }

@@ -284,6 +284,17 @@ TEST_F(AdminStatsTest, SessionsAddUpAcrossClients) {
   EXPECT_EQ(both.sessions(), 2u);
   EXPECT_EQ(both.regions(), 2u);
   EXPECT_EQ(both.region_bytes(), 4096u + 8192u);
+  // arfusectl shows the same figures, as text and as JSON.
+  auto [tcode, text] = RunToCompletion(
+      {BinaryPath("client/arfusectl/arfusectl"), "stats", "--addr=unix:" + daemon_->socket}, {},
+      60s);
+  ASSERT_EQ(tcode, 0) << text;
+  EXPECT_THAT(text, HasSubstr("sessions 2, regions 2 (12288 bytes), plans 0"));
+  auto [jcode, json] = RunToCompletion({BinaryPath("client/arfusectl/arfusectl"), "stats",
+                                        "--addr=unix:" + daemon_->socket, "--json"},
+                                       {}, 60s);
+  ASSERT_EQ(jcode, 0) << json;
+  EXPECT_THAT(json, HasSubstr("\"regions\":2,\"region_bytes\":12288,\"plans\":0"));
   // A refused registration changes nothing.
   auto dup = (*a)->RegisterHostShm("r", buf_a->shm_name(), 4096);
   EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
