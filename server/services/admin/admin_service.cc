@@ -90,7 +90,7 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* ctx,
                                                    const v1::SetBackendRequest* req,
                                                    v1::SetBackendResponse* resp) {
-  std::string backend = req->backend();
+  const std::string& backend = req->backend();
   if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
