@@ -361,6 +361,10 @@ cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* de
 
 }  // namespace
 
+uint32_t FusionResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {
+  return ResidentBlocks(kernel, threads, sm_budget);
+}
+
 cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
                                           const FusionParams* device_params, cudaStream_t stream,
                                           bool programmatic_dependent) {

@@ -30,10 +30,10 @@ enum class FusionAlgo : uint8_t { kOneShot = 1, kTwoShot = 2 };
 // Codes of the workspace error word (0 = healthy). Sticky until LaunchWorkspaceInit.
 enum class FusionError : uint32_t {
   kNone = 0,
-  kTimeout = 1,       // a spin passed FusionParams::spin_timeout_ns: a peer did not arrive
-  kHostAbort = 2,     // the host abort word (FusionParams::host_abort) was set
-  kPeerAbort = 3,     // a peer failed and told this rank to stop
-  kPoisoned = 4,      // launched on a workspace that already held an error; nothing was done
+  kTimeout = 1,    // a spin passed FusionParams::spin_timeout_ns: a peer did not arrive
+  kHostAbort = 2,  // the host abort word (FusionParams::host_abort) was set
+  kPeerAbort = 3,  // a peer failed and told this rank to stop
+  kPoisoned = 4,   // launched on a workspace that already held an error; nothing was done
 };
 const char* FusionErrorName(uint32_t code);
 
@@ -58,14 +58,14 @@ struct WorkspaceLayout {
   uint64_t lamport_buffer_bytes;  // one of the three buffers: N slots
   uint64_t lamport_slot_bytes;    // one rank's slot: T x H x E
   uint64_t scatter_offset;
-  uint64_t scatter_slot_bytes;    // one rank's slot: ceil(T/N) x H x E
+  uint64_t scatter_slot_bytes;  // one rank's slot: ceil(T/N) x H x E
   uint64_t gather_offset;
   uint64_t total_bytes;
   uint32_t max_tokens;
   uint32_t hidden;  // the hidden size the workspace was sized for; ops may use any hidden <= it
                     // as long as num_tokens x hidden <= max_tokens x this hidden
   int32_t world_size;
-  DType dtype;      // the sentinel pattern depends on it: ops must use this dtype
+  DType dtype;  // the sentinel pattern depends on it: ops must use this dtype
   uint8_t reserved[3];
 };
 static_assert(sizeof(WorkspaceLayout) == 80, "WorkspaceLayout is copied into kernel params");
@@ -95,9 +95,10 @@ struct FusionParams {
   // Optional (may be null): host-mapped word the kernel also writes its error code into, so the
   // host sees a failure without a copy.
   uint32_t* host_error;
-  uint64_t spin_timeout_ns;  // each spin's budget, measured from the spin's first poll (%globaltimer)
-  WorkspaceLayout layout;    // ComputeWorkspaceLayout(...) of the workspaces (same on all ranks)
-  uint32_t num_tokens;       // may be 0: nothing is launched
+  uint64_t
+      spin_timeout_ns;     // each spin's budget, measured from the spin's first poll (%globaltimer)
+  WorkspaceLayout layout;  // ComputeWorkspaceLayout(...) of the workspaces (same on all ranks)
+  uint32_t num_tokens;     // may be 0: nothing is launched
   uint32_t hidden;
   float eps;
   int32_t rank;
@@ -171,6 +172,12 @@ cudaError_t LaunchAllReduceFusion(const FusionParams& params, cudaStream_t strea
 cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
                                           const FusionParams* device_params, cudaStream_t stream,
                                           bool programmatic_dependent = false);
+
+// Blocks of `kernel` launched with `threads` threads that can be resident at once on this device
+// within `sm_budget` SMs (0: all), capped at kMaxFusionBlocks: a grid whose blocks spin on each
+// other must not exceed it. Cached per (kernel, threads, device); 0 when the device cannot be
+// queried. Used by the fused launches here and by the doorbell's serving launch.
+uint32_t FusionResidentBlocks(const void* kernel, int threads, uint32_t sm_budget);
 
 // Resets this rank's own workspace (peer pointers are not touched): Lamport buffers to the
 // dtype's -0.0 sentinel, counters, barrier slots, abort and error words to zero.

@@ -137,6 +137,21 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
   WriteOpRecord(w, r.served, r.outcome);
 }
 
+// The slot error of an op whose workspace error word read `fusion` (0: the op succeeded).
+__device__ __forceinline__ uint32_t FusionSlotError(uint32_t fusion) {
+  return fusion != 0 ? (static_cast<uint32_t>(DoorbellError::kFusionFailed) | (fusion & 0xffu))
+                     : 0u;
+}
+
+// Completes an op on `slot`. The error first (first one wins), then the release of the
+// completion: a client that sees the completion sees the error. The count needs no answer (a
+// reduction, no round trip).
+__device__ void CompleteSlot(DoorbellSlot* slot, uint32_t error) {
+  if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
+  atomicAdd(&slot->served, 1u);
+  StoreReleaseSys(&slot->complete, kDoorbellComplete);
+}
+
 // One thread, after the fused launches of the op on the same stream.
 __global__ void __launch_bounds__(1) DoorbellCompleteKernel(const DoorbellCompleteParams c) {
   // As a programmatic dependent it may start while the fused kernel runs: wait for it (and its
@@ -148,21 +163,14 @@ __global__ void __launch_bounds__(1) DoorbellCompleteKernel(const DoorbellComple
   uint32_t error = 0;
   if (outcome == static_cast<uint32_t>(DoorbellOutcome::kServed) ||
       outcome == static_cast<uint32_t>(DoorbellOutcome::kRejected)) {
-    DoorbellSlot* slot = &c.slots[op->slot];
     if (outcome == static_cast<uint32_t>(DoorbellOutcome::kRejected)) {
       error = static_cast<uint32_t>(DoorbellError::kBadTokenCount);
     } else if (c.workspace_error != nullptr) {
       // Written (if at all) by the fused kernel just before, or by an earlier op (sticky: the
       // workspace is poisoned and this op did nothing).
-      const uint32_t fusion = LoadRelaxedSys(c.workspace_error);
-      if (fusion != 0)
-        error = static_cast<uint32_t>(DoorbellError::kFusionFailed) | (fusion & 0xffu);
+      error = FusionSlotError(LoadRelaxedSys(c.workspace_error));
     }
-    // The error first, then the release of the completion: a client that sees the completion
-    // sees the error.
-    if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
-    StoreRelaxedSys(&slot->served, LoadRelaxedSys(&slot->served) + 1u);
-    StoreReleaseSys(&slot->complete, kDoorbellComplete);
+    CompleteSlot(&c.slots[op->slot], error);
   }
   if (c.report != nullptr) {
     // Host-mapped: the host reads it after the event recorded behind this kernel completed.
@@ -225,15 +233,9 @@ __device__ bool RunsInPlace(const DoorbellServeParams& sp, const DoorbellPlanEnt
 // Block 0, thread 0: completes an in-place op every block finished. Returns the DoorbellError
 // written to the slot (0: the op succeeded).
 __device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p) {
-  const uint32_t fusion =
-      LoadRelaxedSys(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error);
-  const uint32_t error =
-      fusion != 0 ? (static_cast<uint32_t>(DoorbellError::kFusionFailed) | (fusion & 0xffu)) : 0u;
-  // The error first, then the release of the completion: a client that sees the completion sees
-  // the error. The count needs no answer (a reduction, no round trip).
-  if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
-  atomicAdd(&slot->served, 1u);
-  StoreReleaseSys(&slot->complete, kDoorbellComplete);
+  const uint32_t error = FusionSlotError(
+      LoadRelaxedSys(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error));
+  CompleteSlot(slot, error);
   return error;
 }
 
@@ -419,16 +421,9 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
   const int threads = device::RowBlockThreads(vecs_per_row);
   auto* kernel = &DoorbellServeKernel<DT, kNorm, kBucket>;
-  int device = 0;
-  int sms = 0;
-  int per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess) {
-    return cudaErrorInvalidDevice;
-  }
-  if (t.sm_budget > 0) sms = std::min(sms, static_cast<int>(t.sm_budget));
-  const uint32_t resident = static_cast<uint32_t>(std::max(1, sms * std::max(1, per_sm)));
+  const uint32_t resident =
+      FusionResidentBlocks(reinterpret_cast<const void*>(kernel), threads, t.sm_budget);
+  if (resident == 0) return cudaErrorInvalidDevice;
   const unsigned grid = std::max(1u, std::min(sp.max_blocks, resident));
   return LaunchSmall(kernel, static_cast<unsigned>(threads), grid, sp, stream, pdl);
 }

@@ -69,6 +69,14 @@ bool SameLayout(const WorkspaceLayout& a, const WorkspaceLayout& b) {
          a.world_size == b.world_size && a.dtype == b.dtype;
 }
 
+// Plans whose fused launch is the same kernel with the same grid rule (allreduce_fusion.h): the
+// indirect launch queued for one runs the other's ops, and the serving launch runs both in place.
+// (World size and rank are the plane's, alike for every plan.)
+bool SameLaunchShape(const FusionParams& a, const FusionParams& b) {
+  return a.dtype == b.dtype && a.pattern == b.pattern && a.hidden == b.hidden &&
+         a.sm_budget == b.sm_budget;
+}
+
 bool UsesOneShot(const DoorbellPlanOptions& o) { return o.twoshot_min_tokens > 1; }
 bool UsesTwoShot(const DoorbellPlanOptions& o) { return o.twoshot_min_tokens <= o.max_tokens; }
 
@@ -244,12 +252,7 @@ bool DoorbellPlane::ServeParamsLocked(DoorbellServeParams* sp) const {
     const Plan& p = plans_[i];
     if (!p.active || !UsesOneShot(p.options)) continue;
     if (first == nullptr) first = &p;
-    const FusionParams& a = p.params;
-    const FusionParams& b = first->params;
-    if (a.dtype != b.dtype || a.pattern != b.pattern || a.hidden != b.hidden ||
-        a.world_size != b.world_size || a.rank != b.rank || a.sm_budget != b.sm_budget) {
-      continue;
-    }
+    if (!SameLaunchShape(p.params, first->params)) continue;
     mask |= 1u << i;
     // One-shot rings are below the two-shot threshold and within the maximum.
     rows = std::max(rows, std::min(p.options.max_tokens, p.options.twoshot_min_tokens - 1));
@@ -532,9 +535,7 @@ void DoorbellPlane::RebuildSignaturesLocked() {
       // them share the launch.
       const bool known =
           std::any_of(signatures_.begin(), signatures_.end(), [&](const Signature& s) {
-            const FusionParams& t = s.grid_template;
-            return t.hidden == p.params.hidden && t.pattern == p.params.pattern && t.algo == algo &&
-                   t.sm_budget == p.params.sm_budget && t.dtype == p.params.dtype;
+            return s.grid_template.algo == algo && SameLaunchShape(s.grid_template, p.params);
           });
       if (known) continue;
       Signature s;
