@@ -1,8 +1,8 @@
 // libFuzzer: bytes arriving on the peer channel (server/peers/wire.h; the coordinator reads
 // them from any process that can reach the peer socket, or from the network across nodes) ->
 // TakeFrame -> the frame bodies (JoinBody + JoinRequest, CollectiveRequest/Response,
-// LeaveRequest, error records). Oracles besides ASan/UBSan: frames re-encode to the same frame;
-// a join body re-encodes to the same group and request.
+// LeaveRequest, error records, heartbeats). Oracles besides ASan/UBSan: frames re-encode to the
+// same frame; a join body re-encodes to the same group and request.
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -57,6 +57,8 @@ void Body(const Frame& f) {
       (void)req.ParseFromString(f.body);
       break;
     }
+    case FrameType::kHeartbeat:
+      break;  // no body to decode
   }
 }
 

@@ -42,8 +42,8 @@ class SeedBuilder {
   void Add(RequestType type, const Msg& msg, uint64_t* id = nullptr, uint64_t* gen = nullptr,
            bool must_succeed = true) {
     std::string bytes = msg.SerializeAsString();
-    absl::Status st = driver_.Step(type, reinterpret_cast<const uint8_t*>(bytes.data()),
-                                   bytes.size(), id, gen);
+    absl::Status st =
+        driver_.Step(type, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), id, gen);
     if (must_succeed && !st.ok()) {
       std::fprintf(stderr, "make_seeds: step %d of a seed failed: %s\n", int(type),
                    st.ToString().c_str());
@@ -283,8 +283,8 @@ void PeerWireSeeds(const std::string& dir) {
   join.set_node_id("node-a");
   join.mutable_api()->set_major(1);
   join.set_build_version("0.1.0");
-  const std::string join_frame =
-      EncodeFrame(FrameType::kJoin, 1, 60000, peers::EncodeJoinBody("arfuse", join.SerializeAsString()));
+  const std::string join_frame = EncodeFrame(
+      FrameType::kJoin, 1, 60000, peers::EncodeJoinBody("arfuse", join.SerializeAsString()));
   Write(dir, n++, join_frame);
   v1::JoinResponse ok;
   ok.set_epoch(1796010527234205000ull);
@@ -316,6 +316,7 @@ void PeerWireSeeds(const std::string& dir) {
   leave.set_rank(1);
   leave.set_reason("shutdown");
   Write(dir, n++, EncodeFrame(FrameType::kLeave, 4, 0, leave.SerializeAsString()));
+  Write(dir, n++, EncodeFrame(FrameType::kHeartbeat, 5, 5000, ""));
   // Two frames back to back, as a stream delivers them.
   Write(dir, n++, join_frame + coll);
   std::printf("make_seeds: %d fuzz_peer_wire seeds\n", n);

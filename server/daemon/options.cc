@@ -45,6 +45,12 @@ ABSL_FLAG(std::string, peer_addr, "",
 ABSL_FLAG(std::string, group, "arfuse", "Name of the group; sidecars of one group share it.");
 ABSL_FLAG(double, peer_timeout, 60,
           "Seconds to wait for every peer to join; past it the missing ranks are named.");
+ABSL_FLAG(double, peer_heartbeat_timeout, 5,
+          "Seconds a peer may stay silent on the peer channel before the group counts it lost "
+          "(heartbeats go every fifth of it): a peer sidecar that is frozen (SIGSTOP) or hung "
+          "while its connection stays open is noticed within this time even when no op runs, "
+          "readiness goes NOT_SERVING and the group re-forms. 0 turns heartbeats off (then only "
+          "an op's --spin-timeout notices such a peer); otherwise 0.1..3600.");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
 ABSL_FLAG(std::optional<std::string>, flashinfer_allreduce_fusion_backend, std::nullopt,
           "Fused-allreduce backend: auto, trtllm or mnnvl (SGLang's flag). Unset: off, unless "
@@ -113,6 +119,7 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "peer_addr",
                                                  "group",
                                                  "peer_timeout",
+                                                 "peer_heartbeat_timeout",
                                                  "log_level",
                                                  "flashinfer_allreduce_fusion_backend",
                                                  "enable_flashinfer_allreduce_fusion",
@@ -324,6 +331,12 @@ absl::Status Validate(const DaemonOptions& o) {
           absl::StrCat("--", name, " must be a positive number of seconds, got ", v));
     }
   }
+  if (!(o.peer_heartbeat_timeout_s == 0 ||
+        (o.peer_heartbeat_timeout_s >= 0.1 && o.peer_heartbeat_timeout_s <= 3600))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--peer-heartbeat-timeout must be 0 (off) or between 0.1 and 3600 seconds, got ",
+        o.peer_heartbeat_timeout_s));
+  }
   for (const auto& [flag, ids] :
        {std::pair<const char*, const std::vector<std::string>*>{"allowed-uids", &o.allowed_uids},
         {"allowed-gids", &o.allowed_gids}}) {
@@ -398,6 +411,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.peer_addr = absl::GetFlag(FLAGS_peer_addr);
   o.group = absl::GetFlag(FLAGS_group);
   o.peer_timeout_s = absl::GetFlag(FLAGS_peer_timeout);
+  o.peer_heartbeat_timeout_s = absl::GetFlag(FLAGS_peer_heartbeat_timeout);
   o.log_level = absl::GetFlag(FLAGS_log_level);
   o.fusion_backend = absl::GetFlag(FLAGS_flashinfer_allreduce_fusion_backend);
   o.enable_flashinfer_allreduce_fusion = absl::GetFlag(FLAGS_enable_flashinfer_allreduce_fusion);

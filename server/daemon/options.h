@@ -27,6 +27,8 @@ struct DaemonOptions {
   std::string peer_addr;  // rank 0's host:port for groups across nodes
   std::string group;
   double peer_timeout_s = 60;
+  // Silence after which a peer counts as lost (heartbeats every fifth of it); 0: no heartbeats.
+  double peer_heartbeat_timeout_s = 5;
   std::string log_level = "info";
   // Fusion flags as SGLang spells them.
   std::optional<std::string> fusion_backend;

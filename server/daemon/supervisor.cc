@@ -95,6 +95,10 @@ absl::Status Sidecar::FormGroup() {
     po.rank0_address = options_.peer_addr;
     po.group = options_.group;
     po.timeout = absl::Seconds(options_.peer_timeout_s);
+    // A frozen peer keeps its connection open: heartbeats let the watch below notice it while no
+    // op runs. Five per timeout, so a late one or two are no loss.
+    po.heartbeat_timeout = absl::Seconds(options_.peer_heartbeat_timeout_s);
+    po.heartbeat_interval = po.heartbeat_timeout / 5;
     ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<PeerExchange> peers, ConnectPeers(po));
     // Rank 0's coordinator also answers the gRPC Peer service on the main socket.
     if (peers->coordinator() != nullptr) peer_service_->SetCoordinator(peers->coordinator());
@@ -199,8 +203,8 @@ void Sidecar::SuperviseGroup() {
       continue;
     }
     // Serving. Watch for a poisoned workspace (a peer died or stalled mid-op), a lost peer link
-    // (a peer died, or the group was re-formed without this rank, while no op ran) or a request
-    // to re-initialize; each re-forms the group, which also waits for a restarted peer.
+    // (a peer died or froze, or the group was re-formed without this rank, while no op ran) or a
+    // request to re-initialize; each re-forms the group, which also waits for a restarted peer.
     absl::Status link = absl::OkStatus();
     while (!ShutdownRequested() && !reinit_requested_) {
 #if ARFUSE_HAVE_CUDA
@@ -226,8 +230,9 @@ void Sidecar::SuperviseGroup() {
         not_ready_reason_ = "workspace poisoned; re-forming the group";
         break;
       }
-      // A non-blocking check of the socket (no collective, no traffic): the 50 ms tick bounds how
-      // long an idle group serves with a member gone.
+      // A non-blocking look at what the peer link's own thread found (a closed connection, or a
+      // peer silent for --peer-heartbeat-timeout): the 50 ms tick adds little to how long an idle
+      // group serves with a member gone or frozen.
       link = exchange_->LinkStatus();
       if (!link.ok()) {
         // The workspace is shared with a rank that is gone: as unusable as a poisoned one, and

@@ -5,16 +5,18 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,36 +26,26 @@
 
 namespace arfuse::peers {
 
-struct CoordinatorServer::Wake {
-  UniqueFd fd;
-  void Notify() {
-    uint64_t one = 1;
-    // A full eventfd counter still wakes the poller, so a failed write loses nothing.
-    [[maybe_unused]] ssize_t n = ::write(fd.get(), &one, sizeof(one));
-  }
-};
-
 struct CoordinatorServer::Conn {
-  struct Out {
-    std::string data;
-    std::vector<UniqueFd> fds;
-    size_t offset = 0;
-  };
   uint64_t id = 0;
   UniqueFd fd;
   std::string in;
   std::deque<UniqueFd> in_fds;
+  // I/O thread only: when a byte last arrived, and how long the peer said it may stay silent
+  // (its last kHeartbeat's timeout_ms; infinite until it sends one).
+  absl::Time last_heard;
+  absl::Duration heartbeat_timeout = absl::InfiniteDuration();
   // Answers may be produced on other threads (a gRPC caller completing a collective), so the
   // output queue has its own lock; only the I/O thread writes to the socket.
   std::mutex out_mu;
-  std::deque<Out> out;
+  std::deque<OutFrame> out;
   bool closed = false;  // guarded by out_mu: answers to a closed connection are dropped
 
   void Push(std::string data, std::vector<UniqueFd> fds, Wake& wake) {
     {
       std::lock_guard<std::mutex> lock(out_mu);
       if (closed) return;
-      out.push_back(Out{std::move(data), std::move(fds), 0});
+      out.push_back(OutFrame{std::move(data), std::move(fds)});
     }
     wake.Notify();
   }
@@ -174,8 +166,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "the coordinator needs a peer directory (one node) or a TCP address (several nodes)");
   }
   std::unique_ptr<CoordinatorServer> s(new CoordinatorServer(options));
-  s->wake_->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!s->wake_->fd) return absl::InternalError(absl::StrCat("eventfd: ", strerror(errno)));
+  ARFUSE_RETURN_IF_ERROR(s->wake_->Open());
   if (!options.unix_path.empty()) {
     ARFUSE_ASSIGN_OR_RETURN(s->unix_listen_, ListenUnix(options.unix_path, &s->unix_inode_));
   }
@@ -315,6 +306,13 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
           });
       return;
     }
+    case FrameType::kHeartbeat:
+      // Echoed at once, so the rank hears from rank 0 as long as this thread runs; the frame's
+      // arrival already counted as a sign of life (Loop).
+      conn->heartbeat_timeout =
+          frame.timeout_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(frame.timeout_ms);
+      conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, ""), {}, *wake);
+      return;
     case FrameType::kLeave: {
       v1::LeaveRequest req;
       req.ParseFromString(frame.body);
@@ -327,6 +325,34 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
   }
 }
 
+absl::Time CoordinatorServer::ExpireSilentConns(absl::Time now) {
+  std::vector<std::pair<uint64_t, std::string>> silent;
+  absl::Time next = absl::InfiniteFuture();
+  for (auto& [id, c] : conns_) {
+    if (c->heartbeat_timeout == absl::InfiniteDuration()) continue;
+    const absl::Time due = c->last_heard + c->heartbeat_timeout;
+    pollfd pending{c->fd.get(), POLLIN, 0};
+    if (due > now || ::poll(&pending, 1, 0) != 0) {
+      // Bytes (or the close) waiting to be read mean it did not stop answering: this thread did
+      // not run (the process was stopped) and reads them on its next turn.
+      next = std::min(next, std::max(due, now));
+      continue;
+    }
+    silent.emplace_back(
+        id,
+        absl::StrCat("stopped answering: nothing heard from it for ",
+                     absl::FormatDuration(absl::Trunc(now - c->last_heard, absl::Milliseconds(1))),
+                     " (its peer heartbeat timeout is ", absl::FormatDuration(c->heartbeat_timeout),
+                     "); is it stopped (SIGSTOP) or hung?"));
+  }
+  for (auto& [id, reason] : silent) {
+    spdlog::warn("event=peer_heartbeat_lost group={} conn={} reason=\"{}\"", options_.group, id,
+                 reason);
+    CloseConn(id, reason);
+  }
+  return next;
+}
+
 void CoordinatorServer::Loop() {
   bool listening = true;
   while (!stop_.load(std::memory_order_acquire)) {
@@ -337,9 +363,10 @@ void CoordinatorServer::Loop() {
       tcp_listen_.reset();
       listening = false;
     }
+    const absl::Time heartbeat_due = ExpireSilentConns(absl::Now());
     std::vector<pollfd> fds;
     std::vector<uint64_t> ids;
-    fds.push_back({wake_->fd.get(), POLLIN, 0});
+    fds.push_back({wake_->fd(), POLLIN, 0});
     fds.push_back({unix_listen_.get(), POLLIN, 0});
     fds.push_back({tcp_listen_.get(), POLLIN, 0});
     for (auto& [id, c] : conns_) {
@@ -351,7 +378,7 @@ void CoordinatorServer::Loop() {
       fds.push_back({c->fd.get(), ev, 0});
       ids.push_back(id);
     }
-    absl::Duration wait = coordinator_->NextDeadline() - absl::Now();
+    absl::Duration wait = std::min(coordinator_->NextDeadline(), heartbeat_due) - absl::Now();
     int timeout_ms = 1000;
     if (wait < absl::Seconds(1)) {
       timeout_ms =
@@ -362,10 +389,8 @@ void CoordinatorServer::Loop() {
       spdlog::error("event=peer_coordinator_poll_failed error=\"{}\"", strerror(errno));
       break;
     }
-    if (n > 0 && (fds[0].revents & POLLIN)) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(wake_->fd.get(), &v, sizeof(v));
-    }
+    if (n > 0 && (fds[0].revents & POLLIN)) wake_->Drain();
+    const absl::Time woke = absl::Now();
     for (int l = 1; l <= 2 && n > 0; ++l) {
       if (fds[l].fd < 0 || !(fds[l].revents & POLLIN)) continue;
       for (;;) {
@@ -379,6 +404,7 @@ void CoordinatorServer::Loop() {
         auto c = std::make_shared<Conn>();
         c->id = next_conn_id_++;
         c->fd.reset(cfd);
+        c->last_heard = woke;
         conns_[c->id] = c;
       }
     }
@@ -390,12 +416,22 @@ void CoordinatorServer::Loop() {
       std::shared_ptr<Conn> c = it->second;
       if (p.revents & (POLLIN | POLLHUP | POLLERR)) {
         bool eof = false;
+        const size_t before = c->in.size();
         absl::Status s = ReadAvailable(c->fd.get(), c->in, c->in_fds, &eof);
+        // Any byte is a sign of life, a heartbeat or the slice of a large collective alike.
+        // Heartbeats that queued up while this process was stopped count too: ExpireSilentConns
+        // skips a connection with bytes waiting until this has read them.
+        if (c->in.size() != before) c->last_heard = woke;
         std::string close_reason;
         while (s.ok()) {
           auto frame = TakeFrame(c->in, c->in_fds);
           if (!frame.ok()) {
             s = frame.status();
+            // A peer on another wire version hears why before the connection closes.
+            if (std::optional<std::string> reply = WrongVersionReply(c->in)) {
+              size_t offset = 0;
+              (void)SendSome(c->fd.get(), *reply, &offset, {});
+            }
             break;
           }
           if (!frame->has_value()) break;
@@ -414,18 +450,7 @@ void CoordinatorServer::Loop() {
     std::vector<uint64_t> dead;
     for (auto& [id, c] : conns_) {
       std::lock_guard<std::mutex> lock(c->out_mu);
-      while (!c->out.empty()) {
-        Conn::Out& o = c->out.front();
-        std::vector<int> raw;
-        for (auto& f : o.fds) raw.push_back(f.get());
-        absl::Status s = SendSome(c->fd.get(), o.data, &o.offset, raw);
-        if (!s.ok()) {
-          dead.push_back(id);
-          break;
-        }
-        if (o.offset < o.data.size()) break;
-        c->out.pop_front();
-      }
+      if (!FlushFrames(c->fd.get(), c->out).ok()) dead.push_back(id);
     }
     for (uint64_t id : dead) CloseConn(id, "connection reset");
   }

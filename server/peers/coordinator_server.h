@@ -1,6 +1,12 @@
 // Rank 0's socket front of the Coordinator: listens on a Unix socket in the peer directory (one
 // node; carries file descriptors) and/or a TCP address (several nodes), and runs one I/O thread
 // that never blocks on a peer (non-blocking sockets, poll with the next deadline as timeout).
+//
+// Liveness: the thread echoes every kHeartbeat at once, and a connection that announced a
+// heartbeat timeout (the frame's timeout_ms) and then sent nothing at all for longer is closed as
+// "stopped answering": for a joined rank that breaks the group, naming the rank, exactly as if
+// its connection had closed. A frozen (SIGSTOP) rank keeps its socket open, so this is how an
+// idle group notices it.
 #pragma once
 
 #include <atomic>
@@ -14,6 +20,7 @@
 #include "absl/time/time.h"
 #include "server/peers/coordinator.h"
 #include "server/peers/unique_fd.h"
+#include "server/peers/wake_fd.h"
 #include "server/peers/wire.h"
 
 namespace arfuse::peers {
@@ -42,13 +49,16 @@ class CoordinatorServer {
   int tcp_port() const { return tcp_port_; }
 
   struct Conn;
-  struct Wake;
+  using Wake = WakeFd;
 
  private:
   explicit CoordinatorServer(const CoordinatorServerOptions& options);
   void Loop();
   void HandleFrame(const std::shared_ptr<Conn>& conn, Frame frame);
   void CloseConn(uint64_t id, const std::string& reason);
+  // Closes every connection whose heartbeat timeout passed without a byte from it; returns the
+  // earliest time another one can.
+  absl::Time ExpireSilentConns(absl::Time now);
 
   CoordinatorServerOptions options_;
   std::shared_ptr<Coordinator> coordinator_;

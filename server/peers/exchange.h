@@ -48,9 +48,10 @@ class Exchange {
                                                        absl::Time deadline) = 0;
 
   // Whether this rank's link to the group is still up, checked without any collective so that a
-  // peer that died while the group was idle is noticed before the next op needs it. OK while up;
-  // UNAVAILABLE naming what went away once it is not (the group must then be re-formed). Never
-  // blocks. In-process exchanges have no link to lose.
+  // peer that died, or froze with its connection open (heartbeats), while the group was idle is
+  // noticed before the next op needs it. OK while up; UNAVAILABLE naming the rank that went away
+  // or stopped answering once it is not (the group must then be re-formed). Never blocks.
+  // In-process exchanges have no link to lose.
   virtual absl::Status LinkStatus() { return absl::OkStatus(); }
 };
 

@@ -9,16 +9,23 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "arfuse/v1/peer.pb.h"
 #include "kernels/common/op_types.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
 #include "server/peers/coordinator_server.h"
+#include "server/peers/wake_fd.h"
 #include "server/peers/wire.h"
 #include "spdlog/spdlog.h"
 
@@ -60,6 +67,19 @@ absl::Status ValidateOptions(const PeerOptions& o) {
   }
   if (o.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("peer timeout must be positive");
+  }
+  if (o.heartbeat_timeout < absl::ZeroDuration() || o.heartbeat_timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError(absl::StrCat("peer heartbeat timeout ",
+                                                   absl::FormatDuration(o.heartbeat_timeout),
+                                                   " is out of range [0 (off), 24h]"));
+  }
+  if (o.heartbeat_timeout > absl::ZeroDuration() &&
+      (o.heartbeat_interval <= absl::ZeroDuration() ||
+       o.heartbeat_interval * 2 > o.heartbeat_timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "peer heartbeat interval ", absl::FormatDuration(o.heartbeat_interval),
+        " must be positive and at most half the heartbeat timeout (",
+        absl::FormatDuration(o.heartbeat_timeout), "), so one late heartbeat is not a loss"));
   }
   return absl::OkStatus();
 }
@@ -127,22 +147,39 @@ absl::StatusOr<UniqueFd> ConnectTcp(const std::string& address, absl::Time deadl
   return absl::UnavailableError(absl::StrCat("connect ", address, ": ", last));
 }
 
+// One rank's link to the coordinator. After the join, a link thread owns the socket: it writes
+// the callers' requests, reads every answer and hands each to the call waiting for it (by seq),
+// and keeps the link checked while no call runs: a closed connection, or (with heartbeats) rank 0
+// silent for the heartbeat timeout, marks the link lost, which LinkStatus() and every later call
+// report. The thread only ever waits in poll, so it keeps beating while the caller's threads are
+// busy and while a collective waits for a slow rank, and stopping it is prompt.
 class SocketExchange final : public PeerExchange {
  public:
   SocketExchange(const PeerOptions& options, bool unix_transport)
       : options_(options), unix_(unix_transport) {}
 
   ~SocketExchange() override {
-    // Tell the coordinator we leave on purpose (best effort, never blocks), then close; the
-    // server (rank 0) shuts its thread down after.
+    stop_.store(true, std::memory_order_release);
+    wake_.Notify();
+    if (link_thread_.joinable()) link_thread_.join();
     if (conn_) {
-      v1::LeaveRequest req;
-      req.set_epoch(epoch_);
-      req.set_rank(options_.rank);
-      req.set_reason("exchange closed");
-      std::string data = peers::EncodeFrame(FrameType::kLeave, 0, 0, req.SerializeAsString());
-      size_t offset = 0;
-      (void)peers::SendSome(conn_.get(), data, &offset, {});
+      // Tell the coordinator we leave on purpose (best effort, never blocks), then close; the
+      // server (rank 0) shuts its thread down after. Not behind a half-written frame: the Leave
+      // would corrupt it, and the close says the same.
+      bool clean = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        clean = out_.empty() || out_.front().offset == 0;
+      }
+      if (clean) {
+        v1::LeaveRequest req;
+        req.set_epoch(epoch_);
+        req.set_rank(options_.rank);
+        req.set_reason("exchange closed");
+        std::string data = peers::EncodeFrame(FrameType::kLeave, 0, 0, req.SerializeAsString());
+        size_t offset = 0;
+        (void)peers::SendSome(conn_.get(), data, &offset, {});
+      }
       conn_.reset();
     }
     server_.reset();
@@ -161,7 +198,17 @@ class SocketExchange final : public PeerExchange {
       if (!unix_) so.tcp_address = options_.rank0_address;
       ARFUSE_ASSIGN_OR_RETURN(server_, peers::CoordinatorServer::Start(so));
     }
-    return Join(deadline);
+    ARFUSE_RETURN_IF_ERROR(wake_.Open());
+    ARFUSE_RETURN_IF_ERROR(Join(deadline));
+    if (options_.heartbeat_timeout > absl::ZeroDuration()) {
+      // The link's first frame, ahead of any call: the coordinator watches this rank from when it
+      // arrives, so a rank that freezes right after joining is noticed too (one that freezes
+      // before it is sent fails the group's next collective at its deadline instead).
+      std::lock_guard<std::mutex> lock(mu_);
+      out_.push_back(Heartbeat());
+    }
+    link_thread_ = std::thread([this] { LinkLoop(); });
+    return absl::OkStatus();
   }
 
   int rank() const override { return options_.rank; }
@@ -175,7 +222,8 @@ class SocketExchange final : public PeerExchange {
   int tcp_port() const override { return server_ ? server_->tcp_port() : 0; }
 
   absl::Status LinkStatus() override {
-    // Rank 0 hosts the coordinator, which hears every rank's connection close (or its Leave).
+    // Rank 0 hosts the coordinator, which hears every rank's connection close (or its Leave, or
+    // its heartbeats stop).
     if (server_) {
       absl::Status broken = server_->coordinator()->broken();
       if (!broken.ok()) {
@@ -183,28 +231,9 @@ class SocketExchange final : public PeerExchange {
                                                    epoch_, " is broken: ", broken.message()));
       }
     }
-    // A collective in progress owns the connection and reports a lost link itself, within its
-    // own deadline; checking again after it is enough.
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-    if (!lock.owns_lock()) return absl::OkStatus();
-    if (!lost_.ok()) return lost_;
-    if (!conn_) return absl::UnavailableError("this rank has no connection to its peer group");
-    pollfd p{conn_.get(), POLLIN, 0};
-    int ready = ::poll(&p, 1, 0);
-    if (ready < 0) {
-      if (errno == EINTR) return absl::OkStatus();
-      return absl::InternalError(
-          absl::StrCat("poll on the peer connection failed: ", strerror(errno)));
-    }
-    if (ready == 0) return absl::OkStatus();
-    // Readable while idle: the coordinator closed the connection (it died, or re-formed the group
-    // without this rank), or a late answer to a call this rank gave up on arrived. Such answers
-    // stay buffered; Call() skips them by seq.
-    bool eof = false;
-    absl::Status read = peers::ReadAvailable(conn_.get(), in_, in_fds_, &eof);
-    if (!read.ok()) return Lost("an idle link check", read);
-    if (eof) return Lost("an idle link check", absl::UnavailableError("connection closed"));
-    return absl::OkStatus();
+    // Whatever the link thread found; mu_ is only ever held briefly (never across a wait).
+    std::lock_guard<std::mutex> lock(mu_);
+    return lost_;
   }
 
   absl::StatusOr<std::vector<std::string>> Allgather(const std::string& tag,
@@ -282,41 +311,174 @@ class SocketExchange final : public PeerExchange {
     return absl::OkStatus();
   }
 
-  // One request/answer exchange with the coordinator. Answers to calls this rank already gave
-  // up on (older seq) are dropped, with their descriptors.
+  // One request/answer exchange with the coordinator, through the link thread. An answer that
+  // comes after this call gave up (an older seq) is dropped there, with its descriptors.
   absl::StatusOr<Frame> Call(FrameType type, const v1::CollectiveRequest& req, int fd,
                              absl::Time deadline) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> one_call(call_mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (!lost_.ok()) return lost_;
-    const uint64_t seq = ++seq_;
-    std::string data = peers::EncodeFrame(type, seq, peers::RemainingMs(deadline),
-                                          req.SerializeAsString(), fd >= 0 ? 1 : 0);
-    std::vector<int> fds;
-    if (fd >= 0) fds.push_back(fd);
-    absl::Status sent = peers::SendAll(conn_.get(), data, fds, deadline);
-    if (!sent.ok()) return Lost(req.tag(), sent);
-    for (;;) {
-      auto f = peers::RecvFrame(conn_.get(), in_, in_fds_, deadline);
-      if (!f.ok()) {
-        if (absl::IsDeadlineExceeded(f.status())) {
-          return absl::DeadlineExceededError(absl::StrCat(
-              "rank ", options_.rank, ": no answer from the coordinator (rank 0) for '", req.tag(),
-              "' before the deadline (is rank 0 stopped?)"));
-        }
-        return Lost(req.tag(), f.status());
+    peers::OutFrame out;
+    out.seq = ++seq_;
+    out.data = peers::EncodeFrame(type, out.seq, peers::RemainingMs(deadline),
+                                  req.SerializeAsString(), fd >= 0 ? 1 : 0);
+    if (fd >= 0) {
+      // The caller may close its descriptor as soon as this returns, sent or not.
+      out.fds.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+      if (!out.fds.back()) {
+        return absl::ResourceExhaustedError(absl::StrCat("could not duplicate the descriptor for '",
+                                                         req.tag(), "': ", strerror(errno)));
       }
-      if (f->seq != seq) continue;
-      if (f->type == FrameType::kError) return peers::DecodeError(f->body);
-      return std::move(*f);
+    }
+    const uint64_t seq = out.seq;
+    out_.push_back(std::move(out));
+    waiting_seq_ = seq;
+    waiting_tag_ = req.tag();
+    answer_.reset();
+    wake_.Notify();
+    auto done = [this] { return answer_.has_value() || !lost_.ok(); };
+    if (deadline == absl::InfiniteFuture()) {
+      answer_cv_.wait(lock, done);
+    } else {
+      answer_cv_.wait_until(lock, absl::ToChronoTime(deadline), done);
+    }
+    std::optional<Frame> answer = std::move(answer_);
+    answer_.reset();
+    waiting_seq_ = 0;
+    if (answer) {
+      if (answer->type == FrameType::kError) return peers::DecodeError(answer->body);
+      return std::move(*answer);
+    }
+    if (!lost_.ok()) return lost_;
+    for (const peers::OutFrame& o : out_) {
+      if (o.seq == seq) {
+        // Rank 0 did not even read the request in time; the stream now ends mid-frame or holds
+        // a call nobody waits for, so the link is as good as gone.
+        return LostLocked(req.tag(),
+                          absl::DeadlineExceededError("timed out sending to the peer channel"));
+      }
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("rank ", options_.rank, ": no answer from the coordinator (rank 0) for '",
+                     req.tag(), "' before the deadline (is rank 0 stopped?)"));
+  }
+
+  // mu_ held. The link is gone for good: every waiting and later call gets this.
+  absl::Status LostLocked(const std::string& tag, const absl::Status& cause) {
+    if (lost_.ok()) {
+      lost_ = absl::UnavailableError(absl::StrCat(
+          "rank ", options_.rank, " lost its connection to the coordinator (rank 0) of group '",
+          options_.group, "' during '", tag, "': ", cause.message(), "; rank 0 went away"));
+      spdlog::warn("event=peer_lost group={} rank=0 seen_by={} error=\"{}\"", options_.group,
+                   options_.rank, std::string(cause.message()));
+      answer_cv_.notify_all();
+      wake_.Notify();  // the link thread stops
+    }
+    return lost_;
+  }
+
+  void LinkLost(const absl::Status& cause) {
+    std::lock_guard<std::mutex> lock(mu_);
+    (void)LostLocked(waiting_seq_ != 0 ? waiting_tag_ : "an idle link check", cause);
+  }
+
+  void RankZeroSilent(absl::Duration silence) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!lost_.ok()) return;
+    lost_ = absl::UnavailableError(
+        absl::StrCat("rank ", options_.rank, ": the coordinator (rank 0) of group '",
+                     options_.group, "' stopped answering: nothing heard from rank 0 for ",
+                     absl::FormatDuration(absl::Trunc(silence, absl::Milliseconds(1))),
+                     " (peer heartbeat timeout ", absl::FormatDuration(options_.heartbeat_timeout),
+                     "); is rank 0 stopped (SIGSTOP) or hung?"));
+    spdlog::warn("event=peer_lost group={} rank=0 seen_by={} reason=heartbeat silence_ms={}",
+                 options_.group, options_.rank, absl::ToInt64Milliseconds(silence));
+    answer_cv_.notify_all();
+  }
+
+  // Hands an answer to the call waiting for it; drops late answers and heartbeat echoes (their
+  // bytes already counted as a sign of life).
+  void Deliver(Frame f) {
+    if (f.type == FrameType::kHeartbeat) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (waiting_seq_ == 0 || f.seq != waiting_seq_ || answer_.has_value()) return;
+    answer_ = std::move(f);
+    answer_cv_.notify_all();
+  }
+
+  // A heartbeat frame announcing this rank's timeout (link thread, or before it starts).
+  peers::OutFrame Heartbeat() {
+    const int64_t timeout_ms = absl::ToInt64Milliseconds(options_.heartbeat_timeout);
+    peers::OutFrame hb;
+    hb.data = peers::EncodeFrame(FrameType::kHeartbeat, ++beats_,
+                                 static_cast<uint32_t>(std::max<int64_t>(1, timeout_ms)), "");
+    return hb;
+  }
+
+  void LinkLoop() {
+    const bool beat = options_.heartbeat_timeout > absl::ZeroDuration();
+    const absl::Duration interval = options_.heartbeat_interval;
+    const absl::Duration timeout = options_.heartbeat_timeout;
+    // This loop never sleeps longer than one interval; a longer gap means this thread did not run
+    // (this process was stopped or starved), and the silence is its own, not rank 0's.
+    const absl::Duration stalled = interval + timeout / 2;
+    absl::Time last_heard = absl::Now();
+    absl::Time last_woke = last_heard;
+    absl::Time next_beat = last_heard + interval;  // Start() queued the first one
+    while (!stop_.load(std::memory_order_acquire)) {
+      short events = POLLIN;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!lost_.ok()) return;
+        if (!out_.empty()) events |= POLLOUT;
+      }
+      absl::Time now = absl::Now();
+      absl::Time wake_at = now + absl::Seconds(1);
+      if (beat) wake_at = std::min({wake_at, next_beat, last_heard + timeout});
+      pollfd fds[2] = {{wake_.fd(), POLLIN, 0}, {conn_.get(), events, 0}};
+      int n = ::poll(fds, 2, PollTimeoutMs(wake_at - now));
+      if (n < 0 && errno != EINTR) {
+        return LinkLost(absl::InternalError(absl::StrCat("poll failed: ", strerror(errno))));
+      }
+      if (fds[0].revents & POLLIN) wake_.Drain();
+      now = absl::Now();
+      if (now - last_woke > stalled) last_heard = now;
+      last_woke = now;
+
+      const size_t before = in_.size();
+      bool eof = false;
+      absl::Status read = peers::ReadAvailable(conn_.get(), in_, in_fds_, &eof);
+      if (in_.size() != before) last_heard = now;
+      for (;;) {
+        auto frame = peers::TakeFrame(in_, in_fds_);
+        if (!frame.ok()) return LinkLost(frame.status());
+        if (!frame->has_value()) break;
+        Deliver(std::move(**frame));
+      }
+      if (!read.ok()) return LinkLost(read);
+      if (eof) return LinkLost(absl::UnavailableError("connection closed"));
+
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (beat && now >= next_beat) {
+          // Only onto an empty queue: a frame still going out is as good a sign of life, and
+          // beats must not pile up behind a coordinator that stopped reading.
+          if (out_.empty()) out_.push_back(Heartbeat());
+          next_beat = now + interval;
+        }
+        absl::Status sent = peers::FlushFrames(conn_.get(), out_);
+        if (!sent.ok()) {
+          (void)LostLocked(waiting_seq_ != 0 ? waiting_tag_ : "an idle link check", sent);
+          return;
+        }
+      }
+      if (beat && now - last_heard > timeout) return RankZeroSilent(now - last_heard);
     }
   }
 
-  absl::Status Lost(const std::string& tag, const absl::Status& cause) {
-    lost_ = absl::UnavailableError(absl::StrCat(
-        "rank ", options_.rank, " lost its connection to the coordinator (rank 0) of group '",
-        options_.group, "' during '", tag, "': ", cause.message(), "; rank 0 went away"));
-    spdlog::warn("event=peer_lost group={} rank=0 seen_by={}", options_.group, options_.rank);
-    return lost_;
+  static int PollTimeoutMs(absl::Duration wait) {
+    if (wait <= absl::ZeroDuration()) return 0;
+    return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(wait) + 1, 1000));
   }
 
   absl::Status Join(absl::Time deadline) {
@@ -338,6 +500,7 @@ class SocketExchange final : public PeerExchange {
     absl::Duration backoff = absl::Milliseconds(10);
     absl::Status last = absl::UnavailableError("no attempt made");
     bool reached = false;
+    bool closed_unanswered = false;
     // Retries cover rank 0 not listening yet and a broken group being re-formed (ABORTED);
     // everything else the coordinator says is final.
     while (absl::Now() < deadline) {
@@ -377,8 +540,16 @@ class SocketExchange final : public PeerExchange {
           absl::Status err = peers::DecodeError(f->body);
           if (!absl::IsAborted(err)) return err;
           last = err;
+        } else if (!f.ok() && absl::IsInvalidArgument(f.status())) {
+          // Not this build's protocol (another wire version, or not a peer channel): retrying
+          // cannot change that.
+          return absl::FailedPreconditionError(
+              absl::StrCat("rank ", options_.rank, " cannot join group '", options_.group, "' at ",
+                           unix_ ? "unix:" : "tcp:", target, ": ", f.status().message()));
         } else if (!f.ok()) {
           last = f.status();
+          // Kept for the final message: the only hint an older coordinator gives.
+          closed_unanswered |= s.ok() && absl::IsUnavailable(last);
         } else {
           return absl::InternalError("unexpected answer to a join");
         }
@@ -394,20 +565,37 @@ class SocketExchange final : public PeerExchange {
         absl::FormatDuration(options_.timeout), ": ",
         reached ? "the coordinator (rank 0) did not complete the group"
                 : "the coordinator (rank 0) was not reachable; missing ranks: 0",
-        " (", unix_ ? "unix:" : "tcp:", target, "; last error: ", last.message(), ")"));
+        " (", unix_ ? "unix:" : "tcp:", target, "; last error: ", last.message(), ")",
+        closed_unanswered
+            ? "; rank 0 closed the connection without answering the join (a rank 0 re-forming "
+              "its group does that, and so does an arfused on an older peer wire version: check "
+              "that every rank runs the same build)"
+            : ""));
   }
 
   const PeerOptions options_;
   const bool unix_;
   std::unique_ptr<peers::CoordinatorServer> server_;
-  std::mutex mu_;  // one call at a time on the connection
-  UniqueFd conn_;
+  UniqueFd conn_;  // the link thread's alone while it runs
+  // Link thread only.
   std::string in_;
   std::deque<UniqueFd> in_fds_;
-  uint64_t seq_ = 1;
+  peers::WakeFd wake_;
+  std::atomic<bool> stop_{false};
+  std::thread link_thread_;
+  uint64_t beats_ = 0;  // heartbeats sent (their seq); the link thread's once it runs
   uint64_t epoch_ = 0;
-  absl::Status lost_;
   std::vector<peers::MemberInfo> members_;
+
+  std::mutex call_mu_;  // one call at a time
+  std::mutex mu_;       // guards what follows; never held across a wait for the peer
+  std::condition_variable answer_cv_;
+  std::deque<peers::OutFrame> out_;
+  uint64_t seq_ = 1;
+  uint64_t waiting_seq_ = 0;  // the call waiting for an answer; 0: none
+  std::string waiting_tag_;
+  std::optional<Frame> answer_;
+  absl::Status lost_;
 };
 
 }  // namespace

@@ -33,6 +33,14 @@ struct PeerOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Ranks with equal node ids share a node; empty: the host name.
   std::string node_id;
+  // Liveness of this rank's link while no collective needs it (--peer-heartbeat-timeout): the
+  // link's I/O thread sends a heartbeat every `heartbeat_interval`; the coordinator declares this
+  // rank lost after `heartbeat_timeout` without a byte from it, and this rank declares rank 0 lost
+  // after `heartbeat_timeout` without a byte from the coordinator. Either way LinkStatus() turns
+  // UNAVAILABLE naming the rank. A zero timeout turns heartbeats off: a frozen peer (whose socket
+  // stays open) is then noticed only by the deadline of a collective or an op.
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+  absl::Duration heartbeat_timeout = absl::Seconds(5);
 };
 
 // The Unix socket path rank 0 listens on; INVALID_ARGUMENT when it exceeds the 107 bytes a

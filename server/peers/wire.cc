@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
 
 namespace arfuse::peers {
 
@@ -29,6 +30,16 @@ std::string EncodeFrame(FrameType type, uint64_t seq, uint32_t timeout_ms, const
   return out;
 }
 
+namespace {
+
+absl::Status WrongVersionError(uint8_t theirs, uint8_t ours) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("peer wire version ", theirs, " is not supported (this build speaks version ",
+                   ours, "): every rank of a group must run the same arfused build"));
+}
+
+}  // namespace
+
 absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<UniqueFd>& fds) {
   if (buf.size() < sizeof(FrameHeader)) return std::optional<Frame>();
   FrameHeader h;
@@ -36,13 +47,11 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<Uniq
   if (h.magic != kFrameMagic) {
     return absl::InvalidArgumentError("peer frame has a bad magic: not an arfuse peer channel");
   }
-  if (h.version != kWireVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("peer wire version ", h.version,
-                                                   " is not supported (this build speaks ",
-                                                   kWireVersion, ")"));
-  }
-  if (h.type < 1 || h.type > static_cast<uint8_t>(FrameType::kLeave)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown peer frame type ", h.type));
+  if (h.version != kWireVersion) return WrongVersionError(h.version, kWireVersion);
+  if (h.type < 1 || h.type > kMaxFrameType) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown peer frame type ", h.type,
+                                                   " (this build knows 1..", kMaxFrameType,
+                                                   " of wire version ", kWireVersion, ")"));
   }
   if (h.body_len > kMaxFrameBody) {
     return absl::InvalidArgumentError(absl::StrCat("peer frame body of ", h.body_len,
@@ -77,6 +86,20 @@ std::string EncodeError(const absl::Status& status) {
   std::memcpy(out.data(), &code, sizeof(code));
   out.append(status.message().data(), status.message().size());
   return out;
+}
+
+std::optional<std::string> WrongVersionReply(const std::string& buf) {
+  FrameHeader h;
+  if (buf.size() < sizeof(h)) return std::nullopt;
+  std::memcpy(&h, buf.data(), sizeof(h));
+  if (h.magic != kFrameMagic || h.version == kWireVersion) return std::nullopt;
+  const absl::Status refusal = absl::FailedPreconditionError(
+      absl::StrCat("the coordinator (rank 0) speaks peer wire version ", kWireVersion,
+                   " but this rank sent version ", h.version,
+                   ": every rank of a group must run the same arfused build"));
+  std::string reply = EncodeFrame(FrameType::kError, h.seq, 0, EncodeError(refusal));
+  reply[offsetof(FrameHeader, version)] = static_cast<char>(h.version);
+  return reply;
 }
 
 std::string EncodeJoinBody(const std::string& group, const std::string& join_request) {
@@ -169,6 +192,18 @@ absl::Status SendSome(int fd, const std::string& data, size_t* offset,
       return absl::UnavailableError(absl::StrCat("peer socket write failed: ", strerror(errno)));
     }
     *offset += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlushFrames(int fd, std::deque<OutFrame>& queue) {
+  while (!queue.empty()) {
+    OutFrame& o = queue.front();
+    std::vector<int> raw;
+    for (auto& f : o.fds) raw.push_back(f.get());
+    ARFUSE_RETURN_IF_ERROR(SendSome(fd, o.data, &o.offset, raw));
+    if (o.offset < o.data.size()) return absl::OkStatus();  // the socket is full
+    queue.pop_front();
   }
   return absl::OkStatus();
 }

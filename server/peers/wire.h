@@ -21,7 +21,10 @@
 namespace arfuse::peers {
 
 inline constexpr uint32_t kFrameMagic = 0x50465241;  // "ARFP" little-endian
-inline constexpr uint8_t kWireVersion = 1;
+// 2: adds kHeartbeat. A peer on another version is answered with an Error frame in its own
+// version's framing (the header layout and kError are the same in every version), so its join
+// fails at once naming both versions instead of retrying until its timeout.
+inline constexpr uint8_t kWireVersion = 2;
 // Bodies carry small handshake payloads (IPC handles, the NCCL id, votes); anything bigger is a
 // protocol error, not a reason to allocate.
 inline constexpr uint32_t kMaxFrameBody = 16u << 20;
@@ -35,7 +38,13 @@ enum class FrameType : uint8_t {
   kCollectiveOk = 5,  // body: arfuse.v1.CollectiveResponse (+ one fd per rank for kCollectiveFd)
   kError = 6,         // body: EncodeError()
   kLeave = 7,         // body: arfuse.v1.LeaveRequest
+  // Liveness on an idle (or busy) link, never part of a collective: a rank sends one every
+  // heartbeat interval with timeout_ms = how long the coordinator may go without hearing from it
+  // before it declares the rank lost (0: do not watch me); the coordinator echoes it at once
+  // (same seq, timeout_ms 0). Empty body. Since version 2.
+  kHeartbeat = 8,
 };
+inline constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kHeartbeat);
 
 struct FrameHeader {
   uint32_t magic;
@@ -52,6 +61,8 @@ struct FrameHeader {
 };
 static_assert(std::is_trivially_copyable_v<FrameHeader>);
 static_assert(sizeof(FrameHeader) == 24);
+static_assert(offsetof(FrameHeader, version) == 4);
+static_assert(offsetof(FrameHeader, type) == 5);
 static_assert(offsetof(FrameHeader, nfds) == 6);
 static_assert(offsetof(FrameHeader, body_len) == 8);
 static_assert(offsetof(FrameHeader, timeout_ms) == 12);
@@ -70,12 +81,30 @@ struct Frame {
 std::string EncodeFrame(FrameType type, uint64_t seq, uint32_t timeout_ms, const std::string& body,
                         uint16_t nfds = 0);
 
+// A frame queued for sending; `fds` travel with its first byte. `seq` lets a sender tell whether
+// its frame is still (partly) unsent.
+struct OutFrame {
+  std::string data;
+  std::vector<UniqueFd> fds;
+  size_t offset = 0;
+  uint64_t seq = 0;
+};
+
+// Writes queued frames in order, without blocking, until the socket is full or the queue is
+// empty; frames written completely are popped. An error means the connection is broken.
+absl::Status FlushFrames(int fd, std::deque<OutFrame>& queue);
+
 // Takes one complete frame off the front of `buf` (and its fds off the front of `fds`); nullopt
 // when more bytes are needed. INVALID_ARGUMENT for a frame that is not ours (bad magic, version,
 // size, or fewer fds than announced once the frame is complete).
 absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<UniqueFd>& fds);
 
 std::string EncodeError(const absl::Status& status);
+
+// When `buf` starts with a frame header of another wire version: the reply to send before closing,
+// an Error frame (FAILED_PRECONDITION naming both versions) framed in *that* version and echoing
+// the frame's seq, which an arfused of either version decodes. nullopt otherwise.
+std::optional<std::string> WrongVersionReply(const std::string& buf);
 
 // kJoin body: u16 group length, the group name, then a serialized arfuse.v1.JoinRequest (which
 // has no group field of its own).

@@ -79,6 +79,20 @@ TEST(DaemonFlags, DoorbellServeBlocksOutOfRangeExits2) {
   EXPECT_THAT(out2, HasSubstr("--doorbell-serve-blocks must be 0..128, got -1"));
 }
 
+TEST(DaemonFlags, PeerHeartbeatTimeoutOutOfRangeExits2) {
+  for (const char* bad : {"-1", "0.05", "3601", "nan"}) {
+    auto [code, out] = RunToCompletion({Arfused(), std::string("--peer-heartbeat-timeout=") + bad});
+    EXPECT_EQ(code, 2) << bad;
+    EXPECT_THAT(out, HasSubstr("--peer-heartbeat-timeout must be 0 (off) or between 0.1 and 3600 "
+                               "seconds, got"))
+        << bad;
+  }
+  auto [code, out] =
+      RunToCompletion({Arfused(), "--device=host"}, {"ARFUSE_PEER_HEARTBEAT_TIMEOUT=soon"});
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("bad value \"soon\" for --peer-heartbeat-timeout"));
+}
+
 TEST(DaemonFlags, BadEnumValuesExit2) {
   auto [code, out] = RunToCompletion({Arfused(), "--device=tpu"});
   EXPECT_EQ(code, 2);
@@ -108,7 +122,7 @@ TEST(DaemonFlags, HelpExplainsHyphenatedFlags) {
   EXPECT_EQ(code, 0);
   for (const char* flag :
        {"--socket", "--health-port", "--device", "--rank", "--world-size", "--nnodes", "--peer-dir",
-        "--log-level", "--flashinfer-allreduce-fusion-backend",
+        "--peer-heartbeat-timeout", "--log-level", "--flashinfer-allreduce-fusion-backend",
         "--enable-flashinfer-allreduce-fusion"}) {
     EXPECT_THAT(out, HasSubstr(flag)) << flag;
   }

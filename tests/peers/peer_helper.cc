@@ -5,10 +5,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -47,6 +49,11 @@ int main(int argc, char** argv) {
   o.rank0_address = flags["tcp"];
   o.group = flags.count("group") ? flags["group"] : "test";
   o.timeout = absl::Milliseconds(std::stoi(flags["join_ms"]));
+  // Heartbeats: the library's defaults unless given (--hb_ms=0 turns them off).
+  if (flags.count("hb_ms")) o.heartbeat_timeout = absl::Milliseconds(std::stoi(flags["hb_ms"]));
+  if (flags.count("hb_interval_ms")) {
+    o.heartbeat_interval = absl::Milliseconds(std::stoi(flags["hb_interval_ms"]));
+  }
   const std::string mode = flags["mode"];
   const absl::Duration op_timeout =
       absl::Milliseconds(flags.count("op_ms") ? std::stoi(flags["op_ms"]) : 60000);
@@ -144,6 +151,35 @@ int main(int argc, char** argv) {
     absl::Time t1 = absl::Now();
     SayStatus("AFTER", x.Barrier("after", absl::Now() + op_timeout), t1);
     Say(absl::StrCat("STILL_LOST ", again.ok() ? "no" : "yes"));
+    for (;;) ::pause();
+  }
+  if (mode == "slow") {
+    // One collective that rank --slow_rank joins --delay_ms late (it is busy, not stopped), so
+    // the others wait in it the whole time; then --idle_ms with no collective. A second thread
+    // checks the link as the daemon's watch does, throughout: it must hold.
+    std::atomic<bool> done{false};
+    std::atomic<bool> lost{false};
+    std::thread watcher([&] {
+      while (!done.load()) {
+        absl::Status s = x.LinkStatus();
+        if (!s.ok()) {
+          SayStatus("LINK", s, start);
+          lost.store(true);
+          return;
+        }
+        absl::SleepFor(absl::Milliseconds(20));  // the watch loop's tick, not a synchronization
+      }
+    });
+    Say("READY");
+    if (rank == std::stoi(flags["slow_rank"])) {
+      absl::SleepFor(absl::Milliseconds(std::stoi(flags["delay_ms"])));  // the slowness tested
+    }
+    absl::Time t0 = absl::Now();
+    SayStatus("BARRIER", x.Barrier("slow", absl::Now() + op_timeout), t0);
+    absl::SleepFor(absl::Milliseconds(std::stoi(flags["idle_ms"])));  // idle time under test
+    done.store(true);
+    watcher.join();
+    Say(lost.load() ? "LINK_LOST" : "LINK_HELD");
     for (;;) ::pause();
   }
   Say("UNKNOWN_MODE");

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -43,6 +44,8 @@ class PeersProcessTest : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     group_ = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    // Parameterized names ("Test/Param") carry a character group names may not.
+    std::replace(group_.begin(), group_.end(), '/', '.');
   }
   void TearDown() override {
     procs_.clear();
@@ -253,15 +256,101 @@ TEST_F(PeersProcessTest, RankLeavingOnPurposeIsNoticedByTheCoordinator) {
   EXPECT_THAT(link.message, HasSubstr("rank 1 of group"));
 }
 
+// Short heartbeats keep these tests quick: a beat every 200 ms, a peer lost after 1 s of silence.
+constexpr int kHeartbeatMs = 1000;
+const std::vector<std::string> kHeartbeat = {absl::StrCat("--hb_ms=", kHeartbeatMs),
+                                             "--hb_interval_ms=200"};
+
+// Awaits `watcher`'s LINK line after a peer was stopped at `stopped`: UNAVAILABLE naming the
+// stopped rank (`names`), once the heartbeat timeout passed and not long after. The last beat left
+// about one interval before the stop, so the loss comes about one interval short of the timeout
+// after it; the bounds leave slack for a loaded machine.
+void ExpectStoppedAnswering(Proc& watcher, absl::Time stopped, const std::string& names) {
+  StatusLine link = ParseStatus(watcher.Await("LINK ", absl::Seconds(10)));
+  const absl::Duration noticed = absl::Now() - stopped;
+  EXPECT_EQ(link.code, "UNAVAILABLE");
+  EXPECT_THAT(link.message, HasSubstr(names));
+  EXPECT_THAT(link.message, HasSubstr("stopped answering"));
+  EXPECT_THAT(link.message, HasSubstr("peer heartbeat timeout"));
+  EXPECT_GE(noticed, absl::Milliseconds(kHeartbeatMs / 2));
+  EXPECT_LT(noticed, absl::Milliseconds(kHeartbeatMs + 2000));
+}
+
 TEST_F(PeersProcessTest, HealthyIdleGroupKeepsItsLink) {
-  Proc& w0 = Spawn(0, 2, "watch");
-  Proc& w1 = Spawn(1, 2, "watch");
+  Proc& w0 = Spawn(0, 2, "watch", kHeartbeat);
+  Proc& w1 = Spawn(1, 2, "watch", kHeartbeat);
   ASSERT_EQ(w0.Await("LINK_OK"), "LINK_OK");
   ASSERT_EQ(w1.Await("LINK_OK"), "LINK_OK");
-  // Both keep checking every 20 ms: no loss is reported while nobody leaves.
-  EXPECT_EQ(w0.Await("LINK ", absl::Seconds(1)), "");
+  // Both keep checking every 20 ms for three heartbeat timeouts (15 beats each way): no loss is
+  // reported while nobody leaves or stops.
+  EXPECT_EQ(w0.Await("LINK ", absl::Milliseconds(3 * kHeartbeatMs)), "");
   EXPECT_EQ(w1.Await("LINK ", absl::Milliseconds(100)), "");
 }
+
+// A frozen rank keeps its socket open, so only the heartbeats tell: with no collective running,
+// the other side's LinkStatus turns UNAVAILABLE naming the frozen rank once the heartbeat timeout
+// passed (not before: nothing else could have noticed), well before any op deadline would.
+TEST_F(PeersProcessTest, FrozenIdleRankIsNoticedByTheCoordinator) {
+  Proc& watcher = Spawn(0, 2, "watch", kHeartbeat);
+  Proc& victim = Spawn(1, 2, "victim", kHeartbeat);
+  ASSERT_EQ(victim.Await("READY"), "READY");
+  ASSERT_EQ(watcher.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(::kill(victim.pid(), SIGSTOP), 0);
+  ExpectStoppedAnswering(watcher, absl::Now(),
+                         "is broken: rank 1 of group 'FrozenIdleRankIsNoticedByTheCoordinator' "
+                         "went away: stopped answering: nothing heard from it for");
+  ::kill(victim.pid(), SIGCONT);
+  EXPECT_EQ(watcher.Await("STILL_LOST"), "STILL_LOST yes");
+}
+
+TEST_F(PeersProcessTest, FrozenIdleCoordinatorIsNoticedByTheOtherRanks) {
+  Proc& coordinator = Spawn(0, 3, "victim", kHeartbeat);
+  Proc& w1 = Spawn(1, 3, "watch", kHeartbeat);
+  Proc& w2 = Spawn(2, 3, "watch", kHeartbeat);
+  ASSERT_EQ(coordinator.Await("READY"), "READY");
+  ASSERT_EQ(w1.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(w2.Await("LINK_OK"), "LINK_OK");
+  ASSERT_EQ(::kill(coordinator.pid(), SIGSTOP), 0);
+  const absl::Time stopped = absl::Now();
+  for (Proc* p : {&w1, &w2}) {
+    ExpectStoppedAnswering(*p, stopped, "the coordinator (rank 0) of group");
+    // A collective after it fails at once with the same loss instead of waiting for rank 0.
+    StatusLine after = ParseStatus(p->Await("AFTER"));
+    EXPECT_EQ(after.code, "UNAVAILABLE");
+    EXPECT_THAT(after.message, HasSubstr("stopped answering"));
+    EXPECT_LT(after.elapsed_ms, 1000);
+  }
+  ::kill(coordinator.pid(), SIGCONT);
+}
+
+// No false positive while a collective waits a long time (three heartbeat timeouts) for a rank
+// that is busy but alive, whichever rank that is: the waiting ranks' links keep beating under
+// the pending call, the late rank's link beats while idle, and the collective then completes.
+class SlowRankTest : public PeersProcessTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(SlowRankTest, CollectiveWaitingForASlowRankKeepsEveryLink) {
+  const int slow = GetParam();
+  std::vector<std::string> extra = kHeartbeat;
+  extra.push_back(absl::StrCat("--slow_rank=", slow));
+  extra.push_back(absl::StrCat("--delay_ms=", 3 * kHeartbeatMs));
+  extra.push_back(absl::StrCat("--idle_ms=", 2 * kHeartbeatMs));
+  Spawn(0, 2, "slow", extra);
+  Spawn(1, 2, "slow", extra);
+  for (auto& p : procs_) ASSERT_EQ(p->Await("READY"), "READY");
+  for (int r = 0; r < 2; ++r) {
+    StatusLine b = ParseStatus(procs_[r]->Await("BARRIER"));
+    EXPECT_EQ(b.code, "OK") << "rank " << r << ": " << b.message;
+    if (r != slow) {
+      EXPECT_GE(b.elapsed_ms, 3 * kHeartbeatMs - 100) << "rank " << r;
+    }
+  }
+  for (auto& p : procs_) EXPECT_EQ(p->Await("LINK_"), "LINK_HELD");
+}
+
+INSTANTIATE_TEST_SUITE_P(SlowRank, SlowRankTest, ::testing::Values(0, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("Rank", info.param);
+                         });
 
 TEST_F(PeersProcessTest, IdleCoordinatorKilledIsNoticedOverTcp) {
   const std::string tcp = absl::StrCat("--tcp=127.0.0.1:", FreeTcpPort());
@@ -327,6 +416,35 @@ TEST(PeerOptionsTest, ValidationNamesTheProblem) {
   s = ConnectPeers(o);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.status().message(), HasSubstr("is not host:port"));
+}
+
+TEST(PeerOptionsTest, HeartbeatSettingsAreChecked) {
+  PeerOptions o;
+  o.world_size = 1;
+  o.peer_dir = "/tmp";
+  o.group = absl::StrCat("hb-options-", ::getpid());
+  struct Case {
+    absl::Duration timeout;
+    absl::Duration interval;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{absl::Seconds(-1), absl::Seconds(1), "peer heartbeat timeout -1s is out of range"},
+           Case{absl::Hours(25), absl::Seconds(1), "out of range [0 (off), 24h]"},
+           Case{absl::Seconds(1), absl::ZeroDuration(),
+                "peer heartbeat interval 0 must be positive"},
+           Case{absl::Seconds(1), absl::Milliseconds(600),
+                "at most half the heartbeat timeout (1s), so one late heartbeat is not a loss"},
+       }) {
+    o.heartbeat_timeout = c.timeout;
+    o.heartbeat_interval = c.interval;
+    auto s = ConnectPeers(o);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(s.status().message(), HasSubstr(c.message));
+  }
+  // Off: the interval no longer matters, and this one-rank group forms.
+  o.heartbeat_timeout = absl::ZeroDuration();
+  EXPECT_TRUE(ConnectPeers(o).ok());
 }
 
 }  // namespace
