@@ -113,6 +113,9 @@ __global__ void WorkspaceInitKernel(char* workspace, WorkspaceLayout layout) {
 //   tight=P        polls of a spin before it backs off                                  [24]
 //   twoshot_grid=0|1  two-shot barriers: per block (0) or one per rank (1)              [0]
 //   backoff=NS     the back-off sleep                                                   [64]
+//   opcheck=0..3   one-shot op agreement: 3 auto (2 for one-block launches, else 1), 2 per
+//                  thread, 1 thread 0 + block barrier, 0 off (measurement only: ranks running
+//                  different ops then compute a wrong result)                           [3]
 struct Tuning {
   int pdl = 1;
   int lookahead = 1;
@@ -120,6 +123,7 @@ struct Tuning {
   int tight = 24;
   int backoff = 64;
   int twoshot_grid = 0;
+  int opcheck = 3;
 };
 
 const Tuning& GetTuning() {
@@ -142,6 +146,7 @@ const Tuning& GetTuning() {
         if (key == "tight") t.tight = std::max(0, value);
         if (key == "twoshot_grid") t.twoshot_grid = value != 0;
         if (key == "backoff") t.backoff = std::clamp(value, 0, 1000000);
+        if (key == "opcheck") t.opcheck = std::clamp(value, 0, 3);
       }
       if (end == nullptr) break;
       s = end + 1;
@@ -154,7 +159,8 @@ const Tuning& GetTuning() {
 KernelConfig ConfigFromTuning() {
   const Tuning& t = GetTuning();
   return KernelConfig{static_cast<uint32_t>(t.lookahead), static_cast<uint32_t>(t.tight),
-                      static_cast<uint32_t>(t.backoff), t.twoshot_grid != 0 ? 0u : 1u};
+                      static_cast<uint32_t>(t.backoff), t.twoshot_grid != 0 ? 0u : 1u,
+                      static_cast<uint32_t>(t.opcheck)};
 }
 
 int DeviceSmCount() {

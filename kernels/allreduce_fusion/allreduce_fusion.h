@@ -9,7 +9,10 @@
 //     never NVLink multicast), runs LaunchWorkspaceInit on its own workspace, synchronizes, and
 //     barriers with the peers BEFORE the first op of a generation (and before any graph capture).
 //   * Per op it fills FusionParams and calls LaunchAllReduceFusion on its stream. Every rank of
-//     the group must launch the same sequence of (algo, num_tokens, hidden) calls.
+//     the group must launch the same sequence of (algo, num_tokens, hidden) calls. Where they
+//     do not (two clients racing on one group), every rank checks its peers' op descriptor
+//     before it stores any output and fails the call with kOpMismatch instead of computing a
+//     sum of different ops.
 //   * A kernel that hits the spin deadline or sees an abort records an error code in its
 //     workspace's error word (and the optional host mirror), tells its peers to abort, and exits.
 //     The workspace is then poisoned: every later launch exits at once without touching peers,
@@ -34,6 +37,9 @@ enum class FusionError : uint32_t {
   kHostAbort = 2,  // the host abort word (FusionParams::host_abort) was set
   kPeerAbort = 3,  // a peer failed and told this rank to stop
   kPoisoned = 4,   // launched on a workspace that already held an error; nothing was done
+  // The ranks launched different ops (num_tokens, hidden, eps, dtype, pattern, algo or world
+  // size differ: FusionControl's op descriptors): no rank stores any output of the call.
+  kOpMismatch = 5,
 };
 const char* FusionErrorName(uint32_t code);
 

@@ -10,6 +10,20 @@
 
 namespace arfuse {
 
+// What one rank runs in one call, written by that rank into every peer's control block before
+// its data, so that every rank checks, before it stores any output, that its peers run the same
+// op: two clients racing on one group can pair rank 0's op of one shape with rank 1's op of
+// another, and the one-shot would otherwise read the first rows of the longer op as the shorter
+// op's data and return a wrong sum with no error. Each word holds a value in its low half and the
+// call's tag in its high half (the one-shot: epoch + 1, the two-shot: barrier-A value), so a word
+// left from an earlier call never matches and a zeroed slot (tag 0) means "not written yet".
+// Words are written and read as aligned 64-bit elements, each single-copy atomic.
+struct alignas(32) FusionOpDesc {
+  // num_tokens, hidden, eps bits, dtype | pattern << 8 | algo << 16 | world_size << 24.
+  uint64_t words[4];
+};
+static_assert(sizeof(FusionOpDesc) == 32);
+
 struct FusionControl {
   // First FusionError of this workspace; sticky until LaunchWorkspaceInit.
   uint32_t error;
@@ -38,12 +52,25 @@ struct FusionControl {
   // Two-shot barrier: barrier[0][r] is written by rank r's last block to arrive at a barrier
   // (st.release.sys) and polled by every block of this rank (ld.acquire.sys).
   uint32_t barrier[kMaxFusionBlocks][kMaxWorldSize];
+  // One-shot: lamport_desc[epoch % 3][q] is rank q's FusionOpDesc of the call using that buffer
+  // (written by q's first block; the slot is written again only three calls later, after this
+  // rank finished the call that read it).
+  FusionOpDesc lamport_desc[3][kMaxWorldSize];
+  // Two-shot: rank q's FusionOpDesc of its current call, written by every block of q before its
+  // barrier-A signal (which publishes it) and read after that barrier; q writes it again only in
+  // its next call, which starts after this rank's blocks all passed barrier B.
+  FusionOpDesc twoshot_desc[kMaxWorldSize];
 };
 static_assert(offsetof(FusionControl, error) == 0);
 static_assert(offsetof(FusionControl, abort) == 4);
 static_assert(offsetof(FusionControl, lamport_used_elems) == 32);
 static_assert(offsetof(FusionControl, host_check_ns) == 56);
 static_assert(offsetof(FusionControl, barrier) == 256);
-static_assert(sizeof(FusionControl) == 256 + kMaxFusionBlocks * kMaxWorldSize * 4);
+constexpr size_t kFusionBarrierBytes = kMaxFusionBlocks * kMaxWorldSize * 4;
+static_assert(offsetof(FusionControl, lamport_desc) == 256 + kFusionBarrierBytes);
+static_assert(offsetof(FusionControl, twoshot_desc) ==
+              256 + kFusionBarrierBytes + 3 * kMaxWorldSize * sizeof(FusionOpDesc));
+static_assert(sizeof(FusionControl) ==
+              256 + kFusionBarrierBytes + 4 * kMaxWorldSize * sizeof(FusionOpDesc));
 
 }  // namespace arfuse

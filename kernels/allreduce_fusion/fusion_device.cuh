@@ -36,9 +36,20 @@ struct KernelConfig {
   // Two-shot: 1 = barriers between ranks per block (a system-scope release per block and
   // barrier, blocks run the phases at their own pace); 0 = one grid-wide barrier per rank.
   uint32_t twoshot_block_barriers;
+  // One-shot op agreement (FusionControl's op descriptors), kOpCheck*: every thread checks its
+  // peers' descriptors before its first store, or thread 0 does and a block barrier shares the
+  // verdict, or (auto) the first for single-block launches and the second otherwise: measured
+  // on 2x H200 the fastest at 1 token and at 8-128 tokens respectively (docs/kernels.md).
+  // kOpCheckOff skips the descriptors: for measurement only (ranks running different ops then
+  // compute a wrong result instead of failing).
+  uint32_t op_check;
 };
+constexpr uint32_t kOpCheckOff = 0;
+constexpr uint32_t kOpCheckBlock = 1;
+constexpr uint32_t kOpCheckThread = 2;
+constexpr uint32_t kOpCheckAuto = 3;
 __host__ __device__ constexpr KernelConfig DefaultKernelConfig() {
-  return KernelConfig{1, 24, 64, 1};
+  return KernelConfig{1, 24, 64, 1, kOpCheckAuto};
 }
 
 __device__ __forceinline__ FusionControl* ControlOf(void* workspace, const WorkspaceLayout& l) {
@@ -148,14 +159,72 @@ __device__ __forceinline__ float RowSumOfSquares(float v, float* scratch) {
   return device::WarpButterflySum(lane < (blockDim.x >> 5) ? scratch[lane] : 0.0f);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Op agreement (FusionControl's op descriptors): each rank writes what it runs into every peer's
+// control block before its data; every rank compares its peers' descriptors with its own before
+// it stores any output of the call.
+__device__ __forceinline__ void MakeOpDesc(const FusionParams& p, uint32_t tag, uint64_t (&w)[4]) {
+  const uint64_t t = static_cast<uint64_t>(tag) << 32;
+  w[0] = t | p.num_tokens;
+  w[1] = t | p.hidden;
+  w[2] = t | __float_as_uint(p.eps);
+  w[3] = t | (static_cast<uint32_t>(p.dtype) | static_cast<uint32_t>(p.pattern) << 8 |
+              static_cast<uint32_t>(p.algo) << 16 | static_cast<uint32_t>(p.world_size) << 24);
+}
+
+__device__ __forceinline__ void StoreOpDesc(FusionOpDesc* dst, const uint64_t* w) {
+  StoreVolatile64x2(&dst->words[0], w[0], w[1]);
+  StoreVolatile64x2(&dst->words[2], w[2], w[3]);
+}
+
+enum OpDescState : uint32_t { kDescPending = 0, kDescSame = 1, kDescDiffers = 2 };
+
+// kDescPending while any word still carries another call's tag (not written yet for this call).
+__device__ __forceinline__ uint32_t ReadOpDesc(const FusionOpDesc* src, const uint64_t* want) {
+  uint64_t got[4];
+  LoadVolatile64x2(&src->words[0], got[0], got[1]);
+  LoadVolatile64x2(&src->words[2], got[2], got[3]);
+  bool tagged = true;
+  bool same = true;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    tagged = tagged && (got[k] >> 32) == (want[k] >> 32);
+    same = same && got[k] == want[k];
+  }
+  return !tagged ? kDescPending : same ? kDescSame : kDescDiffers;
+}
+
+// The one-shot's check, done by thread 0 of each block while it waits for its first row, so the
+// descriptors' arrival overlaps the data's: `pending` has a bit per peer not seen yet (none for
+// the other threads, whose Poll is then free), `differs` a bit per peer that runs another op.
+struct PeerDescPoll {
+  const FusionOpDesc* slots;  // this call's lamport_desc row, indexed by rank
+  const uint64_t* want;       // this rank's descriptor (shared memory: no registers held)
+  uint32_t pending;
+  uint32_t differs;
+  // True once every peer's descriptor of this call was seen.
+  __device__ __forceinline__ bool Poll() {
+    for (uint32_t m = pending; m != 0; m &= m - 1) {
+      const int q = __ffs(static_cast<int>(m)) - 1;
+      const uint32_t state = ReadOpDesc(&slots[q], want);
+      if (state == kDescPending) continue;
+      pending &= ~(1u << q);
+      if (state == kDescDiffers) differs |= 1u << q;
+    }
+    return pending == 0;
+  }
+};
+
 // Polls the vectors of this thread (row thread t0, k < kVec) at `src` until no element of any
 // holds the sentinel (raw bits). Returns a failure code or 0.
+// `descs` is polled alongside (its loads issued after the data loads, so both are in flight at
+// once); the wait ends when both are complete.
 template <DType DT, int kVec>
 __device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* src, uint32_t t0,
                                                 uint32_t stride, uint32_t vecs_per_row,
                                                 const FusionParams& p, FusionControl* ctrl,
                                                 BlockWatch& w, SpinClock& clock,
-                                                const KernelConfig& cfg) {
+                                                const KernelConfig& cfg, PeerDescPoll& descs) {
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     const uint32_t v = t0 + k * stride;
@@ -163,13 +232,14 @@ __device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* sr
   }
   uint32_t spin_polls = 0;
   while (true) {
+    const bool descs_seen = descs.Poll();
     bool pending = false;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v < vecs_per_row && device::HasSentinel<DT>(x[k])) pending = true;
     }
-    if (!pending) return 0;
+    if (!pending && descs_seen) return 0;
     if (const uint32_t code = SpinStep(p, ctrl, w, clock, spin_polls, cfg); code != 0) {
       return code;
     }
@@ -195,6 +265,11 @@ __device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* sr
 //      row's epilogue (the block reduces the sum of squares);
 //   3. every CTA counts itself in right after its first pushes; the last one advances the epoch
 //      (every CTA read it before counting itself; the next call is a later kernel).
+// Op agreement: block 0 writes this rank's op descriptor (tag epoch + 1) into every peer's
+// lamport_desc[k % 3][rank] before its first push; thread 0 of every block polls the peers'
+// descriptors while it waits for its first row, and the block stores nothing of the call until
+// they are all here and equal to its own (a block barrier once per call). A peer running another
+// op fails the call with kOpMismatch on every rank that has rows; no output is written.
 // Pushing row r never waits for anything but reads of rows before r, on any rank: no cycle.
 // Loads that depend on nothing (the first row's input and residual, gamma) are issued before
 // the control words are read, and each row's successor is loaded while the row is finished.
@@ -203,13 +278,17 @@ __device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* sr
 template <DType DT, bool kNorm, int kBucket>
 // `unit` / `units`: this block's index and the number of blocks taking part (blockIdx.x and
 // gridDim.x for a kernel that runs one op; the doorbell's serving kernel passes its own).
-__device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelConfig& cfg,
-                                            const uint32_t unit, const uint32_t units) {
+// Returns this thread's failure (a FusionError code; kPoisoned when the workspace already held
+// an error), 0 when it completed its part: a caller that finds 0 in every thread of every block
+// knows the op succeeded without reading the error word.
+__device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const KernelConfig& cfg,
+                                                const uint32_t unit, const uint32_t units) {
   using Tr = device::VecTraits<DT>;
   constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[2][32];
   __shared__ BlockWatch watch;
-  __shared__ uint32_t s_error, s_epoch;
+  __shared__ uint32_t s_error, s_epoch, s_differs;
+  __shared__ uint64_t s_desc[4];
   char* const local = static_cast<char*>(p.peer_workspace[p.rank]);
   FusionControl* const ctrl = ControlOf(local, p.layout);
   const uint32_t stride = blockDim.x;  // row threads of a row
@@ -238,6 +317,10 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
     InitWatch(watch);
     s_error = LoadVolatile32(&ctrl->error);
     s_epoch = LoadAcquireGpu32(&ctrl->lamport_epoch);
+    uint64_t desc[4];
+    MakeOpDesc(p, s_epoch + 1, desc);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s_desc[k] = desc[k];
   }
   __syncthreads();
   // A poisoned workspace: nothing is touched; block 0 forwards the abort.
@@ -245,10 +328,26 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
     if (threadIdx.x == 0 && unit == 0) {
       RecordError(p, static_cast<uint32_t>(FusionError::kPoisoned), true);
     }
-    return;
+    return static_cast<uint32_t>(FusionError::kPoisoned);
   }
-  const uint64_t buffer_offset =
-      p.layout.lamport_offset + (s_epoch % 3) * p.layout.lamport_buffer_bytes;
+  const uint32_t buffer = s_epoch % 3;
+  const uint64_t buffer_offset = p.layout.lamport_offset + buffer * p.layout.lamport_buffer_bytes;
+  PeerDescPoll descs;
+  descs.slots = ctrl->lamport_desc[buffer];
+  descs.want = s_desc;
+  const uint32_t op_check =
+      cfg.op_check == kOpCheckAuto ? (units == 1 ? kOpCheckThread : kOpCheckBlock) : cfg.op_check;
+  const bool checker =
+      op_check == kOpCheckThread || (op_check == kOpCheckBlock && threadIdx.x == 0);
+  descs.pending = checker && unit < tokens ? ((1u << n) - 1u) & ~(1u << p.rank) : 0u;
+  descs.differs = 0;
+  if (op_check != kOpCheckOff && threadIdx.x == 0 && unit == 0) {
+    for (int q = 0; q < n; ++q) {
+      if (q == p.rank) continue;
+      StoreOpDesc(&ControlOf(p.peer_workspace[q], p.layout)->lamport_desc[buffer][p.rank],
+                  descs.want);
+    }
+  }
   const uint64_t push_offset =
       buffer_offset + static_cast<uint64_t>(p.rank) * p.layout.lamport_slot_bytes;
   SpinClock clock;
@@ -290,6 +389,9 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
   uint32_t parity = 0;
   for (uint32_t row = unit; row < tokens; row += units) {
     Raw16 sum[kVec];  // the rounded sum, then the pre-norm sum
+    const bool failed_before = failure != 0;
+    const char* const row_inbox = local + buffer_offset + row * row_bytes;
+    Raw16 peer[kVec];
     if (failure == 0) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) own[k] = device::SanitizeNegativeZero<DT>(own[k]);
@@ -297,51 +399,65 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
         push_row(ahead);
         ahead += units;
       }
-      const char* const row_inbox = local + buffer_offset + row * row_bytes;
       // Wait until every peer's vectors of this row are here (polls batched over k). With two
       // ranks the polled vectors are the peer's data; with more they are re-read below.
-      Raw16 peer[kVec];
       for (int s = 1; s < n && failure == 0; ++s) {
         const int q = (p.rank + s) % n;
         failure = WaitVectors<DT, kVec>(peer, row_inbox + q * p.layout.lamport_slot_bytes, t0,
-                                        stride, vecs_per_row, p, ctrl, watch, clock, cfg);
+                                        stride, vecs_per_row, p, ctrl, watch, clock, cfg, descs);
       }
-      if (failure != 0) {
-        if (failure != static_cast<uint32_t>(FusionError::kPoisoned)) {
-          RecordError(p, failure, false);
+    }
+    if (row == unit && op_check == kOpCheckThread) {
+      // This thread's first row: it saw every peer's descriptor unless its wait failed, and it
+      // has stored nothing yet.
+      if (failure == 0 && descs.differs != 0) {
+        failure = static_cast<uint32_t>(FusionError::kOpMismatch);
+      }
+    } else if (row == unit && op_check == kOpCheckBlock) {
+      // The block's first row (every thread, uniform): nothing has been stored yet. Thread 0 saw
+      // every peer's descriptor unless its own wait failed.
+      if (threadIdx.x == 0) s_differs = descs.differs;
+      __syncthreads();
+      if (s_differs != 0 && failure == 0) {
+        failure = threadIdx.x == 0 ? static_cast<uint32_t>(FusionError::kOpMismatch)
+                                   : static_cast<uint32_t>(FusionError::kPoisoned);
+      }
+    }
+    if (failure != 0) {
+      if (!failed_before && failure != static_cast<uint32_t>(FusionError::kPoisoned)) {
+        RecordError(p, failure, false);
+      }
+    } else {
+      // Sum in rank order (own input at position `rank`), then write the sentinel back.
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const uint32_t v = t0 + k * stride;
+        if (v >= vecs_per_row) continue;
+        float acc[Tr::kElems];
+        for (int q = 0; q < n; ++q) {
+          const Raw16 x = q == p.rank ? own[k]
+                          : n == 2    ? peer[k]
+                                      : device::LoadRawVolatile(
+                                            row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
+          device::Accumulate<DT>(acc, x, q == 0);
         }
-      } else {
-        // Sum in rank order (own input at position `rank`), then write the sentinel back.
+        sum[k] = device::RoundSum<DT>(acc);
+      }
+      for (int q = 0; q < n; ++q) {
+        if (q == p.rank) continue;
+        char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const uint32_t v = t0 + k * stride;
-          if (v >= vecs_per_row) continue;
-          float acc[Tr::kElems];
-          for (int q = 0; q < n; ++q) {
-            const Raw16 x = q == p.rank ? own[k]
-                            : n == 2    ? peer[k]
-                                        : device::LoadRawVolatile(
-                                              row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
-            device::Accumulate<DT>(acc, x, q == 0);
-          }
-          sum[k] = device::RoundSum<DT>(acc);
+          if (v < vecs_per_row) device::StoreRaw(src + v * 16ull, sentinel);
         }
-        for (int q = 0; q < n; ++q) {
-          if (q == p.rank) continue;
-          char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;
+      }
+      if constexpr (!kNorm) {
 #pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            const uint32_t v = t0 + k * stride;
-            if (v < vecs_per_row) device::StoreRaw(src + v * 16ull, sentinel);
-          }
-        }
-        if constexpr (!kNorm) {
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            const uint32_t v = t0 + k * stride;
-            if (v < vecs_per_row) {
-              device::StoreRaw(static_cast<char*>(p.output) + row * row_bytes + v * 16ull, sum[k]);
-            }
+        for (int k = 0; k < kVec; ++k) {
+          const uint32_t v = t0 + k * stride;
+          if (v < vecs_per_row) {
+            device::StoreRaw(static_cast<char*>(p.output) + row * row_bytes + v * 16ull, sum[k]);
           }
         }
       }
@@ -371,6 +487,7 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
     StoreVolatile32(&ctrl->lamport_arrived, 0u);
     StoreVolatile32(&ctrl->lamport_epoch, s_epoch + 1);
   }
+  return failure;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -383,6 +500,10 @@ __device__ __forceinline__ void OneShotBody(const FusionParams& p, const KernelC
 //   4. barrier B (value seq + 2);
 //   5. every rank reads the gathered rows of block b and runs the epilogue with its own
 //      residual_in: the same bits on every rank because the reduced rows are identical.
+// Op agreement: every block writes this rank's op descriptor (tag seq + 1) into every peer's
+// twoshot_desc[rank] before it scatters, so barrier A's release publishes it; whoever acquires a
+// peer's barrier-A signal compares that peer's descriptor with its own, and a block that finds
+// another op stops before step 3 (nothing stored) with kOpMismatch.
 // Inbox reuse by the next call is safe: a peer starts call k + 1 only after its call-k kernel
 // ended, i.e. after this rank's blocks all signalled barrier B of call k (done reading
 // scatter); a peer's block writes gather in call k + 1 only after this rank's matching block
@@ -417,6 +538,14 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
   }
   const uint32_t seq = s_seq;
   const uint32_t n = static_cast<uint32_t>(p.world_size);
+  uint64_t desc[4];
+  MakeOpDesc(p, seq + 1, desc);
+  if (threadIdx.x == 0) {
+    for (uint32_t q = 0; q < n; ++q) {
+      if (q == static_cast<uint32_t>(p.rank)) continue;
+      StoreOpDesc(&ControlOf(p.peer_workspace[q], p.layout)->twoshot_desc[p.rank], desc);
+    }
+  }
   const uint32_t slice = (p.num_tokens + n - 1) / n;
   const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
   const char* const input = static_cast<const char*>(p.input);
@@ -427,8 +556,9 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
   bool last_at_b = false;
 
   // Barrier between ranks, value seq + 1 (A) or seq + 2 (B); peers may already be one barrier
-  // further (value + 1): flags compare as sequence numbers. Every block also counts itself in
-  // (acq_rel at GPU scope); the last one at B resets the counters and advances the sequence.
+  // further (value + 1): flags compare as sequence numbers. At A, the thread that acquired peer
+  // q's signal checks q's op descriptor (published by that signal). Every block also counts itself
+  // in (acq_rel at GPU scope); the last one at B resets the counters and advances the sequence.
   //  * per block (default): thread q (< N) of block b signals rank q (st.release.sys of
   //    barrier[b][rank]; bar.sync orders the block's stores before it) and polls barrier[b][q];
   //    blocks go through the phases at their own pace.
@@ -452,6 +582,9 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
           failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
           if (failure != 0) break;
         }
+        if (failure == 0 && phase == 0 && ReadOpDesc(&ctrl->twoshot_desc[q], desc) != kDescSame) {
+          failure = static_cast<uint32_t>(FusionError::kOpMismatch);
+        }
       }
     } else if (threadIdx.x == 0) {
       const uint32_t old = AtomicAddAcqRelGpu(&counters[phase], 1u);
@@ -469,6 +602,9 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
         while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
           failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
           if (failure != 0) break;
+        }
+        if (failure == 0 && phase == 0 && ReadOpDesc(&ctrl->twoshot_desc[q], desc) != kDescSame) {
+          failure = static_cast<uint32_t>(FusionError::kOpMismatch);
         }
       }
     }

@@ -20,11 +20,18 @@ bool IsKnownDType(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t 
 
 const char* FusionErrorName(uint32_t code) {
   switch (static_cast<FusionError>(code)) {
-    case FusionError::kNone: return "none";
-    case FusionError::kTimeout: return "timeout: a peer did not arrive before the spin deadline";
-    case FusionError::kHostAbort: return "aborted by the host";
-    case FusionError::kPeerAbort: return "aborted by a peer that failed";
-    case FusionError::kPoisoned: return "workspace poisoned by an earlier error";
+    case FusionError::kNone:
+      return "none";
+    case FusionError::kTimeout:
+      return "timeout: a peer did not arrive before the spin deadline";
+    case FusionError::kHostAbort:
+      return "aborted by the host";
+    case FusionError::kPeerAbort:
+      return "aborted by a peer that failed";
+    case FusionError::kPoisoned:
+      return "workspace poisoned by an earlier error";
+    case FusionError::kOpMismatch:
+      return "ranks disagree on the op (tokens, hidden, eps, dtype, pattern or algorithm differ)";
   }
   return "unknown fusion error";
 }
@@ -128,14 +135,14 @@ cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
 }
 
 uint32_t* WorkspaceErrorWord(void* local_workspace, const WorkspaceLayout& layout) {
-  auto* ctrl = reinterpret_cast<FusionControl*>(static_cast<char*>(local_workspace) +
-                                                layout.control_offset);
+  auto* ctrl =
+      reinterpret_cast<FusionControl*>(static_cast<char*>(local_workspace) + layout.control_offset);
   return &ctrl->error;
 }
 
 uint32_t* WorkspaceAbortWord(void* local_workspace, const WorkspaceLayout& layout) {
-  auto* ctrl = reinterpret_cast<FusionControl*>(static_cast<char*>(local_workspace) +
-                                                layout.control_offset);
+  auto* ctrl =
+      reinterpret_cast<FusionControl*>(static_cast<char*>(local_workspace) + layout.control_offset);
   return &ctrl->abort;
 }
 

@@ -256,10 +256,12 @@ cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cu
 // between launches (the last block to leave a launch zeroes them; the next launch on the stream
 // starts after it ended).
 struct DoorbellServeState {
-  uint32_t ticket;    // ops announced so far in this launch (block 0 release-stores at GPU scope)
-  uint32_t finished;  // (block, op) pairs finished (every block adds 1 per op, acq_rel)
-  uint32_t leave;     // set before the last ticket: the blocks leave instead of running an op
-  uint32_t left;      // blocks that left (the last one zeroes the words)
+  uint32_t ticket;  // ops announced so far in this launch (block 0 release-stores at GPU scope)
+  // (block, op) pairs finished: every block adds 1 per op (acq_rel), plus 1 << 24 when it failed
+  // (the low 24 bits count, wrapping; the high bits change when a block failed).
+  uint32_t finished;
+  uint32_t leave;  // set before the last ticket: the blocks leave instead of running an op
+  uint32_t left;   // blocks that left (the last one zeroes the words)
   // The announced op (written before the ticket): its slot, token count, and how many blocks
   // run it (min(grid, tokens): blocks beyond sit it out).
   uint32_t slot;

@@ -15,6 +15,9 @@ const char* DoorbellErrorName(uint32_t code) {
         return "fused op failed: aborted by a peer that failed (workspace poisoned)";
       case FusionError::kPoisoned:
         return "fused op not run: workspace poisoned by an earlier error";
+      case FusionError::kOpMismatch:
+        return "fused op refused: ranks disagree on the op (tokens, hidden, eps, dtype, pattern "
+               "or algorithm differ; workspace poisoned)";
       default:
         return "fused op failed (workspace poisoned)";
     }

@@ -1,5 +1,8 @@
 // The client's ring kernel (docs/doorbell.md). Compiled into arfuse_kernels_doorbell and, on its
 // own, into the client library libarfuse_ring.so.
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/doorbell/doorbell.h"
 #include "kernels/doorbell/doorbell_device.cuh"
 
@@ -15,8 +18,14 @@ constexpr uint32_t kRingPollsPerCheck = 64;
 // ordering puts those writes before this thread's release, and release is cumulative, so the
 // sidecar's acquire of the request sees them. Symmetrically the sidecar's outputs are visible to
 // this stream's later kernels once this thread acquired the completion.
+//
+// Launched as a programmatic dependent (sm_90+): the launch overlaps the tail of the kernel
+// before it on the stream (another ring kernel lets it start once its slot is re-armed). Nothing
+// is read or written before griddepcontrol.wait, which returns once that kernel finished and its
+// stores are visible: the op's inputs, and a previous ring's re-arm of this slot.
 __global__ void __launch_bounds__(1)
     DoorbellRingKernel(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns) {
+  WaitForPrerequisiteGrid();
   // A sticky error: the slot is not usable until the sidecar resets it. Do not ring (the op
   // does not run; the client reads the error word).
   // Both loads are issued before either is used: one round trip to the sidecar's memory, not two.
@@ -59,8 +68,27 @@ __global__ void __launch_bounds__(1)
     // (still bounded by the deadline).
   }
   // Re-arm for the next replay. Ordered before this client's next request (a later kernel of
-  // the stream), which the sidecar must see before it completes again.
+  // the stream, which reads it only after this kernel finished), which the sidecar must see
+  // before it completes again.
   StoreRelaxedSys(&slot->complete, kDoorbellReset);
+  AllowDependentLaunch();
+}
+
+// Programmatic launches unless ARFUSE_RING_PDL=0 (for measuring what they are worth), on sm_90+.
+bool RingUsesProgrammaticLaunch() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("ARFUSE_RING_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!enabled) return false;
+  int device = 0;
+  int major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it, launch plainly
+    return false;
+  }
+  return major >= 9;
 }
 
 }  // namespace
@@ -70,8 +98,20 @@ cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t
   if (cudaError_t err = CheckDoorbellRingArgs(slot, timeout_ns, nullptr); err != cudaSuccess) {
     return err;
   }
-  DoorbellRingKernel<<<1, 1, 0, stream>>>(slot, num_tokens, timeout_ns);
-  return cudaGetLastError();
+  if (!RingUsesProgrammaticLaunch()) {
+    DoorbellRingKernel<<<1, 1, 0, stream>>>(slot, num_tokens, timeout_ns);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1);
+  config.blockDim = dim3(1);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, DoorbellRingKernel, slot, num_tokens, timeout_ns);
 }
 
 cudaError_t PrepareDoorbellRing() {

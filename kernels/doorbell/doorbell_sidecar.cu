@@ -36,16 +36,20 @@ __device__ uint32_t WaiterCheck(const DoorbellWaitParams& w, uint64_t start, uin
   return 0;
 }
 
-// What one poll for a ring ended with: the slot taken (served >= 0), or the outcome that ended
-// the poll with nothing consumed.
+// What one poll for a ring ended with: the slot taken (served >= 0) and the token count rung
+// with it, or the outcome that ended the poll with nothing consumed.
 struct RingPoll {
   int served;
   uint32_t outcome;
+  uint32_t tokens;
 };
 
 // Warp 0 only (all 32 lanes; the result is the same in every lane). Lane i polls slot i's request
 // word when bit i of the mask is set; lane 0 looks at the control words, the abort words and the
 // idle deadline (measured from `start`, lane 0's value) every kWaitCheckNs.
+// The polls acquire: a lane that sees a request may read the slot's token count at once (the
+// client stored it before its release), so that load and lane 0's CAS are in flight together
+// (one round trip to take a ring, not two).
 __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
   const uint32_t lane = threadIdx.x;
   const bool mine = ((w.slot_mask >> lane) & 1u) != 0;
@@ -56,9 +60,11 @@ __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
   uint32_t outcome = lane == 0 ? WaiterCheck(w, start, GlobalTimerNs()) : 0;
   outcome = __shfl_sync(0xffffffffu, outcome, 0);
   for (uint32_t polls = 1; outcome == 0; ++polls) {
-    // Relaxed polls; the CAS below acquires.
-    const uint32_t value = mine ? LoadRelaxedSys(my_request) : 0u;
-    uint32_t hits = __ballot_sync(0xffffffffu, value == kDoorbellRequest);
+    const uint32_t value = mine ? LoadAcquireSys(my_request) : 0u;
+    const bool hit = value == kDoorbellRequest;
+    // Not used before the CAS's answer: both loads are outstanding at once.
+    const uint32_t tokens = hit ? LoadRelaxedSys(&w.slots[lane].num_tokens) : 0u;
+    uint32_t hits = __ballot_sync(0xffffffffu, hit);
     while (hits != 0) {
       // Lowest slot first. Take the request by CAS: the client may be withdrawing it (its ring
       // timed out) at the same moment; exactly one of the two CASes succeeds.
@@ -69,7 +75,8 @@ __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
               kDoorbellRequest;
       }
       won = __shfl_sync(0xffffffffu, won, 0);
-      if (won != 0) return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed)};
+      const uint32_t n = __shfl_sync(0xffffffffu, tokens, s);
+      if (won != 0) return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed), n};
       hits &= hits - 1;
     }
     if (polls % kWaitPollsPerClock == 0) {
@@ -83,12 +90,14 @@ __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
       outcome = __shfl_sync(0xffffffffu, outcome, 0);
     }
   }
-  return RingPoll{-1, outcome};
+  return RingPoll{-1, outcome, 0};
 }
 
 // Warp 0 only: writes the op record for the kernels behind (and, in a serving launch, for the
-// blocks of the grid): nothing consumed (served < 0, `outcome` says why), or the ring taken.
-__device__ void WriteOpRecord(const DoorbellWaitParams& w, int served, uint32_t outcome) {
+// blocks of the grid): nothing consumed (r.served < 0, r.outcome says why), or the ring taken.
+__device__ void WriteOpRecord(const DoorbellWaitParams& w, const RingPoll& r) {
+  const int served = r.served;
+  const uint32_t outcome = r.outcome;
   const uint32_t lane = threadIdx.x;
   DoorbellOp* op = w.op;
   if (served < 0) {
@@ -112,8 +121,7 @@ __device__ void WriteOpRecord(const DoorbellWaitParams& w, int served, uint32_t 
   }
   __syncwarp();
   if (lane == 0) {
-    // Read after lane 0's acquiring CAS: the client stored it before its release.
-    const uint32_t n = LoadRelaxedSys(&w.slots[served].num_tokens);
+    const uint32_t n = r.tokens;
     const bool fits = n <= entry->max_tokens;
     op->params.num_tokens = fits ? n : 0u;
     op->params.algo = n >= entry->twoshot_min_tokens ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
   // Let the fused launch behind be scheduled now (programmatic dependent launch): its blocks wait
   // for this kernel to finish before they read the op.
   if (r.served >= 0) AllowDependentLaunch();
-  WriteOpRecord(w, r.served, r.outcome);
+  WriteOpRecord(w, r);
 }
 
 // The slot error of an op whose workspace error word read `fusion` (0: the op succeeded).
@@ -230,13 +238,46 @@ __device__ bool RunsInPlace(const DoorbellServeParams& sp, const DoorbellPlanEnt
          p.rank == t.rank && p.sm_budget == t.sm_budget && bytes <= t.layout.lamport_slot_bytes;
 }
 
-// Block 0, thread 0: completes an in-place op every block finished. Returns the DoorbellError
-// written to the slot (0: the op succeeded).
-__device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p) {
-  const uint32_t error = FusionSlotError(
-      LoadRelaxedSys(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error));
+// Block 0, thread 0: completes an in-place op every block finished. `maybe_failed`: some block
+// reported a failure (or the count could not tell): only then is the workspace error word read
+// (a round trip the successful op does not pay; every way the word gets set during an op goes
+// through a failing block, and an error left by an earlier op makes every block fail at once).
+// Returns the DoorbellError written to the slot (0: the op succeeded).
+__device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, bool maybe_failed) {
+  const uint32_t error =
+      maybe_failed ? FusionSlotError(LoadRelaxedSys(
+                         &fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error))
+                   : 0u;
   CompleteSlot(slot, error);
   return error;
+}
+
+// DoorbellServeState::finished: every block that ran an op adds kFinishedOne, plus kFinishedFail
+// when it failed. The low 24 bits count (compared with wrap-around arithmetic: a launch that
+// stays resident for hours wraps them); the high 8 bits change when a block failed. A carry out
+// of the count also changes them: block 0 then reads the error word for nothing, which is
+// harmless. At most 128 blocks fail per op, so the high bits cannot come back to where they were.
+constexpr uint32_t kFinishedOne = 1u;
+constexpr uint32_t kFinishedFail = 1u << 24;
+constexpr uint32_t kFinishedCountMask = kFinishedFail - 1u;
+__device__ __forceinline__ bool CountBehind(uint32_t finished, uint32_t target) {
+  // (finished - target) as a signed 24-bit number.
+  return static_cast<int32_t>(((finished - target) & kFinishedCountMask) << 8) < 0;
+}
+
+// Block 0, thread 0: announces op `ticket` (run: its slot, token count and active blocks) or the
+// end of the launch. The words before the ticket, with release at GPU scope: a block that
+// acquires the ticket reads them (and the op record).
+__device__ void PublishTicket(DoorbellServeState* st, bool run, uint32_t slot, uint32_t tokens,
+                              uint32_t active, uint32_t ticket) {
+  if (run) {
+    StoreVolatile32(&st->slot, slot);
+    StoreVolatile32(&st->tokens, tokens);
+    StoreVolatile32(&st->active, active);
+  } else {
+    StoreVolatile32(&st->leave, 1u);
+  }
+  StoreReleaseGpu32(&st->ticket, ticket);
 }
 
 // Every block: the op's params into shared memory, from the plan table (read-only while the
@@ -268,6 +309,9 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   const fusion_device::KernelConfig cfg = fusion_device::DefaultKernelConfig();
   uint32_t ops = 0;             // ops announced in this launch: the same count in every block
   uint32_t target = 0;          // block 0: (block, op) counts expected in `finished` so far
+  uint32_t fail_bits = 0;       // block 0: `finished`'s failure bits after the last op
+  bool maybe_failed = false;    // block 0, thread 0: a block of the current op failed
+  bool ticket_due = false;      // block 0, thread 0: the current op's ticket follows its completion
   uint64_t since = 0;           // block 0, lane 0: the idle deadline counts from here
   uint32_t error_in_place = 0;  // block 0, thread 0: the failed in-place op's error, slot and
   uint32_t failed_slot = 0;     // token count
@@ -283,12 +327,11 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
         if (failed == 0) {
           r = PollForRing(sp.wait, since);
           if (r.served >= 0) {
-            // Read after lane 0's acquiring CAS (every lane: the value is broadcast by the load).
-            n = LoadRelaxedSys(&sp.wait.slots[r.served].num_tokens);
+            n = r.tokens;
             in_place = RunsInPlace(sp, sp.wait.plans[r.served], r.served, n);
           }
           // Anything else goes to the kernels behind through the op record, as from the waiter.
-          if (!in_place) WriteOpRecord(sp.wait, r.served, r.outcome);
+          if (!in_place) WriteOpRecord(sp.wait, r);
         } else if (threadIdx.x == 0) {
           // The failed op's slot and token count stay in the record for the host's report;
           // nothing is left to run.
@@ -300,17 +343,13 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
         __syncwarp();
         if (threadIdx.x == 0) {
           const uint32_t active = in_place ? min(units, n) : 0u;
-          if (in_place) {
-            StoreVolatile32(&st->slot, static_cast<uint32_t>(r.served));
-            StoreVolatile32(&st->tokens, n);
-            StoreVolatile32(&st->active, active);
-          } else {
-            StoreVolatile32(&st->leave, 1u);
+          // With one active block (one token, or a one-block grid) nobody else runs the op: its
+          // ticket, which only keeps the other blocks' count, is published after the completion
+          // (a release less on the client's path).
+          ticket_due = in_place && active == 1;
+          if (!ticket_due) {
+            PublishTicket(st, in_place, static_cast<uint32_t>(r.served), n, active, ops + 1);
           }
-          // The words above (and the op record) before the ticket. With one active block (one
-          // token, or a one-block grid) nobody else runs the op: the ticket still moves so the
-          // other blocks keep count.
-          StoreReleaseGpu32(&st->ticket, ops + 1);
           s_cmd = in_place ? kCmdRun : kCmdLeave;
           s_slot = static_cast<uint32_t>(r.served);
           s_tokens = n;
@@ -335,31 +374,45 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     // body's own counting and epoch advance use `active` as the grid).
     if (blockIdx.x < active) {
       LoadInPlaceParams(sp, s_slot, s_tokens, &s_params);
-      fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
-      // Every thread's stores of this block before its count (or, for block 0, the completion).
-      __syncthreads();
-      if (threadIdx.x == 0 && active > 1) AtomicAddAcqRelGpu(&st->finished, 1u);
+      const uint32_t failure =
+          fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
+      // Every thread's stores of this block before its count (or, for block 0, the completion);
+      // the OR says whether any thread of the block failed.
+      const bool block_failed = __syncthreads_or(failure != 0) != 0;
+      if (threadIdx.x == 0) {
+        if (active > 1) {
+          AtomicAddAcqRelGpu(&st->finished, kFinishedOne + (block_failed ? kFinishedFail : 0u));
+        }
+        maybe_failed = block_failed;
+      }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       if (active > 1) {
-        target += active;
+        target = (target + active) & kFinishedCountMask;
         // Every resident block ends its op within its spins' deadline; a block that never
         // became resident (SMs taken by other contexts' spinning kernels) must not wedge the
         // launch: past twice that deadline the op fails as a timeout (the late block sees
         // `leave` and does not run it).
         const uint64_t wait_start = GlobalTimerNs();
-        while (LoadAcquireGpu32(&st->finished) < target) {
+        uint32_t finished;
+        while (CountBehind(finished = LoadAcquireGpu32(&st->finished), target)) {
           __nanosleep(32);
           if (GlobalTimerNs() - wait_start > 2 * s_params.spin_timeout_ns) {
             atomicCAS(
                 &fusion_device::ControlOf(s_params.peer_workspace[s_params.rank], s_params.layout)
                      ->error,
                 0u, static_cast<uint32_t>(FusionError::kTimeout));
+            maybe_failed = true;
             break;
           }
         }
+        if ((finished >> 24) != fail_bits) {
+          maybe_failed = true;
+          fail_bits = finished >> 24;
+        }
       }
-      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params);
+      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params, maybe_failed);
+      if (ticket_due) PublishTicket(st, true, s_slot, s_tokens, 1u, ops);
       failed_slot = s_slot;
       failed_tokens = s_tokens;
       // For the host's counters while the launch stays resident (a posted store to host

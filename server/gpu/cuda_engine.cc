@@ -479,6 +479,13 @@ absl::Status CudaEngine::CheckFusedError() const {
       return absl::AbortedError(absl::StrCat("the op was aborted on this rank", next));
     case FusionError::kPeerAbort:
       return absl::AbortedError(absl::StrCat("a peer rank aborted the op", next));
+    case FusionError::kOpMismatch:
+      // Two clients racing on one group paired ops of different shapes across the ranks: the
+      // kernels refused the pair before storing any output. The request itself may be valid.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ranks disagree on the op: a peer rank ran another op (tokens, hidden, eps, dtype, "
+          "pattern or algorithm) in the same call; no output was written",
+          next));
     default:
       return absl::FailedPreconditionError(absl::StrCat("fused kernel error ", why, next));
   }

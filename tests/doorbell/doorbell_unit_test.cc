@@ -75,15 +75,16 @@ TEST(DoorbellErrors, EveryCodeHasItsOwnDescription) {
     names.insert(DoorbellErrorName(static_cast<uint32_t>(e)));
   }
   for (FusionError f : {FusionError::kTimeout, FusionError::kHostAbort, FusionError::kPeerAbort,
-                        FusionError::kPoisoned}) {
+                        FusionError::kPoisoned, FusionError::kOpMismatch}) {
     names.insert(DoorbellErrorName(static_cast<uint32_t>(DoorbellError::kFusionFailed) |
                                    static_cast<uint32_t>(f)));
   }
-  EXPECT_EQ(names.size(), 10u);
+  EXPECT_EQ(names.size(), 11u);
   EXPECT_THAT(DoorbellErrorName(static_cast<uint32_t>(DoorbellError::kRingTimeout)),
               HasSubstr("did not run"));
   EXPECT_THAT(DoorbellErrorName(0x101), HasSubstr("peer did not arrive"));
   EXPECT_THAT(DoorbellErrorName(0x104), HasSubstr("poisoned"));
+  EXPECT_THAT(DoorbellErrorName(0x105), HasSubstr("ranks disagree on the op"));
   EXPECT_STREQ(DoorbellErrorName(0x77), "unknown doorbell error");
   EXPECT_STREQ(arfuse_doorbell_error_name(4), DoorbellErrorName(4));
   EXPECT_STREQ(DoorbellOutcomeName(static_cast<uint32_t>(DoorbellOutcome::kIdle)), "idle");

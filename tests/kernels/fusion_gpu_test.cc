@@ -24,10 +24,10 @@
 namespace arfuse {
 namespace {
 
-#define CUDA_OK(expr)                                                            \
-  do {                                                                           \
-    const cudaError_t err_ = (expr);                                             \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);   \
+#define CUDA_OK(expr)                                                          \
+  do {                                                                         \
+    const cudaError_t err_ = (expr);                                           \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (false)
 
 constexpr uint64_t kNormalTimeoutNs = 5'000'000'000ull;
@@ -54,7 +54,8 @@ struct MappedWord {
       host = static_cast<volatile uint32_t*>(raw);
       *host = 0;
       void* dev = nullptr;
-      if (cudaHostGetDevicePointer(&dev, raw, 0) == cudaSuccess) device = static_cast<uint32_t*>(dev);
+      if (cudaHostGetDevicePointer(&dev, raw, 0) == cudaSuccess)
+        device = static_cast<uint32_t*>(dev);
     }
   }
   ~MappedWord() {
@@ -112,7 +113,8 @@ class SimGroup {
   // Every rank re-initializes its own workspace; the host waits for all (the "barrier").
   cudaError_t Init() {
     for (int r = 0; r < world_; ++r) {
-      if (cudaError_t e = LaunchWorkspaceInit(workspaces_[r]->ptr, layout_, streams_[r]); e) return e;
+      if (cudaError_t e = LaunchWorkspaceInit(workspaces_[r]->ptr, layout_, streams_[r]); e)
+        return e;
       *error_mirror_[r]->host = 0;
     }
     return SyncAll();
@@ -202,15 +204,20 @@ struct HostOp {
   void FillRandom(std::mt19937& rng) {
     std::normal_distribution<float> dist(0.0f, 1.0f);
     const size_t n = static_cast<size_t>(tokens) * hidden;
-    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, in.data(), i, dist(rng));
+    for (auto& in : inputs)
+      for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, in.data(), i, dist(rng));
     for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, residual.data(), i, dist(rng));
-    for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f + 0.1f * dist(rng));
+    for (size_t i = 0; i < hidden; ++i)
+      StoreFromFloat(dtype, gamma.data(), i, 1.0f + 0.1f * dist(rng));
   }
   void FillIntegers(std::mt19937& rng) {
     std::uniform_int_distribution<int> dist(-8, 8);
     const size_t n = static_cast<size_t>(tokens) * hidden;
-    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, in.data(), i, static_cast<float>(dist(rng)));
-    for (size_t i = 0; i < n; ++i) StoreFromFloat(dtype, residual.data(), i, static_cast<float>(dist(rng)));
+    for (auto& in : inputs)
+      for (size_t i = 0; i < n; ++i)
+        StoreFromFloat(dtype, in.data(), i, static_cast<float>(dist(rng)));
+    for (size_t i = 0; i < n; ++i)
+      StoreFromFloat(dtype, residual.data(), i, static_cast<float>(dist(rng)));
     for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f);
   }
   // bf16 only: every element -0.0, +0.0 or a subnormal of either sign (the FlashInfer hang).
@@ -218,22 +225,29 @@ struct HostOp {
     std::uniform_int_distribution<int> pick(0, 3), mant(1, 0x7f);
     auto draw = [&]() -> uint16_t {
       switch (pick(rng)) {
-        case 0: return 0x8000;
-        case 1: return 0x0000;
-        case 2: return static_cast<uint16_t>(0x8000 | mant(rng));
-        default: return static_cast<uint16_t>(mant(rng));
+        case 0:
+          return 0x8000;
+        case 1:
+          return 0x0000;
+        case 2:
+          return static_cast<uint16_t>(0x8000 | mant(rng));
+        default:
+          return static_cast<uint16_t>(mant(rng));
       }
     };
     const size_t n = static_cast<size_t>(tokens) * hidden;
-    for (auto& in : inputs) for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(in.data())[i] = draw();
+    for (auto& in : inputs)
+      for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(in.data())[i] = draw();
     for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(residual.data())[i] = draw();
     for (size_t i = 0; i < hidden; ++i) StoreFromFloat(dtype, gamma.data(), i, 1.0f);
   }
   // Same residual on every rank (as in tensor parallelism), so outputs must agree bit for bit.
   ::testing::AssertionResult Upload(SimGroup& g) const {
     for (int r = 0; r < g.world_; ++r) {
-      if (cudaMemcpy(g.inputs_[r]->ptr, inputs[r].data(), inputs[r].size(), cudaMemcpyHostToDevice) ||
-          cudaMemcpy(g.residual_in_[r]->ptr, residual.data(), residual.size(), cudaMemcpyHostToDevice)) {
+      if (cudaMemcpy(g.inputs_[r]->ptr, inputs[r].data(), inputs[r].size(),
+                     cudaMemcpyHostToDevice) ||
+          cudaMemcpy(g.residual_in_[r]->ptr, residual.data(), residual.size(),
+                     cudaMemcpyHostToDevice)) {
         return ::testing::AssertionFailure() << "upload failed";
       }
     }
@@ -284,7 +298,7 @@ std::vector<uint8_t> Download(const void* device, size_t bytes) {
 double NormTolerance(DType dt, double value) {
   // fp32: the sum of squares of thousands of values in another order moves inv_rms by a few
   // 1e-7 relative, so a few fp32 ulps; bf16/fp16: one rounding step either way.
-  const double ulp = dt == DType::kBF16 ? std::ldexp(1.0, -8)
+  const double ulp = dt == DType::kBF16   ? std::ldexp(1.0, -8)
                      : dt == DType::kFP16 ? std::ldexp(1.0, -11)
                                           : std::ldexp(1.0, -18);
   return 2.0 * ulp * std::max(std::fabs(value), 1e-3);
@@ -320,14 +334,15 @@ void VerifyOutputs(SimGroup& g, HostOp& op, Pattern pattern) {
       ASSERT_TRUE(std::memcmp(norm.data(), rank0_norm.data(), bytes) == 0)
           << "rank " << r << ": norm_out differs from rank 0's";
     }
-    const double unit = op.dtype == DType::kBF16 ? std::ldexp(1.0, -8)
+    const double unit = op.dtype == DType::kBF16   ? std::ldexp(1.0, -8)
                         : op.dtype == DType::kFP16 ? std::ldexp(1.0, -11)
                                                    : std::ldexp(1.0, -23);
     double inv_rms = 0.0;
     for (size_t i = 0; i < n; ++i) {
       if (i % op.hidden == 0) {  // the exact row's 1/rms
         double ss = 0.0;
-        for (size_t j = i; j < i + op.hidden; ++j) ss += exact.residual_out[j] * exact.residual_out[j];
+        for (size_t j = i; j < i + op.hidden; ++j)
+          ss += exact.residual_out[j] * exact.residual_out[j];
         inv_rms = 1.0 / std::sqrt(ss / op.hidden + 1e-5);
       }
       const double got = LoadAsFloat(op.dtype, norm.data(), i);
@@ -338,8 +353,8 @@ void VerifyOutputs(SimGroup& g, HostOp& op, Pattern pattern) {
       double terms = std::fabs(LoadAsFloat(op.dtype, op.residual.data(), i));
       for (const auto& in : op.inputs) terms += std::fabs(LoadAsFloat(op.dtype, in.data(), i));
       const double g = std::fabs(LoadAsFloat(op.dtype, op.gamma.data(), i % op.hidden));
-      const double tolerance = 4 * unit * terms * inv_rms * g +
-                               4 * unit * std::fabs(exact.norm_out[i]) + 1e-6;
+      const double tolerance =
+          4 * unit * terms * inv_rms * g + 4 * unit * std::fabs(exact.norm_out[i]) + 1e-6;
       ASSERT_NEAR(got, exact.norm_out[i], tolerance) << "rank " << r << " element " << i;
     }
   }
@@ -542,7 +557,8 @@ TEST(FusionGpu, ThousandsOfBackToBackOpsWithChangingShapes) {
     const uint32_t last = token_cycle[(iterations - 1) % 8];
     HostOp check(g, last);
     const size_t bytes = g.Bytes(last);
-    for (int r = 0; r < world; ++r) check.inputs[r].assign(op.inputs[r].begin(), op.inputs[r].begin() + bytes);
+    for (int r = 0; r < world; ++r)
+      check.inputs[r].assign(op.inputs[r].begin(), op.inputs[r].begin() + bytes);
     check.residual.assign(op.residual.begin(), op.residual.begin() + bytes);
     check.gamma = op.gamma;
     VerifyOutputs(g, check, Pattern::kAllReduceResidualRmsNorm);
@@ -576,9 +592,9 @@ TEST(FusionGpu, EveryRowLayoutEqualsAllreduceThenAddRmsNorm) {
   struct Case {
     uint32_t hidden, tokens;
   };
-  const Case cases[] = {{4096, 1},   {4096, 5},  {4096, 200}, {7168, 1},  {7168, 18},
-                        {7168, 90},  {8192, 1},  {8192, 33},  {8192, 150}, {2048, 3},
-                        {2056, 7},   {12288, 2}, {16384, 9},  {24576, 2},  {40960, 3}};
+  const Case cases[] = {{4096, 1},  {4096, 5},  {4096, 200}, {7168, 1},   {7168, 18},
+                        {7168, 90}, {8192, 1},  {8192, 33},  {8192, 150}, {2048, 3},
+                        {2056, 7},  {12288, 2}, {16384, 9},  {24576, 2},  {40960, 3}};
   for (const Case& c : cases) {
     for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
       SCOPED_TRACE(::testing::Message() << "hidden " << c.hidden << " tokens " << c.tokens
@@ -739,6 +755,69 @@ TEST(FusionGpu, MissingRankMakesTheOthersFailWithinTheDeadline) {
   }
 }
 
+// Two clients racing on one group can pair different ops across the ranks. Every rank must fail
+// the call with kOpMismatch (or be aborted by a peer that did), fast (not by the spin deadline),
+// and store no output; the group works again after a re-initialization.
+TEST(FusionGpu, RanksRunningDifferentOpsFailFastAndStoreNothing) {
+  // `tokens` for every rank but the last, which runs `odd_tokens`, `odd_hidden`, `odd_eps`. One
+  // token is a one-block launch (every thread checks), more are several blocks (thread 0 checks).
+  struct Mismatch {
+    const char* what;
+    uint32_t tokens, odd_tokens, odd_hidden;
+    float odd_eps;
+  };
+  const Mismatch kinds[] = {
+      {"tokens 4 vs 8", 4, 8, 1024, 1e-5f},
+      {"tokens 4 vs 1", 4, 1, 1024, 1e-5f},
+      {"hidden 1024 vs 512", 4, 4, 512, 1e-5f},
+      {"eps 1e-5 vs 1e-6", 4, 4, 1024, 1e-6f},
+      {"eps 1e-5 vs 1e-6, one token", 1, 1, 1024, 1e-6f},
+  };
+  for (int world : {2, 4}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      for (const Mismatch& m : kinds) {
+        SCOPED_TRACE(::testing::Message()
+                     << "world " << world << " algo " << static_cast<int>(algo) << " " << m.what);
+        SimGroup g(world, 64, 1024, DType::kBF16);
+        ASSERT_TRUE(g.ok());
+        CUDA_OK(g.Init());
+        const size_t bytes = g.Bytes(8);
+        for (int r = 0; r < world; ++r) {
+          CUDA_OK(cudaMemset(g.residual_out_[r]->ptr, 0x5a, bytes));
+          CUDA_OK(cudaMemset(g.norm_out_[r]->ptr, 0x5a, bytes));
+        }
+        const int odd = world - 1;  // runs the other op
+        const auto start = std::chrono::steady_clock::now();
+        for (int r = 0; r < world; ++r) {
+          FusionParams p = g.Params(r, algo, Pattern::kAllReduceResidualRmsNorm, m.tokens);
+          if (r == odd) {
+            p.num_tokens = m.odd_tokens;
+            p.hidden = m.odd_hidden;
+            p.eps = m.odd_eps;
+          }
+          CUDA_OK(LaunchAllReduceFusion(p, g.streams_[r]));
+        }
+        CUDA_OK(g.SyncAll());
+        EXPECT_LT(SecondsSince(start), 2.0) << "ended by the spin deadline (5 s), not the check";
+        int mismatches = 0;
+        for (int r = 0; r < world; ++r) {
+          const uint32_t code = g.ErrorWord(r);
+          EXPECT_TRUE(code == static_cast<uint32_t>(FusionError::kOpMismatch) ||
+                      code == static_cast<uint32_t>(FusionError::kPeerAbort))
+              << "rank " << r << ": " << FusionErrorName(code);
+          mismatches += code == static_cast<uint32_t>(FusionError::kOpMismatch);
+          EXPECT_EQ(Download(g.residual_out_[r]->ptr, bytes), std::vector<uint8_t>(bytes, 0x5a))
+              << "rank " << r << " stored residual_out of a mismatched op";
+          EXPECT_EQ(Download(g.norm_out_[r]->ptr, bytes), std::vector<uint8_t>(bytes, 0x5a))
+              << "rank " << r << " stored norm_out of a mismatched op";
+        }
+        EXPECT_GE(mismatches, 1);
+        ExpectWorksAgain(g, algo);
+      }
+    }
+  }
+}
+
 TEST(FusionGpu, HostAbortWordMakesSpinsExit) {
   for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
     SimGroup g(2, 64, 1024, DType::kBF16);
@@ -770,8 +849,8 @@ TEST(FusionGpu, WorkspaceAbortWordMakesSpinsExit) {
   cudaStream_t side = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   const uint32_t one = 1;
-  CUDA_OK(cudaMemcpyAsync(WorkspaceAbortWord(g.workspaces_[0]->ptr, g.layout_), &one,
-                          sizeof(one), cudaMemcpyHostToDevice, side));
+  CUDA_OK(cudaMemcpyAsync(WorkspaceAbortWord(g.workspaces_[0]->ptr, g.layout_), &one, sizeof(one),
+                          cudaMemcpyHostToDevice, side));
   CUDA_OK(cudaStreamSynchronize(side));
   cudaStreamDestroy(side);
   CUDA_OK(g.SyncAll());
