@@ -32,12 +32,17 @@ struct Run {
   std::string scenario;
   std::string vmm = "posix_fd";
   int spin_ms = 2000;
+  // NCCL refuses two ranks on one GPU: such runs need a GPU per rank.
+  bool gpu_per_rank = false;
 };
 
 void RunRanks(const Run& run) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     GTEST_SKIP() << "no CUDA device: GPU tests run on the GPU machines (docs/gpu-tests.md)";
+  }
+  if (run.gpu_per_rank && run.world > devices) {
+    GTEST_SKIP() << run.world << " ranks need a GPU each (NCCL), " << devices << " visible";
   }
   if (run.world > devices) {
     const MpsInfo mps = DetectMps();
@@ -82,7 +87,13 @@ TEST(GpuMultiProc, TrtllmMissingRankTimesOutThenReinitWorld2) {
 TEST(GpuMultiProc, MnnvlMissingRankTimesOutThenReinitWorld4) {
   RunRanks({4, "mnnvl", "timeout", "posix_fd", 500});
 }
-TEST(GpuMultiProc, NcclUnfusedWorld1) { RunRanks({1, "none", "nccl1"}); }
+TEST(GpuMultiProc, NcclUnfusedWorld1) { RunRanks({1, "none", "nccl"}); }
+// Two ranks on two GPUs: the sidecar's NCCL path across NVLink, alone (backend none) and forced
+// on an engine that also has the fused workspace.
+TEST(GpuMultiProc, NcclUnfusedWorld2) { RunRanks({2, "none", "nccl", "posix_fd", 2000, true}); }
+TEST(GpuMultiProc, TrtllmForcedUnfusedWorld2) {
+  RunRanks({2, "trtllm", "nccl", "posix_fd", 2000, true});
+}
 
 }  // namespace
 }  // namespace arfuse::testing
