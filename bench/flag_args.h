@@ -1,8 +1,10 @@
 // The "--key=value" arguments of the arfuse-bench subcommands: split once here, interpreted by
-// each subcommand's own Flags.
+// each subcommand's own Flags through a FlagTable that binds every key to its field.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,5 +26,41 @@ absl::Status ParseIntFlag(const FlagArg& flag, int* out);
 // A comma-separated list of positive numbers; INVALID_ARGUMENT naming the flag and the bad part,
 // or saying the list is empty.
 absl::StatusOr<std::vector<uint32_t>> ParsePositiveList(const FlagArg& flag);
+
+// The flags a subcommand knows, each bound to the field it sets. A subcommand that runs one
+// process per rank starts each with RankCommand: the internal flags --<rank_key>=<rank> and
+// --dir=<dir>, then the user's flags as given, which the table keeps apart to pass them on.
+class FlagTable {
+ public:
+  // A key and the field its value sets, parsed by the field's type: an int (ParseIntFlag), a
+  // string (as given) or a list of positive numbers (ParsePositiveList).
+  class Flag {
+   public:
+    Flag(std::string key, int* out);
+    Flag(std::string key, std::string* out);
+    Flag(std::string key, std::vector<uint32_t>* out);
+
+   private:
+    friend class FlagTable;
+    std::string key_;
+    std::function<absl::Status(const FlagArg&)> set_;
+  };
+
+  // The user's flags, and the internal ones a launcher gives its rank processes: `--<rank_key>`
+  // sets `rank`, `--dir` sets `dir`.
+  FlagTable(std::vector<Flag> user, const std::string& rank_key, int* rank, std::string* dir);
+
+  // Sets the bound fields from argv (argv[0] is the subcommand), in order, and appends every
+  // user flag, as given, to `user_flags`. INVALID_ARGUMENT for an argument not of the form
+  // --key=value (before any field is set), "unknown flag --key", or the first bad value.
+  absl::Status Parse(int argc, char** argv, std::vector<std::string>* user_flags) const;
+
+ private:
+  struct Binding {
+    bool internal = false;
+    std::function<absl::Status(const FlagArg&)> set;
+  };
+  std::map<std::string, Binding> flags_;
+};
 
 }  // namespace arfuse::bench

@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/flag_args.h"
+#include "bench/rank_launch.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/core/log.h"
@@ -67,46 +68,17 @@ struct Flags {
   std::vector<std::string> raw;  // flags to pass on to the ranks
 };
 
+using Flag = FlagTable::Flag;
+
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
-  ARFUSE_ASSIGN_OR_RETURN(std::vector<FlagArg> args, SplitFlagArgs(argc, argv));
-  for (const FlagArg& arg : args) {
-    const std::string& key = arg.key;
-    const std::string& value = arg.value;
-    auto num = [&](int* out) { return ParseIntFlag(arg, out); };
-    if (key == "rank") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.rank));
-      continue;
-    }
-    if (key == "dir") {
-      f.dir = value;
-      continue;
-    }
-    f.raw.push_back(arg.raw);
-    if (key == "world") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.world));
-    } else if (key == "backend") {
-      f.backend = value;
-    } else if (key == "vmm") {
-      f.vmm = value;
-    } else if (key == "tokens") {
-      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParsePositiveList(arg));
-    } else if (key == "hidden") {
-      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParsePositiveList(arg));
-    } else if (key == "repeats") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.repeats));
-    } else if (key == "iters") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.iters));
-    } else if (key == "warmup") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.warmup));
-    } else if (key == "spin_ms") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.spin_ms));
-    } else if (key == "json") {
-      f.json = value;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", key));
-    }
-  }
+  const FlagTable table(
+      {Flag("world", &f.world), Flag("backend", &f.backend), Flag("vmm", &f.vmm),
+       Flag("tokens", &f.tokens), Flag("hidden", &f.hidden), Flag("repeats", &f.repeats),
+       Flag("iters", &f.iters), Flag("warmup", &f.warmup), Flag("spin_ms", &f.spin_ms),
+       Flag("json", &f.json)},
+      "rank", &f.rank, &f.dir);
+  ARFUSE_RETURN_IF_ERROR(table.Parse(argc, argv, &f.raw));
   if (!IsSupportedWorldSize(f.world)) {
     return absl::InvalidArgumentError(absl::StrCat("--world=", f.world, " is not 2, 4, 8 or 16"));
   }
@@ -479,9 +451,8 @@ absl::Status RunRank(const Flags& f) {
 }
 
 int Launch(const Flags& f) {
-  char self[4096] = {};
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) {
+  const std::string self = SelfExe();
+  if (self.empty()) {
     std::fprintf(stderr, "arfuse-bench: cannot find its own executable\n");
     return 1;
   }
@@ -492,10 +463,8 @@ int Launch(const Flags& f) {
   }
   std::vector<pid_t> pids;
   for (int r = 0; r < f.world; ++r) {
-    std::vector<std::string> argv = {self, "kernels", absl::StrCat("--rank=", r),
-                                     absl::StrCat("--dir=", tmpl)};
-    argv.insert(argv.end(), f.raw.begin(), f.raw.end());
-    absl::StatusOr<pid_t> pid = testing::SpawnProcess(argv);
+    absl::StatusOr<pid_t> pid =
+        testing::SpawnProcess(RankCommand(self, "kernels", "rank", r, tmpl, f.raw));
     if (!pid.ok()) {
       std::fprintf(stderr, "arfuse-bench: %s\n", pid.status().ToString().c_str());
       break;

@@ -69,6 +69,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/flag_args.h"
+#include "bench/rank_launch.h"
 #include "bench/subcommands.h"
 #include "client/cpp/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -130,56 +131,18 @@ struct Flags {
   std::vector<std::string> raw;  // the user's flags, passed on to the clients and into the JSON
 };
 
+using Flag = FlagTable::Flag;
+
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
-  ARFUSE_ASSIGN_OR_RETURN(std::vector<FlagArg> args, SplitFlagArgs(argc, argv));
-  for (const FlagArg& arg : args) {
-    const std::string& key = arg.key;
-    const std::string& value = arg.value;
-    auto num = [&](int* out) { return ParseIntFlag(arg, out); };
-    if (key == "client_rank") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.client_rank));
-      continue;
-    }
-    if (key == "dir") {
-      f.dir = value;
-      continue;
-    }
-    f.raw.push_back(arg.raw);
-    if (key == "ranks") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.ranks));
-    } else if (key == "device") {
-      f.device = value;
-    } else if (key == "tokens") {
-      ARFUSE_ASSIGN_OR_RETURN(f.tokens, ParsePositiveList(arg));
-    } else if (key == "hidden") {
-      ARFUSE_ASSIGN_OR_RETURN(f.hidden, ParsePositiveList(arg));
-    } else if (key == "iters") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.iters));
-    } else if (key == "warmup") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.warmup));
-    } else if (key == "block") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.block));
-    } else if (key == "graph_ops") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.graph_ops));
-    } else if (key == "repeats") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.repeats));
-    } else if (key == "compute_us") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.compute_us));
-    } else if (key == "json") {
-      f.json = value;
-    } else if (key == "arfused") {
-      f.arfused = value;
-    } else if (key == "backend") {
-      f.backend = value;
-    } else if (key == "ring_lib") {
-      f.ring_lib = value;
-    } else if (key == "timeout") {
-      ARFUSE_RETURN_IF_ERROR(num(&f.timeout_s));
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", key));
-    }
-  }
+  const FlagTable table(
+      {Flag("ranks", &f.ranks), Flag("device", &f.device), Flag("tokens", &f.tokens),
+       Flag("hidden", &f.hidden), Flag("iters", &f.iters), Flag("warmup", &f.warmup),
+       Flag("block", &f.block), Flag("graph_ops", &f.graph_ops), Flag("repeats", &f.repeats),
+       Flag("compute_us", &f.compute_us), Flag("json", &f.json), Flag("arfused", &f.arfused),
+       Flag("backend", &f.backend), Flag("ring_lib", &f.ring_lib), Flag("timeout", &f.timeout_s)},
+      "client_rank", &f.client_rank, &f.dir);
+  ARFUSE_RETURN_IF_ERROR(table.Parse(argc, argv, &f.raw));
   if (f.ranks < 1 || f.ranks > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("--ranks must be 1..", kMaxWorldSize));
   }
@@ -236,6 +199,23 @@ Summary Summarize(std::vector<double> v) {
   for (double x : v) sum += x;
   s.mean = sum / static_cast<double>(v.size());
   return s;
+}
+
+// A row of one shape, nothing measured yet.
+RowResult ShapeRow(const std::string& row, uint32_t tokens, uint32_t hidden) {
+  RowResult r;
+  r.row = row;
+  r.tokens = tokens;
+  r.hidden = hidden;
+  return r;
+}
+
+// The row's figures: those of its samples.
+void SetFigures(const Summary& s, RowResult* r) {
+  r->p50 = s.p50;
+  r->p99 = s.p99;
+  r->mean = s.mean;
+  r->samples = s.n;
 }
 
 std::string Clean(std::string s) {
@@ -316,6 +296,24 @@ struct Layout {
     total = gamma + up(uint64_t{hidden} * 2);
   }
 };
+
+// The op of `desc` (a plan's, at its max_tokens) as this process runs it itself, on tensors at
+// `base` laid out as the plan's region is: the in-process rows run the sidecar's op.
+OpArgs InProcessOp(const OpDesc& desc, char* base) {
+  auto at = [base](const std::optional<TensorLoc>& t) { return base + t->offset; };
+  OpArgs op;
+  op.pattern = desc.pattern;
+  op.dtype = desc.dtype;
+  op.hidden = desc.hidden;
+  op.num_tokens = desc.max_tokens;
+  op.eps = *desc.eps;
+  op.input = at(desc.input);
+  op.residual_in = at(desc.residual_in);
+  op.residual_out = at(desc.residual_out);
+  op.norm_out = at(desc.norm_out);
+  op.gamma = at(desc.gamma);
+  return op;
+}
 
 uint16_t Bf16(float f) {
   uint32_t u;
@@ -677,15 +675,8 @@ struct ClientRun {
 #endif
     auto add = [&](const std::string& row, const std::vector<double>& v, const std::string& p,
                    const std::string& note) {
-      Summary s = Summarize(v);
-      RowResult r;
-      r.row = row;
-      r.tokens = tokens;
-      r.hidden = hidden;
-      r.p50 = s.p50;
-      r.p99 = s.p99;
-      r.mean = s.mean;
-      r.samples = s.n;
+      RowResult r = ShapeRow(row, tokens, hidden);
+      SetFigures(Summarize(v), &r);
       r.path = p;
       r.note = note;
       out.push_back(r);
@@ -735,14 +726,14 @@ struct ClientRun {
 
     absl::Status st = EagerRows(plan, tokens, hidden, /*sync=*/false, tag + "/eager");
     if (st.ok() && cuda) st = EagerRows(plan, tokens, hidden, /*sync=*/true, tag + "/sync");
-    if (st.ok() && !cuda) st = HostInprocRow(tokens, hidden, L, tag + "/inproc");
+    if (st.ok() && !cuda) st = HostInprocRow(op, tokens, hidden, L, tag + "/inproc");
 #if defined(ARFUSE_BENCH_CUDA)
     if (st.ok() && cuda) {
       std::string eager_path = "oneshot";
       for (const RowResult& r : out) {
         if (r.row == "eager" && r.tokens == tokens && r.hidden == hidden) eager_path = r.path;
       }
-      st = GpuRows(op, tokens, hidden, L, mem->device_ptr(), eager_path, tag);
+      st = GpuRows(op, tokens, hidden, mem->device_ptr(), eager_path, tag);
     }
 #endif
     c.DestroyPlan(plan).IgnoreError();
@@ -751,12 +742,9 @@ struct ClientRun {
   }
 
   // Host mode: the same op on the host engine, run by this process (no RPC, no sidecar).
-  absl::Status HostInprocRow(uint32_t tokens, uint32_t hidden, const Layout& L,
+  absl::Status HostInprocRow(const OpDesc& desc, uint32_t tokens, uint32_t hidden, const Layout& L,
                              const std::string& tag) {
-    RowResult r;
-    r.row = "inproc";
-    r.tokens = tokens;
-    r.hidden = hidden;
+    RowResult r = ShapeRow("inproc", tokens, hidden);
     r.path = "host";
     if (host_engine == nullptr) {
       r.note = host_engine_note;
@@ -764,17 +752,7 @@ struct ClientRun {
       return absl::OkStatus();
     }
     std::vector<char> img = HostImage(L, tokens, hidden, rank);
-    OpArgs op;
-    op.pattern = Pattern::kAllReduceResidualRmsNorm;
-    op.dtype = DType::kBF16;
-    op.hidden = hidden;
-    op.num_tokens = tokens;
-    op.eps = 1e-6f;
-    op.input = img.data() + L.input;
-    op.residual_in = img.data() + L.residual_in;
-    op.residual_out = img.data() + L.residual_out;
-    op.norm_out = img.data() + L.norm_out;
-    op.gamma = img.data() + L.gamma;
+    const OpArgs op = InProcessOp(desc, img.data());
     ARFUSE_RETURN_IF_ERROR(ex.Barrier(tag, absl::Now() + absl::Seconds(120)));
     std::vector<double> us;
     us.reserve(f.iters);
@@ -786,11 +764,7 @@ struct ClientRun {
       ARFUSE_RETURN_IF_ERROR(host_engine->Execute(op, ctx).status());
       if (i >= f.warmup) us.push_back(MicrosSince(t0));
     }
-    Summary s = Summarize(us);
-    r.p50 = s.p50;
-    r.p99 = s.p99;
-    r.mean = s.mean;
-    r.samples = s.n;
+    SetFigures(Summarize(us), &r);
     r.note = "host engine's op run by the client processes: the op's own cost";
     out.push_back(r);
     return absl::OkStatus();
@@ -800,17 +774,13 @@ struct ClientRun {
   void AddGraphRow(const std::string& row, uint32_t tokens, uint32_t hidden,
                    const absl::StatusOr<std::vector<double>>& per_op, const std::string& path,
                    const std::string& note) {
-    RowResult r;
-    r.row = row;
-    r.tokens = tokens;
-    r.hidden = hidden;
+    RowResult r = ShapeRow(row, tokens, hidden);
     r.path = path;
     if (per_op.ok()) {
       Summary s = Summarize(*per_op);
-      r.p50 = s.p50;
+      SetFigures(s, &r);
+      // A graph row's p99 is its slowest replay.
       r.p99 = std::isnan(s.p50) ? NAN : *std::max_element(per_op->begin(), per_op->end());
-      r.mean = s.mean;
-      r.samples = s.n;
       r.note = note;
     } else {
       r.failed = true;
@@ -821,28 +791,15 @@ struct ClientRun {
 
   void AddSkippedRow(const std::string& row, uint32_t tokens, uint32_t hidden,
                      const std::string& why) {
-    RowResult r;
-    r.row = row;
-    r.tokens = tokens;
-    r.hidden = hidden;
+    RowResult r = ShapeRow(row, tokens, hidden);
     r.note = why;
     out.push_back(r);
   }
 
-  absl::Status GpuRows(const OpDesc& desc, uint32_t tokens, uint32_t hidden, const Layout& L,
-                       char* base, const std::string& eager_path, const std::string& tag) {
+  absl::Status GpuRows(const OpDesc& desc, uint32_t tokens, uint32_t hidden, char* base,
+                       const std::string& eager_path, const std::string& tag) {
     const cudaStream_t s = gpu->stream;
-    OpArgs op;
-    op.pattern = Pattern::kAllReduceResidualRmsNorm;
-    op.dtype = DType::kBF16;
-    op.hidden = hidden;
-    op.num_tokens = tokens;
-    op.eps = 1e-6f;
-    op.input = base + L.input;
-    op.residual_in = base + L.residual_in;
-    op.residual_out = base + L.residual_out;
-    op.norm_out = base + L.norm_out;
-    op.gamma = base + L.gamma;
+    const OpArgs op = InProcessOp(desc, base);
     const FusionAlgo algo = eager_path == "twoshot" ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
     const std::string algo_name = algo == FusionAlgo::kTwoShot ? "twoshot" : "oneshot";
     const size_t count = size_t{tokens} * hidden;
@@ -923,22 +880,20 @@ struct ClientRun {
         return absl::InternalError(absl::StrCat("arfuse_ring: ", gpu->ring.strerror(rc)));
       return absl::OkStatus();
     };
-    auto slot_error = [&](std::string* note) {
+    // A row whose graph rings the doorbell: failed when the slot reports an error after it.
+    auto add_ring_row = [&](const std::string& row, const std::function<absl::Status()>& enqueue,
+                            const std::string& note) {
+      auto t = TimeGraph(ex, s, f, enqueue, tag + "/" + row);
       uint32_t code = 0;
-      if (gpu->ring.error(slot, &code) == 0 && code != 0) {
-        *note = absl::StrCat("doorbell slot error: ", gpu->ring.error_name(code));
-        return true;
+      if (t.ok() && gpu->ring.error(slot, &code) == 0 && code != 0) {
+        t = absl::InternalError(absl::StrCat("doorbell slot error: ", gpu->ring.error_name(code)));
       }
-      return false;
+      AddGraphRow(row, tokens, hidden, t, PathName(dplan->path), note);
     };
 #endif
     if (db_ok) {
 #if defined(ARFUSE_BENCH_HAVE_RING_HEADER)
-      auto t = TimeGraph(ex, s, f, ring, tag + "/doorbell");
-      std::string err;
-      if (t.ok() && slot_error(&err)) t = absl::InternalError(err);
-      AddGraphRow("doorbell", tokens, hidden, t, PathName(dplan->path),
-                  "ring kernel in the client's graph; the sidecar serves it");
+      add_ring_row("doorbell", ring, "ring kernel in the client's graph; the sidecar serves it");
 #endif
     } else {
       AddSkippedRow("doorbell", tokens, hidden, dnote);
@@ -968,11 +923,7 @@ struct ClientRun {
         ARFUSE_RETURN_IF_ERROR(standin());
         return ring();
       };
-      auto t = TimeGraph(ex, s, f, layer, tag + "/layer_doorbell");
-      std::string err;
-      if (t.ok() && slot_error(&err)) t = absl::InternalError(err);
-      AddGraphRow("layer_doorbell", tokens, hidden, t, PathName(dplan->path),
-                  "stand-in + ring, one graph");
+      add_ring_row("layer_doorbell", layer, "stand-in + ring, one graph");
 #endif
     } else {
       AddSkippedRow("layer_doorbell", tokens, hidden, dnote);
@@ -1171,12 +1122,6 @@ int ClientMain(const Flags& f) {
 
 // ------------------------------------------------------------------------------------ launcher
 
-std::string SelfExe() {
-  std::error_code ec;
-  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : self.string();
-}
-
 std::string FindArfused(const Flags& f) {
   if (!f.arfused.empty()) return f.arfused;
   std::filesystem::path self = SelfExe();
@@ -1310,13 +1255,13 @@ int Launch(Flags f) {
     }
     sidecars.push_back(*pid);
   }
+  // The clients run on the device chosen here, whatever the user's --device said.
+  std::vector<std::string> client_flags = {"--device=" + f.device};
+  for (const std::string& a : f.raw) {
+    if (a.rfind("--device=", 0) != 0) client_flags.push_back(a);
+  }
   for (int r = 0; r < f.ranks && rc == 0; ++r) {
-    std::vector<std::string> args = {self, "sidecar", absl::StrCat("--client_rank=", r),
-                                     "--dir=" + dir, "--device=" + f.device};
-    for (const std::string& a : f.raw) {
-      if (a.rfind("--device=", 0) != 0) args.push_back(a);
-    }
-    auto pid = Spawn(args, "");
+    auto pid = Spawn(RankCommand(self, "sidecar", "client_rank", r, dir, client_flags), "");
     if (!pid.ok()) {
       std::fprintf(stderr, "arfuse-bench sidecar: %s\n", pid.status().ToString().c_str());
       rc = 1;

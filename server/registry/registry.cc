@@ -82,6 +82,35 @@ uint64_t NextUnique(State& st, uint64_t nonce) {
   }
 }
 
+// The answer to a call naming a session this registry does not hold.
+absl::Status UnknownSessionError() {
+  return absl::FailedPreconditionError(
+      "unknown session (it ended, or the sidecar restarted): open a new Session stream");
+}
+
+// The session's plan `plan_id` when `generation` is its current one.
+absl::StatusOr<Plan*> FindPlan(Session& s, uint64_t plan_id, uint64_t generation) {
+  auto it = s.plans.find(plan_id);
+  if (it == s.plans.end()) {
+    return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
+  }
+  ARFUSE_RETURN_IF_ERROR(
+      CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation));
+  return &it->second;
+}
+
+// Where the kernel reads or writes the tensor of `role`: a pointer into its region's mapping,
+// or null for a role the op's pattern does not use.
+void* TensorPointer(TensorRole role, const std::vector<Placement>& placements,
+                    const std::vector<std::shared_ptr<Region>>& regions) {
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (placements[i].role == role) {
+      return static_cast<char*>(regions[i]->mapping->base()) + placements[i].offset;
+    }
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 uint64_t RandomBootNonce() {
@@ -194,10 +223,7 @@ std::shared_ptr<Session> Registry::FindSessionLocked(uint64_t session_id) const 
 
 absl::Status Registry::CheckSession(uint64_t session_id) const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  if (FindSessionLocked(session_id) == nullptr) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-  }
+  if (FindSessionLocked(session_id) == nullptr) return UnknownSessionError();
   return absl::OkStatus();
 }
 
@@ -248,10 +274,7 @@ absl::StatusOr<RegionHandle> Registry::RegisterRegion(uint64_t session_id, const
     // Cheap checks first, so a client over its caps never makes us open anything.
     std::lock_guard<std::mutex> lock(state_->mu);
     std::shared_ptr<Session> s = FindSessionLocked(session_id);
-    if (!s) {
-      return absl::FailedPreconditionError(
-          "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-    }
+    if (!s) return UnknownSessionError();
     if (s->region_names.contains(spec.name)) {
       return absl::AlreadyExistsError(
           "a region of this name is already registered in this "
@@ -318,10 +341,7 @@ absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
   std::shared_ptr<Region> dropped;  // unmapped after the lock is released
   std::unique_lock<std::mutex> lock(state_->mu);
   std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-  }
+  if (!s) return UnknownSessionError();
   auto it = s->regions.find(region_id);
   if (it == s->regions.end()) {
     return absl::NotFoundError(
@@ -362,10 +382,7 @@ absl::Status Registry::UnregisterRegion(uint64_t session_id, uint64_t region_id,
 absl::StatusOr<std::vector<RegionInfo>> Registry::ListRegions(uint64_t session_id) const {
   std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-  }
+  if (!s) return UnknownSessionError();
   std::vector<RegionInfo> out;
   for (const auto& [id, r] : s->regions) {
     out.push_back(RegionInfo{r->id, r->generation, r->name, r->byte_size, r->kind, r->in_flight});
@@ -379,10 +396,7 @@ absl::StatusOr<PlanInfo> Registry::CreatePlan(uint64_t session_id, const OpReque
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     std::shared_ptr<Session> s = FindSessionLocked(session_id);
-    if (!s) {
-      return absl::FailedPreconditionError(
-          "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-    }
+    if (!s) return UnknownSessionError();
     if (s->plans.size() >= limits_.max_plans_per_session) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "session has ", s->plans.size(), " plans; the limit is ", limits_.max_plans_per_session));
@@ -413,17 +427,9 @@ absl::Status Registry::DestroyPlan(uint64_t session_id, uint64_t plan_id, uint64
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     std::shared_ptr<Session> s = FindSessionLocked(session_id);
-    if (!s) {
-      return absl::FailedPreconditionError(
-          "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-    }
-    auto it = s->plans.find(plan_id);
-    if (it == s->plans.end()) {
-      return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
-    }
-    ARFUSE_RETURN_IF_ERROR(
-        CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation));
-    s->plans.erase(it);
+    if (!s) return UnknownSessionError();
+    ARFUSE_RETURN_IF_ERROR(FindPlan(*s, plan_id, generation).status());
+    s->plans.erase(plan_id);
   }
   NotifyTotals();
   return absl::OkStatus();
@@ -433,19 +439,10 @@ absl::StatusOr<ResolvedOp> Registry::ResolvePlan(uint64_t session_id, uint64_t p
                                                  uint64_t generation, uint32_t num_tokens) {
   std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-  }
-  auto it = s->plans.find(plan_id);
-  if (it == s->plans.end()) {
-    return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
-  }
-  const Plan& plan = it->second;
-  ARFUSE_RETURN_IF_ERROR(
-      CheckGeneration(absl::StrCat("plan ", plan_id), generation, plan.generation));
-  ARFUSE_RETURN_IF_ERROR(CheckNumTokens(num_tokens, plan.shape.max_tokens));
-  return ResolveLocked(*s, plan.shape, plan.refs, num_tokens, /*from_plan=*/true);
+  if (!s) return UnknownSessionError();
+  ARFUSE_ASSIGN_OR_RETURN(const Plan* plan, FindPlan(*s, plan_id, generation));
+  ARFUSE_RETURN_IF_ERROR(CheckNumTokens(num_tokens, plan->shape.max_tokens));
+  return ResolveLocked(*s, plan->shape, plan->refs, num_tokens, /*from_plan=*/true);
 }
 
 absl::StatusOr<ResolvedOp> Registry::ResolveOp(uint64_t session_id, const OpRequest& op,
@@ -457,10 +454,7 @@ absl::StatusOr<ResolvedOp> Registry::ResolveOp(uint64_t session_id, const OpRequ
   ARFUSE_RETURN_IF_ERROR(CheckNumTokens(num_tokens, shape.max_tokens));
   std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<Session> s = FindSessionLocked(session_id);
-  if (!s) {
-    return absl::FailedPreconditionError(
-        "unknown session (it ended, or the sidecar restarted): open a new Session stream");
-  }
+  if (!s) return UnknownSessionError();
   return ResolveLocked(*s, shape, sized, num_tokens, /*from_plan=*/false);
 }
 
@@ -505,29 +499,12 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
   op.args_.hidden = shape.hidden;
   op.args_.num_tokens = num_tokens;
   op.args_.eps = shape.eps;
-  for (size_t i = 0; i < roles.size(); ++i) {
-    char* p = static_cast<char*>(regions[i]->mapping->base()) + placements[i].offset;
-    switch (roles[i]) {
-      case TensorRole::kInput:
-        op.args_.input = p;
-        break;
-      case TensorRole::kOutput:
-        op.args_.output = p;
-        break;
-      case TensorRole::kResidualIn:
-        op.args_.residual_in = p;
-        break;
-      case TensorRole::kResidualOut:
-        op.args_.residual_out = p;
-        break;
-      case TensorRole::kNormOut:
-        op.args_.norm_out = p;
-        break;
-      case TensorRole::kGamma:
-        op.args_.gamma = p;
-        break;
-    }
-  }
+  op.args_.input = TensorPointer(TensorRole::kInput, placements, regions);
+  op.args_.output = TensorPointer(TensorRole::kOutput, placements, regions);
+  op.args_.residual_in = TensorPointer(TensorRole::kResidualIn, placements, regions);
+  op.args_.residual_out = TensorPointer(TensorRole::kResidualOut, placements, regions);
+  op.args_.norm_out = TensorPointer(TensorRole::kNormOut, placements, regions);
+  op.args_.gamma = TensorPointer(TensorRole::kGamma, placements, regions);
   // One hold per distinct region: in_flight counts ops, not tensors.
   for (const auto& r : regions) {
     bool seen = false;

@@ -19,13 +19,16 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse {
 namespace {
 
-using ::arfuse::testing::BinaryPath;
+using ::arfuse::testing::ArfusedPath;
+using ::arfuse::testing::ExitsWith2;
+using ::arfuse::testing::HealthCheck;
 using ::arfuse::testing::MakeTempDir;
 using ::arfuse::testing::RunToCompletion;
 using ::arfuse::testing::Subprocess;
@@ -35,90 +38,61 @@ using grpc::health::v1::HealthCheckResponse;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-std::string Arfused() { return ::arfuse::testing::ArfusedPath(); }
-
 // A running arfused on a fresh socket; waits for its "ready to accept" line.
 using Daemon = ::arfuse::testing::DaemonProcess;
 
-grpc::Status Check(const std::string& addr, const std::string& service,
-                   HealthCheckResponse* response) {
-  auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
-  auto stub = Health::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  HealthCheckRequest request;
-  request.set_service(service);
-  return stub->Check(&ctx, request, response);
-}
-
 TEST(DaemonFlags, UnknownFlagExits2WithOneLine) {
-  auto [code, out] = RunToCompletion({Arfused(), "--bogus-flag=1"});
+  auto [code, out] = RunToCompletion({ArfusedPath(), "--bogus-flag=1"});
   EXPECT_EQ(code, 2);
   EXPECT_THAT(out, HasSubstr("unknown flag --bogus-flag"));
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
 }
 
 TEST(DaemonFlags, MalformedValueExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--rank=x"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("bad value \"x\" for --rank"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--rank=x"}, "bad value \"x\" for --rank"));
 }
 
 TEST(DaemonFlags, RankOutsideWorldSizeExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--rank=2", "--world-size=2"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("--rank must be in [0, 2)"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--rank=2", "--world-size=2"}, "--rank must be in [0, 2)"));
 }
 
 TEST(DaemonFlags, DoorbellServeBlocksOutOfRangeExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--doorbell-serve-blocks=129"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("--doorbell-serve-blocks must be 0..128, got 129"));
-  auto [code2, out2] = RunToCompletion({Arfused(), "--doorbell-serve-blocks=-1"});
-  EXPECT_EQ(code2, 2);
-  EXPECT_THAT(out2, HasSubstr("--doorbell-serve-blocks must be 0..128, got -1"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--doorbell-serve-blocks=129"},
+                         "--doorbell-serve-blocks must be 0..128, got 129"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--doorbell-serve-blocks=-1"},
+                         "--doorbell-serve-blocks must be 0..128, got -1"));
 }
 
 TEST(DaemonFlags, PeerHeartbeatTimeoutOutOfRangeExits2) {
   for (const char* bad : {"-1", "0.05", "3601", "nan"}) {
-    auto [code, out] = RunToCompletion({Arfused(), std::string("--peer-heartbeat-timeout=") + bad});
-    EXPECT_EQ(code, 2) << bad;
-    EXPECT_THAT(out, HasSubstr("--peer-heartbeat-timeout must be 0 (off) or between 0.1 and 3600 "
-                               "seconds, got"))
+    EXPECT_TRUE(ExitsWith2({ArfusedPath(), std::string("--peer-heartbeat-timeout=") + bad},
+                           "--peer-heartbeat-timeout must be 0 (off) or between 0.1 and 3600 "
+                           "seconds, got"))
         << bad;
   }
-  auto [code, out] =
-      RunToCompletion({Arfused(), "--device=host"}, {"ARFUSE_PEER_HEARTBEAT_TIMEOUT=soon"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("bad value \"soon\" for --peer-heartbeat-timeout"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--device=host"},
+                         "bad value \"soon\" for --peer-heartbeat-timeout",
+                         {"ARFUSE_PEER_HEARTBEAT_TIMEOUT=soon"}));
 }
 
 TEST(DaemonFlags, BadEnumValuesExit2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--device=tpu"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("--device: expected one of cuda, host"));
-  auto [code2, out2] = RunToCompletion({Arfused(), "--flashinfer-allreduce-fusion-backend=nccl"});
-  EXPECT_EQ(code2, 2);
-  EXPECT_THAT(out2, HasSubstr("expected one of auto, trtllm, mnnvl"));
-  auto [code3, out3] = RunToCompletion({Arfused(), "--log-level=loud"});
-  EXPECT_EQ(code3, 2);
-  EXPECT_THAT(out3, HasSubstr("--log-level"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--device=tpu"}, "--device: expected one of cuda, host"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--flashinfer-allreduce-fusion-backend=nccl"},
+                         "expected one of auto, trtllm, mnnvl"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--log-level=loud"}, "--log-level"));
 }
 
 TEST(DaemonFlags, PositionalArgumentExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "serve"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("unexpected argument \"serve\""));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "serve"}, "unexpected argument \"serve\""));
 }
 
 TEST(DaemonFlags, MissingValueExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--socket"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("flag --socket needs a value"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--socket"}, "flag --socket needs a value"));
 }
 
 TEST(DaemonFlags, HelpExplainsHyphenatedFlags) {
-  auto [code, out] = RunToCompletion({Arfused(), "--help"});
+  auto [code, out] = RunToCompletion({ArfusedPath(), "--help"});
   EXPECT_EQ(code, 0);
   for (const char* flag :
        {"--socket", "--health-port", "--device", "--rank", "--world-size", "--nnodes", "--peer-dir",
@@ -130,24 +104,22 @@ TEST(DaemonFlags, HelpExplainsHyphenatedFlags) {
 }
 
 TEST(DaemonFlags, VersionPrintsVersion) {
-  auto [code, out] = RunToCompletion({Arfused(), "--version"});
+  auto [code, out] = RunToCompletion({ArfusedPath(), "--version"});
   EXPECT_EQ(code, 0);
   EXPECT_THAT(out, HasSubstr("arfused 0."));
   EXPECT_THAT(out, HasSubstr("api 1."));
 }
 
 TEST(DaemonFlags, EnvironmentValueIsCheckedAndNamed) {
-  auto [code, out] = RunToCompletion({Arfused(), "--device=host"}, {"ARFUSE_HEALTH_PORT=abc"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("ARFUSE_HEALTH_PORT"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--device=host"}, "ARFUSE_HEALTH_PORT",
+                         {"ARFUSE_HEALTH_PORT=abc"}));
 }
 
 TEST(DaemonFlags, ConfigFileErrorsNameFileAndLine) {
   std::string dir = MakeTempDir();
   std::ofstream(dir + "/arfused.conf") << "# comment\nlog-level=debug\nno_such_flag=1\n";
-  auto [code, out] = RunToCompletion({Arfused(), "--config=" + dir + "/arfused.conf"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("arfused.conf:3: unknown flag --no-such-flag"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--config=" + dir + "/arfused.conf"},
+                         "arfused.conf:3: unknown flag --no-such-flag"));
 }
 
 TEST(DaemonFlags, PrecedenceCliOverEnvOverFile) {
@@ -164,28 +136,24 @@ TEST(DaemonFlags, PrecedenceCliOverEnvOverFile) {
 
 TEST(DaemonSocket, TooLongPathExits2) {
   std::string path = "/tmp/" + std::string(120, 'x') + ".sock";
-  auto [code, out] = RunToCompletion({Arfused(), "--socket=" + path, "--device=host"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("longer than the 107"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--socket=" + path, "--device=host"}, "longer than the 107"));
 }
 
 TEST(DaemonSocket, MissingDirectoryExits2) {
-  auto [code, out] =
-      RunToCompletion({Arfused(), "--socket=/tmp/arfuse-no-such-dir-9/a.sock", "--device=host"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("socket directory /tmp/arfuse-no-such-dir-9 does not exist"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--socket=/tmp/arfuse-no-such-dir-9/a.sock", "--device=host"},
+                 "socket directory /tmp/arfuse-no-such-dir-9 does not exist"));
 }
 
 TEST(DaemonSocket, SecondDaemonOnLiveSocketExits2) {
   Daemon first;
   ASSERT_TRUE(first.ready) << first.proc->Stderr();
-  auto [code, out] =
-      RunToCompletion({Arfused(), "--socket=" + first.socket, "--health-port=0", "--device=host"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("another arfused is already serving on"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--socket=" + first.socket, "--health-port=0", "--device=host"},
+                 "another arfused is already serving on"));
   // The first one is untouched.
-  HealthCheckResponse response;
-  EXPECT_TRUE(Check("unix:" + first.socket, "", &response).ok());
+  EXPECT_TRUE(HealthCheck("unix:" + first.socket).ok());
 }
 
 TEST(DaemonSocket, StaleSocketIsReplaced) {
@@ -198,11 +166,10 @@ TEST(DaemonSocket, StaleSocketIsReplaced) {
   std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
   ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   ::close(fd);
-  Subprocess p({Arfused(), "--socket=" + path, "--health-port=0", "--device=host"});
+  Subprocess p({ArfusedPath(), "--socket=" + path, "--health-port=0", "--device=host"});
   ASSERT_TRUE(p.WaitForOutput("ready to accept", 30s)) << p.Stderr();
   EXPECT_THAT(p.Stderr(), HasSubstr("event=stale_socket_removed"));
-  HealthCheckResponse response;
-  EXPECT_TRUE(Check("unix:" + path, "", &response).ok());
+  EXPECT_TRUE(HealthCheck("unix:" + path).ok());
 }
 
 TEST(DaemonSocket, HealthPortInUseExits2) {
@@ -216,11 +183,10 @@ TEST(DaemonSocket, HealthPortInUseExits2) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   int port = ntohs(addr.sin_port);
   std::string dir = MakeTempDir();
-  auto [code, out] = RunToCompletion({Arfused(), "--socket=" + dir + "/a.sock",
-                                      "--health-port=" + std::to_string(port), "--device=host"});
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--socket=" + dir + "/a.sock",
+                          "--health-port=" + std::to_string(port), "--device=host"},
+                         "cannot listen on health port"));
   ::close(fd);
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("cannot listen on health port"));
 }
 
 TEST(DaemonHealth, BothEntriesOnSocketAndPort) {
@@ -233,17 +199,17 @@ TEST(DaemonHealth, BothEntriesOnSocketAndPort) {
   for (const std::string& addr :
        {"unix:" + d.socket, "127.0.0.1:" + std::to_string(d.health_port)}) {
     HealthCheckResponse response;
-    ASSERT_TRUE(Check(addr, "", &response).ok()) << addr;
+    ASSERT_TRUE(HealthCheck(addr, "", &response).ok()) << addr;
     EXPECT_EQ(response.status(), HealthCheckResponse::SERVING) << addr;
     // A one-rank group is complete at once, so readiness follows.
     bool ready = false;
     for (int i = 0; i < 200 && !ready; ++i) {
-      ASSERT_TRUE(Check(addr, "arfuse.v1.Fusion", &response).ok()) << addr;
+      ASSERT_TRUE(HealthCheck(addr, "arfuse.v1.Fusion", &response).ok()) << addr;
       ready = response.status() == HealthCheckResponse::SERVING;
       if (!ready) std::this_thread::sleep_for(50ms);
     }
     EXPECT_TRUE(ready) << addr;
-    grpc::Status unknown = Check(addr, "no.such.Service", &response);
+    grpc::Status unknown = HealthCheck(addr, "no.such.Service", &response);
     EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << addr;
   }
 }
@@ -254,9 +220,9 @@ TEST(DaemonHealth, ReadinessWaitsForPeers) {
   Daemon d({"--world-size=2", "--rank=0", "--peer-dir=" + peers, "--peer-timeout=300"});
   ASSERT_TRUE(d.ready) << d.proc->Stderr();
   HealthCheckResponse response;
-  ASSERT_TRUE(Check("unix:" + d.socket, "", &response).ok());
+  ASSERT_TRUE(HealthCheck("unix:" + d.socket, "", &response).ok());
   EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
-  ASSERT_TRUE(Check("unix:" + d.socket, "arfuse.v1.Fusion", &response).ok());
+  ASSERT_TRUE(HealthCheck("unix:" + d.socket, "arfuse.v1.Fusion", &response).ok());
   EXPECT_EQ(response.status(), HealthCheckResponse::NOT_SERVING);
 }
 

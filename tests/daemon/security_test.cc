@@ -10,28 +10,23 @@
 #include <sstream>
 #include <string>
 
-#include "gmock/gmock.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse {
 namespace {
 
+using ::arfuse::testing::ArfusedPath;
 using ::arfuse::testing::BinaryPath;
+using ::arfuse::testing::ExitsWith2;
+using ::arfuse::testing::HealthCheck;
 using ::arfuse::testing::MakeTempDir;
 using ::arfuse::testing::RunToCompletion;
-using ::arfuse::testing::Subprocess;
-using grpc::health::v1::Health;
-using grpc::health::v1::HealthCheckRequest;
-using grpc::health::v1::HealthCheckResponse;
-using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
 constexpr uid_t kNobody = 65534;
-
-std::string Arfused() { return ::arfuse::testing::ArfusedPath(); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -78,11 +73,7 @@ TEST(DaemonSecurity, DisallowedUserIsRefusedEvenWhenTheSocketIsReachable) {
   EXPECT_EQ(HealthAsNobody(d.socket), 3);  // arfusectl: unreachable
   EXPECT_TRUE(d.proc->WaitForOutput("event=connection_refused uid=65534", 10s)) << d.proc->Stderr();
   // The sidecar keeps serving its allowed users.
-  auto channel = grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  HealthCheckResponse response;
-  EXPECT_TRUE(Health::NewStub(channel)->Check(&ctx, HealthCheckRequest(), &response).ok());
+  EXPECT_TRUE(HealthCheck("unix:" + d.socket).ok());
 }
 
 TEST(DaemonSecurity, AllowedUidIsAccepted) {
@@ -95,18 +86,14 @@ TEST(DaemonSecurity, AllowedUidIsAccepted) {
 }
 
 TEST(DaemonSecurity, BadAllowedIdsExit2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--allowed-uids=12,abc"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("bad value \"abc\" in --allowed-uids"));
-  auto [code2, out2] = RunToCompletion({Arfused(), "--allowed-gids=-1"});
-  EXPECT_EQ(code2, 2);
-  EXPECT_THAT(out2, HasSubstr("--allowed-gids"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--allowed-uids=12,abc"}, "bad value \"abc\" in --allowed-uids"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--allowed-gids=-1"}, "--allowed-gids"));
 }
 
 TEST(DaemonSecurity, TcpWithoutTlsIsRefused) {
-  auto [code, out] = RunToCompletion({Arfused(), "--device=host", "--listen=127.0.0.1:0"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("only with mutual TLS"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--device=host", "--listen=127.0.0.1:0"}, "only with mutual TLS"));
 }
 
 class MutualTls : public ::testing::Test {
@@ -147,13 +134,6 @@ class MutualTls : public ::testing::Test {
   std::string dir_;
 };
 
-grpc::Status CheckOn(const std::shared_ptr<grpc::Channel>& channel) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  HealthCheckResponse response;
-  return Health::NewStub(channel)->Check(&ctx, HealthCheckRequest(), &response);
-}
-
 TEST_F(MutualTls, ClientWithCertificateIsServedOthersAreNot) {
   Daemon d({"--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
             "--tls-key=" + dir_ + "/server.key", "--tls-client-ca=" + dir_ + "/ca.pem"});
@@ -162,20 +142,17 @@ TEST_F(MutualTls, ClientWithCertificateIsServedOthersAreNot) {
   std::string log = d.proc->Stderr();
   ASSERT_TRUE(std::regex_search(log, m, std::regex("event=listening_tls \\S+ port=(\\d+)"))) << log;
   int port = std::stoi(m[1]);
-  EXPECT_TRUE(CheckOn(Channel(port, /*with_client_cert=*/true)).ok());
-  EXPECT_FALSE(CheckOn(Channel(port, /*with_client_cert=*/false)).ok());
-  auto plain =
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
-  EXPECT_FALSE(CheckOn(plain).ok());
+  EXPECT_TRUE(HealthCheck(Channel(port, /*with_client_cert=*/true)).ok());
+  EXPECT_FALSE(HealthCheck(Channel(port, /*with_client_cert=*/false)).ok());
+  EXPECT_FALSE(HealthCheck("127.0.0.1:" + std::to_string(port)).ok());
 }
 
 TEST_F(MutualTls, UnreadableKeyExits2) {
-  auto [code, out] = RunToCompletion({Arfused(), "--device=host", "--socket=" + dir_ + "/a.sock",
-                                      "--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
-                                      "--tls-key=" + dir_ + "/missing.key",
-                                      "--tls-client-ca=" + dir_ + "/ca.pem"});
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(out, HasSubstr("--tls-key: cannot read"));
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--device=host", "--socket=" + dir_ + "/a.sock",
+                  "--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
+                  "--tls-key=" + dir_ + "/missing.key", "--tls-client-ca=" + dir_ + "/ca.pem"},
+                 "--tls-key: cannot read"));
 }
 
 }  // namespace

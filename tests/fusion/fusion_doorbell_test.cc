@@ -5,49 +5,57 @@
 // plan from the engine before its regions are released, and host mode is refused with
 // FAILED_PRECONDITION. Also the GatedEngine's forwarding of the doorbell calls.
 #include <grpcpp/grpcpp.h>
-#include <stdlib.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <cstring>
-#include <filesystem>
 #include <mutex>
+#include <optional>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/daemon/gated_engine.h"
 #include "server/engine/doorbell_host.h"
-#include "server/registry/host_shm_opener.h"
 #include "server/services/fusion/fusion_service.h"
+#include "tests/fusion/fusion_test_server.h"
 
 namespace arfuse {
 namespace {
 
 using ::arfuse::client::Client;
-using ::arfuse::client::ClientOptions;
-using ::arfuse::client::HostShmBuffer;
 using ::arfuse::client::Region;
+using ::arfuse::testing::kHidden;
+using ::arfuse::testing::kTensorBytes;
+using ::arfuse::testing::kTokens;
+using ::arfuse::testing::NormBuffers;
+using ::arfuse::testing::RegisterNormBuffers;
 using ::testing::HasSubstr;
 
-constexpr uint32_t kHidden = 64;
-constexpr uint32_t kTokens = 4;
-constexpr uint64_t kTensorBytes = uint64_t{kTokens} * kHidden * sizeof(float);
-
-// An engine with a doorbell plane that records what it is asked: slots are handed out in order,
-// the grant carries recognisable values, and AddDoorbellPlan can be made to refuse.
-class FakeDoorbellEngine final : public Engine, public DoorbellHost {
+// An engine that is always ready and whose ops do nothing but answer `outcome`: what the tests
+// of the doorbell wiring need of an engine besides its doorbell plane.
+class ReadyEngine : public Engine {
  public:
+  explicit ReadyEngine(OpOutcome outcome) : outcome_(std::move(outcome)) {}
   absl::Status Initialize(Exchange&, absl::Time) override { return absl::OkStatus(); }
-  absl::StatusOr<OpOutcome> Execute(const OpArgs&, const ExecContext&) override {
-    return OpOutcome{ExecPath::kOneShot, "fake"};
-  }
+  absl::StatusOr<OpOutcome> Execute(const OpArgs&, const ExecContext&) override { return outcome_; }
   void Abort() override {}
   EngineStatus Status() const override {
     EngineStatus st;
     st.state = WorkspaceState::kReady;
+    return st;
+  }
+
+ private:
+  const OpOutcome outcome_;
+};
+
+// An engine with a doorbell plane that records what it is asked: slots are handed out in order,
+// the grant carries recognisable values, and AddDoorbellPlan can be made to refuse.
+class FakeDoorbellEngine final : public ReadyEngine, public DoorbellHost {
+ public:
+  FakeDoorbellEngine() : ReadyEngine(OpOutcome{ExecPath::kOneShot, "fake"}) {}
+  EngineStatus Status() const override {
+    EngineStatus st = ReadyEngine::Status();
     st.generation = 3;
     st.backend = "trtllm";
     st.fusion_enabled = true;
@@ -126,18 +134,9 @@ class FakeDoorbellEngine final : public Engine, public DoorbellHost {
 };
 
 // An engine without a doorbell plane (as the host engine).
-class PlainEngine final : public Engine {
+class PlainEngine final : public ReadyEngine {
  public:
-  absl::Status Initialize(Exchange&, absl::Time) override { return absl::OkStatus(); }
-  absl::StatusOr<OpOutcome> Execute(const OpArgs&, const ExecContext&) override {
-    return OpOutcome{ExecPath::kHost, "plain"};
-  }
-  void Abort() override {}
-  EngineStatus Status() const override {
-    EngineStatus st;
-    st.state = WorkspaceState::kReady;
-    return st;
-  }
+  PlainEngine() : ReadyEngine(OpOutcome{ExecPath::kHost, "plain"}) {}
 };
 
 class FusionDoorbellTest : public ::testing::Test {
@@ -145,10 +144,6 @@ class FusionDoorbellTest : public ::testing::Test {
   // `device`: kCudaIpc makes the service behave as --device=cuda (the opener still serves host
   // shared memory, so no GPU is needed).
   void Start(MemoryKind device) {
-    char tmpl[] = "/tmp/arfuse-doorbell-svc-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    socket_ = dir_ + "/fusion.sock";
     FusionServiceOptions options;
     options.device = device;
     options.rank = 0;
@@ -156,48 +151,26 @@ class FusionDoorbellTest : public ::testing::Test {
     options.default_deadline = absl::Seconds(20);
     options.doorbell_hop_us = 2.5;
     options.mps_detected = true;
-    service_ = std::make_unique<FusionService>(
-        options, [this] { return engine_ptr_.load(); }, std::make_unique<HostShmOpener>(),
-        nullptr);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
+    server_.Start("/tmp/arfuse-doorbell-svc-XXXXXX", options,
+                  [this] { return engine_ptr_.load(); });
+  }
+
+  // Start, then connects client_ and registers buffers_ with it: where the tests begin.
+  void StartConnected(MemoryKind device) {
+    ASSERT_NO_FATAL_FAILURE(Start(device));
+    client_ = Connect();
+    ASSERT_NE(client_, nullptr);
+    buffers_.emplace(RegisterNormBuffers(*client_));
   }
 
   void TearDown() override {
-    if (server_) {
-      service_->Shutdown();
-      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
-      server_.reset();
-    }
-    service_.reset();
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+    // The client leaves first, as it would at the end of a test body, then the service stops.
+    buffers_.reset();
+    client_.reset();
+    server_.Stop();
   }
 
-  std::unique_ptr<Client> Connect() {
-    ClientOptions o;
-    o.target = socket_;
-    o.client_name = "doorbell-test";
-    o.default_timeout = absl::Seconds(30);
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? std::move(*c) : nullptr;
-  }
-
-  // input | residual | norm_out | gamma (fp32) in one shm region.
-  struct Buffers {
-    HostShmBuffer buf;
-    Region region;
-  };
-  Buffers Make(Client& c, const std::string& name = "buf") {
-    Buffers b{*HostShmBuffer::Create(3 * kTensorBytes + kHidden * sizeof(float)), {}};
-    auto r = c.RegisterHostShm(name, b.buf.shm_name(), b.buf.size());
-    EXPECT_TRUE(r.ok()) << r.status();
-    if (r.ok()) b.region = *r;
-    return b;
-  }
+  std::unique_ptr<Client> Connect() { return server_.Connect("doorbell-test"); }
 
   static void Ref(v1::RegionRef* ref, const Region& r, uint64_t offset) {
     ref->set_region_id(r.id);
@@ -236,44 +209,29 @@ class FusionDoorbellTest : public ::testing::Test {
     return 0;
   }
 
-  bool WaitFor(const std::function<bool()>& cond, absl::Duration timeout = absl::Seconds(30)) {
-    absl::Time until = absl::Now() + timeout;
-    while (absl::Now() < until) {
-      if (cond()) return true;
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    return cond();
-  }
-
-  std::string dir_, socket_;
   FakeDoorbellEngine engine_;
   std::atomic<Engine*> engine_ptr_{&engine_};
-  std::unique_ptr<FusionService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  ::arfuse::testing::FusionTestServer server_;
+  std::unique_ptr<Client> client_;
+  std::optional<NormBuffers> buffers_;
 };
 
 TEST_F(FusionDoorbellTest, HostModeRefusesTheDoorbellWithFailedPrecondition) {
-  Start(MemoryKind::kHostShm);
-  auto c = Connect();
-  ASSERT_NE(c, nullptr);
-  Buffers b = Make(*c);
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kHostShm));
   v1::CreatePlanResponse resp;
-  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  grpc::Status s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("the doorbell plane needs --device=cuda"));
   EXPECT_THAT(s.error_message(), HasSubstr("use Execute (eager plane)"));
   EXPECT_EQ(engine_.adds(), 0);
   // No plan was left behind: the region unregisters at once.
-  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+  EXPECT_TRUE(client_->Unregister(buffers_->region, absl::Seconds(5)).ok());
 }
 
 TEST_F(FusionDoorbellTest, CreatePlanFillsTheDoorbellFromTheEnginesGrant) {
-  Start(MemoryKind::kCudaIpc);
-  auto c = Connect();
-  ASSERT_NE(c, nullptr);
-  Buffers b = Make(*c);
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
   v1::CreatePlanResponse resp;
-  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  grpc::Status s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_NE(resp.plan_id(), 0u);
   ASSERT_TRUE(resp.has_doorbell());
@@ -295,10 +253,10 @@ TEST_F(FusionDoorbellTest, CreatePlanFillsTheDoorbellFromTheEnginesGrant) {
   EXPECT_EQ(static_cast<const char*>(op.residual_in) - static_cast<const char*>(op.input),
             static_cast<ptrdiff_t>(kTensorBytes));
   // While the plane may write them, the plan's regions are held.
-  EXPECT_EQ(InFlight(*c, b.region), 1u);
+  EXPECT_EQ(InFlight(*client_, buffers_->region), 1u);
   // A second plan gets the next slot.
   v1::CreatePlanResponse second;
-  ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, 2, &second).ok());
+  ASSERT_TRUE(CreateDoorbellPlan(*client_, buffers_->region, 2, &second).ok());
   EXPECT_EQ(second.doorbell().offset(), 384u);
   EXPECT_EQ(engine_.active(), (std::vector<uint32_t>{0, 1}));
 
@@ -306,84 +264,75 @@ TEST_F(FusionDoorbellTest, CreatePlanFillsTheDoorbellFromTheEnginesGrant) {
   client::Plan plan;
   plan.id = resp.plan_id();
   plan.generation = resp.generation();
-  ASSERT_TRUE(c->DestroyPlan(plan).ok());
+  ASSERT_TRUE(client_->DestroyPlan(plan).ok());
   EXPECT_EQ(engine_.active(), (std::vector<uint32_t>{1}));
   EXPECT_EQ(engine_.removed(), (std::vector<uint32_t>{0}));
   // Destroying it again is the registry's NOT_FOUND and removes nothing more.
-  EXPECT_EQ(c->DestroyPlan(plan).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DestroyPlan(plan).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(engine_.removes(), 1);
   // The second plan still holds the region.
-  EXPECT_EQ(InFlight(*c, b.region), 1u);
+  EXPECT_EQ(InFlight(*client_, buffers_->region), 1u);
   client::Plan plan2;
   plan2.id = second.plan_id();
   plan2.generation = second.generation();
-  ASSERT_TRUE(c->DestroyPlan(plan2).ok());
-  EXPECT_EQ(InFlight(*c, b.region), 0u);
+  ASSERT_TRUE(client_->DestroyPlan(plan2).ok());
+  EXPECT_EQ(InFlight(*client_, buffers_->region), 0u);
   EXPECT_TRUE(engine_.active().empty());
-  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+  EXPECT_TRUE(client_->Unregister(buffers_->region, absl::Seconds(5)).ok());
 
-  auto info = c->GetWorkspaceInfo();
+  auto info = client_->GetWorkspaceInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_DOUBLE_EQ(info->doorbell_hop_us(), 2.5);
   EXPECT_TRUE(info->mps_detected());
 }
 
 TEST_F(FusionDoorbellTest, TheEnginesRefusalPassesThroughAndLeavesNoPlan) {
-  Start(MemoryKind::kCudaIpc);
-  auto c = Connect();
-  ASSERT_NE(c, nullptr);
-  Buffers b = Make(*c);
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
   engine_.Refuse(absl::FailedPreconditionError(
       "a plan of 4096 tokens x 8192 hidden bf16 runs unfused at max_tokens (payload above the "
       "fused limits); the doorbell plane runs only the fused kernels: use the eager plane"));
   v1::CreatePlanResponse resp;
-  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  grpc::Status s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("runs unfused"));
   EXPECT_THAT(s.error_message(), HasSubstr("use the eager plane"));
   EXPECT_EQ(engine_.adds(), 1);
   // The plan and its hold are gone: the region is free and unregisters at once.
-  EXPECT_EQ(InFlight(*c, b.region), 0u);
-  EXPECT_TRUE(c->Unregister(b.region, absl::Seconds(5)).ok());
+  EXPECT_EQ(InFlight(*client_, buffers_->region), 0u);
+  EXPECT_TRUE(client_->Unregister(buffers_->region, absl::Seconds(5)).ok());
 }
 
 TEST_F(FusionDoorbellTest, AnEngineWithoutADoorbellPlaneIsRefused) {
   PlainEngine plain;
   engine_ptr_ = &plain;
-  Start(MemoryKind::kCudaIpc);
-  auto c = Connect();
-  ASSERT_NE(c, nullptr);
-  Buffers b = Make(*c);
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
   v1::CreatePlanResponse resp;
-  grpc::Status s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  grpc::Status s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("no doorbell plane"));
   // Engine still initializing: UNAVAILABLE (retry).
   engine_ptr_ = nullptr;
-  s = CreateDoorbellPlan(*c, b.region, kTokens, &resp);
+  s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   engine_ptr_ = &engine_;
 }
 
 TEST_F(FusionDoorbellTest, SessionEndRemovesItsDoorbellPlans) {
-  Start(MemoryKind::kCudaIpc);
-  {
-    auto c = Connect();
-    ASSERT_NE(c, nullptr);
-    Buffers b = Make(*c);
-    v1::CreatePlanResponse resp;
-    ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, kTokens, &resp).ok());
-    ASSERT_TRUE(CreateDoorbellPlan(*c, b.region, 1, &resp).ok());
-    EXPECT_EQ(engine_.active().size(), 2u);
-    // The client goes away with its plans.
-  }
-  EXPECT_TRUE(WaitFor([&] { return engine_.active().empty(); }));
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
+  v1::CreatePlanResponse resp;
+  ASSERT_TRUE(CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp).ok());
+  ASSERT_TRUE(CreateDoorbellPlan(*client_, buffers_->region, 1, &resp).ok());
+  EXPECT_EQ(engine_.active().size(), 2u);
+  // The client goes away with its plans.
+  buffers_.reset();
+  client_.reset();
+  EXPECT_TRUE(
+      ::arfuse::testing::WaitFor([&] { return engine_.active().empty(); }, absl::Seconds(30)));
   EXPECT_EQ(engine_.removes(), 2);
   // Another session's plans are untouched by that.
   auto c2 = Connect();
   ASSERT_NE(c2, nullptr);
-  Buffers b2 = Make(*c2, "other");
-  v1::CreatePlanResponse resp;
+  auto b2 = RegisterNormBuffers(*c2, "other");
   ASSERT_TRUE(CreateDoorbellPlan(*c2, b2.region, kTokens, &resp).ok());
   EXPECT_EQ(engine_.active().size(), 1u);
 }

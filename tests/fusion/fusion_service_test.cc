@@ -4,63 +4,34 @@
 #include "server/services/fusion/fusion_service.h"
 
 #include <grpcpp/grpcpp.h>
-#include <stdlib.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/registry/host_shm_opener.h"
 #include "tests/fusion/fake_engine.h"
+#include "tests/fusion/fusion_test_server.h"
 
 namespace arfuse {
 namespace {
 
 using ::arfuse::client::Client;
-using ::arfuse::client::ClientOptions;
 using ::arfuse::client::ExecOptions;
 using ::arfuse::client::HostShmBuffer;
 using ::arfuse::client::OpDesc;
 using ::arfuse::client::Region;
 using ::arfuse::client::TensorLoc;
 using ::arfuse::testing::FakeEngine;
+using ::arfuse::testing::FusionTestServer;
+using ::arfuse::testing::kHidden;
+using ::arfuse::testing::kTensorBytes;
+using ::arfuse::testing::kTokens;
+using ::arfuse::testing::NormBuffers;
 using ::testing::HasSubstr;
-
-constexpr uint32_t kHidden = 64;
-constexpr uint32_t kTokens = 4;
-constexpr uint64_t kTensorBytes = uint64_t{kTokens} * kHidden * sizeof(float);
-
-// One shm buffer holding input | residual | norm_out | gamma (fp32).
-struct NormBuffers {
-  HostShmBuffer buf;
-  Region region;
-  float* at(uint64_t offset) { return reinterpret_cast<float*>(static_cast<char*>(buf.data()) + offset); }
-  float* input() { return at(0); }
-  float* residual() { return at(kTensorBytes); }
-  float* norm() { return at(2 * kTensorBytes); }
-  float* gamma() { return at(3 * kTensorBytes); }
-  OpDesc Op(uint32_t max_tokens = kTokens) {
-    OpDesc op;
-    op.pattern = Pattern::kAllReduceResidualRmsNorm;
-    op.dtype = DType::kFP32;
-    op.hidden = kHidden;
-    op.max_tokens = max_tokens;
-    op.eps = 1e-5f;
-    op.input = TensorLoc{region, 0};
-    op.residual_in = TensorLoc{region, kTensorBytes};
-    op.residual_out = op.residual_in;
-    op.norm_out = TensorLoc{region, 2 * kTensorBytes};
-    op.gamma = TensorLoc{region, 3 * kTensorBytes};
-    return op;
-  }
-};
 
 // An Execute in flight on the raw async stub.
 struct AsyncCall {
@@ -69,6 +40,9 @@ struct AsyncCall {
   v1::ExecuteResponse resp;
   grpc::Status status;
   absl::Notification done;
+
+  // Waits for the reply; false when none came within a minute.
+  bool Wait() { return done.WaitForNotificationWithTimeout(absl::Seconds(60)); }
 };
 
 class FusionServiceTest : public ::testing::Test {
@@ -77,36 +51,22 @@ class FusionServiceTest : public ::testing::Test {
 
   void Start(FusionServiceOptions options) {
     baseline_ = OpenMappingCount();
-    char tmpl[] = "/tmp/arfuse-fusion-test-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    socket_ = dir_ + "/fusion.sock";
     options.device = MemoryKind::kHostShm;
     options.rank = 1;
     options.world_size = 2;
     if (options.default_deadline == absl::Seconds(30)) options.default_deadline = absl::Seconds(20);
     engine_ = std::make_unique<FakeEngine>();
     engine_ptr_ = engine_.get();
-    service_ = std::make_unique<FusionService>(
-        options, [this] { return engine_ptr_.load(); }, std::make_unique<HostShmOpener>(),
-        nullptr);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    channel_ = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
+    ASSERT_NO_FATAL_FAILURE(server_.Start("/tmp/arfuse-fusion-test-XXXXXX", options,
+                                          [this] { return engine_ptr_.load(); }));
+    channel_ = grpc::CreateChannel("unix:" + server_.socket(), grpc::InsecureChannelCredentials());
     stub_ = v1::Fusion::NewStub(channel_);
   }
 
   void Stop() {
-    if (!server_) return;
-    engine_->OpenGate();
-    service_->Shutdown();
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    server_.reset();
-    service_.reset();
-    std::filesystem::remove_all(dir_);
+    if (!server_.running()) return;
+    engine_->OpenGate();  // ops held at the gate finish, so the service can end them
+    server_.Stop();
   }
 
   void TearDown() override {
@@ -115,20 +75,11 @@ class FusionServiceTest : public ::testing::Test {
   }
 
   std::unique_ptr<Client> Connect(const std::string& name = "test") {
-    ClientOptions o;
-    o.target = socket_;
-    o.client_name = name;
-    o.default_timeout = absl::Seconds(30);
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? std::move(*c) : nullptr;
+    return server_.Connect(name);
   }
 
   NormBuffers MakeNorm(Client& c, const std::string& name = "buf") {
-    NormBuffers b{*HostShmBuffer::Create(3 * kTensorBytes + kHidden * sizeof(float)), {}};
-    auto r = c.RegisterHostShm(name, b.buf.shm_name(), b.buf.size());
-    EXPECT_TRUE(r.ok()) << r.status();
-    if (r.ok()) b.region = *r;
+    NormBuffers b = ::arfuse::testing::RegisterNormBuffers(c, name);
     for (uint64_t i = 0; i < kTokens * kHidden; ++i) {
       b.input()[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
       b.residual()[i] = 0.5f;
@@ -137,11 +88,27 @@ class FusionServiceTest : public ::testing::Test {
     return b;
   }
 
+  // A connected client, MakeNorm's buffers registered with it and a plan of the fused op over
+  // them: where most tests start.
+  struct Planned {
+    std::unique_ptr<Client> c;
+    NormBuffers b;
+    client::Plan plan;
+  };
+  Planned ConnectWithPlan() {
+    auto c = Connect();
+    NormBuffers b = MakeNorm(*c);
+    auto plan = *c->CreatePlan(b.Op());
+    return Planned{std::move(c), std::move(b), std::move(plan)};
+  }
+
   // Raw call with version and session metadata (and no deadline unless `timeout` > 0).
   void Prepare(grpc::ClientContext* ctx, uint64_t session, absl::Duration timeout) {
     ctx->AddMetadata("arfuse-api-version", "1.0");
     ctx->AddMetadata("arfuse-session", absl::StrCat(session));
-    if (timeout > absl::ZeroDuration()) ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    if (timeout > absl::ZeroDuration()) {
+      ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    }
   }
 
   std::unique_ptr<AsyncCall> StartExecute(uint64_t session, const client::Plan& plan,
@@ -160,21 +127,14 @@ class FusionServiceTest : public ::testing::Test {
     return call;
   }
 
-  bool WaitFor(const std::function<bool()>& cond, absl::Duration timeout = absl::Seconds(60)) {
-    absl::Time until = absl::Now() + timeout;
-    while (absl::Now() < until) {
-      if (cond()) return true;
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    return cond();
+  bool WaitFor(const std::function<bool()>& cond) {
+    return ::arfuse::testing::WaitFor(cond, absl::Seconds(60));
   }
 
   int64_t baseline_ = 0;
-  std::string dir_, socket_;
   std::unique_ptr<FakeEngine> engine_;
   std::atomic<Engine*> engine_ptr_{nullptr};
-  std::unique_ptr<FusionService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  FusionTestServer server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Fusion::Stub> stub_;
 };
@@ -294,9 +254,7 @@ TEST_F(FusionServiceTest, AnotherApiVersionIsRefusedNamingBoth) {
 }
 
 TEST_F(FusionServiceTest, EngineStillInitializingIsUnavailable) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_ptr_ = nullptr;
   auto r = c->Execute(plan, 1);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
@@ -309,9 +267,7 @@ TEST_F(FusionServiceTest, EngineStillInitializingIsUnavailable) {
 }
 
 TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   struct Expect {
     absl::Status status;
     absl::StatusCode code;
@@ -393,9 +349,7 @@ TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing)
 }
 
 TEST_F(FusionServiceTest, EngineErrorsPassThrough) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->FailWith(absl::AbortedError("rank 0 did not arrive; workspace poisoned"));
   auto r = c->Execute(plan, 1);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
@@ -405,12 +359,10 @@ TEST_F(FusionServiceTest, EngineErrorsPassThrough) {
 }
 
 TEST_F(FusionServiceTest, ARequestWithoutDeadlineGetsTheDefault) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   absl::Time before = absl::Now();
   auto call = StartExecute(c->session().session_id, plan, 1, absl::ZeroDuration());
-  ASSERT_TRUE(call->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(call->Wait());
   EXPECT_TRUE(call->status.ok()) << call->status.error_message();
   absl::Time deadline = engine_->last_ctx().deadline;
   EXPECT_GE(deadline, before + absl::Seconds(20) - absl::Milliseconds(200));
@@ -418,16 +370,14 @@ TEST_F(FusionServiceTest, ARequestWithoutDeadlineGetsTheDefault) {
   // A client deadline wins.
   absl::Time before2 = absl::Now();
   auto call2 = StartExecute(c->session().session_id, plan, 1, absl::Seconds(3));
-  ASSERT_TRUE(call2->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(call2->Wait());
   // The service keeps a small margin before the client's deadline to send a specific error.
   EXPECT_LE(engine_->last_ctx().deadline, absl::Now() + absl::Seconds(3));
   EXPECT_GE(engine_->last_ctx().deadline, before2 + absl::Seconds(2));
 }
 
 TEST_F(FusionServiceTest, UnregisterDuringAnOpWaitsOrTimesOutCleanly) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
   auto call = StartExecute(c->session().session_id, plan, 2);
   ASSERT_TRUE(engine_->WaitEntered(1));
@@ -435,7 +385,7 @@ TEST_F(FusionServiceTest, UnregisterDuringAnOpWaitsOrTimesOutCleanly) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(s.message(), HasSubstr("in flight; it stays registered"));
   engine_->OpenGate();
-  ASSERT_TRUE(call->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(call->Wait());
   EXPECT_TRUE(call->status.ok()) << call->status.error_message();
   EXPECT_TRUE(c->Unregister(b.region).ok());
   EXPECT_TRUE(c->ListRegions()->empty());
@@ -446,57 +396,51 @@ TEST_F(FusionServiceTest, FullQueueIsRefusedCleanly) {
   FusionServiceOptions o;
   o.max_queued_ops = 1;
   Start(o);
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
   auto first = StartExecute(c->session().session_id, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
   auto second = StartExecute(c->session().session_id, plan, 1);
-  ASSERT_TRUE(WaitFor([&] { return service_->queued_ops() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return server_.service()->queued_ops() == 1; }));
   auto third = c->Execute(plan, 1);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(third.status().message(), HasSubstr("already wait for this workspace"));
   engine_->OpenGate();
-  ASSERT_TRUE(first->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
-  ASSERT_TRUE(second->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(first->Wait());
+  ASSERT_TRUE(second->Wait());
   EXPECT_TRUE(first->status.ok());
   EXPECT_TRUE(second->status.ok());
   EXPECT_EQ(engine_->calls(), 2);
 }
 
 TEST_F(FusionServiceTest, AnOpQueuedPastItsDeadlineDoesNotRun) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
   auto first = StartExecute(c->session().session_id, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
   auto late = StartExecute(c->session().session_id, plan, 1, absl::Milliseconds(200));
-  ASSERT_TRUE(late->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(late->Wait());
   EXPECT_EQ(late->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   engine_->OpenGate();
-  ASSERT_TRUE(first->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(first->Wait());
   // The late op was dequeued without reaching the engine; a later op proves the queue moved on.
   EXPECT_TRUE(c->Execute(plan, 1).ok());
   EXPECT_EQ(engine_->calls(), 2);
 }
 
 TEST_F(FusionServiceTest, ShutdownEndsQueuedOpsWithUnavailable) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
   auto first = StartExecute(c->session().session_id, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
   auto queued = StartExecute(c->session().session_id, plan, 1);
-  ASSERT_TRUE(WaitFor([&] { return service_->queued_ops() == 1; }));
-  service_->Shutdown();
-  ASSERT_TRUE(queued->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(WaitFor([&] { return server_.service()->queued_ops() == 1; }));
+  server_.service()->Shutdown();
+  ASSERT_TRUE(queued->Wait());
   EXPECT_EQ(queued->status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(queued->status.error_message(), HasSubstr("shutting down; the op did not run"));
   engine_->OpenGate();
-  ASSERT_TRUE(first->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(first->Wait());
   EXPECT_TRUE(first->status.ok());
   auto after = c->Execute(plan, 1);
   EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable);
@@ -520,9 +464,9 @@ TEST_F(FusionServiceTest, AClientThatDisconnectsMidOpHasItsRegionsReleased) {
   leaver.reset();  // the session stream ends while its op runs
   // "extra" is unmapped at once; the op's region stays mapped while the op runs.
   ASSERT_TRUE(WaitFor([&] { return OpenMappingCount() == with_keeper + 1; }));
-  EXPECT_EQ(service_->registry().session_count(), 1u);
+  EXPECT_EQ(server_.service()->registry().session_count(), 1u);
   engine_->OpenGate();
-  ASSERT_TRUE(call->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(call->Wait());
   EXPECT_TRUE(call->status.ok()) << call->status.error_message();
   EXPECT_TRUE(WaitFor([&] { return OpenMappingCount() == with_keeper; }));
   // The other client is unaffected.
@@ -536,14 +480,12 @@ TEST_F(FusionServiceTest, SessionEndReleasesEverything) {
     ASSERT_TRUE(c->CreatePlan(b.Op()).ok());
     EXPECT_EQ(OpenMappingCount(), baseline_ + 1);
   }
-  EXPECT_TRUE(WaitFor([&] { return service_->registry().session_count() == 0; }));
+  EXPECT_TRUE(WaitFor([&] { return server_.service()->registry().session_count() == 0; }));
   EXPECT_TRUE(WaitFor([&] { return OpenMappingCount() == baseline_; }));
 }
 
 TEST_F(FusionServiceTest, RegionsAreListedWithInFlightCounts) {
-  auto c = Connect();
-  NormBuffers b = MakeNorm(*c);
-  auto plan = *c->CreatePlan(b.Op());
+  auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
   auto call = StartExecute(c->session().session_id, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
@@ -554,7 +496,7 @@ TEST_F(FusionServiceTest, RegionsAreListedWithInFlightCounts) {
   EXPECT_EQ((*list)[0].in_flight(), 1u);  // one op, whatever its tensor count
   EXPECT_EQ((*list)[0].device(), v1::DEVICE_KIND_HOST);
   engine_->OpenGate();
-  ASSERT_TRUE(call->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(call->Wait());
 }
 
 }  // namespace
