@@ -33,4 +33,17 @@ absl::Status InitLogging(absl::string_view level) {
   return absl::OkStatus();
 }
 
+bool LogRateLimiter::Allow(absl::string_view key, absl::Time now, uint64_t* held_back) {
+  absl::MutexLock lock(&mu_);
+  Entry& e = entries_[key];
+  if (now - e.last_written < interval_) {
+    ++e.held_back;
+    return false;
+  }
+  e.last_written = now;
+  *held_back = e.held_back;
+  e.held_back = 0;
+  return true;
+}
+
 }  // namespace arfuse

@@ -2,10 +2,15 @@
 // handles or pointers: they let a reader of the logs reach another client's memory.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "fmt/format.h"
 
 namespace arfuse {
@@ -16,6 +21,27 @@ absl::Status InitLogging(absl::string_view level);
 
 // True when `level` names a spdlog level.
 bool IsValidLogLevel(absl::string_view level);
+
+// Lets a repeated log line through at most once per `interval` for each key, and counts the
+// lines it held back: a client retrying a failing op in a tight loop must not flood the log, but
+// the operator must still see that ops fail, how often, and why. Thread-safe.
+class LogRateLimiter {
+ public:
+  explicit LogRateLimiter(absl::Duration interval) : interval_(interval) {}
+
+  // True when a line for `key` may be written at `now`; then `*held_back` receives how many
+  // lines for `key` were held back since the last one written (and the count restarts).
+  bool Allow(absl::string_view key, absl::Time now, uint64_t* held_back);
+
+ private:
+  struct Entry {
+    absl::Time last_written = absl::InfinitePast();
+    uint64_t held_back = 0;
+  };
+  const absl::Duration interval_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace arfuse
 

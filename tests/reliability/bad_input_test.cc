@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "arfuse/v1/config.grpc.pb.h"
@@ -40,13 +41,14 @@ class BadInputTest : public ::testing::Test {
     auto c = RankClient::Create((*group_)[0].socket(), 0, 1, ShapeConfig{}, 0, "good");
     ASSERT_TRUE(c.ok()) << c.status();
     good_ = c->release();
-    channel_ = new std::shared_ptr<grpc::Channel>(grpc::CreateChannel(
-        "unix:" + (*group_)[0].socket(), grpc::InsecureChannelCredentials()));
+    channel_ = new std::shared_ptr<grpc::Channel>(
+        grpc::CreateChannel("unix:" + (*group_)[0].socket(), grpc::InsecureChannelCredentials()));
   }
   static void TearDownTestSuite() {
-    std::printf("[bad-input] %d bad inputs tried; the sidecar served a checked op after each "
-                "test\n",
-                g_cases);
+    std::printf(
+        "[bad-input] %d bad inputs tried; the sidecar served a checked op after each "
+        "test\n",
+        g_cases);
     delete channel_;
     delete good_;
     delete group_;
@@ -88,7 +90,9 @@ class BadInputTest : public ::testing::Test {
   }
 
   // A context with this client's session, API version and a deadline.
-  static void Prepare(grpc::ClientContext* ctx) { good_->client().PrepareContext(ctx, absl::Seconds(10)); }
+  static void Prepare(grpc::ClientContext* ctx) {
+    good_->client().PrepareContext(ctx, absl::Seconds(10));
+  }
 
   static v1::Fusion::Stub& Stub() { return good_->client().stub(); }
 
@@ -153,12 +157,11 @@ TEST_F(BadInputTest, MalformedProtobufIsRefusedOnEveryServiceAndNoHandlerRuns) {
   const std::string garbage("\x0a\xff\xff\xff\xff\x07\x0f\xff\xff", 9);
   auto before = good_->client().ListRegions();
   ASSERT_TRUE(before.ok());
-  for (const char* method :
-       {"/arfuse.v1.Fusion/RegisterRegion", "/arfuse.v1.Fusion/Execute",
-        "/arfuse.v1.Fusion/CreatePlan", "/arfuse.v1.Fusion/UnregisterRegion",
-        "/arfuse.v1.Fusion/GetWorkspaceInfo", "/arfuse.v1.Admin/GetStats",
-        "/arfuse.v1.Admin/SetBackend", "/arfuse.v1.Config/Resolve",
-        "/grpc.health.v1.Health/Check"}) {
+  for (const char* method : {"/arfuse.v1.Fusion/RegisterRegion", "/arfuse.v1.Fusion/Execute",
+                             "/arfuse.v1.Fusion/CreatePlan", "/arfuse.v1.Fusion/UnregisterRegion",
+                             "/arfuse.v1.Fusion/GetWorkspaceInfo", "/arfuse.v1.Admin/GetStats",
+                             "/arfuse.v1.Admin/SetBackend", "/arfuse.v1.Config/Resolve",
+                             "/grpc.health.v1.Health/Check"}) {
     ++g_cases;
     // With the session, so a handler that ran anyway would act for a real session.
     std::vector<std::pair<std::string, std::string>> md;
@@ -246,8 +249,8 @@ TEST_F(BadInputTest, UnknownFieldsFromANewerClientAreIgnored) {
   // client's additions. proto3 keeps them as unknown fields; the call succeeds.
   const std::string payload("\x98\x06\x01\xa2\x06\x02hi", 8);
   ++g_cases;
-  grpc::Status s = Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", payload,
-                       {{kApiVersionMetadataKey, "1.9"}});
+  grpc::Status s =
+      Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", payload, {{kApiVersionMetadataKey, "1.9"}});
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
@@ -280,7 +283,8 @@ TEST_F(BadInputTest, AnotherApiMajorVersionIsFailedPreconditionNamingBoth) {
   }
   // Not MAJOR.MINOR at all.
   ++g_cases;
-  grpc::Status s = Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", "", {{kApiVersionMetadataKey, "banana"}});
+  grpc::Status s =
+      Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", "", {{kApiVersionMetadataKey, "banana"}});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("not MAJOR.MINOR"));
   // A newer minor of our major is served.
@@ -299,11 +303,11 @@ TEST_F(BadInputTest, SessionMetadataMissingMalformedOrUnknown) {
     absl::StatusCode code;
     const char* text;
   };
-  for (const Case& c : {Case{std::nullopt, absl::StatusCode::kFailedPrecondition, "no session"},
-                        Case{"abc", absl::StatusCode::kInvalidArgument, "not a decimal"},
-                        Case{"18446744073709551616", absl::StatusCode::kInvalidArgument,
-                             "not a decimal"},
-                        Case{"12345", absl::StatusCode::kFailedPrecondition, "session"}}) {
+  for (const Case& c :
+       {Case{std::nullopt, absl::StatusCode::kFailedPrecondition, "no session"},
+        Case{"abc", absl::StatusCode::kInvalidArgument, "not a decimal"},
+        Case{"18446744073709551616", absl::StatusCode::kInvalidArgument, "not a decimal"},
+        Case{"12345", absl::StatusCode::kFailedPrecondition, "session"}}) {
     ++g_cases;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -345,8 +349,8 @@ TEST_F(BadInputTest, RegionRegistrationRefusals) {
       {req("zero", 0, shm), absl::StatusCode::kInvalidArgument, "byte_size must be > 0"},
       {req("big", 4097, shm), absl::StatusCode::kInvalidArgument, "4097"},
       // The per-session byte cap is checked before anything is opened.
-      {req("huge", std::numeric_limits<uint64_t>::max(), shm),
-       absl::StatusCode::kResourceExhausted, "the limit is"},
+      {req("huge", std::numeric_limits<uint64_t>::max(), shm), absl::StatusCode::kResourceExhausted,
+       "the limit is"},
       {req("dots", 4096, "/../../etc/passwd"), absl::StatusCode::kInvalidArgument, "shm_name"},
       {req("slash", 4096, "/a/b"), absl::StatusCode::kInvalidArgument, "shm_name"},
       {req("rel", 4096, "noslash"), absl::StatusCode::kInvalidArgument, "shm_name"},
@@ -411,12 +415,12 @@ TEST_F(BadInputTest, OpRefusals) {
        "eps"},
       {"eps infinite", [](v1::OpSpec& o) { o.set_eps(INFINITY); },
        absl::StatusCode::kInvalidArgument, "eps"},
-      {"missing gamma", [](v1::OpSpec& o) { o.clear_gamma(); },
-       absl::StatusCode::kInvalidArgument, "gamma"},
+      {"missing gamma", [](v1::OpSpec& o) { o.clear_gamma(); }, absl::StatusCode::kInvalidArgument,
+       "gamma"},
       {"missing residual_in", [](v1::OpSpec& o) { o.clear_residual_in(); },
        absl::StatusCode::kInvalidArgument, "residual_in"},
-      {"missing input", [](v1::OpSpec& o) { o.clear_input(); },
-       absl::StatusCode::kInvalidArgument, "input"},
+      {"missing input", [](v1::OpSpec& o) { o.clear_input(); }, absl::StatusCode::kInvalidArgument,
+       "input"},
       {"misaligned offset", [](v1::OpSpec& o) { o.mutable_input()->set_offset(8); },
        absl::StatusCode::kInvalidArgument, "offset"},
       {"offset + size overflows", [](v1::OpSpec& o) { o.mutable_input()->set_offset(~0ull - 31); },
@@ -432,8 +436,7 @@ TEST_F(BadInputTest, OpRefusals) {
        absl::StatusCode::kFailedPrecondition, "stale generation"},
       {"generation missing", [](v1::OpSpec& o) { o.mutable_input()->set_generation(0); },
        absl::StatusCode::kInvalidArgument, "generation"},
-      {"output overlaps an input",
-       [](v1::OpSpec& o) { *o.mutable_norm_out() = o.input(); },
+      {"output overlaps an input", [](v1::OpSpec& o) { *o.mutable_norm_out() = o.input(); },
        absl::StatusCode::kInvalidArgument, "overlap"},
   };
   for (const Case& c : cases) {
@@ -504,6 +507,53 @@ TEST_F(BadInputTest, ExecuteRefusals) {
     EXPECT_EQ(s.code(), c.code) << c.what << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.text)) << c.what;
   }
+}
+
+// Failed ops are logged for the operator (code and message), at most once a second per code:
+// a client retrying in a tight loop does not flood the log, and the next line says how many
+// were held back.
+TEST_F(BadInputTest, FailedExecutesAreLoggedOncePerSecondPerCode) {
+  const client::Plan plan = good_->plan();
+  v1::ExecuteRequest zero;
+  zero.set_plan_id(plan.id);
+  zero.set_plan_generation(plan.generation);
+  zero.set_num_tokens(0);
+  const std::string line = "event=execute_failed code=INVALID_ARGUMENT";
+  auto count_lines = [&] {
+    const std::string log = (*group_)[0].Log();
+    size_t n = 0;
+    for (size_t at = log.find(line); at != std::string::npos; at = log.find(line, at + 1)) ++n;
+    return n;
+  };
+  const size_t before = count_lines();
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(Execute(zero).code(), absl::StatusCode::kInvalidArgument);
+  }
+  const absl::Duration burst = absl::Now() - start;
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ(Execute(zero).code(), absl::StatusCode::kInvalidArgument);
+  // The sidecar writes its log asynchronously to the harness: wait for the last line.
+  std::string last;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        const std::string log = (*group_)[0].Log();
+        const size_t at = log.rfind(line + " held_back=");
+        if (at == std::string::npos) return false;
+        last = log.substr(at, log.find('\n', at) - at);
+        return count_lines() > before;
+      },
+      absl::Seconds(5)))
+      << (*group_)[0].Log();
+  // One line for the burst at most per second it took, one after the pause.
+  EXPECT_LE(count_lines() - before, 2u + static_cast<size_t>(absl::ToInt64Seconds(burst)));
+  uint64_t held_back = 0;
+  const size_t eq = last.find("held_back=");
+  ASSERT_NE(eq, std::string::npos) << last;
+  ASSERT_TRUE(absl::SimpleAtoi(last.substr(eq + 10, last.find(' ', eq) - eq - 10), &held_back))
+      << last;
+  if (burst < absl::Seconds(1)) EXPECT_GE(held_back, 49u) << last;
+  EXPECT_THAT(last, HasSubstr("num_tokens")) << "the line says why";
 }
 
 // A call without a deadline gets the sidecar's default, and ends with the sidecar's own

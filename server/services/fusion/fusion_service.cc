@@ -28,6 +28,16 @@ grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl
 
 v1::ExecPath ToProtoPath(ExecPath p) { return static_cast<v1::ExecPath>(p); }
 
+// Why an op failed is what an operator needs when a group misbehaves (a rank whose client never
+// gets an op in, a peer that keeps timing out): warning level, rate-limited per code.
+void LogExecuteFailure(LogRateLimiter& limiter, const absl::Status& status) {
+  const std::string code = absl::StatusCodeToString(status.code());
+  uint64_t held_back = 0;
+  if (!limiter.Allow(code, absl::Now(), &held_back)) return;
+  spdlog::warn("event=execute_failed code={} held_back={} message=\"{}\"", code, held_back,
+               std::string(status.message()));
+}
+
 absl::Status EngineUnavailable() {
   return absl::UnavailableError("the sidecar's engine is still initializing; retry shortly");
 }
@@ -391,26 +401,30 @@ grpc::ServerUnaryReactor* FusionService::DestroyPlan(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ctx,
                                                  const v1::ExecuteRequest* req,
                                                  v1::ExecuteResponse* resp) {
+  auto finish_failed = [&](const absl::Status& s) {
+    LogExecuteFailure(execute_failures_, s);
+    return FinishNow(ctx, s);
+  };
   auto session = SessionOf(*ctx);
-  if (!session.ok()) return FinishNow(ctx, session.status());
+  if (!session.ok()) return finish_failed(session.status());
   Engine* engine = engine_ ? engine_() : nullptr;
-  if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
+  if (engine == nullptr) return finish_failed(EngineUnavailable());
   if (!req->wait_event().empty() && events_ == nullptr) {
-    return FinishNow(ctx, absl::InvalidArgumentError(
-                              "wait_event is only for --device=cuda; this sidecar runs host "
-                              "mode, where ops complete before the reply"));
+    return finish_failed(
+        absl::InvalidArgumentError("wait_event is only for --device=cuda; this sidecar runs host "
+                                   "mode, where ops complete before the reply"));
   }
   if (!req->wait_event().empty() && req->wait_event().size() != kCudaIpcHandleBytes) {
-    return FinishNow(ctx, absl::InvalidArgumentError(
-                              absl::StrCat("wait_event must be exactly ", kCudaIpcHandleBytes,
-                                           " bytes, got ", req->wait_event().size())));
+    return finish_failed(
+        absl::InvalidArgumentError(absl::StrCat("wait_event must be exactly ", kCudaIpcHandleBytes,
+                                                " bytes, got ", req->wait_event().size())));
   }
   if (req->workspace_generation() != 0) {
     uint64_t current = engine->Status().generation;
     if (req->workspace_generation() != current) {
-      return FinishNow(ctx, absl::FailedPreconditionError(
-                                "workspace: stale generation (the workspace was re-initialized "
-                                "since); read GetWorkspaceInfo and retry"));
+      return finish_failed(absl::FailedPreconditionError(
+          "workspace: stale generation (the workspace was re-initialized "
+          "since); read GetWorkspaceInfo and retry"));
     }
   }
   absl::StatusOr<ResolvedOp> resolved;
@@ -426,7 +440,7 @@ grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ct
       resolved = absl::InvalidArgumentError("set plan_id or op");
       break;
   }
-  if (!resolved.ok()) return FinishNow(ctx, resolved.status());
+  if (!resolved.ok()) return finish_failed(resolved.status());
 
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time deadline = DeadlineOf(*ctx);
@@ -472,10 +486,7 @@ grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ct
     }
     // Release before replying: a client that unregisters right after the reply must not wait.
     op->Release();
-    if (!status.ok()) {
-      spdlog::debug("event=execute_failed code={} message=\"{}\"",
-                    absl::StatusCodeToString(status.code()), std::string(status.message()));
-    }
+    if (!status.ok()) LogExecuteFailure(execute_failures_, status);
     reactor->Finish(ToGrpcStatus(status));
   };
   // Nothing running or waiting: run here and reply from this thread (header: the fast path).
@@ -483,6 +494,7 @@ grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ct
   absl::Status queued = ops_.Submit(std::move(task));
   if (!queued.ok()) {
     op->Release();
+    LogExecuteFailure(execute_failures_, queued);
     reactor->Finish(ToGrpcStatus(queued));
   }
   return reactor;

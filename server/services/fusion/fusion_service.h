@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
+#include "server/core/log.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/registry/opener.h"
@@ -157,6 +158,9 @@ class FusionService final : public v1::Fusion::CallbackService {
   const EngineGetter engine_;
   const std::unique_ptr<EventIpc> events_;
   Registry registry_;
+  // A failed Execute is logged (code and message; messages never carry handles or pointers) at
+  // most once a second per status code, with the count of those held back.
+  LogRateLimiter execute_failures_{absl::Seconds(1)};
   std::atomic<bool> shutting_down_{false};
   mutable std::mutex sessions_mu_;
   std::set<SessionReactor*> sessions_;  // not owned: each deletes itself after OnDone
