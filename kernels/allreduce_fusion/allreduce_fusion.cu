@@ -9,6 +9,7 @@
 
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/allreduce_fusion/fusion_device.cuh"
+#include "kernels/common/launch.cuh"
 
 namespace arfuse {
 namespace {
@@ -219,26 +220,6 @@ uint32_t ResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {
   return static_cast<uint32_t>(std::min(kMaxFusionBlocks, std::max(1, sms * per_sm)));
 }
 
-// One launch, with programmatic stream serialization (PDL) when asked.
-template <typename Kernel, typename... Args>
-cudaError_t LaunchWithAttributes(Kernel kernel, unsigned grid, int threads, bool pdl,
-                                 cudaStream_t stream, Args... args) {
-  if (!pdl) {
-    kernel<<<grid, threads, 0, stream>>>(args...);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 template <DType DT, bool kNorm, int kBucket>
 cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   const Tuning& tuning = GetTuning();
@@ -254,7 +235,7 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
         ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, p.sm_budget);
     if (resident == 0) return cudaErrorInvalidDevice;
     const unsigned grid = std::max<uint32_t>(1u, std::min(p.num_tokens, resident));
-    return LaunchWithAttributes(kernel, grid, threads, pdl, stream, p, cfg);
+    return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, p, cfg);
   }
   auto* kernel = &TwoShotKernel<DT, kNorm, kBucket>;
   const uint32_t resident =
@@ -262,7 +243,7 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   if (resident == 0) return cudaErrorInvalidDevice;
   const uint32_t rows = (p.num_tokens + p.world_size - 1) / p.world_size;
   const unsigned grid = std::max<uint32_t>(1u, std::min(rows, resident));
-  return LaunchWithAttributes(kernel, grid, threads, pdl, stream, p, cfg);
+  return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, p, cfg);
 }
 
 template <DType DT, bool kNorm>
@@ -291,26 +272,6 @@ cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
 }
 
 // The indirect launch's geometry: from the template only (see allreduce_fusion.h).
-template <typename Kernel>
-cudaError_t LaunchIndirectKernel(Kernel kernel, unsigned grid, int threads, const FusionParams& t,
-                                 const FusionParams* device_params, cudaStream_t stream,
-                                 bool programmatic) {
-  if (!programmatic) {
-    kernel<<<grid, threads, 0, stream>>>(t, device_params);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, t, device_params);
-}
-
 template <DType DT, bool kNorm, int kBucket>
 cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* device_params,
                                 cudaStream_t stream, bool programmatic) {
@@ -332,10 +293,11 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
   const uint64_t max_rows = one_shot ? max_tokens : (max_tokens + n - 1) / n;
   const unsigned grid =
       static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(max_rows, resident)));
-  return one_shot ? LaunchIndirectKernel(IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>,
-                                         grid, threads, t, device_params, stream, programmatic)
-                  : LaunchIndirectKernel(IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>,
-                                         grid, threads, t, device_params, stream, programmatic);
+  const unsigned block = static_cast<unsigned>(threads);
+  return one_shot ? LaunchKernel(IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>, grid,
+                                 block, programmatic, stream, t, device_params)
+                  : LaunchKernel(IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>, grid,
+                                 block, programmatic, stream, t, device_params);
 }
 
 template <DType DT, bool kNorm>

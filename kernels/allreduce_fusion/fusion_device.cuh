@@ -566,6 +566,17 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
   //    release at system scope (cumulative over the GPU-scope counting chain, so it publishes
   //    every block's stores, NVLink ones included); every block's thread 0 polls barrier[0][q].
   const bool per_block = cfg.twoshot_block_barriers != 0;
+  // This thread waits for peer q's signal `value` at `flag`; at A it then checks q's descriptor.
+  auto await_peer = [&](const uint32_t* flag, uint32_t q, uint32_t phase, uint32_t value) {
+    uint32_t spin_polls = 0;
+    while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
+      failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
+      if (failure != 0) return;
+    }
+    if (phase == 0 && ReadOpDesc(&ctrl->twoshot_desc[q], desc) != kDescSame) {
+      failure = static_cast<uint32_t>(FusionError::kOpMismatch);
+    }
+  };
   auto barrier = [&](uint32_t phase, uint32_t value) -> bool {
     __syncthreads();
     if (per_block) {
@@ -576,15 +587,7 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
       if (q < n && q != static_cast<uint32_t>(p.rank)) {
         StoreReleaseSys(&ControlOf(p.peer_workspace[q], p.layout)->barrier[blockIdx.x][p.rank],
                         value);
-        const uint32_t* flag = &ctrl->barrier[blockIdx.x][q];
-        uint32_t spin_polls = 0;
-        while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
-          failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
-          if (failure != 0) break;
-        }
-        if (failure == 0 && phase == 0 && ReadOpDesc(&ctrl->twoshot_desc[q], desc) != kDescSame) {
-          failure = static_cast<uint32_t>(FusionError::kOpMismatch);
-        }
+        await_peer(&ctrl->barrier[blockIdx.x][q], q, phase, value);
       }
     } else if (threadIdx.x == 0) {
       const uint32_t old = AtomicAddAcqRelGpu(&counters[phase], 1u);
@@ -597,15 +600,7 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
       }
       for (uint32_t q = 0; q < n && failure == 0; ++q) {
         if (q == static_cast<uint32_t>(p.rank)) continue;
-        const uint32_t* flag = &ctrl->barrier[0][q];
-        uint32_t spin_polls = 0;
-        while (static_cast<int32_t>(LoadAcquireSys(flag) - value) < 0) {
-          failure = SpinStep(p, ctrl, watch, clock, spin_polls, cfg);
-          if (failure != 0) break;
-        }
-        if (failure == 0 && phase == 0 && ReadOpDesc(&ctrl->twoshot_desc[q], desc) != kDescSame) {
-          failure = static_cast<uint32_t>(FusionError::kOpMismatch);
-        }
+        await_peer(&ctrl->barrier[0][q], q, phase, value);
       }
     }
     block_failed = __syncthreads_or(failure != 0) != 0;

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/doorbell/doorbell.h"
 #include "kernels/doorbell/doorbell_device.cuh"
 
@@ -98,20 +99,8 @@ cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t
   if (cudaError_t err = CheckDoorbellRingArgs(slot, timeout_ns, nullptr); err != cudaSuccess) {
     return err;
   }
-  if (!RingUsesProgrammaticLaunch()) {
-    DoorbellRingKernel<<<1, 1, 0, stream>>>(slot, num_tokens, timeout_ns);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1);
-  config.blockDim = dim3(1);
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, DoorbellRingKernel, slot, num_tokens, timeout_ns);
+  return LaunchKernel(DoorbellRingKernel, 1, 1, RingUsesProgrammaticLaunch(), stream, slot,
+                      num_tokens, timeout_ns);
 }
 
 cudaError_t PrepareDoorbellRing() {

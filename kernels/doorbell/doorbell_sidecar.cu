@@ -5,6 +5,7 @@
 
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/allreduce_fusion/fusion_device.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/doorbell/doorbell.h"
 #include "kernels/doorbell/doorbell_device.cuh"
 
@@ -447,25 +448,6 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
 
 bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
-template <typename Kernel, typename Params>
-cudaError_t LaunchSmall(Kernel kernel, unsigned threads, unsigned grid, const Params& params,
-                        cudaStream_t stream, bool programmatic) {
-  if (!programmatic) {
-    kernel<<<grid, threads, 0, stream>>>(params);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, params);
-}
-
 // The serving launch's grid: at most max_blocks, and never more than can be resident at once
 // within the template's SM budget (every block must be resident: block 0 waits for all of them).
 template <DType DT, bool kNorm, int kBucket>
@@ -478,7 +460,7 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
       FusionResidentBlocks(reinterpret_cast<const void*>(kernel), threads, t.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
   const unsigned grid = std::max(1u, std::min(sp.max_blocks, resident));
-  return LaunchSmall(kernel, static_cast<unsigned>(threads), grid, sp, stream, pdl);
+  return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, sp);
 }
 
 template <DType DT, bool kNorm>
@@ -543,7 +525,7 @@ cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& c, const c
 cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream,
                                bool programmatic_dependent) {
   if (cudaError_t err = CheckDoorbellWaitParams(params, nullptr); err != cudaSuccess) return err;
-  return LaunchSmall(DoorbellWaitKernel, 32, 1, params, stream, programmatic_dependent);
+  return LaunchKernel(DoorbellWaitKernel, 1, 32, programmatic_dependent, stream, params);
 }
 
 cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream,
@@ -551,7 +533,7 @@ cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStr
   if (cudaError_t err = CheckDoorbellCompleteParams(params, nullptr); err != cudaSuccess) {
     return err;
   }
-  return LaunchSmall(DoorbellCompleteKernel, 1, 1, params, stream, programmatic_dependent);
+  return LaunchKernel(DoorbellCompleteKernel, 1, 1, programmatic_dependent, stream, params);
 }
 
 cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& sp, const char** why) {

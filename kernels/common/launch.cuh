@@ -1,0 +1,32 @@
+// One kernel launch, shared by the fused, doorbell and ring launchers. CUDA only (host code of
+// .cu files).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace arfuse {
+
+// Launches `kernel<<<grid, threads, 0, stream>>>(args...)`; with `programmatic`, as a
+// programmatic dependent launch (sm_90+): the grid may be scheduled while the kernel before it on
+// the stream still runs, so the kernel must wait (griddepcontrol.wait, WaitForPrerequisiteGrid)
+// before it touches anything that kernel wrote. Returns the launch error.
+template <typename Kernel, typename... Args>
+cudaError_t LaunchKernel(Kernel kernel, unsigned grid, unsigned threads, bool programmatic,
+                         cudaStream_t stream, Args... args) {
+  if (!programmatic) {
+    kernel<<<grid, threads, 0, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace arfuse
