@@ -1,6 +1,7 @@
 #include "client/cpp/client.h"
 
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -8,8 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -63,18 +62,22 @@ v1::Pattern ToProto(Pattern p) { return static_cast<v1::Pattern>(p); }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (options.keepalive_time < absl::Seconds(1) || options.keepalive_time > absl::Hours(2)) {
+    return absl::InvalidArgumentError(absl::StrCat("keepalive_time must be within 1s..2h, got ",
+                                                   absl::FormatDuration(options.keepalive_time)));
+  }
   std::unique_ptr<Client> c(new Client());
   c->options_ = options;
   grpc::ChannelArguments args;
   // Keep the session stream alive across idle periods; a dead sidecar is noticed by keepalive.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_time)));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   c->channel_ = grpc::CreateCustomChannel(GrpcTarget(options.target),
                                           grpc::InsecureChannelCredentials(), args);
   const absl::Time deadline = absl::Now() + options.connect_timeout;
   if (!c->channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
-    return absl::UnavailableError(absl::StrCat("no arfused answers at ", options.target,
-                                               " within ",
+    return absl::UnavailableError(absl::StrCat("no arfused answers at ", options.target, " within ",
                                                absl::FormatDuration(options.connect_timeout)));
   }
   c->stub_ = v1::Fusion::NewStub(c->channel_);
@@ -131,8 +134,8 @@ void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) co
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-absl::StatusOr<Region> Client::RegisterHostShm(const std::string& name,
-                                               const std::string& shm_name, uint64_t byte_size) {
+absl::StatusOr<Region> Client::RegisterHostShm(const std::string& name, const std::string& shm_name,
+                                               uint64_t byte_size) {
   v1::RegisterRegionRequest req;
   req.set_name(name);
   req.set_byte_size(byte_size);
@@ -193,8 +196,8 @@ absl::StatusOr<Plan> Client::CreatePlan(const OpDesc& op, bool doorbell) {
   Plan plan{resp.plan_id(), resp.generation(), resp.path(), resp.reason(), std::nullopt};
   if (resp.has_doorbell() && !resp.doorbell().ipc_handle().empty()) {
     const v1::Doorbell& d = resp.doorbell();
-    plan.doorbell = DoorbellInfo{d.ipc_handle(), d.offset(), d.request_value(),
-                                 d.complete_value(), d.reset_value()};
+    plan.doorbell = DoorbellInfo{d.ipc_handle(), d.offset(), d.request_value(), d.complete_value(),
+                                 d.reset_value()};
   }
   return plan;
 }
@@ -209,8 +212,7 @@ absl::Status Client::DestroyPlan(const Plan& plan) {
   return FromGrpc(stub_->DestroyPlan(&ctx, req, &resp));
 }
 
-absl::StatusOr<ExecResult> Client::DoExecute(v1::ExecuteRequest& req,
-                                             const ExecOptions& options) {
+absl::StatusOr<ExecResult> Client::DoExecute(v1::ExecuteRequest& req, const ExecOptions& options) {
   req.set_wait_event(options.wait_event);
   req.set_synchronous(options.synchronous);
   req.set_workspace_generation(options.workspace_generation);

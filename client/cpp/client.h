@@ -27,6 +27,9 @@ struct ClientOptions {
   absl::Duration default_timeout = absl::Seconds(10);
   // How long Connect waits for the sidecar to accept the connection and open the session.
   absl::Duration connect_timeout = absl::Seconds(10);
+  // How often the channel pings the sidecar while idle, so that a session stream with no traffic
+  // stays open and a dead sidecar is noticed. 1 s .. 2 h; arfused accepts pings this frequent.
+  absl::Duration keepalive_time = absl::Seconds(10);
 };
 
 struct SessionInfo {
@@ -147,7 +150,8 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Fusion::Stub> stub_;
   std::unique_ptr<grpc::ClientContext> session_ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> session_stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>>
+      session_stream_;
   SessionInfo session_;
   // The metadata values every call carries, formatted once.
   std::string api_version_value_;

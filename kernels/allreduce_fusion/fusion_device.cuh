@@ -74,6 +74,35 @@ __device__ inline void RecordError(const FusionParams& p, uint32_t code, bool fo
   __threadfence_system();
 }
 
+// Why a launch must not start, read once by thread 0 of every block: the workspace's first error
+// (kPoisoned: an earlier call failed here) or its abort word. A peer that failed a call wrote
+// kPeerAbort into it, possibly after it had pushed its data for the call: a rank arriving late
+// (stalled, or stopped and continued) would otherwise find that data complete, never spin (the
+// only place the abort word was looked at) and return OK for an op its peer had already failed.
+// Both words share one aligned access, so the check adds no round trip to the launch.
+__device__ __forceinline__ uint32_t LaunchRefusal(FusionControl* ctrl) {
+  static_assert(offsetof(FusionControl, abort) == offsetof(FusionControl, error) + 4);
+  uint32_t error = 0, abort = 0;
+  LoadVolatile32x2(&ctrl->error, error, abort);
+  if (error != 0) return static_cast<uint32_t>(FusionError::kPoisoned);
+  if (abort == 0) return 0;
+  return abort == static_cast<uint32_t>(FusionError::kPeerAbort)
+             ? abort
+             : static_cast<uint32_t>(FusionError::kHostAbort);
+}
+
+// Records a refused launch (thread 0 of each block): a poisoned workspace forwards the abort to
+// the peers every time (from one block); a peer's abort is recorded without forwarding; a host
+// abort is recorded and forwarded once.
+__device__ __forceinline__ void RecordRefusal(const FusionParams& p, uint32_t refusal,
+                                              bool first_block) {
+  if (refusal == static_cast<uint32_t>(FusionError::kPoisoned)) {
+    if (first_block) RecordError(p, refusal, true);
+  } else {
+    RecordError(p, refusal, false);
+  }
+}
+
 // Per-block spin bookkeeping, in shared memory: the first failure any thread of the block saw,
 // and when the block next looks at the abort/error words.
 struct BlockWatch {
@@ -315,7 +344,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   if (threadIdx.x == 0) {
     InitWatch(watch);
-    s_error = LoadVolatile32(&ctrl->error);
+    s_error = LaunchRefusal(ctrl);
     s_epoch = LoadAcquireGpu32(&ctrl->lamport_epoch);
     uint64_t desc[4];
     MakeOpDesc(p, s_epoch + 1, desc);
@@ -323,12 +352,10 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     for (int k = 0; k < 4; ++k) s_desc[k] = desc[k];
   }
   __syncthreads();
-  // A poisoned workspace: nothing is touched; block 0 forwards the abort.
+  // A poisoned or aborted workspace: nothing is touched.
   if (s_error != 0) {
-    if (threadIdx.x == 0 && unit == 0) {
-      RecordError(p, static_cast<uint32_t>(FusionError::kPoisoned), true);
-    }
-    return static_cast<uint32_t>(FusionError::kPoisoned);
+    if (threadIdx.x == 0) RecordRefusal(p, s_error, unit == 0);
+    return s_error;
   }
   const uint32_t buffer = s_epoch % 3;
   const uint64_t buffer_offset = p.layout.lamport_offset + buffer * p.layout.lamport_buffer_bytes;
@@ -526,14 +553,12 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   if (threadIdx.x == 0) {
     InitWatch(watch);
-    s_error = LoadVolatile32(&ctrl->error);
+    s_error = LaunchRefusal(ctrl);
     s_seq = LoadAcquireGpu32(&ctrl->twoshot_seq);
   }
   __syncthreads();
   if (s_error != 0) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-      RecordError(p, static_cast<uint32_t>(FusionError::kPoisoned), true);
-    }
+    if (threadIdx.x == 0) RecordRefusal(p, s_error, blockIdx.x == 0);
     return;
   }
   const uint32_t seq = s_seq;

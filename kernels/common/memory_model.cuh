@@ -24,6 +24,11 @@ __device__ __forceinline__ uint32_t LoadVolatile32(const uint32_t* p) {
   return v;
 }
 
+// Two adjacent 32-bit words (8-byte aligned) in one access; each word single-copy atomic.
+__device__ __forceinline__ void LoadVolatile32x2(const uint32_t* p, uint32_t& a, uint32_t& b) {
+  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p) : "memory");
+}
+
 __device__ __forceinline__ void StoreVolatile32(uint32_t* p, uint32_t v) {
   asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

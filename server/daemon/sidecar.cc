@@ -286,6 +286,16 @@ absl::Status Sidecar::Start() {
     }
     // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
     builder.SetMaxReceiveMessageSize(1 << 20);
+    // Clients ping every 10 s (at most every 1 s) to keep an idle session stream open. gRPC's
+    // default ping policy (one ping per 5 min while the server sends no data, three strikes)
+    // closes such a connection after ~30 s of idleness, and with it the session and every region
+    // the client registered. A sidecar thawed after a stall (SIGSTOP, a debugger, a frozen
+    // cgroup) also reads every ping queued meanwhile at once. So: pings as often as the clients
+    // may send them, also with no call open, and no strike limit. Callers are authenticated
+    // (SO_PEERCRED on the socket, mTLS on TCP), so unlimited pings are no abuse vector.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
     {
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
       counters.push_back(std::make_unique<UnaryCallCounterFactory>(&unary_calls_));

@@ -126,8 +126,8 @@ absl::StatusOr<uint32_t> SlotError(const Plan& p) {
 // cudaDeviceSynchronize would also wait for the doorbell waiters queued on the engine's stream
 // (each one until its idle timeout).
 absl::Status Upload(Plan& p, void* dst, const std::vector<uint16_t>& host) {
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, host.data(), host.size() * 2,
-                                              cudaMemcpyHostToDevice, p.stream));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, p.stream));
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p.stream));
   return absl::OkStatus();
 }
@@ -217,8 +217,8 @@ absl::Status Scenario(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
   ARFUSE_RETURN_IF_ERROR(Setup(p));
 
   // 1. The plan and its grant.
-  ARFUSE_ASSIGN_OR_RETURN(p.grant, engine.AddDoorbellPlan(p.op, kMaxTokens,
-                                                          absl::Now() + absl::Seconds(30)));
+  ARFUSE_ASSIGN_OR_RETURN(
+      p.grant, engine.AddDoorbellPlan(p.op, kMaxTokens, absl::Now() + absl::Seconds(30)));
   EXPECT_OR_RETURN(p.grant.ipc_handle.size() == 64, "ipc handle of ", p.grant.ipc_handle.size(),
                    " bytes");
   EXPECT_OR_RETURN(p.grant.offset == DoorbellSlotOffset(p.grant.slot), "offset ", p.grant.offset);
@@ -227,8 +227,7 @@ absl::Status Scenario(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
                        p.grant.reset_value == kDoorbellReset,
                    "handshake values differ");
   EXPECT_OR_RETURN(p.grant.twoshot_min_tokens == 9, "twoshot_min_tokens ",
-                   p.grant.twoshot_min_tokens, " want 9 (64 KiB one-shot limit): ",
-                   p.grant.reason);
+                   p.grant.twoshot_min_tokens, " want 9 (64 KiB one-shot limit): ", p.grant.reason);
   EXPECT_OR_RETURN(p.grant.path_at_max == ExecPath::kTwoShot, "path at max ",
                    ExecPathName(p.grant.path_at_max));
   p.slot = engine.doorbell_slot_for_testing(p.grant);
@@ -315,22 +314,24 @@ absl::Status Scenario(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
       EXPECT_OR_RETURN((err & ~0xffu) == static_cast<uint32_t>(DoorbellError::kFusionFailed),
                        "ring with a missing peer: slot error ", DoorbellErrorName(err));
     } else {
+      // Seeds stay alike on every rank: each rank's oracle recomputes every rank's input.
+      ++seed;
       absl::SleepFor(spin + absl::Seconds(2));
     }
     ARFUSE_RETURN_IF_ERROR(Barrier(ex, "poisoned"));
     if (g_rank == 0) {
       // Rank 0's workspace is poisoned: no new doorbell plan until it is re-initialized.
-      EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kPoisoned, "not poisoned: ",
-                       engine.Status().reason);
+      EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kPoisoned,
+                       "not poisoned: ", engine.Status().reason);
       absl::StatusOr<DoorbellGrant> g =
           engine.AddDoorbellPlan(p.op, 8, absl::Now() + absl::Seconds(10));
-      EXPECT_OR_RETURN(absl::IsFailedPrecondition(g.status()), "plan on a poisoned workspace: ",
-                       g.status().ToString());
+      EXPECT_OR_RETURN(absl::IsFailedPrecondition(g.status()),
+                       "plan on a poisoned workspace: ", g.status().ToString());
     }
     // Re-initialize in place: the plan survives, its slot is re-armed.
     ARFUSE_RETURN_IF_ERROR(engine.Initialize(ex, absl::Now() + absl::Seconds(60)));
-    EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kReady, "not ready: ",
-                     engine.Status().reason);
+    EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kReady,
+                     "not ready: ", engine.Status().reason);
     EXPECT_OR_RETURN(engine.doorbell_slot_for_testing(p.grant) == p.slot,
                      "the plan did not survive the in-place re-initialization");
     ARFUSE_ASSIGN_OR_RETURN(uint32_t err, SlotError(p));
@@ -352,8 +353,8 @@ absl::Status Scenario(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
     do {
       ARFUSE_ASSIGN_OR_RETURN(err, SlotError(p));
     } while (err == 0 && absl::Now() < until);
-    EXPECT_OR_RETURN(err == static_cast<uint32_t>(DoorbellError::kStopped),
-                     "removed slot: error ", DoorbellErrorName(err));
+    EXPECT_OR_RETURN(err == static_cast<uint32_t>(DoorbellError::kStopped), "removed slot: error ",
+                     DoorbellErrorName(err));
     ARFUSE_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(p, 4));
     const absl::Time start = absl::Now();
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, p.stream));
@@ -435,8 +436,8 @@ int Main(int argc, char** argv) {
     const absl::Time start = absl::Now();
     engine->reset();
     if (absl::Now() - start > absl::Seconds(5)) {
-      return fail(absl::InternalError(absl::StrCat(
-          "engine teardown with a doorbell plan took ", absl::FormatDuration(absl::Now() - start))));
+      return fail(absl::InternalError(absl::StrCat("engine teardown with a doorbell plan took ",
+                                                   absl::FormatDuration(absl::Now() - start))));
     }
   }
   std::fprintf(stderr, "PASS rank=%d\n", g_rank);

@@ -152,6 +152,10 @@ class Planes {
 
   ~Planes() {
     for (cudaGraphExec_t e : owned_) cudaGraphExecDestroy(e);
+    // Every plane's stop word first: the ranks share this process's context, and a plane's
+    // cudaFree waits for the whole device, so freeing rank 0's plane while rank 1's waiter still
+    // idles (up to its idle timeout, then relaunched) would wait for that waiter, again and again.
+    for (auto& plane : planes_) plane->Stop();
   }
 
   // Every rank's slot error for `plan` (0 everywhere when healthy).

@@ -154,6 +154,19 @@ TEST_F(FusionServiceTest, SessionCarriesIdentity) {
   EXPECT_EQ(info->device(), v1::DEVICE_KIND_HOST);
 }
 
+// The client refuses a keepalive interval outside 1 s .. 2 h before it dials.
+TEST(ClientOptionsTest, KeepaliveOutsideItsRangeIsRefused) {
+  for (absl::Duration bad : {absl::Milliseconds(999), absl::ZeroDuration(), absl::Hours(3)}) {
+    client::ClientOptions o;
+    o.target = "unix:/nonexistent/arfuse.sock";
+    o.keepalive_time = bad;
+    auto c = client::Client::Connect(o);
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(c.status().message(), HasSubstr("keepalive_time must be within 1s..2h"));
+  }
+}
+
 TEST_F(FusionServiceTest, ExecutePlanWritesTheOutputs) {
   auto c = Connect();
   NormBuffers b = MakeNorm(*c);

@@ -715,18 +715,24 @@ void ExpectWorksAgain(SimGroup& g, FusionAlgo algo) {
   VerifyOutputs(g, op, Pattern::kAllReduceResidualRmsNorm);
 }
 
+// Every rank but `missing` runs one op of `tokens` on a freshly initialized workspace with a 0.2 s
+// spin timeout: they give up on it.
+void LaunchWithoutRank(SimGroup& g, FusionAlgo algo, uint32_t tokens, int missing) {
+  CUDA_OK(g.Init());
+  g.timeout_ns_ = 200'000'000ull;
+  CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, tokens, missing));
+  CUDA_OK(g.SyncAll());
+}
+
 TEST(FusionGpu, MissingRankMakesTheOthersFailWithinTheDeadline) {
   for (int world : {2, 4, 8}) {
     for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
       SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
       SimGroup g(world, 64, 1024, DType::kBF16);
       ASSERT_TRUE(g.ok());
-      CUDA_OK(g.Init());
-      g.timeout_ns_ = 200'000'000ull;  // 0.2 s
       const int missing = world - 1;
       const auto start = std::chrono::steady_clock::now();
-      CUDA_OK(g.Launch(algo, Pattern::kAllReduceResidualRmsNorm, 40, missing));
-      CUDA_OK(g.SyncAll());
+      LaunchWithoutRank(g, algo, 40, missing);
       EXPECT_LT(SecondsSince(start), 3.0);
       int timeouts = 0;
       for (int r = 0; r < world; ++r) {
@@ -750,6 +756,43 @@ TEST(FusionGpu, MissingRankMakesTheOthersFailWithinTheDeadline) {
       EXPECT_NE(g.ErrorWord(0), 0u);
       const auto untouched = Download(g.norm_out_[0]->ptr, bytes);
       EXPECT_EQ(untouched, std::vector<uint8_t>(bytes, 0x5a)) << "a poisoned launch wrote output";
+      ExpectWorksAgain(g, algo);
+    }
+  }
+}
+
+// A rank that arrives after its peers gave up on the op (stalled, or stopped and continued) finds
+// their data for it complete in its inbox (one-shot) or their barrier-A signal (two-shot). It
+// must fail the op as its peers did (kPeerAbort), at once and storing nothing: returning OK
+// would leave the ranks disagreeing on the op's outcome.
+TEST(FusionGpu, RankArrivingAfterItsPeersGaveUpFailsAndStoresNothing) {
+  for (int world : {2, 4}) {
+    for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      SCOPED_TRACE(::testing::Message() << "world " << world << " algo " << static_cast<int>(algo));
+      SimGroup g(world, 64, 1024, DType::kBF16);
+      ASSERT_TRUE(g.ok());
+      const int late = world - 1;
+      LaunchWithoutRank(g, algo, 16, late);
+      for (int r = 0; r < world; ++r) {
+        if (r != late) ASSERT_NE(g.ErrorWord(r), 0u) << "rank " << r << " did not give up";
+      }
+      ASSERT_EQ(g.ErrorWord(late), 0u);
+      const size_t bytes = g.Bytes(16);
+      CUDA_OK(cudaMemset(g.residual_out_[late]->ptr, 0x5a, bytes));
+      CUDA_OK(cudaMemset(g.norm_out_[late]->ptr, 0x5a, bytes));
+      g.timeout_ns_ = kNormalTimeoutNs;
+      const auto start = std::chrono::steady_clock::now();
+      CUDA_OK(LaunchAllReduceFusion(g.Params(late, algo, Pattern::kAllReduceResidualRmsNorm, 16),
+                                    g.streams_[late]));
+      CUDA_OK(g.SyncAll());
+      EXPECT_LT(SecondsSince(start), 1.0) << "ended by the spin deadline, not the abort word";
+      EXPECT_EQ(g.ErrorWord(late), static_cast<uint32_t>(FusionError::kPeerAbort))
+          << FusionErrorName(g.ErrorWord(late));
+      EXPECT_EQ(*g.error_mirror_[late]->host, static_cast<uint32_t>(FusionError::kPeerAbort));
+      EXPECT_EQ(Download(g.residual_out_[late]->ptr, bytes), std::vector<uint8_t>(bytes, 0x5a))
+          << "the late rank stored residual_out of an op its peers failed";
+      EXPECT_EQ(Download(g.norm_out_[late]->ptr, bytes), std::vector<uint8_t>(bytes, 0x5a))
+          << "the late rank stored norm_out of an op its peers failed";
       ExpectWorksAgain(g, algo);
     }
   }

@@ -30,6 +30,7 @@ namespace {
 
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 constexpr absl::Duration kOpTimeout = absl::Seconds(10);
@@ -96,7 +97,9 @@ std::string RecoverAndRun(std::vector<RankClient*> clients, int n, absl::Duratio
         }
         if (absl::Now() > until) {
           std::lock_guard<std::mutex> lock(mu);
-          failure = "did not recover in time; last: " + Str(r.status());
+          // Every rank's last answer: which rank could not get an op in says why.
+          absl::StrAppend(&failure, failure.empty() ? "" : "; ", "rank ", c->rank(),
+                          " did not recover in time, last: ", Str(r.status()));
           return;
         }
         // Wait for readiness rather than hammering a re-forming group.
@@ -808,6 +811,54 @@ TEST(SigtermUnderLoad, EveryCallEndsInOneStatusNoneHangsExitZero) {
   EXPECT_LT(exit_took, absl::Seconds(cfg.grace_period_s) + absl::Seconds(10));
   EXPECT_THAT(g[0].Log(), HasSubstr("event=shutdown_done exit_code=0"));
   EXPECT_THAT(g[1].Log(), HasSubstr("event=shutdown_done exit_code=0"));
+}
+
+// ------------------------------------------------------------------ (f) idle and stalled links
+
+// One sidecar and one client that has run one checked op (host mode: what these tests look at,
+// the gRPC link, is the same on every device).
+class IdleLink : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kDevice != Device::kHost) GTEST_SKIP() << "device-independent; runs in the host-mode build";
+    ASSERT_TRUE(group_.StartAll()) << group_.Logs();
+    ASSERT_TRUE(group_.WaitAllReady(kFormTimeout)) << group_.Logs();
+    auto rc = NewClient(group_[0].socket(), 0, 1, ShapeConfig{});
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    client_ = std::move(*rc);
+    ASSERT_EQ(Lockstep({client_.get()}, 1, 1), "");
+  }
+  // Two more checked ops on the same session, and the sidecar never closed a session.
+  void ExpectTheSessionStillServes() {
+    EXPECT_EQ(Lockstep({client_.get()}, 2, 2), "") << group_.Logs();
+    auto regions = client_->client().ListRegions();
+    ASSERT_TRUE(regions.ok()) << regions.status();
+    EXPECT_EQ(regions->size(), 1u);
+    EXPECT_THAT(group_[0].Log(), Not(HasSubstr("event=session_close")));
+  }
+
+  Group group_{1, Config()};
+  std::unique_ptr<RankClient> client_;
+};
+
+// A client idle for longer than three keepalive intervals keeps its session: the sidecar accepts
+// its keepalive pings (gRPC's default policy, one ping per 5 minutes while the server sends no
+// data, answered the third early ping with GOAWAY "too_many_pings" after ~35 s of idleness,
+// ending the session and releasing every region the client had registered).
+TEST_F(IdleLink, ClientIdlePastThreeKeepaliveIntervalsKeepsItsSession) {
+  absl::SleepFor(absl::Seconds(45));  // keepalive pings every 10-15 s, no call, no data
+  ExpectTheSessionStillServes();
+}
+
+// A sidecar stalled for a few seconds (SIGSTOP: a debugger, a frozen cgroup) reads the pings
+// queued meanwhile all at once when it runs again; its clients' sessions survive that.
+TEST_F(IdleLink, SidecarThawedAfterAStallKeepsItsSessions) {
+  // Shorter than the client's keepalive timeout (20 s): beyond that the client rightly gives the
+  // sidecar up for dead.
+  group_[0].Signal(SIGSTOP);
+  absl::SleepFor(absl::Seconds(12));
+  group_[0].Signal(SIGCONT);
+  ExpectTheSessionStillServes();
 }
 
 }  // namespace

@@ -179,6 +179,7 @@ class RankClient {
   const ShapeConfig& shape() const { return shape_; }
   client::OpDesc op() const;  // the plan's op over the current region
   const std::string& socket() const { return socket_; }
+  int rank() const { return rank_; }
   // Polls GetWorkspaceInfo until READY/UNFUSED (or `timeout`).
   absl::Status WaitWorkspaceReady(absl::Duration timeout);
 
