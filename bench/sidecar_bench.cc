@@ -19,6 +19,10 @@
 //                mode: the op completes before the reply. Echo and eager calls alternate in blocks
 //                of --block (50), so load on the machine hits both alike. Target: eager p50 <=
 //                1.25x echo.
+//   eager_refused, eager_nowait
+//                (CUDA) splits of the eager call: an Execute refused after the session and plan
+//                lookup (one token above the plan's maximum: gRPC and the service's front, no
+//                engine), and an Execute without the interprocess events.
 //   eager_sync   (CUDA) the same with synchronous = true: the reply waits for completion.
 //   inproc       the same op run by the client processes themselves, without a sidecar. CUDA:
 //                the fused kernel on a workspace of their own (same backend, same algorithm as
@@ -163,10 +167,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
 // ------------------------------------------------------------------------------------ results
 
 // Rows in table order.
-constexpr const char* kRows[] = {"echo",       "eager",   "eager_rpc",    "eager_client_cuda",
-                                 "eager_sync", "inproc",  "busy",         "doorbell",
-                                 "busy_idle",  "compute", "layer_inproc", "layer_doorbell",
-                                 "layer_nccl"};
+constexpr const char* kRows[] = {
+    "echo",         "eager_refused", "eager",        "eager_rpc",      "eager_client_cuda",
+    "eager_nowait", "eager_sync",    "inproc",       "busy",           "doorbell",
+    "busy_idle",    "compute",       "layer_inproc", "layer_doorbell", "layer_nccl"};
 
 struct RowResult {
   std::string row;
@@ -610,15 +614,31 @@ struct ClientRun {
     return absl::OkStatus();
   }
 
+  // An Execute the sidecar refuses after the session and plan lookup (one token more than the
+  // plan's maximum): the gRPC round trip plus the service's front, no engine. Same request shape
+  // as an eager op's.
+  absl::Status Refused(const client::Plan& plan, uint32_t max_tokens) {
+    client::ExecOptions eo;
+    auto r = c.Execute(plan, max_tokens + 1, eo);
+    if (r.ok() || !absl::IsInvalidArgument(r.status())) {
+      return absl::InternalError(
+          absl::StrCat("an op above the plan's maximum was not refused: ", r.status().ToString()));
+    }
+    return absl::OkStatus();
+  }
+
   // One eager op as a client would issue it. Returns the reply's path. `rpc_us` (optional) gets
   // the time of the Execute call alone, `cuda_us` that of the client's event record and wait.
+  // `events` false: no wait_event, and the client's stream does not wait on done_event (the
+  // inputs do not change between calls, so only the timing differs).
   absl::StatusOr<v1::ExecPath> Eager(const client::Plan& plan, uint32_t tokens, bool sync,
-                                     double* rpc_us = nullptr, double* cuda_us = nullptr) {
+                                     double* rpc_us = nullptr, double* cuda_us = nullptr,
+                                     bool events = true) {
     client::ExecOptions eo;
     eo.synchronous = sync;
     double cuda_time = 0;
 #if defined(ARFUSE_BENCH_CUDA)
-    if (cuda && !sync) {
+    if (cuda && !sync && events) {
       auto t0 = std::chrono::steady_clock::now();
       ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(gpu->wait_event, gpu->stream));
       cuda_time += MicrosSince(t0);
@@ -629,7 +649,7 @@ struct ClientRun {
     ARFUSE_ASSIGN_OR_RETURN(client::ExecResult r, c.Execute(plan, tokens, eo));
     if (rpc_us != nullptr) *rpc_us = MicrosSince(t_rpc);
 #if defined(ARFUSE_BENCH_CUDA)
-    if (cuda && !r.done_event.empty()) {
+    if (cuda && events && !r.done_event.empty()) {
       auto t0 = std::chrono::steady_clock::now();
       ARFUSE_ASSIGN_OR_RETURN(cudaEvent_t done, gpu->DoneEvent(r.done_event));
       ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(gpu->stream, done, 0));
@@ -644,7 +664,10 @@ struct ClientRun {
   absl::Status EagerRows(const client::Plan& plan, uint32_t tokens, uint32_t hidden, bool sync,
                          const std::string& tag) {
     ARFUSE_RETURN_IF_ERROR(ex.Barrier(tag, absl::Now() + absl::Seconds(120)));
-    std::vector<double> echo_us, exec_us, rpc_us, cuda_us;
+    std::vector<double> echo_us, exec_us, rpc_us, cuda_us, refused_us, nowait_us;
+    // The split rows of the CUDA eager call: a refused call (the service's front alone) and a
+    // call without the interprocess events.
+    const bool split = cuda && !sync;
     echo_us.reserve(f.iters);
     exec_us.reserve(f.iters);
     v1::ExecPath path = v1::EXEC_PATH_UNSPECIFIED;
@@ -669,6 +692,16 @@ struct ClientRun {
           cuda_us.push_back(cuda_calls);
         }
       }
+      for (int i = 0; split && i < n; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        ARFUSE_RETURN_IF_ERROR(Refused(plan, tokens));  // the plan's maximum is `tokens`
+        if (done + i >= f.warmup) refused_us.push_back(MicrosSince(t0));
+      }
+      for (int i = 0; split && i < n; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        ARFUSE_RETURN_IF_ERROR(Eager(plan, tokens, false, nullptr, nullptr, false).status());
+        if (done + i >= f.warmup) nowait_us.push_back(MicrosSince(t0));
+      }
     }
 #if defined(ARFUSE_BENCH_CUDA)
     if (cuda) ARFUSE_RETURN_IF_ERROR(WaitStream(gpu->stream, absl::Now() + absl::Seconds(60)));
@@ -691,6 +724,10 @@ struct ClientRun {
       add("eager_rpc", rpc_us, PathName(path), "the Execute RPC alone, of the eager row");
       add("eager_client_cuda", cuda_us, "-",
           "the client's cudaEventRecord + cudaStreamWaitEvent on interprocess events");
+      add("eager_refused", refused_us, "-",
+          "Execute refused after the session and plan lookup: gRPC + the service's front");
+      add("eager_nowait", nowait_us, PathName(path),
+          "Execute without wait_event; the client does not wait on done_event");
     }
     return absl::OkStatus();
   }
