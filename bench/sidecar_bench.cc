@@ -19,10 +19,9 @@
 //                mode: the op completes before the reply. Echo and eager calls alternate in blocks
 //                of --block (50), so load on the machine hits both alike. Target: eager p50 <=
 //                1.25x echo.
-//   eager_refused, eager_nowait
-//                (CUDA) splits of the eager call: an Execute refused after the session and plan
-//                lookup (one token above the plan's maximum: gRPC and the service's front, no
-//                engine), and an Execute without the interprocess events.
+//   eager_refused an Execute refused after the session and plan lookup (one token above the
+//                plan's maximum): gRPC and the service's front, no engine.
+//   eager_nowait (CUDA) an Execute without the interprocess events.
 //   eager_sync   (CUDA) the same with synchronous = true: the reply waits for completion.
 //   inproc       the same op run by the client processes themselves, without a sidecar. CUDA:
 //                the fused kernel on a workspace of their own (same backend, same algorithm as
@@ -665,8 +664,9 @@ struct ClientRun {
                          const std::string& tag) {
     ARFUSE_RETURN_IF_ERROR(ex.Barrier(tag, absl::Now() + absl::Seconds(120)));
     std::vector<double> echo_us, exec_us, rpc_us, cuda_us, refused_us, nowait_us;
-    // The split rows of the CUDA eager call: a refused call (the service's front alone) and a
-    // call without the interprocess events.
+    // The eager call split: a refused call (the service's front alone, on every device) and,
+    // on CUDA, a call without the interprocess events.
+    const bool refused = !sync;
     const bool split = cuda && !sync;
     echo_us.reserve(f.iters);
     exec_us.reserve(f.iters);
@@ -692,7 +692,7 @@ struct ClientRun {
           cuda_us.push_back(cuda_calls);
         }
       }
-      for (int i = 0; split && i < n; ++i) {
+      for (int i = 0; refused && i < n; ++i) {
         auto t0 = std::chrono::steady_clock::now();
         ARFUSE_RETURN_IF_ERROR(Refused(plan, tokens));  // the plan's maximum is `tokens`
         if (done + i >= f.warmup) refused_us.push_back(MicrosSince(t0));
@@ -715,6 +715,10 @@ struct ClientRun {
       out.push_back(r);
     };
     if (!sync) add("echo", echo_us, "-", "Health.Check, same channel and metadata");
+    if (refused) {
+      add("eager_refused", refused_us, "-",
+          "Execute refused after the session and plan lookup: gRPC + the service's front");
+    }
     add(sync ? "eager_sync" : "eager", exec_us, PathName(path),
         sync ? "synchronous=true: reply after completion"
              : (cuda ? "reply after enqueue; IPC events both ways" : "op completes before reply"));
@@ -724,8 +728,6 @@ struct ClientRun {
       add("eager_rpc", rpc_us, PathName(path), "the Execute RPC alone, of the eager row");
       add("eager_client_cuda", cuda_us, "-",
           "the client's cudaEventRecord + cudaStreamWaitEvent on interprocess events");
-      add("eager_refused", refused_us, "-",
-          "Execute refused after the session and plan lookup: gRPC + the service's front");
       add("eager_nowait", nowait_us, PathName(path),
           "Execute without wait_event; the client does not wait on done_event");
     }
