@@ -1068,7 +1068,7 @@ int ClientMain(const Flags& f) {
     gpu->ring = RingLib::Load(f.ring_lib);
     const uint32_t max_t = *std::max_element(f.tokens.begin(), f.tokens.end());
     const uint32_t max_h = *std::max_element(f.hidden.begin(), f.hidden.end());
-    const std::string backend = info.backend();
+    const std::string& backend = info.backend();
     if (f.ranks < 2) {
       gpu->ws_note = "in-process rows need 2 or more ranks";
     } else if (backend != "trtllm" && backend != "mnnvl") {
@@ -1184,6 +1184,7 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& args, const std::str
     posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
   }
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t pid = 0;
