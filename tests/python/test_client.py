@@ -189,6 +189,14 @@ def test_other_api_version_is_refused(group2):
         assert "2.0" in e.value.details() and "1.0" in e.value.details()
 
 
+def test_keepalive_outside_its_range_is_refused(tmp_path):
+    for bad in (0.5, 0.0, 7201.0):
+        with pytest.raises(arfuse.ArfuseError) as e:
+            arfuse.Client(str(tmp_path / "none.sock"), keepalive_time=bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "keepalive_time must be within 1..7200 s" in e.value.message
+
+
 def test_connect_to_nothing_is_unavailable(tmp_path):
     with pytest.raises(arfuse.ArfuseError) as e:
         arfuse.Client(str(tmp_path / "none.sock"), connect_timeout=0.5)

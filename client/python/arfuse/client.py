@@ -173,11 +173,16 @@ class Client:
     """One sidecar, one session. Use as a context manager or call close()."""
 
     def __init__(self, target: str, client_name: str = "arfuse-py", timeout: float = 10.0,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, keepalive_time: float = 10.0):
+        # keepalive_time: seconds between the channel's pings while idle (1 .. 7200), so that an
+        # idle session stays open and a dead sidecar is noticed; arfused accepts pings this often.
+        if not 1.0 <= keepalive_time <= 7200.0:
+            raise ArfuseError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"keepalive_time must be within 1..7200 s, got {keepalive_time}")
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(grpc_target(target), options=[
-            ("grpc.keepalive_time_ms", 10000),
+            ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
             ("grpc.keepalive_permit_without_calls", 1)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
