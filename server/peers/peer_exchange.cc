@@ -377,9 +377,14 @@ class SocketExchange final : public PeerExchange {
     return lost_;
   }
 
+  // mu_ held. The link thread found the link gone: named after the call waiting, if any.
+  void LinkLostLocked(const absl::Status& cause) {
+    (void)LostLocked(waiting_seq_ != 0 ? waiting_tag_ : "an idle link check", cause);
+  }
+
   void LinkLost(const absl::Status& cause) {
     std::lock_guard<std::mutex> lock(mu_);
-    (void)LostLocked(waiting_seq_ != 0 ? waiting_tag_ : "an idle link check", cause);
+    LinkLostLocked(cause);
   }
 
   void RankZeroSilent(absl::Duration silence) {
@@ -467,10 +472,7 @@ class SocketExchange final : public PeerExchange {
           next_beat = now + interval;
         }
         absl::Status sent = peers::FlushFrames(conn_.get(), out_);
-        if (!sent.ok()) {
-          (void)LostLocked(waiting_seq_ != 0 ? waiting_tag_ : "an idle link check", sent);
-          return;
-        }
+        if (!sent.ok()) return LinkLostLocked(sent);
       }
       if (beat && now - last_heard > timeout) return RankZeroSilent(now - last_heard);
     }
