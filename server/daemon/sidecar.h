@@ -70,6 +70,10 @@ class Sidecar final : public AdminControl {
  private:
   // The supervisor: forms the group, serves, and re-forms it after a poisoning or on request.
   void SuperviseGroup();
+  // CUDA mode: when the device reports a sticky error (a lost context, or work that can never
+  // finish), reports NOT_SERVING, sets exit code 1 and requests shutdown so the process is
+  // restarted; returns whether it did.
+  bool StopOnLostDevice();
   absl::Status FormGroup();
   // Collective (over exchange_): the highest workspace generation any rank has served, which the
   // new engine's generations are counted on from.

@@ -2,7 +2,11 @@
 // poisoning; the live backend switch. Every rank runs the same steps in the same order, so the
 // collectives (tags) line up across ranks.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -183,6 +187,39 @@ absl::StatusOr<uint64_t> Sidecar::AgreeGenerationBase(absl::Time deadline) {
   return AgreedGenerationBase(served, offered);
 }
 
+bool Sidecar::StopOnLostDevice() {
+#if ARFUSE_HAVE_CUDA
+  if (options_.device != "cuda") return false;
+  // A sticky error (illegal address, ...) has broken this process's CUDA context, or the device
+  // holds a kernel that can never finish: nothing on it can be trusted again.
+  absl::Status health = DeviceHealth();
+  if (!IsStickyDeviceError(health)) return false;
+  spdlog::critical("event=sticky_device_error error=\"{}\"", health.message());
+  SetReadiness(false);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    exit_code_ = 1;
+  }
+  // The orderly shutdown may itself wait on the device (freeing memory synchronizes with a
+  // kernel that never ends): the process exits at the latest this long after the grace period,
+  // whatever blocks.
+  constexpr double kLostDeviceExitSlackS = 5;
+  const auto overdue = std::chrono::milliseconds(
+      static_cast<int64_t>((options_.grace_period_s + kLostDeviceExitSlackS) * 1e3));
+  std::thread([overdue] {
+    std::this_thread::sleep_for(overdue);
+    spdlog::critical("event=shutdown_overdue action=exit code=1");
+    spdlog::default_logger()->flush();
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }).detach();
+  RequestShutdown("sticky CUDA error");
+  return true;
+#else
+  return false;
+#endif
+}
+
 void Sidecar::SuperviseGroup() {
 #if ARFUSE_HAVE_CUDA
   // This thread's device: DeviceHealth() inspects the current device's context.
@@ -207,23 +244,7 @@ void Sidecar::SuperviseGroup() {
     // request to re-initialize; each re-forms the group, which also waits for a restarted peer.
     absl::Status link = absl::OkStatus();
     while (!ShutdownRequested() && !reinit_requested_) {
-#if ARFUSE_HAVE_CUDA
-      if (options_.device == "cuda") {
-        // A sticky error (illegal address, ...) has broken this process's CUDA context: nothing
-        // on it can run again. Report NOT_SERVING and exit non-zero so the process is restarted.
-        absl::Status health = DeviceHealth();
-        if (IsStickyDeviceError(health)) {
-          spdlog::critical("event=sticky_device_error error=\"{}\"", health.message());
-          SetReadiness(false);
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            exit_code_ = 1;
-          }
-          RequestShutdown("sticky CUDA error");
-          break;
-        }
-      }
-#endif
+      if (StopOnLostDevice()) break;
       if (gate_.Status().state == WorkspaceState::kPoisoned) {
         std::lock_guard<std::mutex> lock(state_mu_);
         ++poisonings_;
@@ -263,6 +284,9 @@ void Sidecar::SuperviseGroup() {
     gate_.Abort();
     (void)gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
     (void)gate_.Swap(nullptr);
+    // Dropping the engine may have found an NCCL kernel that can never finish (its peer died
+    // after agreeing to the op): only a restart frees the device.
+    if (StopOnLostDevice()) break;
     // Ops refused until the group serves again say why (UNAVAILABLE: retry).
     gate_.SetClosedReason(absl::StrCat("the group is re-forming after ", cause));
     exchange_.reset();

@@ -16,6 +16,7 @@
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/group_step.h"
 #include "server/gpu/nccl_comm.h"
+#include "server/gpu/op_agreement.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
@@ -99,6 +100,24 @@ CudaEngine::~CudaEngine() {
     absl::MutexLock state(&state_mu_);
     abortable_ = nullptr;
   }
+  if (UnfusedOpStuck()) {
+    // An NCCL kernel waits for a peer that agreed to its op and is gone. ncclCommAbort would wait
+    // for that kernel forever, and so would freeing memory (cudaFree synchronizes): leave the
+    // communicators, the workspace and the plane as they are (the process exits to be restarted,
+    // which ends the kernel) and never block here.
+    spdlog::critical(
+        "event=nccl_kernel_stuck rank={} action=leak_and_exit reason=\"an agreed unfused op did "
+        "not finish: a peer died or froze mid-op\"",
+        options_.rank);
+    MarkDeviceWedged(
+        "an NCCL kernel waits for a peer rank that agreed to the op and is gone; restart this "
+        "sidecar");
+    static_cast<void>(doorbell_.release());
+    static_cast<void>(workspace_.release());
+    static_cast<void>(sym_nccl_.release());
+    static_cast<void>(nccl_.release());
+    return;
+  }
   // The doorbell plane goes before its workspace: the abort sends its waiters away (and ends a
   // fused op spinning on a peer), then the plane stops; workspace teardown then waits a bounded
   // time for its spins; NCCL aborts its communicator.
@@ -108,6 +127,7 @@ CudaEngine::~CudaEngine() {
   sym_nccl_.reset();
   nccl_.reset();
   if (op_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(op_done_));
+  if (unfused_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(unfused_done_));
   // Returns at once; the stream's resources go when its work is done.
   if (stream_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaStreamDestroy(stream_));
 }
@@ -155,6 +175,8 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& 
   engine->sm_ = major * 10 + minor;
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&engine->stream_, cudaStreamNonBlocking));
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine->op_done_, cudaEventDisableTiming));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&engine->unfused_done_, cudaEventDisableTiming));
   return engine;
 }
 
@@ -182,6 +204,7 @@ absl::Status CudaEngine::Initialize(Exchange& exchange, absl::Time deadline) {
 }
 
 absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadline) {
+  exchange_ = &exchange;
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const int world = options_.world_size;
   // The doorbell plane stops queuing and its waiters leave before the workspace is touched
@@ -528,6 +551,8 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
       PayloadBytes(op.num_tokens, op.hidden, op.dtype) <= symmetric_bytes_;
   req.forced = cuda_options_.forced;
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
+  const bool fused = choice.path != ExecPath::kUnfused;
+  if (!fused) ARFUSE_RETURN_IF_ERROR(AgreeOnUnfusedLocked(op, choice.nccl_symmetric, ctx.deadline));
 
   // Doorbell waiters queued ahead on the stream would hold this op back until their idle
   // timeout: they leave first, and are queued again behind it.
@@ -560,13 +585,14 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
     ARFUSE_CUDA_RETURN_IF_ERROR(
         cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ctx.wait_event), 0));
   }
-  const bool fused = choice.path != ExecPath::kUnfused;
   if (fused) {
     ARFUSE_RETURN_IF_ERROR(workspace_->Launch(
         op, choice.path == ExecPath::kOneShot ? FusionAlgo::kOneShot : FusionAlgo::kTwoShot,
         stream_));
   } else {
     ARFUSE_RETURN_IF_ERROR(LaunchUnfused(op, choice.nccl_symmetric, ctx.deadline));
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(unfused_done_, stream_));
+    unfused_recorded_.store(true, std::memory_order_release);
   }
   // op_done_ serves only the synchronous wait below (WaitEvent: hot polls for 1 ms, then backs
   // off); an asynchronous op replies right after the enqueue and does not pay for the record.
@@ -577,7 +603,10 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   // Waiters queue again behind the op at once, not after a synchronous wait.
   resume_doorbell.Now();
   if (ctx.synchronous) {
-    absl::Status done = WaitEvent(op_done_, ctx.deadline);
+    // An agreed NCCL op waits for its peers no longer than a fused kernel spins for them.
+    absl::Status done =
+        WaitEvent(op_done_, fused ? ctx.deadline
+                                  : std::min(ctx.deadline, absl::Now() + options_.spin_timeout));
     if (absl::IsDeadlineExceeded(done) && fused) {
       // Make the kernel give up now rather than at its spin timeout, then wait for it to exit.
       workspace_->Abort();
@@ -588,10 +617,78 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
           absl::StrCat("op did not complete before its deadline; ",
                        err.ok() ? "the workspace was aborted" : std::string(err.message())));
     }
+    if (absl::IsDeadlineExceeded(done) && !fused) {
+      // Every rank agreed to this op, so a peer that has not finished it died or froze after the
+      // agreement: the NCCL kernel waits for it, and nothing but its arrival ends that kernel.
+      PoisonLocked("an agreed unfused (NCCL) op did not finish: a peer rank died or froze mid-op");
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the unfused (NCCL) op did not complete within the spin timeout of ",
+          absl::FormatDuration(options_.spin_timeout),
+          " or before its deadline although every rank agreed to it (a peer died or froze "
+          "mid-op); the engine is poisoned: re-initialize every rank"));
+    }
     ARFUSE_RETURN_IF_ERROR(done);
     if (fused) ARFUSE_RETURN_IF_ERROR(CheckFusedError());
   }
   return OpOutcome{choice.path, choice.reason};
+}
+
+absl::Status CudaEngine::AgreeOnUnfusedLocked(const OpArgs& op, bool symmetric,
+                                              absl::Time deadline) {
+  if (options_.world_size == 1) return absl::OkStatus();
+  if (exchange_ == nullptr) return absl::FailedPreconditionError("engine is not initialized");
+  UnfusedOpKey key;
+  key.num_tokens = op.num_tokens;
+  key.hidden = op.hidden;
+  key.dtype = op.dtype;
+  key.pattern = op.pattern;
+  key.eps = op.eps;
+  key.symmetric = symmetric;
+  uint64_t generation = 0;
+  {
+    absl::MutexLock state(&state_mu_);
+    generation = status_.generation;
+  }
+  // A peer gets as long to reach the op, and then to confirm it, as a fused kernel waits for it.
+  AgreementDeadlines deadlines;
+  deadlines.arrive_by = absl::Now() + options_.spin_timeout;
+  deadlines.confirm_within = options_.spin_timeout;
+  deadlines.latest = deadline;
+  absl::Status agreed = AgreeOnUnfusedOp(*exchange_, generation, key, deadlines);
+  // A refused op was refused on every rank alike: nothing ran, the ranks stay in step.
+  if (agreed.ok() || absl::IsInvalidArgument(agreed)) return agreed;
+  // A rank did not come, or the link broke: the ranks' counts of agreed ops may differ from now
+  // on, so the group must re-form before the next unfused op.
+  PoisonLocked(absl::StrCat("unfused op agreement failed: ", agreed.message()));
+  return absl::Status(agreed.code(),
+                      absl::StrCat(agreed.message(),
+                                   "; NCCL was not called; the engine is poisoned: re-initialize "
+                                   "every rank"));
+}
+
+void CudaEngine::PoisonLocked(const std::string& reason) {
+  absl::MutexLock state(&state_mu_);
+  status_.state = WorkspaceState::kPoisoned;
+  status_.fusion_enabled = false;
+  status_.reason = reason;
+  spdlog::error("event=engine_poisoned rank={} reason=\"{}\"", options_.rank, reason);
+}
+
+bool CudaEngine::UnfusedOpStuck() const {
+  if (!unfused_recorded_.load(std::memory_order_acquire)) return false;
+  // An op whose peers are all alive finishes within its kernel's time. A peer that froze after
+  // the agreement and is continued runs its half and ends ours: it gets the spin timeout, as
+  // long as any cross-rank wait.
+  const absl::Time until = absl::Now() + options_.spin_timeout;
+  while (true) {
+    const cudaError_t q = cudaEventQuery(unfused_done_);
+    if (q != cudaErrorNotReady) {
+      if (q != cudaSuccess) ARFUSE_CUDA_LOG_IF_ERROR(q);
+      return false;
+    }
+    if (absl::Now() >= until) return true;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
 }
 
 absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::Time deadline) {

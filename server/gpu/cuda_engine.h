@@ -11,6 +11,16 @@
 // launched, ctx.done_event recorded, and with ctx.synchronous the op is awaited until
 // ctx.deadline (then aborted: the workspace is poisoned). One op in flight per engine.
 //
+// The unfused path never enqueues an NCCL collective its peers will not run: the ranks first
+// agree on the op over the exchange given to Initialize (op_agreement.h), within the spin timeout
+// (bounded by the call's deadline). A rank that does not come (its client died mid-step) fails
+// the agreement on every rank with DEADLINE_EXCEEDED and poisons the engine; ranks asked for
+// different ops (racing clients) all get INVALID_ARGUMENT and the engine serves on. An agreed op
+// that still does not finish (a peer died or froze between the agreement and its kernel) leaves
+// an NCCL kernel nothing can end: its synchronous wait poisons the engine, and destroying the
+// engine then leaves the communicator alone (its abort would wait for that kernel forever) and
+// marks the device wedged (MarkDeviceWedged), so the daemon exits to be restarted.
+//
 // The doorbell plane (docs/doorbell.md): the engine owns one DoorbellPlane over its workspace,
 // created on the first AddDoorbellPlan (so a sidecar that never serves a doorbell pays nothing),
 // on the engine's stream. Eager ops pause it while they are enqueued (queued waiters leave at
@@ -22,6 +32,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -65,6 +76,7 @@ class CudaEngine final : public Engine, public DoorbellHost {
   CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options);
   ~CudaEngine() override;
 
+  // `exchange` must outlive the engine (or the next Initialize): unfused ops agree over it.
   absl::Status Initialize(Exchange& exchange, absl::Time deadline) override;
   absl::StatusOr<OpOutcome> Execute(const OpArgs& op, const ExecContext& ctx) override;
   void Abort() override;
@@ -102,6 +114,13 @@ class CudaEngine final : public Engine, public DoorbellHost {
   absl::Status ValidateOp(const OpArgs& op) const;
   absl::Status LaunchUnfused(const OpArgs& op, bool symmetric, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every rank agrees on the unfused op before any enqueues it; poisons the engine when the
+  // agreement failed for want of a rank (not for a refused op).
+  absl::Status AgreeOnUnfusedLocked(const OpArgs& op, bool symmetric, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PoisonLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether an unfused op enqueued earlier is still unfinished after waiting the spin timeout.
+  bool UnfusedOpStuck() const;
   // Reads the kernels' error word after a fused op; poisons and maps the error.
   absl::Status CheckFusedError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InitializeLocked(Exchange& exchange, absl::Time deadline)
@@ -128,6 +147,9 @@ class CudaEngine final : public Engine, public DoorbellHost {
   int sm_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t op_done_ = nullptr;
+  // Recorded after every unfused op: the destructor tells a finished NCCL op from a stuck one.
+  cudaEvent_t unfused_done_ = nullptr;
+  std::atomic<bool> unfused_recorded_{false};
 
   // Held for the whole of Initialize and Execute: one op in flight.
   mutable absl::Mutex mu_;
@@ -139,6 +161,8 @@ class CudaEngine final : public Engine, public DoorbellHost {
   void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by sym_nccl_
   size_t symmetric_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
+  // The exchange of the last Initialize: unfused ops agree over it.
+  Exchange* exchange_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The doorbell plane over workspace_ (null until the first doorbell plan, and without a
   // workspace); plane ids are unique in the process, so grants of a dropped plane are told apart.
   std::unique_ptr<DoorbellPlane> doorbell_ ABSL_GUARDED_BY(mu_);

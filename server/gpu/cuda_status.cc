@@ -2,7 +2,9 @@
 
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "server/gpu/device_error.h"
 #include "spdlog/spdlog.h"
 
@@ -95,7 +97,24 @@ bool IsStickyCudaError(CUresult err) {
   }
 }
 
+namespace {
+absl::Mutex g_wedged_mu;
+std::string* g_wedged ABSL_GUARDED_BY(g_wedged_mu) = nullptr;  // never freed: process-wide
+}  // namespace
+
+void MarkDeviceWedged(absl::string_view why) {
+  absl::MutexLock lock(&g_wedged_mu);
+  if (g_wedged == nullptr) g_wedged = new std::string(why);
+}
+
 absl::Status DeviceHealth() {
+  {
+    absl::MutexLock lock(&g_wedged_mu);
+    if (g_wedged != nullptr) {
+      return StickyDeviceError(
+          absl::StrCat("the device holds work that cannot finish: ", *g_wedged));
+    }
+  }
   // A sticky error is reported by every call, peeking included; a non-sticky one is left alone
   // for the call site that owns it.
   const cudaError_t err = cudaPeekAtLastError();

@@ -17,6 +17,7 @@
 #include <nccl.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "server/core/status_macros.h"
 
 namespace arfuse {
@@ -35,6 +36,12 @@ bool IsStickyCudaError(CUresult err);
 // the sticky payload, see IsStickyDeviceError) once it is not. Does not wait for the device:
 // the daemon's health loop calls it to decide NOT_SERVING + exit.
 absl::Status DeviceHealth();
+
+// Records that this process's device holds work that can never finish (an NCCL kernel waiting
+// for a peer that agreed to the op and is gone: nothing frees it, not even ncclCommAbort).
+// DeviceHealth() then reports a sticky error naming `why`, so the daemon reports NOT_SERVING and
+// exits for a restart, as for a lost context. Never cleared.
+void MarkDeviceWedged(absl::string_view why);
 
 }  // namespace arfuse
 

@@ -35,6 +35,9 @@ namespace {
 using peers::Frame;
 using peers::FrameType;
 
+// How long a call waits past its deadline for the coordinator's verdict (see Call).
+constexpr absl::Duration kVerdictGrace = absl::Milliseconds(500);
+
 absl::Status ValidateOptions(const PeerOptions& o) {
   if (o.world_size < 1 || o.world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(
@@ -340,7 +343,12 @@ class SocketExchange final : public PeerExchange {
     if (deadline == absl::InfiniteFuture()) {
       answer_cv_.wait(lock, done);
     } else {
-      answer_cv_.wait_until(lock, absl::ToChronoTime(deadline), done);
+      // The coordinator decides every collective for all ranks at once, failing it at the
+      // deadline it was sent (measured from its receipt, so a little later than ours). Waiting a
+      // moment past our own deadline for that verdict keeps this rank from giving up on a
+      // collective its peers saw complete: the unfused path's op agreement relies on it (a rank
+      // that enqueues an NCCL op its peer gave up on waits forever).
+      answer_cv_.wait_until(lock, absl::ToChronoTime(deadline + kVerdictGrace), done);
     }
     std::optional<Frame> answer = std::move(answer_);
     answer_.reset();

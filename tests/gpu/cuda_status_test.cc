@@ -90,5 +90,18 @@ TEST(CudaStatus, DeviceHealthIsOkWithoutAStickyError) {
   EXPECT_TRUE(DeviceHealth().ok());
 }
 
+// ctest runs every test in its own process: the mark, never cleared, stays in this one.
+TEST(CudaStatus, AWedgedDeviceIsReportedStickyWithTheFirstReason) {
+  MarkDeviceWedged("an NCCL kernel waits for a peer that is gone");
+  MarkDeviceWedged("a later reason");
+  const absl::Status health = DeviceHealth();
+  EXPECT_TRUE(IsStickyDeviceError(health)) << health;
+  EXPECT_EQ(health.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(health.message().find("cannot finish: an NCCL kernel waits for a peer that is gone"),
+            absl::string_view::npos)
+      << health;
+  EXPECT_EQ(health.message().find("a later reason"), absl::string_view::npos) << health;
+}
+
 }  // namespace
 }  // namespace arfuse

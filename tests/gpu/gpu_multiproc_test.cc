@@ -94,6 +94,17 @@ TEST(GpuMultiProc, NcclUnfusedWorld2) { RunRanks({2, "none", "nccl", "posix_fd",
 TEST(GpuMultiProc, TrtllmForcedUnfusedWorld2) {
   RunRanks({2, "trtllm", "nccl", "posix_fd", 2000, true});
 }
+// The NCCL path's bounds: racing ops of one element count refused on both ranks; a rank that
+// never calls fails the other within the spin timeout, then the group re-initializes.
+TEST(GpuMultiProc, NcclMissingRankTimesOutThenReinitWorld2) {
+  RunRanks({2, "none", "nccl_timeout", "posix_fd", 1000, true});
+}
+// A peer that agreed to an op and never ran it: the op fails at its deadline, destroying the
+// engine returns at once and marks the device wedged (the daemon exits to be restarted), and
+// the process exits although its NCCL kernel still waits.
+TEST(GpuMultiProc, NcclAgreedOpNeverRunWedgesTheDeviceWorld2) {
+  RunRanks({2, "none", "nccl_stuck", "posix_fd", 1000, true});
+}
 
 }  // namespace
 }  // namespace arfuse::testing

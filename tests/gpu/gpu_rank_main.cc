@@ -2,11 +2,15 @@
 // with ConnectPeers, builds a CudaEngine and runs one scenario; every check failure prints a
 // "FAIL rank=R ..." line on stderr and the process exits 1. Flags are --key=value:
 //   --rank --world --dir (peer socket directory) --group --backend (trtllm|mnnvl|none)
-//   --vmm (auto|posix_fd|fabric) --scenario (correctness|graph|timeout|nccl) --spin_ms
+//   --vmm (auto|posix_fd|fabric) --scenario (correctness|graph|timeout|nccl|nccl_timeout|
+//   nccl_stuck) --spin_ms
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,7 +25,9 @@
 #include "server/core/status_macros.h"
 #include "server/gpu/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
+#include "server/gpu/device_error.h"
 #include "server/gpu/mps.h"
+#include "server/gpu/op_agreement.h"
 #include "server/peers/peer_exchange.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -128,6 +134,14 @@ absl::Status AllocateAndUpload(const Case& c, CaseData& d) {
   return absl::OkStatus();
 }
 
+// A synchronous op's context with `timeout` from now.
+ExecContext SyncContext(absl::Duration timeout) {
+  ExecContext ctx;
+  ctx.synchronous = true;
+  ctx.deadline = absl::Now() + timeout;
+  return ctx;
+}
+
 // Compares this rank's outputs with the oracle and every other rank's outputs.
 absl::Status Verify(const Case& c, CaseData& d, Exchange& ex, const std::string& tag) {
   uint64_t hash = 0;
@@ -170,9 +184,7 @@ absl::Status RunCase(CudaEngine& engine, Exchange& ex, const Case& c, const std:
   CaseData d;
   ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
   ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
-  ExecContext ctx;
-  ctx.synchronous = true;
-  ctx.deadline = absl::Now() + absl::Seconds(30);
+  ExecContext ctx = SyncContext(absl::Seconds(30));
   ARFUSE_ASSIGN_OR_RETURN(OpOutcome outcome, engine.Execute(d.op, ctx));
   EXPECT_OR_RETURN(outcome.path == want_path, Describe(c), " ran ", ExecPathName(outcome.path),
                    " want ", ExecPathName(want_path));
@@ -206,9 +218,7 @@ absl::Status Correctness(CudaEngine& engine, Exchange& ex) {
     CaseData d;
     ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
     ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
-    ExecContext ctx;
-    ctx.synchronous = true;
-    ctx.deadline = absl::Now() + absl::Seconds(10);
+    ExecContext ctx = SyncContext(absl::Seconds(10));
     OpArgs too_big = d.op;
     too_big.num_tokens = 513;  // capacity is 512 x 4096
     absl::StatusOr<OpOutcome> r = engine.Execute(too_big, ctx);
@@ -305,6 +315,47 @@ absl::Status Graph(CudaEngine& engine, Exchange& ex) {
   return absl::OkStatus();
 }
 
+// On a rank whose peer (the last rank) never calls: the op fails within the spin timeout with a
+// status `expected` accepts and that asks for a re-initialization, the engine is poisoned, and
+// the next op is refused (FAILED_PRECONDITION) until every rank re-initializes.
+absl::Status ExpectMissingRankPoisons(CudaEngine& engine, Exchange& ex, const Case& c,
+                                      absl::Duration spin, const char* label,
+                                      const std::function<bool(const absl::Status&)>& expected) {
+  CaseData d;
+  ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
+  ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
+  ExecContext ctx = SyncContext(spin + absl::Seconds(20));
+  const absl::Time start = absl::Now();
+  absl::StatusOr<OpOutcome> r = engine.Execute(d.op, ctx);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_OR_RETURN(expected(r.status()) && absl::StrContains(r.status().message(), "re-initialize"),
+                   "op with a missing rank: got ", r.status().ToString());
+  EXPECT_OR_RETURN(took < spin + absl::Seconds(3), "error took ", absl::FormatDuration(took),
+                   " with a spin timeout of ", absl::FormatDuration(spin));
+  EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kPoisoned,
+                   "engine not poisoned after a missing rank");
+  r = engine.Execute(d.op, ctx);
+  EXPECT_OR_RETURN(absl::IsFailedPrecondition(r.status()) &&
+                       absl::StrContains(r.status().message(), "re-initialize"),
+                   "op on a poisoned engine: got ", r.status().ToString());
+  std::fprintf(stderr, "rank=%d %s=%lld status=%s\n", ex.rank(), label,
+               static_cast<long long>(absl::ToInt64Milliseconds(took)),
+               r.status().ToString().c_str());
+  return absl::OkStatus();
+}
+
+// Every rank meets at `tag` (the missing rank too, late), re-initializes, and finds a new
+// generation in `want`.
+absl::Status ReinitializeAll(CudaEngine& engine, Exchange& ex, const std::string& tag,
+                             absl::Duration spin, uint64_t gen_before, WorkspaceState want) {
+  ARFUSE_RETURN_IF_ERROR(ex.Barrier(tag, absl::Now() + spin + absl::Seconds(60)));
+  ARFUSE_RETURN_IF_ERROR(engine.Initialize(ex, absl::Now() + absl::Seconds(60)));
+  EXPECT_OR_RETURN(engine.Status().generation > gen_before, "generation did not bump");
+  EXPECT_OR_RETURN(engine.Status().state == want, "state ", static_cast<int>(engine.Status().state),
+                   " after re-init: ", engine.Status().reason);
+  return absl::OkStatus();
+}
+
 absl::Status Timeout(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
   const int missing = ex.world_size() - 1;
   engine.SetForcedPath(ForcedPath::kOneShot);
@@ -312,36 +363,13 @@ absl::Status Timeout(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
   ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, c, "before", ExecPath::kOneShot));
   const uint64_t gen_before = engine.Status().generation;
   if (ex.rank() != missing) {
-    CaseData d;
-    ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
-    ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
-    ExecContext ctx;
-    ctx.synchronous = true;
-    ctx.deadline = absl::Now() + spin + absl::Seconds(20);
-    const absl::Time start = absl::Now();
-    absl::StatusOr<OpOutcome> r = engine.Execute(d.op, ctx);
-    const absl::Duration took = absl::Now() - start;
-    EXPECT_OR_RETURN((absl::IsDeadlineExceeded(r.status()) || absl::IsAborted(r.status())) &&
-                         absl::StrContains(r.status().message(), "re-initialize"),
-                     "op with a missing rank: got ", r.status().ToString());
-    EXPECT_OR_RETURN(took < spin + absl::Seconds(3), "error took ", absl::FormatDuration(took),
-                     " with a spin timeout of ", absl::FormatDuration(spin));
-    EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kPoisoned,
-                     "engine not poisoned after a timeout");
-    r = engine.Execute(d.op, ctx);
-    EXPECT_OR_RETURN(absl::IsFailedPrecondition(r.status()) &&
-                         absl::StrContains(r.status().message(), "re-initialize"),
-                     "op on a poisoned workspace: got ", r.status().ToString());
-    std::fprintf(stderr, "rank=%d timeout_error_ms=%lld status=%s\n", ex.rank(),
-                 static_cast<long long>(absl::ToInt64Milliseconds(took)),
-                 r.status().ToString().c_str());
+    ARFUSE_RETURN_IF_ERROR(ExpectMissingRankPoisons(
+        engine, ex, c, spin, "timeout_error_ms",
+        [](const absl::Status& s) { return absl::IsDeadlineExceeded(s) || absl::IsAborted(s); }));
   }
   // The missing rank arrives late: after the others gave up.
-  ARFUSE_RETURN_IF_ERROR(ex.Barrier("after_timeout", absl::Now() + spin + absl::Seconds(60)));
-  ARFUSE_RETURN_IF_ERROR(engine.Initialize(ex, absl::Now() + absl::Seconds(60)));
-  EXPECT_OR_RETURN(engine.Status().generation > gen_before, "generation did not bump");
-  EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kReady,
-                   "not ready after re-init: ", engine.Status().reason);
+  ARFUSE_RETURN_IF_ERROR(
+      ReinitializeAll(engine, ex, "after_timeout", spin, gen_before, WorkspaceState::kReady));
   Case after{4, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 950};
   ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, after, "after_timeout_op", ExecPath::kOneShot));
 
@@ -351,9 +379,7 @@ absl::Status Timeout(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
     CaseData d;
     ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
     ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
-    ExecContext ctx;
-    ctx.synchronous = true;
-    ctx.deadline = absl::Now() + spin + absl::Seconds(20);
+    ExecContext ctx = SyncContext(spin + absl::Seconds(20));
     std::thread aborter;
     if (ex.rank() == 0) {
       aborter = std::thread([&engine, spin] {
@@ -410,6 +436,35 @@ absl::Status NcclUnfused(CudaEngine& engine, Exchange& ex, bool fused_backend) {
       ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, c, absl::StrCat("nccl", k), ExecPath::kUnfused));
     }
   }
+  // Back-to-back ops enqueued without waiting, each agreed across the ranks first; the last one
+  // is checked. Then what the agreement adds: the peer channel's allgather round trip.
+  {
+    Case c{8, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 350};
+    CaseData d;
+    ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
+    ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
+    ExecContext ctx;
+    ctx.deadline = absl::Now() + absl::Seconds(60);
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < 2000; ++i) {
+      ARFUSE_ASSIGN_OR_RETURN(OpOutcome o, engine.Execute(d.op, ctx));
+      EXPECT_OR_RETURN(o.path == ExecPath::kUnfused, "async op ran ", ExecPathName(o.path));
+    }
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(engine.stream()));
+    const absl::Duration took = absl::Now() - start;
+    ARFUSE_RETURN_IF_ERROR(Verify(c, d, ex, "nccl_async"));
+    std::vector<double> us;
+    for (int i = 0; i < 400; ++i) {
+      const absl::Time t0 = absl::Now();
+      ARFUSE_RETURN_IF_ERROR(ex.Allgather("rtt", "x", absl::Now() + absl::Seconds(10)).status());
+      us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+    }
+    std::sort(us.begin(), us.end());
+    std::fprintf(stderr,
+                 "rank=%d nccl_async_ops=2000 per_op_us=%.1f agreement_rtt_us p50=%.1f p99=%.1f\n",
+                 ex.rank(), absl::ToDoubleMicroseconds(took) / 2000, us[us.size() / 2],
+                 us[us.size() * 99 / 100]);
+  }
   engine.SetForcedPath(ForcedPath::kOneShot);
   Case c{1, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 1};
   absl::Status forced = RunCase(engine, ex, c, "forced", ExecPath::kOneShot);
@@ -421,6 +476,93 @@ absl::Status NcclUnfused(CudaEngine& engine, Exchange& ex, bool fused_backend) {
                      "forced oneshot without a workspace: got ", forced.ToString());
   }
   return absl::OkStatus();
+}
+
+// The NCCL path's bounds (op_agreement.h): ranks asked for different ops of one element count
+// (racing clients) are refused alike and serve on; a rank that never calls makes the others fail
+// within the spin timeout, poisoned, and the group serves again after a re-initialization.
+absl::Status NcclMissingRank(CudaEngine& engine, Exchange& ex, absl::Duration spin) {
+  EXPECT_OR_RETURN(engine.nccl_available(), "NCCL unavailable: ", engine.Status().reason);
+  const int missing = ex.world_size() - 1;
+  Case c{4, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 910};
+  ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, c, "nccl_before", ExecPath::kUnfused));
+  {
+    // NCCL itself would sum 4 x 4096 with 8 x 2048 without complaint.
+    Case mine{ex.rank() == 0 ? 4u : 8u, ex.rank() == 0 ? 4096u : 2048u,
+              Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 911};
+    CaseData d;
+    ARFUSE_RETURN_IF_ERROR(PrepareInputs(mine, ex.world_size(), d));
+    ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(mine, d));
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemset(d.d_norm->get(), 0, d.n * 2));
+    ExecContext ctx = SyncContext(absl::Seconds(30));
+    absl::StatusOr<OpOutcome> r = engine.Execute(d.op, ctx);
+    EXPECT_OR_RETURN(absl::IsInvalidArgument(r.status()) &&
+                         absl::StrContains(r.status().message(), "ranks disagree on the op"),
+                     "ops of one element count and other shapes: got ", r.status().ToString());
+    EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kUnfused,
+                     "not serving after a refused pair: ", engine.Status().reason);
+    ARFUSE_ASSIGN_OR_RETURN(std::vector<uint16_t> norm, d.d_norm->Download(d.n));
+    for (size_t i = 0; i < d.n; ++i) {
+      EXPECT_OR_RETURN(norm[i] == 0, "a refused op wrote norm_out[", i, "]");
+    }
+  }
+  Case again{4, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 912};
+  ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, again, "nccl_after_refusal", ExecPath::kUnfused));
+
+  const uint64_t gen_before = engine.Status().generation;
+  if (ex.rank() != missing) {
+    ARFUSE_RETURN_IF_ERROR(ExpectMissingRankPoisons(
+        engine, ex, c, spin, "nccl_timeout_error_ms", [](const absl::Status& s) {
+          return absl::IsDeadlineExceeded(s) &&
+                 absl::StrContains(s.message(), "did not agree on the unfused op");
+        }));
+  }
+  ARFUSE_RETURN_IF_ERROR(ReinitializeAll(engine, ex, "nccl_after_timeout", spin, gen_before,
+                                         WorkspaceState::kUnfused));
+  for (uint32_t seed = 920; seed < 923; ++seed) {
+    Case after{4, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, seed};
+    ARFUSE_RETURN_IF_ERROR(
+        RunCase(engine, ex, after, absl::StrCat("nccl_after", seed), ExecPath::kUnfused));
+  }
+  return absl::OkStatus();
+}
+
+// A peer that agreed to an op and never ran it (it died or froze in between): this rank's NCCL
+// kernel can never finish. The op fails at its deadline and poisons the engine; destroying the
+// engine (in Main) must return within the spin timeout and mark the device wedged, so a daemon
+// exits.
+absl::Status NcclAgreedButNeverRun(CudaEngine& engine, Exchange& ex) {
+  EXPECT_OR_RETURN(engine.nccl_available(), "NCCL unavailable: ", engine.Status().reason);
+  Case c{4, 4096, Pattern::kAllReduceResidualRmsNorm, InputKind::kRandom, 930};
+  ARFUSE_RETURN_IF_ERROR(RunCase(engine, ex, c, "stuck_before", ExecPath::kUnfused));
+  ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, engine.Choose(c.tokens, c.hidden, DType::kBF16));
+  if (ex.rank() == 0) {
+    // Never freed: cudaFree synchronizes with the device, and the kernel below never ends.
+    CaseData& d = *new CaseData;
+    ARFUSE_RETURN_IF_ERROR(PrepareInputs(c, ex.world_size(), d));
+    ARFUSE_RETURN_IF_ERROR(AllocateAndUpload(c, d));
+    ExecContext ctx = SyncContext(absl::Seconds(3));
+    absl::StatusOr<OpOutcome> r = engine.Execute(d.op, ctx);
+    EXPECT_OR_RETURN(absl::IsDeadlineExceeded(r.status()) &&
+                         absl::StrContains(r.status().message(), "although every rank agreed"),
+                     "agreed op its peer never ran: got ", r.status().ToString());
+    EXPECT_OR_RETURN(engine.Status().state == WorkspaceState::kPoisoned,
+                     "engine not poisoned after an agreed op that never finished");
+  } else {
+    // Stands in for a sidecar that agreed, confirmed and then died before its enqueue: the same
+    // steps under the same tags.
+    UnfusedOpKey key;
+    key.num_tokens = c.tokens;
+    key.hidden = c.hidden;
+    key.dtype = DType::kBF16;
+    key.pattern = c.pattern;
+    key.eps = 1e-6f;
+    key.symmetric = choice.nccl_symmetric;
+    AgreementDeadlines deadlines;
+    deadlines.arrive_by = absl::Now() + absl::Seconds(30);
+    ARFUSE_RETURN_IF_ERROR(AgreeOnUnfusedOp(ex, engine.Status().generation, key, deadlines));
+  }
+  return ex.Barrier("stuck_after", absl::Now() + absl::Seconds(60));
 }
 
 int Main(int argc, char** argv) {
@@ -493,6 +635,37 @@ int Main(int argc, char** argv) {
     result = Timeout(**engine, **ex, spin);
   } else if (scenario == "nccl") {
     result = NcclUnfused(**engine, **ex, eo.backend != "none");
+  } else if (scenario == "nccl_timeout") {
+    result = NcclMissingRank(**engine, **ex, spin);
+  } else if (scenario == "nccl_stuck") {
+    result = NcclAgreedButNeverRun(**engine, **ex);
+    if (result.ok()) {
+      const absl::Time start = absl::Now();
+      engine->reset();
+      const absl::Duration took = absl::Now() - start;
+      const absl::Status health = DeviceHealth();
+      std::fprintf(stderr, "rank=%d engine_destroyed_ms=%lld device_health=%s\n", g_rank,
+                   static_cast<long long>(absl::ToInt64Milliseconds(took)),
+                   health.ToString().c_str());
+      if (took > absl::Seconds(5)) {
+        result = absl::InternalError(
+            absl::StrCat("destroying the engine took ", absl::FormatDuration(took)));
+      } else if (g_rank == 0 && !(IsStickyDeviceError(health) &&
+                                  absl::StrContains(health.message(), "cannot finish"))) {
+        result = absl::InternalError(absl::StrCat("device not marked wedged: ", health.ToString()));
+      } else if (g_rank != 0 && !health.ok()) {
+        result = absl::InternalError(absl::StrCat("healthy rank marked: ", health.ToString()));
+      }
+      if (g_rank == 0) {
+        // As arfused does once its device is wedged: exit without running destructors (freeing
+        // anything would wait for the kernel); the exit ends the kernel.
+        if (!result.ok()) return fail(result);
+        std::fprintf(stderr, "PASS rank=%d scenario=%s backend=%s\n", g_rank, scenario.c_str(),
+                     eo.backend.c_str());
+        std::fflush(nullptr);
+        std::_Exit(0);
+      }
+    }
   } else {
     result = absl::InvalidArgumentError(absl::StrCat("unknown scenario ", scenario));
   }

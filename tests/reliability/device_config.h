@@ -29,9 +29,14 @@ inline SidecarConfig Config() {
   c.device = kDevice;
   if (kDevice == Device::kCuda) {
     c.peer_timeout_s = 60;
-    const char* backend = std::getenv("ARFUSE_RELIABILITY_BACKEND");  // auto, trtllm, mnnvl
-    c.extra_flags.push_back(std::string("--flashinfer-allreduce-fusion-backend=") +
-                            (backend != nullptr ? backend : "auto"));
+    // auto, trtllm, mnnvl, or none: fusion disabled, every op on the NCCL path (a GPU per rank).
+    const char* backend = std::getenv("ARFUSE_RELIABILITY_BACKEND");
+    if (backend != nullptr && std::string(backend) == "none") {
+      c.extra_flags.push_back("--enforce-disable-flashinfer-allreduce-fusion");
+    } else {
+      c.extra_flags.push_back(std::string("--flashinfer-allreduce-fusion-backend=") +
+                              (backend != nullptr ? backend : "auto"));
+    }
   }
   return c;
 }
