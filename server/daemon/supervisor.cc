@@ -283,7 +283,16 @@ void Sidecar::SuperviseGroup() {
     SetReadiness(false);
     gate_.Abort();
     (void)gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
-    (void)gate_.Swap(nullptr);
+    // An op still in flight must end before its engine, and the exchange an unfused op agrees
+    // over, go. Every op's waits are bounded (the spin timeout; an unfused op's two agreement
+    // steps), so this ends.
+    absl::StatusOr<std::unique_ptr<Engine>> dropped = gate_.Swap(nullptr);
+    while (!dropped.ok()) {
+      spdlog::warn("event=group_reform_waits_for_op error=\"{}\"", dropped.status().message());
+      (void)gate_.Drain(absl::Now() + absl::Seconds(1));
+      dropped = gate_.Swap(nullptr);
+    }
+    dropped->reset();
     // Dropping the engine may have found an NCCL kernel that can never finish (its peer died
     // after agreeing to the op): only a restart frees the device.
     if (StopOnLostDevice()) break;
