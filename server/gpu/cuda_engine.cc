@@ -552,7 +552,6 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   req.forced = cuda_options_.forced;
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
   const bool fused = choice.path != ExecPath::kUnfused;
-  if (!fused) ARFUSE_RETURN_IF_ERROR(AgreeOnUnfusedLocked(op, choice.nccl_symmetric, ctx.deadline));
 
   // Doorbell waiters queued ahead on the stream would hold this op back until their idle
   // timeout: they leave first, and are queued again behind it.
@@ -590,7 +589,16 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
         op, choice.path == ExecPath::kOneShot ? FusionAlgo::kOneShot : FusionAlgo::kTwoShot,
         stream_));
   } else {
-    ARFUSE_RETURN_IF_ERROR(LaunchUnfused(op, choice.nccl_symmetric, ctx.deadline));
+    // Agreed last, right before the enqueue: nothing that could still fail on this rank alone
+    // stands between a peer's enqueue and ours.
+    ARFUSE_RETURN_IF_ERROR(AgreeOnUnfusedLocked(op, choice.nccl_symmetric, ctx.deadline));
+    absl::Status launched = LaunchUnfused(op, choice.nccl_symmetric, ctx.deadline);
+    if (!launched.ok()) {
+      // The peers enqueued their half of this agreed op and wait for ours.
+      PoisonLocked(
+          absl::StrCat("an agreed unfused op failed to launch on this rank: ", launched.message()));
+      return launched;
+    }
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(unfused_done_, stream_));
     unfused_recorded_.store(true, std::memory_order_release);
   }
