@@ -343,11 +343,11 @@ class SocketExchange final : public PeerExchange {
     if (deadline == absl::InfiniteFuture()) {
       answer_cv_.wait(lock, done);
     } else {
-      // The coordinator decides every collective for all ranks at once, failing it at the
-      // deadline it was sent (measured from its receipt, so a little later than ours). Waiting a
-      // moment past our own deadline for that verdict keeps this rank from giving up on a
-      // collective its peers saw complete: the unfused path's op agreement relies on it (a rank
-      // that enqueues an NCCL op its peer gave up on waits forever).
+      // The coordinator decides every collective for all ranks at once and fails it a little
+      // before the deadline it was sent, but on a loaded machine its answer can still arrive after
+      // ours. Waiting a moment past our own deadline for that verdict keeps this rank from giving
+      // up on a collective its peers saw complete: the unfused path's op agreement relies on it
+      // (a rank that enqueues an NCCL op its peer gave up on waits forever).
       answer_cv_.wait_until(lock, absl::ToChronoTime(deadline + kVerdictGrace), done);
     }
     std::optional<Frame> answer = std::move(answer_);
