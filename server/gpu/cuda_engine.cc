@@ -600,7 +600,6 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
       return launched;
     }
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(unfused_done_, stream_));
-    unfused_recorded_.store(true, std::memory_order_release);
   }
   // op_done_ serves only the synchronous wait below (WaitEvent: hot polls for 1 ms, then backs
   // off); an asynchronous op replies right after the enqueue and does not pay for the record.
@@ -683,20 +682,11 @@ void CudaEngine::PoisonLocked(const std::string& reason) {
 }
 
 bool CudaEngine::UnfusedOpStuck() const {
-  if (!unfused_recorded_.load(std::memory_order_acquire)) return false;
   // An op whose peers are all alive finishes within its kernel's time. A peer that froze after
   // the agreement and is continued runs its half and ends ours: it gets the spin timeout, as
-  // long as any cross-rank wait.
-  const absl::Time until = absl::Now() + options_.spin_timeout;
-  while (true) {
-    const cudaError_t q = cudaEventQuery(unfused_done_);
-    if (q != cudaErrorNotReady) {
-      if (q != cudaSuccess) ARFUSE_CUDA_LOG_IF_ERROR(q);
-      return false;
-    }
-    if (absl::Now() >= until) return true;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  // long as any cross-rank wait. (An event never recorded, no unfused op yet, queries as done.)
+  if (unfused_done_ == nullptr) return false;
+  return absl::IsDeadlineExceeded(WaitEvent(unfused_done_, absl::Now() + options_.spin_timeout));
 }
 
 absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::Time deadline) {

@@ -32,7 +32,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -149,7 +148,6 @@ class CudaEngine final : public Engine, public DoorbellHost {
   cudaEvent_t op_done_ = nullptr;
   // Recorded after every unfused op: the destructor tells a finished NCCL op from a stuck one.
   cudaEvent_t unfused_done_ = nullptr;
-  std::atomic<bool> unfused_recorded_{false};
 
   // Held for the whole of Initialize and Execute: one op in flight.
   mutable absl::Mutex mu_;

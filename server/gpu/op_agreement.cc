@@ -1,7 +1,10 @@
 #include "server/gpu/op_agreement.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstddef>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -11,30 +14,37 @@
 namespace arfuse {
 namespace {
 
-// Version byte first: a key from a sidecar of another encoding never compares equal by accident.
-constexpr char kEncodingVersion = 1;
-constexpr size_t kEncodedBytes = 1 + 4 + 4 + 1 + 1 + 4 + 1;
-
-void PutU32(std::string& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-uint32_t GetU32(const std::string& in, size_t at) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i)
-    v |= static_cast<uint32_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
-  return v;
-}
+// The key as the ranks exchange it, copied as bytes (every host we run on is little-endian). The
+// version first: a key from a sidecar of another
+// encoding never compares equal by accident.
+struct WireOpKey {
+  uint8_t version;
+  uint8_t dtype;
+  uint8_t pattern;
+  uint8_t symmetric;
+  uint32_t num_tokens;
+  uint32_t hidden;
+  uint32_t eps_bits;  // bit for bit: -0.0 and 0.0 are other ops
+};
+static_assert(std::is_trivially_copyable_v<WireOpKey>);
+static_assert(sizeof(WireOpKey) == 16);
+static_assert(offsetof(WireOpKey, num_tokens) == 4);
+static_assert(offsetof(WireOpKey, eps_bits) == 12);
+static_assert(sizeof(float) == sizeof(uint32_t), "eps travels as its 32 bits");
+static_assert(std::endian::native == std::endian::little);
+constexpr uint8_t kWireOpKeyVersion = 1;
 
 bool DecodeUnfusedOp(const std::string& in, UnfusedOpKey* key) {
-  if (in.size() != kEncodedBytes || in[0] != kEncodingVersion) return false;
-  key->num_tokens = GetU32(in, 1);
-  key->hidden = GetU32(in, 5);
-  key->dtype = static_cast<DType>(static_cast<uint8_t>(in[9]));
-  key->pattern = static_cast<Pattern>(static_cast<uint8_t>(in[10]));
-  const uint32_t eps_bits = GetU32(in, 11);
-  std::memcpy(&key->eps, &eps_bits, sizeof(eps_bits));
-  key->symmetric = in[15] != 0;
+  WireOpKey w;
+  if (in.size() != sizeof(w)) return false;
+  std::memcpy(&w, in.data(), sizeof(w));
+  if (w.version != kWireOpKeyVersion) return false;
+  key->num_tokens = w.num_tokens;
+  key->hidden = w.hidden;
+  key->dtype = static_cast<DType>(w.dtype);
+  key->pattern = static_cast<Pattern>(w.pattern);
+  std::memcpy(&key->eps, &w.eps_bits, sizeof(w.eps_bits));
+  key->symmetric = w.symmetric != 0;
   return true;
 }
 
@@ -47,19 +57,15 @@ std::string DescribeUnfusedOp(const UnfusedOpKey& key) {
 }
 
 std::string EncodeUnfusedOp(const UnfusedOpKey& key) {
-  static_assert(sizeof(float) == sizeof(uint32_t), "eps travels as its 32 bits");
-  std::string out;
-  out.reserve(kEncodedBytes);
-  out.push_back(kEncodingVersion);
-  PutU32(out, key.num_tokens);
-  PutU32(out, key.hidden);
-  out.push_back(static_cast<char>(key.dtype));
-  out.push_back(static_cast<char>(key.pattern));
-  uint32_t eps_bits = 0;
-  std::memcpy(&eps_bits, &key.eps, sizeof(eps_bits));
-  PutU32(out, eps_bits);
-  out.push_back(key.symmetric ? 1 : 0);
-  return out;
+  WireOpKey w = {};
+  w.version = kWireOpKeyVersion;
+  w.dtype = static_cast<uint8_t>(key.dtype);
+  w.pattern = static_cast<uint8_t>(key.pattern);
+  w.symmetric = key.symmetric ? 1 : 0;
+  w.num_tokens = key.num_tokens;
+  w.hidden = key.hidden;
+  std::memcpy(&w.eps_bits, &key.eps, sizeof(w.eps_bits));
+  return std::string(reinterpret_cast<const char*>(&w), sizeof(w));
 }
 
 std::string UnfusedOpTag(uint64_t generation) {
