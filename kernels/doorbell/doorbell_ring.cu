@@ -20,13 +20,16 @@ constexpr uint32_t kRingPollsPerCheck = 64;
 // sidecar's acquire of the request sees them. Symmetrically the sidecar's outputs are visible to
 // this stream's later kernels once this thread acquired the completion.
 //
-// Launched as a programmatic dependent (sm_90+): the launch overlaps the tail of the kernel
-// before it on the stream (another ring kernel lets it start once its slot is re-armed). Nothing
-// is read or written before griddepcontrol.wait, which returns once that kernel finished and its
-// stores are visible: the op's inputs, and a previous ring's re-arm of this slot.
+// Launched as a programmatic dependent (sm_90+): the launch overlaps the kernel before it on the
+// stream. Nothing is read or written before griddepcontrol.wait, which returns once that kernel
+// finished and its stores are visible: the op's inputs, and a previous ring's re-arm of this slot.
+// For the same reason the kernel lets its own dependent (the next ring of a graph that rings
+// back to back) launch at once: that ring waits in griddepcontrol.wait until this one ended, and
+// its launch latency is off the op's path, as the fused kernel's is when it runs in-process.
 __global__ void __launch_bounds__(1)
     DoorbellRingKernel(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns) {
   WaitForPrerequisiteGrid();
+  AllowDependentLaunch();
   // A sticky error: the slot is not usable until the sidecar resets it. Do not ring (the op
   // does not run; the client reads the error word).
   // Both loads are issued before either is used: one round trip to the sidecar's memory, not two.
@@ -72,7 +75,6 @@ __global__ void __launch_bounds__(1)
   // the stream, which reads it only after this kernel finished), which the sidecar must see
   // before it completes again.
   StoreRelaxedSys(&slot->complete, kDoorbellReset);
-  AllowDependentLaunch();
 }
 
 // Programmatic launches unless ARFUSE_RING_PDL=0 (for measuring what they are worth), on sm_90+.

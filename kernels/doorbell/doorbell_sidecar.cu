@@ -224,19 +224,28 @@ __global__ void DoorbellResetSlotsKernel(DoorbellSlot* slots, uint32_t mask) {
 constexpr uint32_t kCmdRun = 1;
 constexpr uint32_t kCmdLeave = 2;
 constexpr uint32_t kTicketBackoffNs = 100;
+constexpr uint32_t kNoSlot = 0xffffffffu;
 
-// Whether a ring taken from slot `slot` with `n` tokens runs in place in a launch of the
-// template's shape: the same checks as the op record's (token count within the plan's maximum,
-// below its two-shot threshold), plus the shape of the launch.
-__device__ bool RunsInPlace(const DoorbellServeParams& sp, const DoorbellPlanEntry& e, int slot,
-                            uint32_t n) {
-  if (slot < 0 || ((sp.inplace_mask >> slot) & 1u) == 0) return false;
+// The most tokens a ring on `slot` may have to run in place in a launch of the template's shape
+// (0: never): the op record's checks (token count within the plan's maximum, below its two-shot
+// threshold) and the shape of the launch. The plan table does not change while a launch that has
+// the slot in its mask runs (docs/doorbell.md, "Plan changes"), so block 0's first warp works
+// this out once per launch (lane i for slot i) instead of reading the plan entry after each CAS.
+static_assert(kMaxDoorbellSlots == 32, "one lane of block 0's first warp per slot");
+__device__ uint32_t InPlaceTokenLimit(const DoorbellServeParams& sp, uint32_t slot) {
+  if (((sp.inplace_mask >> slot) & 1u) == 0) return 0;
+  const DoorbellPlanEntry& e = sp.wait.plans[slot];
   const FusionParams& p = e.params;
   const FusionParams& t = sp.inplace_template;
-  const uint64_t bytes = static_cast<uint64_t>(n) * p.hidden * DTypeSize(p.dtype);
-  return n > 0 && n <= e.max_tokens && n < e.twoshot_min_tokens && p.dtype == t.dtype &&
-         p.pattern == t.pattern && p.hidden == t.hidden && p.world_size == t.world_size &&
-         p.rank == t.rank && p.sm_budget == t.sm_budget && bytes <= t.layout.lamport_slot_bytes;
+  if (e.twoshot_min_tokens == 0 || p.dtype != t.dtype || p.pattern != t.pattern ||
+      p.hidden != t.hidden || p.world_size != t.world_size || p.rank != t.rank ||
+      p.sm_budget != t.sm_budget) {
+    return 0;
+  }
+  const uint64_t row_bytes = static_cast<uint64_t>(p.hidden) * DTypeSize(p.dtype);
+  const uint64_t rows_in_slot = t.layout.lamport_slot_bytes / row_bytes;
+  const uint32_t by_plan = min(e.max_tokens, e.twoshot_min_tokens - 1);
+  return static_cast<uint32_t>(min(static_cast<uint64_t>(by_plan), rows_in_slot));
 }
 
 // Block 0, thread 0: completes an in-place op every block finished. `maybe_failed`: some block
@@ -282,7 +291,10 @@ __device__ void PublishTicket(DoorbellServeState* st, bool run, uint32_t slot, u
 }
 
 // Every block: the op's params into shared memory, from the plan table (read-only while the
-// launch runs: cached loads, L1 hits after the first op) with the ring's token count.
+// launch runs: cached loads), with the ring's token count. A block keeps them for the next op:
+// when that op is on the same slot only the token count changes (set with the op's announcement,
+// before the barrier that follows it), so the copy and its two barriers are off the path of a
+// client that rings one plan.
 __device__ void LoadInPlaceParams(const DoorbellServeParams& sp, uint32_t slot, uint32_t n,
                                   FusionParams* out) {
   const uint64_t* src = reinterpret_cast<const uint64_t*>(&sp.wait.plans[slot].params);
@@ -305,6 +317,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   WaitForPrerequisiteGrid();
   __shared__ FusionParams s_params;
   __shared__ uint32_t s_cmd, s_slot, s_tokens, s_active;
+  __shared__ uint32_t s_params_slot;  // the slot s_params belongs to (kNoSlot: none yet)
   DoorbellServeState* const st = sp.state;
   const uint32_t units = gridDim.x;
   const fusion_device::KernelConfig cfg = fusion_device::DefaultKernelConfig();
@@ -318,6 +331,10 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   uint32_t failed_slot = 0;     // token count
   uint32_t failed_tokens = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) since = GlobalTimerNs();
+  if (threadIdx.x == 0) s_params_slot = kNoSlot;  // read after the loop's first barrier
+  // Block 0's first warp: lane i holds the in-place token limit of slot i.
+  const uint32_t inplace_limit =
+      blockIdx.x == 0 && threadIdx.x < kMaxDoorbellSlots ? InPlaceTokenLimit(sp, threadIdx.x) : 0u;
   for (;;) {
     if (blockIdx.x == 0) {
       if (threadIdx.x < 32) {
@@ -329,7 +346,8 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
           r = PollForRing(sp.wait, since);
           if (r.served >= 0) {
             n = r.tokens;
-            in_place = RunsInPlace(sp, sp.wait.plans[r.served], r.served, n);
+            const uint32_t limit = __shfl_sync(0xffffffffu, inplace_limit, r.served);
+            in_place = n > 0 && n <= limit;
           }
           // Anything else goes to the kernels behind through the op record, as from the waiter.
           if (!in_place) WriteOpRecord(sp.wait, r);
@@ -355,6 +373,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
           s_slot = static_cast<uint32_t>(r.served);
           s_tokens = n;
           s_active = active;
+          if (in_place && s_params_slot == s_slot) s_params.num_tokens = n;
         }
       }
       __syncthreads();
@@ -365,6 +384,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
         s_slot = LoadVolatile32(&st->slot);
         s_tokens = LoadVolatile32(&st->tokens);
         s_active = LoadVolatile32(&st->active);
+        if (s_cmd == kCmdRun && s_params_slot == s_slot) s_params.num_tokens = s_tokens;
       }
       __syncthreads();
     }
@@ -374,7 +394,10 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     // Blocks beyond the op's rows sit it out: they neither run it nor count (the one-shot
     // body's own counting and epoch advance use `active` as the grid).
     if (blockIdx.x < active) {
-      LoadInPlaceParams(sp, s_slot, s_tokens, &s_params);
+      if (s_params_slot != s_slot) {
+        LoadInPlaceParams(sp, s_slot, s_tokens, &s_params);
+        if (threadIdx.x == 0) s_params_slot = s_slot;  // read after the op's last barrier
+      }
       const uint32_t failure =
           fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
       // Every thread's stores of this block before its count (or, for block 0, the completion);

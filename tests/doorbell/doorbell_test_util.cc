@@ -210,8 +210,17 @@ absl::Status HostOp::Upload(RankGroup& g, bool async) const {
       if (err != cudaSuccess) return Cuda(err, "upload");
     }
   }
-  return Cuda(cudaMemcpy(g.gamma(), gamma.data(), gamma.size(), cudaMemcpyHostToDevice),
-              "gamma upload");
+  if (const cudaError_t err =
+          cudaMemcpy(g.gamma(), gamma.data(), gamma.size(), cudaMemcpyHostToDevice);
+      err != cudaSuccess) {
+    return Cuda(err, "gamma upload");
+  }
+  if (async) return absl::OkStatus();
+  // A cudaMemcpy from pageable memory may return before its DMA has landed. Kernels queued later
+  // in this process wait for it (legacy stream order), but a doorbell rung by another process
+  // does not: the sidecar's resident kernel would read the previous op's values (the doorbell
+  // IPC test saw a stale gamma that way). Wait for the copies themselves.
+  return Cuda(cudaStreamSynchronize(cudaStreamLegacy), "upload wait");
 }
 
 std::string HostOp::Verify(const RankGroup& g, Pattern pattern) const {
