@@ -263,21 +263,6 @@ std::string SocketOf(const std::string& dir, int rank) {
   return absl::StrCat(dir, "/rank", rank, ".sock");
 }
 
-std::string PathName(v1::ExecPath p) {
-  switch (p) {
-    case v1::EXEC_PATH_ONESHOT:
-      return "oneshot";
-    case v1::EXEC_PATH_TWOSHOT:
-      return "twoshot";
-    case v1::EXEC_PATH_UNFUSED:
-      return "unfused";
-    case v1::EXEC_PATH_HOST:
-      return "host";
-    default:
-      return "unknown";
-  }
-}
-
 double MicrosSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -719,16 +704,17 @@ struct ClientRun {
       add("eager_refused", refused_us, "-",
           "Execute refused after the session and plan lookup: gRPC + the service's front");
     }
-    add(sync ? "eager_sync" : "eager", exec_us, PathName(path),
+    add(sync ? "eager_sync" : "eager", exec_us, client::ExecPathName(path),
         sync ? "synchronous=true: reply after completion"
              : (cuda ? "reply after enqueue; IPC events both ways" : "op completes before reply"));
     if (cuda && !sync) {
       // Where the eager call's time goes on the client: the RPC itself (the sidecar's work
       // included) and the client's CUDA calls around it.
-      add("eager_rpc", rpc_us, PathName(path), "the Execute RPC alone, of the eager row");
+      add("eager_rpc", rpc_us, client::ExecPathName(path),
+          "the Execute RPC alone, of the eager row");
       add("eager_client_cuda", cuda_us, "-",
           "the client's cudaEventRecord + cudaStreamWaitEvent on interprocess events");
-      add("eager_nowait", nowait_us, PathName(path),
+      add("eager_nowait", nowait_us, client::ExecPathName(path),
           "Execute without wait_event; the client does not wait on done_event");
     }
     return absl::OkStatus();
@@ -927,7 +913,7 @@ struct ClientRun {
       if (t.ok() && gpu->ring.error(slot, &code) == 0 && code != 0) {
         t = absl::InternalError(absl::StrCat("doorbell slot error: ", gpu->ring.error_name(code)));
       }
-      AddGraphRow(row, tokens, hidden, t, PathName(dplan->path), note);
+      AddGraphRow(row, tokens, hidden, t, client::ExecPathName(dplan->path), note);
     };
 #endif
     if (db_ok) {

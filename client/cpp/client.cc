@@ -310,4 +310,19 @@ void HostShmBuffer::Reset() {
   name_.clear();
 }
 
+const char* ExecPathName(v1::ExecPath path) {
+  switch (path) {
+    case v1::EXEC_PATH_ONESHOT:
+      return "oneshot";
+    case v1::EXEC_PATH_TWOSHOT:
+      return "twoshot";
+    case v1::EXEC_PATH_UNFUSED:
+      return "unfused";
+    case v1::EXEC_PATH_HOST:
+      return "host";
+    default:
+      return "unknown";
+  }
+}
+
 }  // namespace arfuse::client

@@ -188,4 +188,8 @@ class HostShmBuffer {
   uint64_t size_ = 0;
 };
 
+// The short name of a reply's path, as tables and logs print it: "oneshot", "twoshot",
+// "unfused", "host", or "unknown".
+const char* ExecPathName(v1::ExecPath path);
+
 }  // namespace arfuse::client

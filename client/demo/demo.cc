@@ -44,7 +44,8 @@
 
 ABSL_FLAG(int, ranks, 2, "Ranks (sidecars and client processes) to start.");
 ABSL_FLAG(std::string, tokens, "1,16,128", "Token counts to run, comma-separated.");
-ABSL_FLAG(std::string, hidden, "1024,4096", "Hidden sizes to run (multiples of 8), comma-separated.");
+ABSL_FLAG(std::string, hidden, "1024,4096",
+          "Hidden sizes to run (multiples of 8), comma-separated.");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32.");
 ABSL_FLAG(std::string, device, "", "host or cuda; default cuda when a GPU is present, else host.");
 ABSL_FLAG(bool, json, false, "Print JSON instead of the table.");
@@ -79,8 +80,8 @@ absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& s, const char
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
     uint32_t v = 0;
     if (!absl::SimpleAtoi(part, &v) || v == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--", what, ": \"", std::string(part),
-                                                     "\" is not a positive integer"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", what, ": \"", std::string(part), "\" is not a positive integer"));
     }
     out.push_back(v);
   }
@@ -100,17 +101,9 @@ float InputValue(int rank, uint64_t i) { return float(int((i * 7 + rank * 13) % 
 float ResidualValue(uint64_t i) { return float(int((i * 5) % 11) - 5) / 4.0f; }
 float GammaValue(uint64_t h) { return 0.5f + float(h % 9) / 8.0f; }
 
-std::string PathName(v1::ExecPath p) {
-  switch (p) {
-    case v1::EXEC_PATH_ONESHOT: return "oneshot";
-    case v1::EXEC_PATH_TWOSHOT: return "twoshot";
-    case v1::EXEC_PATH_UNFUSED: return "unfused";
-    case v1::EXEC_PATH_HOST: return "host";
-    default: return "unknown";
-  }
+std::string SocketOf(const std::string& dir, int rank) {
+  return absl::StrCat(dir, "/rank", rank, ".sock");
 }
-
-std::string SocketOf(const std::string& dir, int rank) { return absl::StrCat(dir, "/rank", rank, ".sock"); }
 
 // ---------------------------------------------------------------- client process
 
@@ -239,8 +232,10 @@ absl::StatusOr<ShapeResult> RunShape(Client& c, int rank, int world, const Shape
     for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, inputs[q].data(), i, InputValue(q, i));
   }
   std::memcpy(host.data() + L.input, inputs[rank].data(), inputs[rank].size());
-  for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
-  for (uint64_t h = 0; h < s.hidden; ++h) StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
+  for (uint64_t i = 0; i < n; ++i)
+    StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
+  for (uint64_t h = 0; h < s.hidden; ++h)
+    StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
   if (auto st = buf->Upload(host); !st.ok()) return st;
 
   auto region = buf->Register(c, absl::StrCat("shape-", s.tokens, "x", s.hidden));
@@ -267,15 +262,15 @@ absl::StatusOr<ShapeResult> RunShape(Client& c, int rank, int world, const Shape
   for (int i = 0; i < 3; ++i) {
     auto e = c.Execute(*plan, s.tokens, eo);
     if (!e.ok()) return e.status();
-    r.path = PathName(e->path);
+    r.path = client::ExecPathName(e->path);
   }
   std::vector<double> us;
   us.reserve(std::max(iters, 1));
   for (int i = 0; i < iters; ++i) {
     auto start = std::chrono::steady_clock::now();
     auto e = c.Execute(*plan, s.tokens, eo);
-    us.push_back(
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+                     .count());
     if (!e.ok()) return e.status();
   }
   if (!us.empty()) {
@@ -330,8 +325,8 @@ absl::StatusOr<ShapeResult> RunShape(Client& c, int rank, int world, const Shape
 
 absl::Status CudaCheck(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
 // A failed doorbell CreatePlan that --doorbell=auto shows as skipped.
@@ -374,8 +369,10 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
         StoreFromFloat(dt, inputs[k][q].data(), i, VariantInput(q, i, k));
   std::vector<char> host(L.total, 0);
   std::memcpy(host.data() + L.input, inputs[0][rank].data(), tbytes);
-  for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
-  for (uint64_t h = 0; h < s.hidden; ++h) StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
+  for (uint64_t i = 0; i < n; ++i)
+    StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
+  for (uint64_t h = 0; h < s.hidden; ++h)
+    StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
   if (auto st = buf->Upload(host); !st.ok()) return st;
   auto region = buf->Register(c, absl::StrCat("doorbell-", s.tokens, "x", s.hidden));
   if (!region.ok()) return region.status();
@@ -440,20 +437,21 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
   plan.id = resp.plan_id();
   plan.generation = resp.generation();
   have_plan = true;
-  r.path = PathName(resp.path());
+  r.path = client::ExecPathName(resp.path());
   const v1::Doorbell& bell = resp.doorbell();
   if (bell.ipc_handle().size() != sizeof(cudaIpcMemHandle_t) ||
       bell.request_value() != kDoorbellRequest || bell.complete_value() != kDoorbellComplete ||
       bell.reset_value() != kDoorbellReset || bell.offset() % sizeof(DoorbellSlot) != 0) {
-    return fail(absl::InternalError(absl::StrCat(
-        "the sidecar's Doorbell message does not match this client (handle of ",
-        bell.ipc_handle().size(), " bytes, offset ", bell.offset(), ", values ",
-        absl::Hex(bell.request_value()), "/", absl::Hex(bell.complete_value()), "/",
-        bell.reset_value(), ")")));
+    return fail(absl::InternalError(
+        absl::StrCat("the sidecar's Doorbell message does not match this client (handle of ",
+                     bell.ipc_handle().size(), " bytes, offset ", bell.offset(), ", values ",
+                     absl::Hex(bell.request_value()), "/", absl::Hex(bell.complete_value()), "/",
+                     bell.reset_value(), ")")));
   }
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, bell.ipc_handle().data(), sizeof(handle));
-  if (auto st = CudaCheck(PrepareDoorbellRing(), "loading the ring kernel"); !st.ok()) return fail(st);
+  if (auto st = CudaCheck(PrepareDoorbellRing(), "loading the ring kernel"); !st.ok())
+    return fail(st);
   if (auto st = CudaCheck(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
                           "cudaIpcOpenMemHandle (doorbell block)");
       !st.ok()) {
@@ -468,17 +466,25 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
                    "cudaMalloc (history)");
   }
   for (int k = 0; st.ok() && k < kVariants; ++k) {
-    st = CudaCheck(cudaMemcpy(variants + k * tbytes, inputs[k][rank].data(), tbytes,
-                              cudaMemcpyHostToDevice),
-                   "cudaMemcpy (variants)");
+    st = CudaCheck(
+        cudaMemcpy(variants + k * tbytes, inputs[k][rank].data(), tbytes, cudaMemcpyHostToDevice),
+        "cudaMemcpy (variants)");
   }
   if (st.ok()) st = CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  // As libarfuse_ring does: GPU scope when this stream's device holds the slot.
+  DoorbellScope scope = DoorbellScope::kSystem;
+  uint8_t owner[sizeof(DoorbellSlot::owner_uuid)];
+  if (st.ok()) {
+    st = CudaCheck(cudaMemcpy(owner, slot->owner_uuid, sizeof(owner), cudaMemcpyDeviceToHost),
+                   "reading the slot's owner");
+  }
+  if (st.ok()) st = CudaCheck(DoorbellRingScopeFor(owner, &scope), "doorbell ring scope");
   // The captured graph: one ring of s.tokens tokens on the client's stream.
   if (st.ok()) {
     st = CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
   }
   if (st.ok()) {
-    const cudaError_t launched = LaunchDoorbellRing(slot, s.tokens, kRingTimeoutNs, stream);
+    const cudaError_t launched = LaunchDoorbellRing(slot, s.tokens, kRingTimeoutNs, stream, scope);
     st = CudaCheck(cudaStreamEndCapture(stream, &graph), "end capture");
     if (st.ok()) st = CudaCheck(launched, "LaunchDoorbellRing (captured)");
   }
@@ -519,8 +525,8 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
                  "reading the slot's error word");
   if (!st.ok()) return fail(st);
   if (slot_error != 0) {
-    return fail(absl::InternalError(absl::StrCat("doorbell slot error ",
-                                                 DoorbellErrorName(slot_error))));
+    return fail(
+        absl::InternalError(absl::StrCat("doorbell slot error ", DoorbellErrorName(slot_error))));
   }
   double total_ms = 0;
   for (int t = 0; t < iters; ++t) {
@@ -556,8 +562,8 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
     const char* got_res = got.data() + (2 * k) * tbytes;
     const char* got_norm = got.data() + (2 * k + 1) * tbytes;
     for (uint64_t i = 0; i < n; ++i) {
-      const double er = std::fabs(double(LoadAsFloat(dt, got_res, i)) -
-                                  LoadAsFloat(dt, want_res.data(), i));
+      const double er =
+          std::fabs(double(LoadAsFloat(dt, got_res, i)) - LoadAsFloat(dt, want_res.data(), i));
       const float exp_n = LoadAsFloat(dt, want_norm.data(), i);
       const double en = std::fabs(double(LoadAsFloat(dt, got_norm, i)) - exp_n);
       r.max_error = std::max({r.max_error, er, en});
@@ -597,9 +603,11 @@ int ClientMain(int rank) {
   for (;;) {
     auto info = (*c)->GetWorkspaceInfo();
     if (!info.ok()) return fail(info.status());
-    if (info->state() == v1::WORKSPACE_STATE_READY || info->state() == v1::WORKSPACE_STATE_UNFUSED) break;
+    if (info->state() == v1::WORKSPACE_STATE_READY || info->state() == v1::WORKSPACE_STATE_UNFUSED)
+      break;
     if (absl::Now() > until) {
-      return fail(absl::DeadlineExceededError(absl::StrCat("workspace not ready: ", info->reason())));
+      return fail(
+          absl::DeadlineExceededError(absl::StrCat("workspace not ready: ", info->reason())));
     }
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -728,29 +736,28 @@ int ParentMain(const char* argv0) {
 
   std::vector<pid_t> sidecars, clients;
   for (int r = 0; r < ranks; ++r) {
-    sidecars.push_back(Spawn({arfused, "--device=" + device, absl::StrCat("--rank=", r),
-                              absl::StrCat("--world-size=", ranks), "--peer-dir=" + dir + "/peers",
-                              "--socket=" + SocketOf(dir, r), "--health-port=0",
-                              absl::StrCat("--max-tokens=", max_t), absl::StrCat("--hidden=", max_h),
-                              "--dtype=" + absl::GetFlag(FLAGS_dtype), "--log-level=info",
-                              absl::StrCat("--spin-timeout=", 5),
-                              absl::GetFlag(FLAGS_backend).empty()
-                                  ? std::string("--enable-deterministic-inference=false")
-                                  : "--flashinfer-allreduce-fusion-backend=" +
-                                        absl::GetFlag(FLAGS_backend)},
-                             absl::StrCat(dir, "/arfused.", r, ".log")));
+    sidecars.push_back(Spawn(
+        {arfused, "--device=" + device, absl::StrCat("--rank=", r),
+         absl::StrCat("--world-size=", ranks), "--peer-dir=" + dir + "/peers",
+         "--socket=" + SocketOf(dir, r), "--health-port=0", absl::StrCat("--max-tokens=", max_t),
+         absl::StrCat("--hidden=", max_h), "--dtype=" + absl::GetFlag(FLAGS_dtype),
+         "--log-level=info", absl::StrCat("--spin-timeout=", 5),
+         absl::GetFlag(FLAGS_backend).empty()
+             ? std::string("--enable-deterministic-inference=false")
+             : "--flashinfer-allreduce-fusion-backend=" + absl::GetFlag(FLAGS_backend)},
+        absl::StrCat(dir, "/arfused.", r, ".log")));
   }
   std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (int r = 0; r < ranks; ++r) {
-    clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r), "--work_dir=" + dir,
-                             absl::StrCat("--ranks=", ranks), "--device=" + device,
-                             "--tokens=" + absl::GetFlag(FLAGS_tokens),
-                             "--hidden=" + absl::GetFlag(FLAGS_hidden),
-                             "--dtype=" + absl::GetFlag(FLAGS_dtype),
-                             absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
-                             "--doorbell=" + absl::GetFlag(FLAGS_doorbell),
-                             absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
-                            ""));
+    clients.push_back(
+        Spawn({self, absl::StrCat("--client_rank=", r), "--work_dir=" + dir,
+               absl::StrCat("--ranks=", ranks), "--device=" + device,
+               "--tokens=" + absl::GetFlag(FLAGS_tokens), "--hidden=" + absl::GetFlag(FLAGS_hidden),
+               "--dtype=" + absl::GetFlag(FLAGS_dtype),
+               absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
+               "--doorbell=" + absl::GetFlag(FLAGS_doorbell),
+               absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
+              ""));
   }
   int rc = 0;
   for (pid_t p : clients) {
@@ -869,13 +876,14 @@ int ParentMain(const char* argv0) {
           row.path == "skipped" ? "true" : "false"));
     }
     std::cout << absl::StrFormat("{\"device\":\"%s\",\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
-                                 device, ranks, absl::StrJoin(items, ","), rc == 0 ? "true" : "false");
+                                 device, ranks, absl::StrJoin(items, ","),
+                                 rc == 0 ? "true" : "false");
   } else {
     std::cout << absl::StrFormat(
         "arfuse-demo: device=%s ranks=%d dtype=%s (%s)\n", device, ranks, dname,
-        device != "cuda"      ? "doorbell plane: needs --device=cuda"
-        : doorbell_rows ? "planes: eager, doorbell (ring kernel captured in a CUDA graph)"
-                              : "doorbell plane: off");
+        device != "cuda" ? "doorbell plane: needs --device=cuda"
+        : doorbell_rows  ? "planes: eager, doorbell (ring kernel captured in a CUDA graph)"
+                         : "doorbell plane: off");
     std::cout << absl::StrFormat("%-14s %-8s %-8s %10s %10s  %s\n", "shape", "plane", "path",
                                  "us/op", "max err", "result");
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -886,9 +894,11 @@ int ParentMain(const char* argv0) {
       if (i < drows.size()) {
         const Row& d = drows[i];
         std::cout << absl::StrFormat(
-            "%-14s %-8s %-8s %10.1f %10.3g  %s\n", absl::StrCat(d.t, "x", d.h), "doorbell",
-            d.path, d.us, d.err,
-            !d.ok ? "FAIL " + d.why : (d.path == "skipped" ? absl::StrCat("skipped (", d.why, ")") : std::string("ok")));
+            "%-14s %-8s %-8s %10.1f %10.3g  %s\n", absl::StrCat(d.t, "x", d.h), "doorbell", d.path,
+            d.us, d.err,
+            !d.ok ? "FAIL " + d.why
+                  : (d.path == "skipped" ? absl::StrCat("skipped (", d.why, ")")
+                                         : std::string("ok")));
       }
     }
   }

@@ -19,6 +19,9 @@ using Key = std::array<unsigned char, sizeof(cudaIpcMemHandle_t)>;
 struct Mapping {
   char* base = nullptr;
   int slots = 0;  // open slots of this block
+  // The GPU that holds the block (DoorbellSlot::owner_uuid, read once at open): rings on a
+  // stream of that GPU order the op at GPU scope.
+  uint8_t owner_uuid[16] = {};
 };
 
 // One mapping per IPC handle: a legacy IPC handle may be opened only once per process and
@@ -69,7 +72,15 @@ ARFUSE_RING_API int arfuse_open_doorbell(const void* ipc_handle64, uint64_t offs
     void* base = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) return FromCuda(err);
-    it = r.by_handle.emplace(key, Mapping{static_cast<char*>(base), 0}).first;
+    Mapping m{static_cast<char*>(base), 0};
+    const auto* slot0 = reinterpret_cast<const arfuse::DoorbellSlot*>(base);
+    if (cudaError_t read = cudaMemcpy(m.owner_uuid, slot0->owner_uuid, sizeof(m.owner_uuid),
+                                      cudaMemcpyDeviceToHost);
+        read != cudaSuccess) {
+      cudaIpcCloseMemHandle(base);
+      return FromCuda(read);
+    }
+    it = r.by_handle.emplace(key, m).first;
   }
   ++it->second.slots;
   *slot_ptr = it->second.base + offset;
@@ -90,11 +101,29 @@ ARFUSE_RING_API int arfuse_close_doorbell(void* slot_ptr) {
 
 ARFUSE_RING_API int arfuse_ring(void* stream, void* slot_ptr, uint32_t num_tokens,
                                 uint64_t timeout_ns) {
-  // No registry lookup here: it is the hot path (and runs during capture). The kernel launcher
-  // refuses null, misaligned slots and a zero timeout without touching the device.
+  // The kernel launcher refuses null, misaligned slots and a zero timeout without touching the
+  // device. The scope: GPU scope when the current device (the one a launch on `stream` runs on)
+  // holds the slot's block: a lookup in the few open blocks and a thread-local device query,
+  // nothing a capture forbids. A slot not opened here rings at system scope, right from any GPU.
+  arfuse::DoorbellScope scope = arfuse::DoorbellScope::kSystem;
+  uint8_t owner[16];
+  bool known = false;
+  {
+    Registry& r = GetRegistry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = FindBlock(r, slot_ptr);
+    if (it != r.by_handle.end()) {
+      std::memcpy(owner, it->second.owner_uuid, sizeof(owner));
+      known = true;
+    }
+  }
+  if (known && arfuse::DoorbellRingScopeFor(owner, &scope) != cudaSuccess) {
+    cudaGetLastError();
+    scope = arfuse::DoorbellScope::kSystem;
+  }
   const cudaError_t err =
       arfuse::LaunchDoorbellRing(static_cast<arfuse::DoorbellSlot*>(slot_ptr), num_tokens,
-                                 timeout_ns, static_cast<cudaStream_t>(stream));
+                                 timeout_ns, static_cast<cudaStream_t>(stream), scope);
   if (err == cudaErrorInvalidValue &&
       arfuse::CheckDoorbellRingArgs(static_cast<arfuse::DoorbellSlot*>(slot_ptr), timeout_ns) !=
           cudaSuccess) {

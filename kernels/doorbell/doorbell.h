@@ -35,6 +35,18 @@ namespace arfuse {
 inline constexpr uint32_t kDoorbellReset = 0u;
 inline constexpr uint32_t kDoorbellRequest = 0x52494e47u;   // "RING"
 inline constexpr uint32_t kDoorbellComplete = 0x444f4e45u;  // "DONE"
+// A request rung from the GPU that holds the slot (the ring library checks the slot's
+// owner_uuid against the device of the ring's stream). Both sides then order the op's memory at
+// GPU scope instead of system scope: the ring's release and the sidecar's completion each skip
+// a system-scope fence (about 1.2 us per op measured on one H200, docs/doorbell.md). A ring from
+// any other GPU stores kDoorbellRequest and everything stays at system scope.
+inline constexpr uint32_t kDoorbellRequestLocal = 0x524e474cu;  // "RNGL"
+
+// Which scope a ring orders the op's memory at (LaunchDoorbellRing).
+enum class DoorbellScope : uint32_t {
+  kSystem = 0,  // the ring may run on another GPU than the slot's, or the host may be involved
+  kDevice = 1,  // the ring runs on the GPU whose memory holds the slot (kDoorbellRequestLocal)
+};
 
 // Most plans (slots) one doorbell block serves: the waiter polls them with one warp.
 inline constexpr uint32_t kMaxDoorbellSlots = 32;
@@ -83,7 +95,11 @@ struct alignas(kDoorbellLineBytes) DoorbellSlot {
   // `served` counts the ops the sidecar completed on this slot (wraps).
   uint32_t error;
   uint32_t served;
-  uint32_t reserved2[30];
+  // The UUID of the GPU whose memory holds the block (cudaDeviceProp::uuid), written by the
+  // sidecar when it creates the block and never changed: the client library compares it with
+  // the device of the ring's stream to pick DoorbellScope::kDevice.
+  uint8_t owner_uuid[16];
+  uint32_t reserved2[26];
 };
 static_assert(sizeof(DoorbellSlot) == 3 * kDoorbellLineBytes, "DoorbellSlot is shared over IPC");
 static_assert(alignof(DoorbellSlot) == kDoorbellLineBytes);
@@ -92,6 +108,9 @@ static_assert(offsetof(DoorbellSlot, num_tokens) == 4);
 static_assert(offsetof(DoorbellSlot, complete) == kDoorbellLineBytes);
 static_assert(offsetof(DoorbellSlot, error) == 2 * kDoorbellLineBytes);
 static_assert(offsetof(DoorbellSlot, served) == 2 * kDoorbellLineBytes + 4);
+static_assert(offsetof(DoorbellSlot, owner_uuid) == 2 * kDoorbellLineBytes + 8);
+// Ring stamps (diagnostics, ARFUSE_RING_TRACE=1): two %globaltimer values on the request line.
+inline constexpr size_t kDoorbellRingStampWord = 2;  // reserved0[2..5]: start, release (64-bit)
 
 // The exported allocation: slot i of plan i. The client gets (IPC handle of the block, byte
 // offset of its slot); the offset is i * sizeof(DoorbellSlot).
@@ -113,11 +132,22 @@ inline constexpr uint64_t DoorbellSlotOffset(uint32_t slot) {
 // taken it yet, records kRingTimeout or kRingTimeoutInFlight in the error word and exits: it
 // never hangs. Capturable in a CUDA graph (no host state). cudaErrorInvalidValue (nothing
 // launched, no CUDA call made) for a null or misaligned slot or a zero timeout.
+// `scope`: kDevice only when the stream's device is the GPU that holds the slot
+// (DoorbellRingScopeFor); the ring then stores kDoorbellRequestLocal and releases at GPU scope.
+// With ARFUSE_RING_TRACE=1 in the environment the ring also stores two %globaltimer stamps on
+// the request line (when it started, when it released), which a traced serving launch records.
 cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns,
-                               cudaStream_t stream);
+                               cudaStream_t stream, DoorbellScope scope = DoorbellScope::kSystem);
+// The scope a ring launched now may use for a slot whose block belongs to `owner_uuid` (read from
+// the slot once, outside capture): kDevice when the current device (a kernel launch goes to a
+// stream of the current device, or fails) has that UUID. The UUIDs come from
+// PrepareDoorbellRing; before it ran this answers kSystem. Makes no call a graph capture
+// forbids. cudaErrorInvalidValue for a null uuid or scope.
+cudaError_t DoorbellRingScopeFor(const uint8_t* owner_uuid, DoorbellScope* scope);
 // Loads the ring kernel's module into the current context now (cudaFuncGetAttributes), so that
-// the first ring is not what loads it (lazy module loading inside a graph capture). Call once
-// per device outside capture, e.g. when opening the doorbell.
+// the first ring is not what loads it (lazy module loading inside a graph capture), and reads the
+// UUID of every device for DoorbellRingScopeFor. Call once per device outside capture, e.g. when
+// opening the doorbell.
 cudaError_t PrepareDoorbellRing();
 // The same checks as LaunchDoorbellRing without launching; `why` (optional) gets a static message.
 cudaError_t CheckDoorbellRingArgs(const DoorbellSlot* slot, uint64_t timeout_ns,
@@ -164,7 +194,7 @@ struct DoorbellOp {
   uint32_t outcome;     // DoorbellOutcome
   uint32_t slot;        // the slot served (kServed, kRejected)
   uint32_t num_tokens;  // as rung
-  uint32_t reserved;
+  uint32_t local;       // 1: rung with kDoorbellRequestLocal (complete at GPU scope)
 };
 static_assert(offsetof(DoorbellOp, params) == 0);
 static_assert(sizeof(DoorbellOp) == 328);
@@ -271,6 +301,27 @@ struct DoorbellServeState {
 };
 static_assert(sizeof(DoorbellServeState) == kDoorbellLineBytes);
 
+// One in-place op of a serving launch as block 0's thread 0 saw it (a diagnostic trace, off unless
+// DoorbellServeParams::trace is set): SM cycles (clock64 of that one SM, so the stamps of one
+// record and of consecutive records compare) at each step, plus the global timer at the first and
+// last step to convert cycles to time. Written after the op's completion (posted stores).
+struct DoorbellTraceRecord {
+  uint64_t taken;         // the poll returned the ring, its request taken by CAS
+  uint64_t announced;     // block 0 passed the barrier after the poll (ticket published before)
+  uint64_t rows_done;     // block 0's rows done (its barrier after the one-shot body)
+  uint64_t all_done;      // every block counted in (== rows_done with one active block)
+  uint64_t completed;     // after the completion's release store
+  uint64_t taken_ns;      // %globaltimer at `taken`
+  uint64_t completed_ns;  // %globaltimer at `completed`
+  uint32_t tokens;
+  uint32_t op;  // the launch's op count (1, 2, ...); 0: the record was never written
+  // The ring's own %globaltimer stamps (ARFUSE_RING_TRACE=1 in the client; 0 otherwise): when
+  // the ring kernel got past griddepcontrol.wait, and just before its release of the request.
+  uint64_t ring_start_ns;
+  uint64_t ring_release_ns;
+};
+static_assert(sizeof(DoorbellTraceRecord) == 80, "DoorbellTraceRecord is copied to the host");
+
 struct DoorbellServeParams {
   DoorbellWaitParams wait;
   // The shape served in place: dtype, pattern, hidden, rank, world size, sm_budget and layout as
@@ -280,8 +331,12 @@ struct DoorbellServeParams {
   DoorbellReport* report;  // optional: device address of the triple's host-mapped report
   uint32_t inplace_mask;   // slots (subset of wait.slot_mask) whose plans match the template
   uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency), >= 1
+  // Optional trace: op k of a launch goes to trace[(k - 1) % trace_ops]; null: no trace.
+  DoorbellTraceRecord* trace;
+  uint32_t trace_ops;
+  uint32_t reserved;
 };
-static_assert(sizeof(DoorbellServeParams) == 400, "DoorbellServeParams is a kernel parameter");
+static_assert(sizeof(DoorbellServeParams) == 416, "DoorbellServeParams is a kernel parameter");
 
 // Enqueues the serving launch. cudaErrorInvalidValue (nothing launched) when the wait params or
 // the template are invalid, the masks are empty or inconsistent, the state is null or

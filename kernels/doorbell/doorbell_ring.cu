@@ -1,7 +1,10 @@
 // The client's ring kernel (docs/doorbell.md). Compiled into arfuse_kernels_doorbell and, on its
 // own, into the client library libarfuse_ring.so.
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "kernels/common/launch.cuh"
 #include "kernels/doorbell/doorbell.h"
@@ -26,10 +29,19 @@ constexpr uint32_t kRingPollsPerCheck = 64;
 // For the same reason the kernel lets its own dependent (the next ring of a graph that rings
 // back to back) launch at once: that ring waits in griddepcontrol.wait until this one ended, and
 // its launch latency is off the op's path, as the fused kernel's is when it runs in-process.
+//
+// Scope: with kDevice (the ring runs on the GPU that holds the slot, and so does the sidecar's
+// serving kernel) both threads are on one GPU and GPU-scope release/acquire orders everything
+// the op needs; the request value tells the sidecar to complete at GPU scope as well. Otherwise
+// (kSystem) every ordering is at system scope, as a ring from another GPU needs.
 __global__ void __launch_bounds__(1)
-    DoorbellRingKernel(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns) {
+    DoorbellRingKernel(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns,
+                       DoorbellScope scope, bool stamps) {
   WaitForPrerequisiteGrid();
   AllowDependentLaunch();
+  const uint64_t started = stamps ? GlobalTimerNs() : 0;
+  const bool local = scope == DoorbellScope::kDevice;
+  const uint32_t request = local ? kDoorbellRequestLocal : kDoorbellRequest;
   // A sticky error: the slot is not usable until the sidecar resets it. Do not ring (the op
   // does not run; the client reads the error word).
   // Both loads are issued before either is used: one round trip to the sidecar's memory, not two.
@@ -42,8 +54,18 @@ __global__ void __launch_bounds__(1)
     CasRelaxedSys(&slot->error, 0u, static_cast<uint32_t>(DoorbellError::kDesynchronized));
     return;
   }
+  if (stamps) {
+    // Diagnostics: on the request line, so the sidecar's acquire of the request sees them.
+    uint64_t* words = reinterpret_cast<uint64_t*>(&slot->reserved0[kDoorbellRingStampWord]);
+    StoreRelaxedSys64(words, started);
+    StoreRelaxedSys64(words + 1, GlobalTimerNs());
+  }
   StoreRelaxedSys(&slot->num_tokens, num_tokens);
-  StoreReleaseSys(&slot->request, kDoorbellRequest);
+  if (local) {
+    StoreReleaseGpu32(&slot->request, request);
+  } else {
+    StoreReleaseSys(&slot->request, request);
+  }
   const uint64_t start = GlobalTimerNs();
   for (uint32_t polls = 1;; ++polls) {
     if (LoadAcquireSys(&slot->complete) == kDoorbellComplete) break;
@@ -53,8 +75,7 @@ __global__ void __launch_bounds__(1)
     if (!sidecar_error && !late) continue;
     // Withdraw the request if the sidecar has not taken it: both sides move it from
     // kDoorbellRequest to kDoorbellReset by CAS, so exactly one of them succeeds.
-    const bool withdrawn =
-        CasRelaxedSys(&slot->request, kDoorbellRequest, kDoorbellReset) == kDoorbellRequest;
+    const bool withdrawn = CasRelaxedSys(&slot->request, request, kDoorbellReset) == request;
     if (withdrawn) {
       // The op will not run. A sidecar error (it stopped) is already recorded.
       if (!sidecar_error) {
@@ -97,17 +118,74 @@ bool RingUsesProgrammaticLaunch() {
 }  // namespace
 
 cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t timeout_ns,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, DoorbellScope scope) {
   if (cudaError_t err = CheckDoorbellRingArgs(slot, timeout_ns, nullptr); err != cudaSuccess) {
     return err;
   }
+  if (scope != DoorbellScope::kSystem && scope != DoorbellScope::kDevice) {
+    return cudaErrorInvalidValue;
+  }
+  static const bool stamps = [] {
+    const char* env = std::getenv("ARFUSE_RING_TRACE");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
   return LaunchKernel(DoorbellRingKernel, 1, 1, RingUsesProgrammaticLaunch(), stream, slot,
-                      num_tokens, timeout_ns);
+                      num_tokens, timeout_ns, scope, stamps);
+}
+
+namespace {
+
+// The UUID of every visible device, read by PrepareDoorbellRing (outside any capture:
+// cudaGetDeviceProperties may not be called while a stream captures) and only read afterwards.
+struct DeviceUuids {
+  std::mutex mu;
+  std::atomic<int> count{-1};  // devices whose UUID is known; -1 until the first prepare
+  unsigned char bytes[64][16];
+};
+
+DeviceUuids& Uuids() {
+  static DeviceUuids* uuids = new DeviceUuids;  // never destroyed: rings may outlive statics
+  return *uuids;
+}
+
+}  // namespace
+
+cudaError_t DoorbellRingScopeFor(const uint8_t* owner_uuid, DoorbellScope* scope) {
+  if (owner_uuid == nullptr || scope == nullptr) return cudaErrorInvalidValue;
+  *scope = DoorbellScope::kSystem;
+  // A kernel launch must go to a stream of the current device (CUDA fails it otherwise), so the
+  // ring runs on the current device. A thread-local query, allowed during capture.
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  DeviceUuids& u = Uuids();
+  if (device < 0 || device >= u.count.load(std::memory_order_acquire)) {
+    return cudaSuccess;  // not prepared: system scope is right from any GPU
+  }
+  if (std::memcmp(u.bytes[device], owner_uuid, 16) == 0) *scope = DoorbellScope::kDevice;
+  return cudaSuccess;
 }
 
 cudaError_t PrepareDoorbellRing() {
   cudaFuncAttributes attributes;
-  return cudaFuncGetAttributes(&attributes, DoorbellRingKernel);
+  if (cudaError_t err = cudaFuncGetAttributes(&attributes, DoorbellRingKernel);
+      err != cudaSuccess) {
+    return err;
+  }
+  DeviceUuids& u = Uuids();
+  if (u.count.load(std::memory_order_acquire) >= 0) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(u.mu);
+  if (u.count.load(std::memory_order_relaxed) >= 0) return cudaSuccess;
+  int devices = 0;
+  if (cudaError_t err = cudaGetDeviceCount(&devices); err != cudaSuccess) return err;
+  devices = std::min(devices, 64);
+  for (int d = 0; d < devices; ++d) {
+    cudaDeviceProp prop;
+    if (cudaError_t err = cudaGetDeviceProperties(&prop, d); err != cudaSuccess) return err;
+    static_assert(sizeof(prop.uuid.bytes) == 16);
+    std::memcpy(u.bytes[d], prop.uuid.bytes, 16);
+  }
+  u.count.store(devices, std::memory_order_release);
+  return cudaSuccess;
 }
 
 cudaError_t CheckDoorbellRingArgs(const DoorbellSlot* slot, uint64_t timeout_ns, const char** why) {

@@ -22,15 +22,18 @@ constexpr uint32_t kWaitPollsPerClock = 16;
 constexpr uint64_t kWaitCheckNs = 10'000;
 
 // Lane 0 only. Returns the DoorbellOutcome that ends the wait, or 0 to keep polling.
+// Every word is loaded before any is looked at: the host-mapped ones cost a PCIe round trip
+// each, and loads behind a branch on the previous one would take one round trip apiece (about
+// 1 us each; the polling warp sees no ring meanwhile).
 __device__ uint32_t WaiterCheck(const DoorbellWaitParams& w, uint64_t start, uint64_t now) {
-  if (LoadRelaxedSys(&w.control->stop) != 0) {
-    return static_cast<uint32_t>(DoorbellOutcome::kStopped);
-  }
-  if (LoadRelaxedSys(&w.control->generation) != w.generation) {
-    return static_cast<uint32_t>(DoorbellOutcome::kKicked);
-  }
-  if ((w.workspace_abort != nullptr && LoadRelaxedSys(w.workspace_abort) != 0) ||
-      (w.host_abort != nullptr && LoadRelaxedSys(w.host_abort) != 0)) {
+  const uint32_t stop = LoadRelaxedSys(&w.control->stop);
+  const uint32_t generation = LoadRelaxedSys(&w.control->generation);
+  const uint32_t workspace_abort =
+      w.workspace_abort != nullptr ? LoadRelaxedSys(w.workspace_abort) : 0u;
+  const uint32_t host_abort = w.host_abort != nullptr ? LoadRelaxedSys(w.host_abort) : 0u;
+  if (stop != 0) return static_cast<uint32_t>(DoorbellOutcome::kStopped);
+  if (generation != w.generation) return static_cast<uint32_t>(DoorbellOutcome::kKicked);
+  if (workspace_abort != 0 || host_abort != 0) {
     return static_cast<uint32_t>(DoorbellOutcome::kAborted);
   }
   if (now - start > w.idle_timeout_ns) return static_cast<uint32_t>(DoorbellOutcome::kIdle);
@@ -43,6 +46,7 @@ struct RingPoll {
   int served;
   uint32_t outcome;
   uint32_t tokens;
+  bool local;  // rung with kDoorbellRequestLocal: the op completes at GPU scope
 };
 
 // Warp 0 only (all 32 lanes; the result is the same in every lane). Lane i polls slot i's request
@@ -51,18 +55,21 @@ struct RingPoll {
 // The polls acquire: a lane that sees a request may read the slot's token count at once (the
 // client stored it before its release), so that load and lane 0's CAS are in flight together
 // (one round trip to take a ring, not two).
-__device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
+// `check_first`: look at the control and abort words before the first poll. A launch that has
+// just started must (a queued waiter after a plan change or a pause leaves without polling at
+// all); a serving launch polling again right after its op skips it, because that check's PCIe
+// reads would stand between the op's completion and the client's next ring, which typically
+// arrives 1-2 us later. Its next check comes within kWaitCheckNs, as for any idle wait.
+__device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start, bool check_first) {
   const uint32_t lane = threadIdx.x;
   const bool mine = ((w.slot_mask >> lane) & 1u) != 0;
   const uint32_t* my_request = &w.slots[lane].request;
   uint64_t last_check = start;
-  // Kicked or stopped before it started (a queued waiter after a plan change or a pause): leave
-  // without polling at all.
-  uint32_t outcome = lane == 0 ? WaiterCheck(w, start, GlobalTimerNs()) : 0;
+  uint32_t outcome = lane == 0 && check_first ? WaiterCheck(w, start, GlobalTimerNs()) : 0;
   outcome = __shfl_sync(0xffffffffu, outcome, 0);
   for (uint32_t polls = 1; outcome == 0; ++polls) {
     const uint32_t value = mine ? LoadAcquireSys(my_request) : 0u;
-    const bool hit = value == kDoorbellRequest;
+    const bool hit = value == kDoorbellRequest || value == kDoorbellRequestLocal;
     // Not used before the CAS's answer: both loads are outstanding at once.
     const uint32_t tokens = hit ? LoadRelaxedSys(&w.slots[lane].num_tokens) : 0u;
     uint32_t hits = __ballot_sync(0xffffffffu, hit);
@@ -70,14 +77,17 @@ __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
       // Lowest slot first. Take the request by CAS: the client may be withdrawing it (its ring
       // timed out) at the same moment; exactly one of the two CASes succeeds.
       const int s = __ffs(hits) - 1;
+      // The value the lane saw: the CAS takes exactly that request (a withdrawing client CASes
+      // the same value back to reset).
+      const uint32_t seen = __shfl_sync(0xffffffffu, value, s);
       uint32_t won = 0;
-      if (lane == 0) {
-        won = CasAcquireSys(&w.slots[s].request, kDoorbellRequest, kDoorbellReset) ==
-              kDoorbellRequest;
-      }
+      if (lane == 0) won = CasAcquireSys(&w.slots[s].request, seen, kDoorbellReset) == seen;
       won = __shfl_sync(0xffffffffu, won, 0);
       const uint32_t n = __shfl_sync(0xffffffffu, tokens, s);
-      if (won != 0) return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed), n};
+      if (won != 0) {
+        return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed), n,
+                        seen == kDoorbellRequestLocal};
+      }
       hits &= hits - 1;
     }
     if (polls % kWaitPollsPerClock == 0) {
@@ -91,7 +101,7 @@ __device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start) {
       outcome = __shfl_sync(0xffffffffu, outcome, 0);
     }
   }
-  return RingPoll{-1, outcome, 0};
+  return RingPoll{-1, outcome, 0, false};
 }
 
 // Warp 0 only: writes the op record for the kernels behind (and, in a serving launch, for the
@@ -108,6 +118,7 @@ __device__ void WriteOpRecord(const DoorbellWaitParams& w, const RingPoll& r) {
       op->outcome = outcome;
       op->slot = 0xffffffffu;
       op->num_tokens = 0;
+      op->local = 0;
     }
     __syncwarp();
     return;
@@ -130,6 +141,7 @@ __device__ void WriteOpRecord(const DoorbellWaitParams& w, const RingPoll& r) {
         static_cast<uint32_t>(fits ? DoorbellOutcome::kServed : DoorbellOutcome::kRejected);
     op->slot = static_cast<uint32_t>(served);
     op->num_tokens = n;
+    op->local = r.local ? 1u : 0u;
   }
   __syncwarp();
 }
@@ -139,7 +151,7 @@ __global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParam
   // Launched as a programmatic dependent of the previous op's completion kernel: the op record
   // it reads must not be overwritten before that kernel finished.
   WaitForPrerequisiteGrid();
-  const RingPoll r = PollForRing(w, GlobalTimerNs());
+  const RingPoll r = PollForRing(w, GlobalTimerNs(), /*check_first=*/true);
   // Let the fused launch behind be scheduled now (programmatic dependent launch): its blocks wait
   // for this kernel to finish before they read the op.
   if (r.served >= 0) AllowDependentLaunch();
@@ -154,11 +166,17 @@ __device__ __forceinline__ uint32_t FusionSlotError(uint32_t fusion) {
 
 // Completes an op on `slot`. The error first (first one wins), then the release of the
 // completion: a client that sees the completion sees the error. The count needs no answer (a
-// reduction, no round trip).
-__device__ void CompleteSlot(DoorbellSlot* slot, uint32_t error) {
+// reduction, no round trip). `local`: the ring came from this GPU (kDoorbellRequestLocal), so a
+// GPU-scope release orders the op's outputs before the completion for it; a system-scope fence
+// costs about 1.5 us more here.
+__device__ void CompleteSlot(DoorbellSlot* slot, uint32_t error, bool local) {
   if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
   atomicAdd(&slot->served, 1u);
-  StoreReleaseSys(&slot->complete, kDoorbellComplete);
+  if (local) {
+    StoreReleaseGpu32(&slot->complete, kDoorbellComplete);
+  } else {
+    StoreReleaseSys(&slot->complete, kDoorbellComplete);
+  }
 }
 
 // One thread, after the fused launches of the op on the same stream.
@@ -179,7 +197,7 @@ __global__ void __launch_bounds__(1) DoorbellCompleteKernel(const DoorbellComple
       // workspace is poisoned and this op did nothing).
       error = FusionSlotError(LoadRelaxedSys(c.workspace_error));
     }
-    CompleteSlot(&c.slots[op->slot], error);
+    CompleteSlot(&c.slots[op->slot], error, op->local != 0);
   }
   if (c.report != nullptr) {
     // Host-mapped: the host reads it after the event recorded behind this kernel completed.
@@ -253,12 +271,13 @@ __device__ uint32_t InPlaceTokenLimit(const DoorbellServeParams& sp, uint32_t sl
 // (a round trip the successful op does not pay; every way the word gets set during an op goes
 // through a failing block, and an error left by an earlier op makes every block fail at once).
 // Returns the DoorbellError written to the slot (0: the op succeeded).
-__device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, bool maybe_failed) {
+__device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, bool maybe_failed,
+                                    bool local) {
   const uint32_t error =
       maybe_failed ? FusionSlotError(LoadRelaxedSys(
                          &fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error))
                    : 0u;
-  CompleteSlot(slot, error);
+  CompleteSlot(slot, error, local);
   return error;
 }
 
@@ -326,10 +345,12 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   uint32_t fail_bits = 0;       // block 0: `finished`'s failure bits after the last op
   bool maybe_failed = false;    // block 0, thread 0: a block of the current op failed
   bool ticket_due = false;      // block 0, thread 0: the current op's ticket follows its completion
+  bool local_ring = false;      // block 0, thread 0: the current op was rung from this GPU
   uint64_t since = 0;           // block 0, lane 0: the idle deadline counts from here
   uint32_t error_in_place = 0;  // block 0, thread 0: the failed in-place op's error, slot and
   uint32_t failed_slot = 0;     // token count
   uint32_t failed_tokens = 0;
+  DoorbellTraceRecord stamp{};  // block 0, thread 0, with a trace
   if (blockIdx.x == 0 && threadIdx.x == 0) since = GlobalTimerNs();
   if (threadIdx.x == 0) s_params_slot = kNoSlot;  // read after the loop's first barrier
   // Block 0's first warp: lane i holds the in-place token limit of slot i.
@@ -339,11 +360,23 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     if (blockIdx.x == 0) {
       if (threadIdx.x < 32) {
         const uint32_t failed = __shfl_sync(0xffffffffu, error_in_place, 0);
-        RingPoll r{-1, static_cast<uint32_t>(DoorbellOutcome::kFailedInPlace)};
+        RingPoll r{-1, static_cast<uint32_t>(DoorbellOutcome::kFailedInPlace), 0, false};
         bool in_place = false;
         uint32_t n = 0;
         if (failed == 0) {
-          r = PollForRing(sp.wait, since);
+          r = PollForRing(sp.wait, since, /*check_first=*/ops == 0);
+          if (sp.trace != nullptr && threadIdx.x == 0) {
+            stamp.taken = clock64();
+            stamp.taken_ns = GlobalTimerNs();
+            if (r.served >= 0) {
+              // The ring's stamps (zero unless the client runs with ARFUSE_RING_TRACE=1): on the
+              // request line, ordered before the request this warp acquired.
+              const uint64_t* words = reinterpret_cast<const uint64_t*>(
+                  &sp.wait.slots[r.served].reserved0[kDoorbellRingStampWord]);
+              stamp.ring_start_ns = LoadRelaxedSys64(words);
+              stamp.ring_release_ns = LoadRelaxedSys64(words + 1);
+            }
+          }
           if (r.served >= 0) {
             n = r.tokens;
             const uint32_t limit = __shfl_sync(0xffffffffu, inplace_limit, r.served);
@@ -369,6 +402,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
           if (!ticket_due) {
             PublishTicket(st, in_place, static_cast<uint32_t>(r.served), n, active, ops + 1);
           }
+          local_ring = r.local;
           s_cmd = in_place ? kCmdRun : kCmdLeave;
           s_slot = static_cast<uint32_t>(r.served);
           s_tokens = n;
@@ -391,6 +425,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     if (s_cmd == kCmdLeave) break;
     ++ops;
     const uint32_t active = s_active;
+    if (sp.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) stamp.announced = clock64();
     // Blocks beyond the op's rows sit it out: they neither run it nor count (the one-shot
     // body's own counting and epoch advance use `active` as the grid).
     if (blockIdx.x < active) {
@@ -403,6 +438,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
       // Every thread's stores of this block before its count (or, for block 0, the completion);
       // the OR says whether any thread of the block failed.
       const bool block_failed = __syncthreads_or(failure != 0) != 0;
+      if (sp.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) stamp.rows_done = clock64();
       if (threadIdx.x == 0) {
         if (active > 1) {
           AtomicAddAcqRelGpu(&st->finished, kFinishedOne + (block_failed ? kFinishedFail : 0u));
@@ -435,7 +471,15 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
           fail_bits = finished >> 24;
         }
       }
-      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params, maybe_failed);
+      if (sp.trace != nullptr) stamp.all_done = clock64();
+      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params, maybe_failed, local_ring);
+      if (sp.trace != nullptr) {
+        stamp.completed = clock64();
+        stamp.completed_ns = GlobalTimerNs();
+        stamp.tokens = s_tokens;
+        stamp.op = ops;
+        sp.trace[(ops - 1) % sp.trace_ops] = stamp;
+      }
       if (ticket_due) PublishTicket(st, true, s_slot, s_tokens, 1u, ops);
       failed_slot = s_slot;
       failed_tokens = s_tokens;
@@ -571,6 +615,8 @@ cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& sp, const char**
     problem = "in-place slot mask is empty or not within the waiter's slot mask";
   } else if (sp.max_blocks == 0) {
     problem = "serving launch has no blocks (max_blocks is 0)";
+  } else if (sp.trace != nullptr && (sp.trace_ops == 0 || !Aligned(sp.trace, 8))) {
+    problem = "serving trace has no records or is misaligned";
   } else {
     FusionParams t = sp.inplace_template;
     t.num_tokens = 0;

@@ -104,6 +104,10 @@ absl::StatusOr<std::unique_ptr<DoorbellPlane>> DoorbellPlane::Create(
       options.poll_interval > absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("doorbell poll interval must be in (0, 100 ms]");
   }
+  if (options.trace_ops > kMaxDoorbellTraceOps) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "doorbell trace holds at most ", kMaxDoorbellTraceOps, " ops, got ", options.trace_ops));
+  }
   std::unique_ptr<DoorbellPlane> plane(new DoorbellPlane(options));
   ARFUSE_RETURN_IF_ERROR(plane->Allocate());
   plane->thread_ = std::thread([p = plane.get()] { p->Loop(); });
@@ -129,6 +133,22 @@ absl::Status DoorbellPlane::Allocate() {
   op_ = static_cast<DoorbellOp*>(raw);
   ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(block_, 0, sizeof(DoorbellBlock), side_stream_),
                        "doorbell slot block reset");
+  {
+    // Every slot names the GPU that holds it: a client ringing from this GPU orders the op at GPU
+    // scope (DoorbellRingScopeFor). Written once; no kernel touches these bytes.
+    cudaDeviceProp prop;
+    ARFUSE_DOORBELL_CUDA(cudaGetDeviceProperties(&prop, options_.device),
+                         "doorbell device properties");
+    uint8_t uuids[kMaxDoorbellSlots][sizeof(DoorbellSlot::owner_uuid)];
+    static_assert(sizeof(prop.uuid.bytes) == sizeof(DoorbellSlot::owner_uuid));
+    for (auto& u : uuids) std::memcpy(u, prop.uuid.bytes, sizeof(u));
+    ARFUSE_DOORBELL_CUDA(cudaMemcpy2DAsync(&block_->slots[0].owner_uuid, sizeof(DoorbellSlot),
+                                           uuids, sizeof(uuids[0]), sizeof(uuids[0]),
+                                           kMaxDoorbellSlots, cudaMemcpyHostToDevice, side_stream_),
+                         "doorbell slot owner");
+    // The copy reads `uuids` (pageable, on this stack) until it completes.
+    ARFUSE_DOORBELL_CUDA(cudaStreamSynchronize(side_stream_), "doorbell slot owner");
+  }
   ARFUSE_DOORBELL_CUDA(
       cudaMemsetAsync(plan_table_, 0, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry), side_stream_),
       "doorbell plan table reset");
@@ -139,6 +159,12 @@ absl::Status DoorbellPlane::Allocate() {
   serve_state_ = static_cast<DoorbellServeState*>(raw);
   ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(serve_state_, 0, sizeof(DoorbellServeState), side_stream_),
                        "doorbell serving state reset");
+  if (options_.trace_ops > 0) {
+    const size_t bytes = options_.trace_ops * sizeof(DoorbellTraceRecord);
+    ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, bytes), "doorbell trace allocation");
+    trace_ = static_cast<DoorbellTraceRecord*>(raw);
+    ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(trace_, 0, bytes, side_stream_), "doorbell trace reset");
+  }
 
   ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped),
                        "doorbell control words allocation");
@@ -223,10 +249,36 @@ DoorbellPlane::~DoorbellPlane() {
   if (plan_table_ != nullptr) cudaFree(plan_table_);
   if (op_ != nullptr) cudaFree(op_);
   if (serve_state_ != nullptr) cudaFree(serve_state_);
+  if (trace_ != nullptr) cudaFree(trace_);
   if (control_host_ != nullptr) cudaFreeHost(control_host_);
   if (reports_host_ != nullptr) cudaFreeHost(reports_host_);
   if (staging_ != nullptr) cudaFreeHost(staging_);
   cudaGetLastError();
+}
+
+absl::StatusOr<std::vector<DoorbellTraceRecord>> DoorbellPlane::ReadTrace() {
+  if (trace_ == nullptr) {
+    return absl::FailedPreconditionError("doorbell plane has no trace (trace_ops is 0)");
+  }
+  std::vector<DoorbellTraceRecord> records(options_.trace_ops);
+  ScopedDevice device(options_.device);
+  ARFUSE_DOORBELL_CUDA(
+      cudaMemcpyAsync(records.data(), trace_, records.size() * sizeof(DoorbellTraceRecord),
+                      cudaMemcpyDeviceToHost, side_stream_),
+      "doorbell trace copy");
+  ARFUSE_RETURN_IF_ERROR(WaitSideStream(absl::Now() + kSideStreamWait, "doorbell trace copy"));
+  return records;
+}
+
+absl::Status DoorbellPlane::ClearTrace() {
+  if (trace_ == nullptr) {
+    return absl::FailedPreconditionError("doorbell plane has no trace (trace_ops is 0)");
+  }
+  ScopedDevice device(options_.device);
+  ARFUSE_DOORBELL_CUDA(
+      cudaMemsetAsync(trace_, 0, options_.trace_ops * sizeof(DoorbellTraceRecord), side_stream_),
+      "doorbell trace reset");
+  return WaitSideStream(absl::Now() + kSideStreamWait, "doorbell trace reset");
 }
 
 absl::Status DoorbellPlane::WaitSideStream(absl::Time deadline, const char* what) {
@@ -676,6 +728,9 @@ absl::Status DoorbellPlane::EnqueueTripleLocked() {
     sp.wait = w;
     sp.state = serve_state_;
     sp.report = reports_device_ + entry;
+    sp.trace = trace_;
+    sp.trace_ops = trace_ != nullptr ? options_.trace_ops : 0u;
+
     ARFUSE_DOORBELL_CUDA(LaunchDoorbellServe(sp, options_.stream, pdl), "doorbell serving launch");
   } else {
     ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");

@@ -81,7 +81,11 @@ struct DoorbellPlaneOptions {
   // or fewer fit the SM budget). Idle, they poll one word with __nanosleep: their cost to the
   // client's kernels is the SM slots they hold (docs/doorbell.md has the measurement).
   uint32_t serve_blocks = 32;
+  // Diagnostics: keep a trace of the last `trace_ops` in-place ops (DoorbellTraceRecord: when
+  // each step of the serving launch happened, ReadTrace). 0 = off, at most kMaxDoorbellTraceOps.
+  uint32_t trace_ops = 0;
 };
+inline constexpr uint32_t kMaxDoorbellTraceOps = 1u << 16;
 
 struct DoorbellPlanOptions {
   // Largest token count a ring may ask for; 0 = all the workspace fits at the plan's hidden.
@@ -154,6 +158,12 @@ class DoorbellPlane {
   void Stop();
 
   DoorbellPlaneStatus Status() const;
+  // The trace of in-place ops (trace_ops records, in ring order: a record whose `op` is 0 was
+  // never written). A copy on the plane's own side stream: ops served meanwhile may be half
+  // written, so read it when no ring is in flight. FAILED_PRECONDITION without a trace.
+  absl::StatusOr<std::vector<DoorbellTraceRecord>> ReadTrace();
+  // Zeroes the trace (the same caveat).
+  absl::Status ClearTrace();
   // Where the slots live (for tests and the in-process self-test): device pointer of slot `slot`.
   DoorbellSlot* slot_for_testing(uint32_t slot) const;
 
@@ -198,6 +208,7 @@ class DoorbellPlane {
   DoorbellPlanEntry* plan_table_ = nullptr;
   DoorbellOp* op_ = nullptr;
   DoorbellServeState* serve_state_ = nullptr;
+  DoorbellTraceRecord* trace_ = nullptr;  // trace_ops records, or null
   // Host-mapped: host pointer and device address of the same words.
   DoorbellControl* control_host_ = nullptr;
   const DoorbellControl* control_device_ = nullptr;

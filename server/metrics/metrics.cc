@@ -9,6 +9,7 @@
 
 #include <mutex>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 namespace arfuse {
@@ -29,6 +30,16 @@ struct Metrics::Families {
   prometheus::Gauge& ready;
   std::mutex backend_mu;
   prometheus::Gauge* backend_gauge = nullptr;
+  // The series one op updates, per label set. Family::Add builds and hashes the label map and
+  // takes the family's lock on every call; an eager op records itself before its reply, so the
+  // series are looked up once per label set and kept (they live as long as the registry).
+  struct OpSeries {
+    prometheus::Counter* ops = nullptr;
+    prometheus::Histogram* latency = nullptr;
+    prometheus::Counter* bytes = nullptr;  // null for failed ops: they reduce nothing
+  };
+  std::mutex series_mu;
+  absl::flat_hash_map<std::string, OpSeries> series;
 };
 
 namespace {
@@ -119,6 +130,10 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const std:
           .Labels(constant)
           .Register(r)
           .Add({}),
+      /*backend_mu=*/{},
+      /*backend_gauge=*/nullptr,
+      /*series_mu=*/{},
+      /*series=*/{},
   });
   prometheus::BuildGauge()
       .Name("arfuse_build_info")
@@ -145,15 +160,28 @@ absl::Status Metrics::Serve(int port) {
 }
 
 void Metrics::RecordOp(const OpSample& s) {
-  std::map<std::string, std::string> labels = {{"plane", s.plane},
-                                               {"backend", s.backend},
-                                               {"path", s.path},
-                                               {"reason", s.reason},
-                                               {"result", s.ok ? "ok" : "error"}};
-  families_->ops.Add(labels).Increment();
-  families_->latency.Add({{"plane", s.plane}, {"path", s.path}}, LatencyBuckets())
-      .Observe(s.latency_s);
-  if (s.ok) families_->bytes.Add({{"path", s.path}}).Increment(static_cast<double>(s.bytes));
+  // The label values never hold '|' (fixed names), so the joined key is unambiguous.
+  const std::string key =
+      absl::StrCat(s.plane, "|", s.backend, "|", s.path, "|", s.reason, "|", s.ok ? "ok" : "error");
+  Families::OpSeries series;
+  {
+    std::lock_guard<std::mutex> lock(families_->series_mu);
+    auto [it, added] = families_->series.try_emplace(key);
+    if (added) {
+      it->second.ops = &families_->ops.Add({{"plane", s.plane},
+                                            {"backend", s.backend},
+                                            {"path", s.path},
+                                            {"reason", s.reason},
+                                            {"result", s.ok ? "ok" : "error"}});
+      it->second.latency =
+          &families_->latency.Add({{"plane", s.plane}, {"path", s.path}}, LatencyBuckets());
+      if (s.ok) it->second.bytes = &families_->bytes.Add({{"path", s.path}});
+    }
+    series = it->second;
+  }
+  series.ops->Increment();
+  series.latency->Observe(s.latency_s);
+  if (series.bytes != nullptr) series.bytes->Increment(static_cast<double>(s.bytes));
   // Relaxed: each counter is a tally on its own; no reader infers anything from their order.
   if (!s.ok) {
     ops_failed_.fetch_add(1, std::memory_order_relaxed);

@@ -94,8 +94,9 @@ absl::StatusOr<Plan*> FindPlan(Session& s, uint64_t plan_id, uint64_t generation
   if (it == s.plans.end()) {
     return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
   }
-  ARFUSE_RETURN_IF_ERROR(
-      CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation));
+  if (generation == 0 || generation != it->second.generation) {
+    return CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation);
+  }
   return &it->second;
 }
 
@@ -461,9 +462,11 @@ absl::StatusOr<ResolvedOp> Registry::ResolveOp(uint64_t session_id, const OpRequ
 absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpShape& shape,
                                                    const OpRequest& refs, uint32_t num_tokens,
                                                    bool from_plan) {
+  std::vector<TensorRole> roles = RolesFor(shape.pattern);
   std::vector<Placement> placements;
   std::vector<std::shared_ptr<Region>> regions;
-  std::vector<TensorRole> roles = RolesFor(shape.pattern);
+  placements.reserve(roles.size());
+  regions.reserve(roles.size());
   for (TensorRole role : roles) {
     const TensorRef& ref = RefFor(refs, role);
     const char* rn = TensorRoleName(role);
@@ -478,8 +481,11 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
           absl::StrCat(rn, ": region ", ref.region_id, " is not registered in this session"));
     }
     const std::shared_ptr<Region>& r = it->second;
-    ARFUSE_RETURN_IF_ERROR(CheckGeneration(absl::StrCat(rn, ": region ", ref.region_id),
-                                           ref.generation, r->generation));
+    // The name is built only for the error: this runs for every tensor of every eager op.
+    if (ref.generation == 0 || ref.generation != r->generation) {
+      return CheckGeneration(absl::StrCat(rn, ": region ", ref.region_id), ref.generation,
+                             r->generation);
+    }
     if (r->unregistering) {
       return absl::FailedPreconditionError(
           absl::StrCat(rn, ": region ", ref.region_id, " is being unregistered"));

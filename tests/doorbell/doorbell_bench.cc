@@ -12,7 +12,12 @@
 //
 // usage: doorbell_bench [--world=2] [--hidden=4096] [--tokens=1,8,32,128] [--ops=3000]
 //                       [--per_graph=100] [--algo=oneshot|twoshot] [--queue=32] [--poll_us=5]
-//                       [--pdl] [--json=PATH]
+//                       [--pdl] [--serve_blocks=32] [--trace] [--system_scope] [--json=PATH]
+// --trace: rank 0's plane keeps a trace of its in-place ops (DoorbellPlaneOptions::trace_ops);
+// after each token count the bench prints where an op's time went (trace line, medians); with
+// ARFUSE_RING_TRACE=1 also the ring kernel's side (its stamps on the request line).
+// --system_scope: ring at system scope (kDoorbellRequest) instead of the scope the client library
+// picks for a ring on the slot's own GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -54,6 +59,9 @@ struct Args {
   uint32_t queue = 32;
   int poll_us = 5;
   bool pdl = false;
+  uint32_t serve_blocks = 32;
+  bool trace = false;
+  bool system_scope = false;
   std::string json;
 };
 
@@ -78,6 +86,12 @@ bool Parse(int argc, char** argv, Args* a) {
       ok = absl::SimpleAtoi(value, &a->poll_us);
     } else if (key == "--pdl") {
       a->pdl = true;
+    } else if (key == "--trace") {
+      a->trace = true;
+    } else if (key == "--system_scope") {
+      a->system_scope = true;
+    } else if (key == "--serve_blocks") {
+      ok = absl::SimpleAtoi(value, &a->serve_blocks);
     } else if (key == "--json") {
       a->json = value;
     } else if (key == "--algo") {
@@ -162,6 +176,72 @@ std::vector<cudaGraphExec_t> CaptureEach(RankGroup& g, int per_graph, Launch lau
   return execs;
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// One line on where rank 0's in-place ops of `tokens` tokens spent their time, from its plane's
+// trace: the serving launch's steps (block 0's view) and, between one op's completion and the
+// next op's taking, the client's side (it sees the completion, its ring kernel ends, the next
+// ring kernel starts, checks the slot and rings) plus the poll that notices the ring.
+void PrintTrace(const std::vector<DoorbellTraceRecord>& trace, uint32_t tokens) {
+  std::vector<DoorbellTraceRecord> ops;
+  for (const DoorbellTraceRecord& r : trace) {
+    if (r.op != 0 && r.tokens == tokens && r.completed > r.taken && r.completed_ns > r.taken_ns) {
+      ops.push_back(r);
+    }
+  }
+  if (ops.size() < 2) {
+    std::printf("trace %u tokens: %zu in-place ops recorded\n", tokens, ops.size());
+    return;
+  }
+  std::sort(ops.begin(), ops.end(), [](const DoorbellTraceRecord& x, const DoorbellTraceRecord& y) {
+    return x.taken_ns < y.taken_ns;
+  });
+  // SM cycles to ns from the global timer over every op (its resolution averages out).
+  double cycles = 0, ns = 0;
+  for (const DoorbellTraceRecord& r : ops) {
+    cycles += static_cast<double>(r.completed - r.taken);
+    ns += static_cast<double>(r.completed_ns - r.taken_ns);
+  }
+  const double us_per_cycle = ns / cycles / 1000.0;
+  std::vector<double> announce, rows, all, complete, gap, period, turnover, checks, take;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const DoorbellTraceRecord& r = ops[i];
+    announce.push_back((r.announced - r.taken) * us_per_cycle);
+    rows.push_back((r.rows_done - r.announced) * us_per_cycle);
+    all.push_back((r.all_done - r.rows_done) * us_per_cycle);
+    complete.push_back((r.completed - r.all_done) * us_per_cycle);
+    // Consecutive ops of one launch: the same block 0, so the same SM's cycle counter.
+    if (i + 1 < ops.size() && ops[i + 1].op == r.op + 1) {
+      gap.push_back((ops[i + 1].taken - r.completed) * us_per_cycle);
+      period.push_back((ops[i + 1].taken - r.taken) * us_per_cycle);
+      const DoorbellTraceRecord& n = ops[i + 1];
+      if (n.ring_start_ns != 0 && n.ring_release_ns >= n.ring_start_ns) {
+        // Global timer: the completion's store -> the next ring kernel past griddepcontrol.wait
+        // -> its release -> the serving warp took it.
+        turnover.push_back((static_cast<double>(n.ring_start_ns) - r.completed_ns) / 1000.0);
+        checks.push_back((n.ring_release_ns - n.ring_start_ns) / 1000.0);
+        take.push_back((static_cast<double>(n.taken_ns) - n.ring_release_ns) / 1000.0);
+      }
+    }
+  }
+  std::printf(
+      "trace %u tokens, rank 0, %zu ops (medians, us): taken->announced %.2f, announced->rows "
+      "done %.2f, rows->all blocks %.2f, all->completed %.2f | completed->next taken %.2f "
+      "(client side + poll) | taken->next taken %.2f (%zu pairs; %.3f ns per SM cycle)\n",
+      tokens, ops.size(), Median(announce), Median(rows), Median(all), Median(complete),
+      Median(gap), Median(period), gap.size(), us_per_cycle * 1000.0);
+  if (!turnover.empty()) {
+    std::printf(
+        "  ring stamps (%zu): completed->next ring started %.2f, ring checks %.2f, ring "
+        "release->taken %.2f\n",
+        turnover.size(), Median(turnover), Median(checks), Median(take));
+  }
+}
+
 struct Row {
   uint32_t tokens = 0;
   double inprocess_us = 0;
@@ -195,9 +275,9 @@ int Main(int argc, char** argv) {
   std::printf("%s\n", DescribeDoorbell(hop, mps.active()).c_str());
   std::printf(
       "world=%d hidden=%u dtype=bf16 algo=%s ops=%d per_graph=%d queue=%u poll_us=%d "
-      "pdl=%d; ranks simulated in one process on one GPU; %s\n",
+      "pdl=%d serve_blocks=%u; ranks simulated in one process on one GPU; %s\n",
       a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.per_graph,
-      a.queue, a.poll_us, a.pdl ? 1 : 0, mps.Describe().c_str());
+      a.queue, a.poll_us, a.pdl ? 1 : 0, a.serve_blocks, mps.Describe().c_str());
   const uint32_t max_tokens = *std::max_element(a.tokens.begin(), a.tokens.end());
   RankGroup g(GroupShape{a.world, max_tokens, a.hidden, DType::kBF16});
   if (!g.ok() || !g.Init().ok()) {
@@ -210,6 +290,7 @@ int Main(int argc, char** argv) {
   po.poll_interval = absl::Microseconds(a.poll_us);
   po.idle_timeout = absl::Seconds(1);
   po.programmatic_launch = a.pdl;
+  po.serve_blocks = a.serve_blocks;
   std::vector<std::unique_ptr<DoorbellPlane>> planes;
   for (int r = 0; r < a.world; ++r) {
     DoorbellPlaneOptions o = po;
@@ -217,6 +298,7 @@ int Main(int argc, char** argv) {
     o.local_workspace = g.workspace(r);
     o.layout = g.layout();
     o.host_abort = g.host_abort().device();
+    if (a.trace && r == 0) o.trace_ops = 8192;
     auto p = DoorbellPlane::Create(o);
     if (!p.ok()) {
       std::fprintf(stderr, "doorbell_bench: %s\n", p.status().ToString().c_str());
@@ -236,6 +318,21 @@ int Main(int argc, char** argv) {
     }
     slots.push_back(planes[r]->slot_for_testing(h->slot));
   }
+  // The scope libarfuse_ring would pick (GPU scope: every simulated rank is on the slots' GPU),
+  // or system scope with --system_scope.
+  std::vector<DoorbellScope> scopes(a.world, DoorbellScope::kSystem);
+  for (int r = 0; r < a.world && !a.system_scope; ++r) {
+    uint8_t owner[sizeof(DoorbellSlot::owner_uuid)];
+    if (PrepareDoorbellRing() != cudaSuccess ||
+        cudaMemcpy(owner, slots[r]->owner_uuid, sizeof(owner), cudaMemcpyDeviceToHost) !=
+            cudaSuccess ||
+        DoorbellRingScopeFor(owner, &scopes[r]) != cudaSuccess) {
+      std::fprintf(stderr, "doorbell_bench: cannot work out the ring scope\n");
+      return 1;
+    }
+  }
+  std::printf("ring scope: %s\n",
+              scopes[0] == DoorbellScope::kDevice ? "device (kDoorbellRequestLocal)" : "system");
   std::mt19937 rng(1);
   const int replays = a.ops / a.per_graph;
   std::vector<Row> rows;
@@ -252,7 +349,7 @@ int Main(int argc, char** argv) {
       LaunchAllReduceFusion(g.Params(r, t, a.algo), s);
     });
     auto rings = CaptureEach(g, a.per_graph, [&](int r, cudaStream_t s) {
-      LaunchDoorbellRing(slots[r], t, 10'000'000'000ull, s);
+      LaunchDoorbellRing(slots[r], t, 10'000'000'000ull, s, scopes[r]);
     });
     if (static_cast<int>(reference.size()) != a.world ||
         static_cast<int>(rings.size()) != a.world) {
@@ -263,8 +360,17 @@ int Main(int argc, char** argv) {
     // The in-process ops ran on the client streams; the doorbell ops run on the sidecar streams.
     // Both use the same workspaces in the same order on every rank, so they may follow each other.
     const uint64_t idle_before = planes[0]->Status().idle;
+    if (a.trace && !planes[0]->ClearTrace().ok()) return 1;
     row.doorbell_us = TimeReplays(g, rings, replays, a.per_graph);
     row.idle = planes[0]->Status().idle - idle_before;
+    if (a.trace) {
+      auto trace = planes[0]->ReadTrace();
+      if (!trace.ok()) {
+        std::fprintf(stderr, "doorbell_bench: %s\n", trace.status().ToString().c_str());
+        return 1;
+      }
+      PrintTrace(*trace, t);
+    }
     uint32_t slot_error = 0;
     for (int r = 0; r < a.world; ++r) {
       DoorbellSlot s;

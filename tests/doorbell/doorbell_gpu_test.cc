@@ -124,7 +124,8 @@ class Planes {
 
   // One graph per rank holding one ring per entry of `rings` (plan, tokens).
   absl::StatusOr<std::vector<cudaGraphExec_t>> Capture(
-      const std::vector<std::pair<uint32_t, uint32_t>>& rings) {
+      const std::vector<std::pair<uint32_t, uint32_t>>& rings,
+      DoorbellScope scope = DoorbellScope::kSystem) {
     std::vector<cudaGraphExec_t> execs;
     if (PrepareDoorbellRing() != cudaSuccess) return absl::InternalError("ring kernel load");
     for (int r = 0; r < g_.world(); ++r) {
@@ -135,7 +136,7 @@ class Planes {
       cudaError_t launch = cudaSuccess;
       for (auto [plan, tokens] : rings) {
         if (launch == cudaSuccess)
-          launch = LaunchDoorbellRing(slot(plan, r), tokens, kRingTimeoutNs, s);
+          launch = LaunchDoorbellRing(slot(plan, r), tokens, kRingTimeoutNs, s, scope);
       }
       cudaGraph_t graph = nullptr;
       const cudaError_t end = cudaStreamEndCapture(s, &graph);
@@ -189,7 +190,10 @@ class DoorbellReplay : public ::testing::TestWithParam<int> {};
 TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
   REQUIRE_GPU();
   const bool pdl = GetParam() == 1;
-  const bool in_place = GetParam() == 2;
+  const bool in_place = GetParam() == 2 || GetParam() == 4;
+  // 3, 4: the rings come from the GPU that holds the slots (every simulated rank is on it), so
+  // they ring kDoorbellRequestLocal and the op is ordered at GPU scope on both sides.
+  const DoorbellScope scope = GetParam() >= 3 ? DoorbellScope::kDevice : DoorbellScope::kSystem;
   for (int world : {2, 4}) {
     SCOPED_TRACE(::testing::Message() << "world " << world << " programmatic launch " << pdl);
     RankGroup g(GroupShape{world, 64, 1024, DType::kBF16});
@@ -206,10 +210,20 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
     auto plan = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, opts);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ASSERT_TRUE(planes.StartAll().ok());
+    if (scope == DoorbellScope::kDevice) {
+      // What the client library does: the slot names this GPU, so rings here may use GPU scope.
+      CUDA_OK(PrepareDoorbellRing());
+      for (int r = 0; r < world; ++r) {
+        const DoorbellSlot owner = ReadSlot(planes.slot(*plan, r));
+        DoorbellScope found = DoorbellScope::kSystem;
+        CUDA_OK(DoorbellRingScopeFor(owner.owner_uuid, &found));
+        ASSERT_EQ(found, DoorbellScope::kDevice) << "rank " << r;
+      }
+    }
     const uint32_t token_cycle[] = {1, 7, 31, 32, 64, 3};
     std::map<uint32_t, std::vector<cudaGraphExec_t>> execs;
     for (uint32_t t : token_cycle) {
-      auto e = planes.Capture({{*plan, t}});
+      auto e = planes.Capture({{*plan, t}}, scope);
       ASSERT_TRUE(e.ok()) << e.status();
       execs[t] = *e;
     }
@@ -268,10 +282,40 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
 // dependent launches; in_place: the serving launch runs the one-shot rings itself (the two-shot
 // ones still go through the fused launch behind it).
 std::string LaunchModeName(const ::testing::TestParamInfo<int>& info) {
-  static const char* const kNames[] = {"plain", "programmatic", "in_place"};
+  static const char* const kNames[] = {"plain", "programmatic", "in_place", "plain_device_scope",
+                                       "in_place_device_scope"};
   return kNames[info.param];
 }
-INSTANTIATE_TEST_SUITE_P(Launch, DoorbellReplay, ::testing::Values(0, 1, 2), LaunchModeName);
+INSTANTIATE_TEST_SUITE_P(Launch, DoorbellReplay, ::testing::Values(0, 1, 2, 3, 4), LaunchModeName);
+
+// The scope check: the slot's owner UUID against the device of the ring's stream.
+TEST(DoorbellGpu, RingScopeIsDeviceOnlyForTheSlotsOwnGpu) {
+  REQUIRE_GPU();
+  RankGroup g(GroupShape{2, 8, 1024, DType::kBF16});
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE(g.Init().ok());
+  Planes planes(g, FastOptions());
+  ASSERT_TRUE(planes.status().ok()) << planes.status();
+  DoorbellPlanOptions opts;
+  opts.max_tokens = 8;
+  auto plan = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, opts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  DoorbellSlot owner = ReadSlot(planes.slot(*plan, 0));
+  DoorbellScope scope = DoorbellScope::kSystem;
+  CUDA_OK(PrepareDoorbellRing());
+  CUDA_OK(cudaSetDevice(0));  // the ring runs on the current device
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  ASSERT_EQ(std::memcmp(owner.owner_uuid, prop.uuid.bytes, 16), 0);
+  CUDA_OK(DoorbellRingScopeFor(owner.owner_uuid, &scope));
+  EXPECT_EQ(scope, DoorbellScope::kDevice);
+  // Another GPU's block (or an older sidecar's, all zeros): system scope.
+  owner.owner_uuid[0] ^= 0xffu;
+  CUDA_OK(DoorbellRingScopeFor(owner.owner_uuid, &scope));
+  EXPECT_EQ(scope, DoorbellScope::kSystem);
+  EXPECT_EQ(DoorbellRingScopeFor(nullptr, &scope), cudaErrorInvalidValue);
+  EXPECT_EQ(DoorbellRingScopeFor(owner.owner_uuid, nullptr), cudaErrorInvalidValue);
+}
 
 // A client that never rings: waiters reach their deadline, consume nothing and are replaced; the
 // plane still serves the next ring; teardown does not wait.

@@ -48,7 +48,8 @@ TEST(DoorbellLayout, DeviceRecordsKeepTheirSizes) {
   EXPECT_EQ(offsetof(DoorbellReport, served_in_place), 16u);
   EXPECT_EQ(sizeof(DoorbellWaitParams), 64u);
   EXPECT_EQ(sizeof(DoorbellServeState), 128u);   // zeroed by the host, one line
-  EXPECT_EQ(sizeof(DoorbellServeParams), 400u);  // a kernel parameter
+  EXPECT_EQ(sizeof(DoorbellServeParams), 416u);  // a kernel parameter
+  EXPECT_EQ(sizeof(DoorbellTraceRecord), 80u);   // copied to the host as is
 }
 
 // The values travel to clients in CreatePlan's Doorbell message and are baked into captured
@@ -58,6 +59,12 @@ TEST(DoorbellLayout, HandshakeValuesAreFixed) {
   EXPECT_EQ(kDoorbellRequest, 0x52494e47u);
   EXPECT_EQ(kDoorbellComplete, 0x444f4e45u);
   EXPECT_NE(kDoorbellRequest, kDoorbellComplete);
+  // A ring from the slot's own GPU: another request value, never a completion or the reset.
+  EXPECT_EQ(kDoorbellRequestLocal, 0x524e474cu);
+  EXPECT_NE(kDoorbellRequestLocal, kDoorbellRequest);
+  EXPECT_NE(kDoorbellRequestLocal, kDoorbellComplete);
+  EXPECT_NE(kDoorbellRequestLocal, kDoorbellReset);
+  EXPECT_EQ(offsetof(DoorbellSlot, owner_uuid), 2 * kDoorbellLineBytes + 8);  // the cold line
   DoorbellHandle h;
   EXPECT_EQ(h.request_value, kDoorbellRequest);
   EXPECT_EQ(h.complete_value, kDoorbellComplete);
@@ -108,6 +115,13 @@ TEST(DoorbellLaunch, RingRefusesBadArgumentsBeforeTheDevice) {
   EXPECT_EQ(LaunchDoorbellRing(nullptr, 1, 1000, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchDoorbellRing(Misaligned(), 1, 1000, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchDoorbellRing(Aligned(), 1, 0, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchDoorbellRing(Aligned(), 1, 1000, nullptr, static_cast<DoorbellScope>(7)),
+            cudaErrorInvalidValue);
+  // The scope check refuses missing arguments before any CUDA call.
+  DoorbellScope scope = DoorbellScope::kDevice;
+  const uint8_t uuid[16] = {};
+  EXPECT_EQ(DoorbellRingScopeFor(nullptr, &scope), cudaErrorInvalidValue);
+  EXPECT_EQ(DoorbellRingScopeFor(uuid, nullptr), cudaErrorInvalidValue);
 }
 
 DoorbellWaitParams GoodWait() {
@@ -215,6 +229,16 @@ TEST(DoorbellLaunch, ServingLaunchRefusesBadParamsBeforeTheDevice) {
       {[](DoorbellServeParams& sp) { sp.inplace_mask = 0; }, "in-place slot mask is empty"},
       {[](DoorbellServeParams& sp) { sp.inplace_mask = 0x4; }, "not within the waiter's"},
       {[](DoorbellServeParams& sp) { sp.max_blocks = 0; }, "max_blocks is 0"},
+      {[](DoorbellServeParams& sp) {
+         sp.trace = reinterpret_cast<DoorbellTraceRecord*>(uintptr_t{0x70000});
+         sp.trace_ops = 0;
+       },
+       "trace has no records"},
+      {[](DoorbellServeParams& sp) {
+         sp.trace = reinterpret_cast<DoorbellTraceRecord*>(uintptr_t{0x70004});
+         sp.trace_ops = 16;
+       },
+       "trace has no records or is misaligned"},
       {[](DoorbellServeParams& sp) { sp.inplace_template.world_size = 3; }, "combination"},
       {[](DoorbellServeParams& sp) { sp.inplace_template.hidden = 1028; },
        "hidden is not a positive multiple of 8"},
@@ -275,6 +299,8 @@ TEST(DoorbellPlaneOptions, CreateRefusesBadOptionsBeforeTheDevice) {
       {[](DoorbellPlaneOptions& o) { o.queue_depth = 65; }, "got 65"},
       {[](DoorbellPlaneOptions& o) { o.idle_timeout = absl::ZeroDuration(); }, "idle timeout"},
       {[](DoorbellPlaneOptions& o) { o.poll_interval = absl::Seconds(1); }, "poll interval"},
+      {[](DoorbellPlaneOptions& o) { o.trace_ops = kMaxDoorbellTraceOps + 1; },
+       "trace holds at most 65536 ops, got 65537"},
   };
   for (const Case& c : cases) {
     DoorbellPlaneOptions o = good();

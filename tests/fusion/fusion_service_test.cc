@@ -167,6 +167,15 @@ TEST(ClientOptionsTest, KeepaliveOutsideItsRangeIsRefused) {
   }
 }
 
+TEST(ClientExecPathName, EveryPathHasItsShortName) {
+  EXPECT_STREQ(client::ExecPathName(v1::EXEC_PATH_ONESHOT), "oneshot");
+  EXPECT_STREQ(client::ExecPathName(v1::EXEC_PATH_TWOSHOT), "twoshot");
+  EXPECT_STREQ(client::ExecPathName(v1::EXEC_PATH_UNFUSED), "unfused");
+  EXPECT_STREQ(client::ExecPathName(v1::EXEC_PATH_HOST), "host");
+  EXPECT_STREQ(client::ExecPathName(v1::EXEC_PATH_UNSPECIFIED), "unknown");
+  EXPECT_STREQ(client::ExecPathName(static_cast<v1::ExecPath>(99)), "unknown");
+}
+
 TEST_F(FusionServiceTest, ExecutePlanWritesTheOutputs) {
   auto c = Connect();
   NormBuffers b = MakeNorm(*c);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
 
 namespace arfuse {
 namespace cuda_events_internal {
@@ -71,10 +72,15 @@ CudaEventIpc::~CudaEventIpc() = default;
 absl::StatusOr<std::unique_ptr<OpEvents>> CudaEventIpc::Prepare(const std::string& wait_handle) {
   static_assert(sizeof(cudaIpcEventHandle_t) == 64);
   std::lock_guard<std::mutex> lock(state_->mu);
-  if (cudaSetDevice(state_->device) != cudaSuccess) {
-    cudaGetLastError();
-    return absl::UnavailableError("sidecar cannot use its device");
-  }
+  // Only opening and creating events needs the device current (the engine sets it again before
+  // its own calls): an op whose events are cached makes no CUDA call here.
+  auto use_device = [this]() -> absl::Status {
+    if (cudaSetDevice(state_->device) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::UnavailableError("sidecar cannot use its device");
+    }
+    return absl::OkStatus();
+  };
   cudaEvent_t wait = nullptr;
   if (!wait_handle.empty()) {
     if (wait_handle.size() != sizeof(cudaIpcEventHandle_t)) {
@@ -84,15 +90,16 @@ absl::StatusOr<std::unique_ptr<OpEvents>> CudaEventIpc::Prepare(const std::strin
     if (it != state_->waits.end()) {
       wait = it->second;
     } else {
+      ARFUSE_RETURN_IF_ERROR(use_device());
       cudaIpcEventHandle_t h;
       std::memcpy(&h, wait_handle.data(), sizeof(h));
       cudaError_t err = cudaIpcOpenEventHandle(&wait, h);
       if (err != cudaSuccess) {
         cudaGetLastError();
-        return absl::InvalidArgumentError(absl::StrCat(
-            "wait_event could not be opened (", cudaGetErrorName(err),
-            "): it must come from cudaIpcGetEventHandle of an event created with "
-            "cudaEventInterprocess | cudaEventDisableTiming"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("wait_event could not be opened (", cudaGetErrorName(err),
+                         "): it must come from cudaIpcGetEventHandle of an event created with "
+                         "cudaEventInterprocess | cudaEventDisableTiming"));
       }
       if (state_->wait_order.size() >= cuda_events_internal::kWaitCache) {
         auto old = state_->waits.find(state_->wait_order.front());
@@ -107,6 +114,7 @@ absl::StatusOr<std::unique_ptr<OpEvents>> CudaEventIpc::Prepare(const std::strin
     }
   }
   if (state_->done.empty()) {
+    ARFUSE_RETURN_IF_ERROR(use_device());
     for (size_t i = 0; i < cuda_events_internal::kDoneRing; ++i) {
       cuda_events_internal::DoneEvent d;
       cudaError_t err =
