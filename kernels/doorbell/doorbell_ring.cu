@@ -73,8 +73,9 @@ __global__ void __launch_bounds__(1)
     const bool sidecar_error = LoadRelaxedSys(&slot->error) != 0;
     const bool late = GlobalTimerNs() - start > timeout_ns;
     if (!sidecar_error && !late) continue;
-    // Withdraw the request if the sidecar has not taken it: both sides move it from
-    // kDoorbellRequest to kDoorbellReset by CAS, so exactly one of them succeeds.
+    // Withdraw the request if the sidecar has not taken it: both sides move it from the value
+    // this ring stored (kDoorbellRequest or kDoorbellRequestLocal) to kDoorbellReset by CAS, so
+    // exactly one of them succeeds.
     const bool withdrawn = CasRelaxedSys(&slot->request, request, kDoorbellReset) == request;
     if (withdrawn) {
       // The op will not run. A sidecar error (it stopped) is already recorded.

@@ -523,6 +523,71 @@ TEST(DoorbellGpu, TokenCountAbovePlanMaximumIsRejected) {
   EXPECT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
 }
 
+// The serving launch's trace (DoorbellPlaneOptions::trace_ops): one record per in-place op, its
+// steps in order; a plane without a trace refuses to read or clear one.
+TEST(DoorbellGpu, TraceRecordsTheInPlaceOps) {
+  REQUIRE_GPU();
+  RankGroup g(GroupShape{2, 8, 1024, DType::kBF16});
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE(g.Init().ok());
+  {
+    Planes untraced(g, FastOptions());
+    ASSERT_TRUE(untraced.status().ok()) << untraced.status();
+    auto read = untraced[0].ReadTrace();
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(read.status().message()), ::testing::HasSubstr("has no trace"));
+    const absl::Status clear = untraced[0].ClearTrace();
+    EXPECT_EQ(clear.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(clear.message()), ::testing::HasSubstr("has no trace"));
+  }
+  DoorbellPlaneOptions options = FastOptions();
+  options.trace_ops = 64;
+  Planes planes(g, options);
+  ASSERT_TRUE(planes.status().ok()) << planes.status();
+  auto plan = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, {8, 0xffffffffu});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(planes.StartAll().ok());
+  std::mt19937 rng(11);
+  for (uint32_t t = 1; t <= 5; ++t) {
+    HostOp op(2, t, 1024, DType::kBF16);
+    op.FillRandom(rng);
+    ASSERT_TRUE(op.Upload(g).ok());
+    CUDA_OK(planes.RingAll(*plan, t));
+    ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
+    ASSERT_THAT(planes.SlotErrors(*plan), ::testing::Each(0u));
+    ASSERT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto trace = planes[r].ReadTrace();
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    ASSERT_EQ(trace->size(), 64u);
+    bool saw_last = false;
+    int written = 0;
+    for (const DoorbellTraceRecord& rec : *trace) {
+      if (rec.op == 0) continue;
+      ++written;
+      SCOPED_TRACE(::testing::Message() << "rank " << r << " op " << rec.op);
+      // One SM's cycle counter: the steps of one op in order.
+      EXPECT_LE(rec.taken, rec.announced);
+      EXPECT_LE(rec.announced, rec.rows_done);
+      EXPECT_LE(rec.rows_done, rec.all_done);
+      EXPECT_LE(rec.all_done, rec.completed);
+      EXPECT_LE(rec.taken_ns, rec.completed_ns);
+      EXPECT_GE(rec.tokens, 1u);
+      EXPECT_LE(rec.tokens, 5u);
+      saw_last = saw_last || rec.tokens == 5;
+    }
+    // Every ring ran in place (one-shot, within the plan); a relaunch between rings restarts the
+    // count, so at least the last op is there.
+    EXPECT_GE(written, 1) << "rank " << r;
+    EXPECT_TRUE(saw_last) << "rank " << r;
+    ASSERT_TRUE(planes[r].ClearTrace().ok());
+    auto cleared = planes[r].ReadTrace();
+    ASSERT_TRUE(cleared.ok()) << cleared.status();
+    for (const DoorbellTraceRecord& rec : *cleared) EXPECT_EQ(rec.op, 0u);
+  }
+}
+
 TEST(DoorbellGpu, PlanValidationRefusesWhatTheKernelsWouldRefuse) {
   REQUIRE_GPU();
   RankGroup g(GroupShape{2, 64, 1024, DType::kBF16});
