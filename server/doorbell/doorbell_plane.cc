@@ -256,10 +256,13 @@ DoorbellPlane::~DoorbellPlane() {
   cudaGetLastError();
 }
 
+absl::Status DoorbellPlane::HasTrace() const {
+  if (trace_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError("doorbell plane has no trace (trace_ops is 0)");
+}
+
 absl::StatusOr<std::vector<DoorbellTraceRecord>> DoorbellPlane::ReadTrace() {
-  if (trace_ == nullptr) {
-    return absl::FailedPreconditionError("doorbell plane has no trace (trace_ops is 0)");
-  }
+  ARFUSE_RETURN_IF_ERROR(HasTrace());
   std::vector<DoorbellTraceRecord> records(options_.trace_ops);
   ScopedDevice device(options_.device);
   ARFUSE_DOORBELL_CUDA(
@@ -271,9 +274,7 @@ absl::StatusOr<std::vector<DoorbellTraceRecord>> DoorbellPlane::ReadTrace() {
 }
 
 absl::Status DoorbellPlane::ClearTrace() {
-  if (trace_ == nullptr) {
-    return absl::FailedPreconditionError("doorbell plane has no trace (trace_ops is 0)");
-  }
+  ARFUSE_RETURN_IF_ERROR(HasTrace());
   ScopedDevice device(options_.device);
   ARFUSE_DOORBELL_CUDA(
       cudaMemsetAsync(trace_, 0, options_.trace_ops * sizeof(DoorbellTraceRecord), side_stream_),
@@ -730,7 +731,6 @@ absl::Status DoorbellPlane::EnqueueTripleLocked() {
     sp.report = reports_device_ + entry;
     sp.trace = trace_;
     sp.trace_ops = trace_ != nullptr ? options_.trace_ops : 0u;
-
     ARFUSE_DOORBELL_CUDA(LaunchDoorbellServe(sp, options_.stream, pdl), "doorbell serving launch");
   } else {
     ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");

@@ -195,6 +195,8 @@ class DoorbellPlane {
   // A served op's slot got a kFusionFailed error: health FAILED_PRECONDITION (first one wins).
   void NoteFusionFailureLocked(uint32_t slot, uint32_t tokens, uint32_t error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless the plane was created with a trace (trace_ops > 0).
+  absl::Status HasTrace() const;
   // Runs `what` on the side stream and waits for it until `deadline`.
   absl::Status WaitSideStream(absl::Time deadline, const char* what);
   uint32_t ActiveMaskLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -94,9 +94,8 @@ absl::StatusOr<Plan*> FindPlan(Session& s, uint64_t plan_id, uint64_t generation
   if (it == s.plans.end()) {
     return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
   }
-  if (generation == 0 || generation != it->second.generation) {
-    return CheckGeneration(absl::StrCat("plan ", plan_id), generation, it->second.generation);
-  }
+  ARFUSE_RETURN_IF_ERROR(CheckGeneration(generation, it->second.generation,
+                                         [&] { return absl::StrCat("plan ", plan_id); }));
   return &it->second;
 }
 
@@ -481,11 +480,9 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
           absl::StrCat(rn, ": region ", ref.region_id, " is not registered in this session"));
     }
     const std::shared_ptr<Region>& r = it->second;
-    // The name is built only for the error: this runs for every tensor of every eager op.
-    if (ref.generation == 0 || ref.generation != r->generation) {
-      return CheckGeneration(absl::StrCat(rn, ": region ", ref.region_id), ref.generation,
-                             r->generation);
-    }
+    ARFUSE_RETURN_IF_ERROR(CheckGeneration(ref.generation, r->generation, [&] {
+      return absl::StrCat(rn, ": region ", ref.region_id);
+    }));
     if (r->unregistering) {
       return absl::FailedPreconditionError(
           absl::StrCat(rn, ": region ", ref.region_id, " is being unregistered"));

@@ -45,8 +45,15 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
 absl::Status CheckNumTokens(uint32_t num_tokens, uint32_t max_tokens);
 
 // FAILED_PRECONDITION "stale generation" when `sent` is not `current`; INVALID_ARGUMENT when the
-// client sent none (0 is never issued).
+// client sent none (0 is never issued). `what` names the object in the message.
 absl::Status CheckGeneration(absl::string_view what, uint64_t sent, uint64_t current);
+// The same check with the name made by `what()` only when it fails: the per-op paths check a
+// generation for every tensor of every op and would otherwise format a name each time.
+template <typename NameFn>
+absl::Status CheckGeneration(uint64_t sent, uint64_t current, NameFn&& what) {
+  if (sent != 0 && sent == current) return absl::OkStatus();
+  return CheckGeneration(what(), sent, current);
+}
 
 // The tensors of one op, by role. Outputs may alias an input only where the op allows it
 // (output == input for ALLREDUCE, residual_out == residual_in), and then exactly.

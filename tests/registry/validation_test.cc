@@ -186,7 +186,8 @@ TEST(OpShapeValidation, RefusesDtypesTheBackendLacks) {
     op.dtype = d;
     auto r = ValidateOpShape(op, Limits());
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(r.status().message(), HasSubstr("dtype " + std::to_string(d) + " is not supported"));
+    EXPECT_THAT(r.status().message(),
+                HasSubstr("dtype " + std::to_string(d) + " is not supported"));
   }
 }
 
@@ -206,7 +207,8 @@ TEST(OpShapeValidation, RefusesHiddenNotAMultipleOf8) {
 TEST(OpShapeValidation, RefusesBadMaxTokens) {
   OpRequest op = NormOp();
   op.max_tokens = 0;
-  EXPECT_THAT(ValidateOpShape(op, Limits()).status().message(), HasSubstr("max_tokens must be > 0"));
+  EXPECT_THAT(ValidateOpShape(op, Limits()).status().message(),
+              HasSubstr("max_tokens must be > 0"));
   op.max_tokens = (1u << 20) + 1;
   auto r = ValidateOpShape(op, Limits());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
@@ -272,6 +274,23 @@ TEST(Generation, StaleIsFailedPrecondition) {
   s = CheckGeneration("plan 2", 0, 77);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("plan 2: generation is missing"));
+}
+
+TEST(Generation, LazyNameIsMadeOnlyForAFailure) {
+  int named = 0;
+  auto name = [&] {
+    ++named;
+    return std::string("region 3");
+  };
+  EXPECT_TRUE(CheckGeneration(77, 77, name).ok());
+  EXPECT_EQ(named, 0);
+  absl::Status s = CheckGeneration(76, 77, name);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("region 3: stale generation"));
+  s = CheckGeneration(0, 77, name);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("region 3: generation is missing"));
+  EXPECT_EQ(named, 2);
 }
 
 TEST(Overlap, AllowsExactInPlaceAliases) {
