@@ -24,6 +24,14 @@ __device__ __forceinline__ uint32_t LoadVolatile32(const uint32_t* p) {
   return v;
 }
 
+// Four adjacent 32-bit words (16-byte aligned) in one access; each word single-copy atomic.
+__device__ __forceinline__ void LoadVolatile32x4(const uint32_t* p, uint32_t (&w)[4]) {
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(p)
+               : "memory");
+}
+
 // Two adjacent 32-bit words (8-byte aligned) in one access; each word single-copy atomic.
 __device__ __forceinline__ void LoadVolatile32x2(const uint32_t* p, uint32_t& a, uint32_t& b) {
   asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p) : "memory");

@@ -105,6 +105,8 @@ struct DoorbellHandle {
   uint32_t reset_value = kDoorbellReset;
 };
 
+// The counters are the plane's host thread's: it counts an op when it finds the op's launch
+// ended (it looks every poll interval), so they can trail what the clients' streams already saw.
 struct DoorbellPlaneStatus {
   // OK while healthy. FAILED_PRECONDITION: an op failed in the fused kernel, the workspace is
   // poisoned (re-initialize, ResetSlots, Resume). ABORTED: a waiter saw the abort words.

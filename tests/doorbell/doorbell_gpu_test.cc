@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
@@ -104,6 +106,19 @@ class Planes {
     return slot;
   }
   DoorbellSlot* slot(uint32_t plan, int rank) { return slots_[plan][rank]; }
+
+  // Rank r's plane status once its host thread has counted `served` ops: it counts an op when it
+  // finds the op's launches ended (every poll interval), which can be after the client's stream
+  // saw the completion. The last status read when the deadline passes.
+  DoorbellPlaneStatus AwaitServed(int r, uint64_t served, absl::Duration limit = absl::Seconds(5)) {
+    const absl::Time deadline = absl::Now() + limit;
+    DoorbellPlaneStatus s = planes_[r]->Status();
+    while (s.served < served && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+      s = planes_[r]->Status();
+    }
+    return s;
+  }
 
   absl::Status StartAll() {
     for (auto& p : planes_) {
@@ -262,7 +277,7 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
     check.gamma = op.gamma;
     ASSERT_EQ(check.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
     for (int r = 0; r < world; ++r) {
-      const DoorbellPlaneStatus s = planes[r].Status();
+      const DoorbellPlaneStatus s = planes.AwaitServed(r, verified + burst);
       EXPECT_TRUE(s.health.ok()) << s.health;
       EXPECT_EQ(s.served, static_cast<uint64_t>(verified + burst)) << "rank " << r;
       EXPECT_EQ(s.failed, 0u);
