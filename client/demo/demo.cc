@@ -473,12 +473,7 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
   if (st.ok()) st = CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   // As libarfuse_ring does: GPU scope when this stream's device holds the slot.
   DoorbellScope scope = DoorbellScope::kSystem;
-  uint8_t owner[sizeof(DoorbellSlot::owner_uuid)];
-  if (st.ok()) {
-    st = CudaCheck(cudaMemcpy(owner, slot->owner_uuid, sizeof(owner), cudaMemcpyDeviceToHost),
-                   "reading the slot's owner");
-  }
-  if (st.ok()) st = CudaCheck(DoorbellRingScopeFor(owner, &scope), "doorbell ring scope");
+  if (st.ok()) st = CudaCheck(DoorbellRingScopeForSlot(slot, &scope), "doorbell ring scope");
   // The captured graph: one ring of s.tokens tokens on the client's stream.
   if (st.ok()) {
     st = CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");

@@ -81,6 +81,23 @@ __device__ __forceinline__ void StoreReleaseGpu32(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ uint64_t LoadAcquireGpu64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreRelaxedGpu64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// With a later strong store of this thread, a release pattern: a thread that acquires that store
+// sees everything this thread wrote or observed before the fence. Issued ahead, it takes its wait
+// for this thread's outstanding stores off the path of the store that follows.
+__device__ __forceinline__ void FenceAcqRelGpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 __device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -144,6 +144,11 @@ cudaError_t LaunchDoorbellRing(DoorbellSlot* slot, uint32_t num_tokens, uint64_t
 // PrepareDoorbellRing; before it ran this answers kSystem. Makes no call a graph capture
 // forbids. cudaErrorInvalidValue for a null uuid or scope.
 cudaError_t DoorbellRingScopeFor(const uint8_t* owner_uuid, DoorbellScope* scope);
+// The same for a slot in device memory: reads its owner UUID (a synchronous copy, so not while
+// a stream captures) and answers as DoorbellRingScopeFor. For a caller that holds only the slot
+// pointer (libarfuse_ring keeps the UUID from the block it opened and calls the one above).
+// cudaErrorInvalidValue, with no CUDA call made, for a null slot or scope.
+cudaError_t DoorbellRingScopeForSlot(const DoorbellSlot* slot, DoorbellScope* scope);
 // Loads the ring kernel's module into the current context now (cudaFuncGetAttributes), so that
 // the first ring is not what loads it (lazy module loading inside a graph capture), and reads the
 // UUID of every device for DoorbellRingScopeFor. Call once per device outside capture, e.g. when
@@ -271,12 +276,13 @@ cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cu
 // resident between rings; block 0's first warp polls like LaunchDoorbellWait. A ring for a slot in
 // inplace_mask whose token count is below the plan's two-shot threshold (and within its maximum)
 // is run in place by every block (the one-shot body of kernels/allreduce_fusion, rows spread over
-// the grid) and completed by block 0 (slot error, served count, release of kDoorbellComplete)
-// without leaving the kernel: no launch and no kernel boundary per op. Any other ring (two-shot,
-// another shape, a token count above the maximum) is written to the op record exactly as the
-// waiter does, and the launch ends so the fused launches and the completion kernel behind it run
-// it. The launch also ends on the waiter's conditions (idle deadline, now measured from the last
-// op; generation; stop; abort words) and after an in-place op that failed (kFailedInPlace).
+// the grid) and completed by the last of its blocks to finish (slot error, served count, release
+// of kDoorbellComplete) without leaving the kernel: no launch and no kernel boundary per op. Any
+// other ring (two-shot, another shape, a token count above the maximum) is written to the op record
+// exactly as the waiter does, and the launch ends so the fused launches and the completion kernel
+// behind it run it. The launch also ends on the waiter's conditions (idle deadline, now measured
+// from the last op; generation; stop; abort words) and after an in-place op that failed
+// (kFailedInPlace).
 //
 // Cross-rank: an in-place op is the same one-shot op as the indirect launch would run (same
 // block size, so the same bits per row; the one-shot is independent of the grid size across
@@ -286,19 +292,25 @@ cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cu
 // between launches (the last block to leave a launch zeroes them; the next launch on the stream
 // starts after it ended).
 struct DoorbellServeState {
-  uint32_t ticket;  // ops announced so far in this launch (block 0 release-stores at GPU scope)
-  // (block, op) pairs finished: every block adds 1 per op (acq_rel), plus 1 << 24 when it failed
-  // (the low 24 bits count, wrapping; the high bits change when a block failed).
+  // The announced op in one word (block 0's thread 0 stores it, the other blocks' thread 0 polls
+  // it): the op's number in the launch, its slot, token count, whether the ring was local, or
+  // the end of the launch. One 64-bit store carries all of it, so the release that makes op k's
+  // results visible to op k + 1's blocks is a fence issued right after op k (off the client's
+  // path) instead of a release store after the ring is taken (kernels/doorbell/doorbell_sidecar.cu,
+  // "Ticket").
+  uint64_t ticket;
+  // Blocks of the current multi-block op that counted in: each adds 1 (acq_rel) plus 1 << 24
+  // when it failed; block 0 sets 1 << 16 when it gives up on a block that never came. The block
+  // whose add makes the count reach the op's active blocks completes the op and zeroes the word.
   uint32_t finished;
-  uint32_t leave;  // set before the last ticket: the blocks leave instead of running an op
+  uint32_t done;   // the number of the last op completed (release by the block that completed it)
+  uint32_t error;  // the slot error that op was completed with (0: it succeeded)
   uint32_t left;   // blocks that left (the last one zeroes the words)
-  // The announced op (written before the ticket): its slot, token count, and how many blocks
-  // run it (min(grid, tokens): blocks beyond sit it out).
-  uint32_t slot;
-  uint32_t tokens;
-  uint32_t active;
-  uint32_t reserved[25];
+  uint64_t completed_ns;  // with a trace: %globaltimer at that op's completion
+  uint32_t reserved[24];
 };
+static_assert(offsetof(DoorbellServeState, ticket) % 8 == 0, "the ticket is one 64-bit access");
+static_assert(offsetof(DoorbellServeState, completed_ns) % 8 == 0, "one 64-bit store");
 static_assert(sizeof(DoorbellServeState) == kDoorbellLineBytes);
 
 // One in-place op of a serving launch as block 0's thread 0 saw it (a diagnostic trace, off unless
@@ -306,13 +318,15 @@ static_assert(sizeof(DoorbellServeState) == kDoorbellLineBytes);
 // record and of consecutive records compare) at each step, plus the global timer at the first and
 // last step to convert cycles to time. Written after the op's completion (posted stores).
 struct DoorbellTraceRecord {
-  uint64_t taken;         // the poll returned the ring, its request taken by CAS
-  uint64_t announced;     // block 0 passed the barrier after the poll (ticket published before)
-  uint64_t rows_done;     // block 0's rows done (its barrier after the one-shot body)
-  uint64_t all_done;      // every block counted in (== rows_done with one active block)
-  uint64_t completed;     // after the completion's release store
+  uint64_t taken;      // the poll returned the ring, its request taken by CAS
+  uint64_t announced;  // block 0 passed the barrier after the poll (ticket published before)
+  uint64_t rows_done;  // block 0's rows done (its barrier after the one-shot body)
+  // One active block: block 0 is done (== rows_done), then after its completion's release
+  // store. More: both when block 0 saw the op completed by the last block to finish.
+  uint64_t all_done;
+  uint64_t completed;
   uint64_t taken_ns;      // %globaltimer at `taken`
-  uint64_t completed_ns;  // %globaltimer at `completed`
+  uint64_t completed_ns;  // %globaltimer at the completion (by whichever block completed it)
   uint32_t tokens;
   uint32_t op;  // the launch's op count (1, 2, ...); 0: the record was never written
   // The ring's own %globaltimer stamps (ARFUSE_RING_TRACE=1 in the client; 0 otherwise): when
@@ -330,7 +344,7 @@ struct DoorbellServeParams {
   DoorbellServeState* state;
   DoorbellReport* report;  // optional: device address of the triple's host-mapped report
   uint32_t inplace_mask;   // slots (subset of wait.slot_mask) whose plans match the template
-  uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency), >= 1
+  uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency and 128), >= 1
   // Optional trace: op k of a launch goes to trace[(k - 1) % trace_ops]; null: no trace.
   DoorbellTraceRecord* trace;
   uint32_t trace_ops;

@@ -166,6 +166,16 @@ cudaError_t DoorbellRingScopeFor(const uint8_t* owner_uuid, DoorbellScope* scope
   return cudaSuccess;
 }
 
+cudaError_t DoorbellRingScopeForSlot(const DoorbellSlot* slot, DoorbellScope* scope) {
+  if (slot == nullptr || scope == nullptr) return cudaErrorInvalidValue;
+  uint8_t owner[sizeof(DoorbellSlot::owner_uuid)];
+  if (cudaError_t err = cudaMemcpy(owner, slot->owner_uuid, sizeof(owner), cudaMemcpyDeviceToHost);
+      err != cudaSuccess) {
+    return err;
+  }
+  return DoorbellRingScopeFor(owner, scope);
+}
+
 cudaError_t PrepareDoorbellRing() {
   cudaFuncAttributes attributes;
   if (cudaError_t err = cudaFuncGetAttributes(&attributes, DoorbellRingKernel);

@@ -227,22 +227,49 @@ __global__ void DoorbellResetSlotsKernel(DoorbellSlot* slots, uint32_t mask) {
 
 // ---------------------------------------------------------------------------------------------
 // The serving launch (doorbell.h, LaunchDoorbellServe). Block 0's first warp polls; per ring it
-// either announces an in-place op (ticket) or ends the launch (leave + ticket). Every block runs
-// an announced op's one-shot body over its rows, then counts itself in `finished`; block 0 waits
-// for every block's count before it completes the op, so:
+// either announces an in-place op or ends the launch, in one ticket word. Every block runs an
+// announced op's one-shot body over its rows, then counts itself in `finished`; the block whose
+// count is the op's last completes it, and block 0 waits for that before it polls again, so:
 //   * the client's completion acquire sees every block's output stores (each block's stores, its
-//     bar.sync, its acq_rel count; block 0's acquire of the total, then its system-scope release
-//     of the completion word: a causality chain);
-//   * op k + 1 is announced only after every block finished op k, which is what the kernel
-//     boundary guarantees between two one-shot launches (the epoch advanced by op k's last block
-//     is visible to every block that reads it for op k + 1, through the same chain and the
-//     ticket's release/acquire; the Lamport buffer argument of docs/kernels.md holds unchanged).
+//     bar.sync, its acq_rel count; the last block's acq_rel count reads from that release
+//     sequence, then its release of the completion word: a causality chain);
+//   * op k + 1 is announced only after op k was completed, which is what the kernel boundary
+//     guarantees between two one-shot launches (the epoch advanced by op k and the sentinels
+//     written back by every block are visible to every block of op k + 1: the completing block's
+//     release of `done`, block 0's acquire of it, block 0's fence and ticket store, the other
+//     blocks' acquire of the ticket; the Lamport buffer argument of docs/kernels.md holds
+//     unchanged).
+// Completing in the last block, not in block 0 after it saw every count, saves the client one
+// poll of block 0 (its sleep and its load's way back) per op of more than one block.
 // Idle blocks wait for the ticket with __nanosleep between polls of one L2 word: they hold their
 // SM slots (registers, threads) but issue almost nothing.
 constexpr uint32_t kCmdRun = 1;
 constexpr uint32_t kCmdLeave = 2;
 constexpr uint32_t kTicketBackoffNs = 100;
 constexpr uint32_t kNoSlot = 0xffffffffu;
+
+// Ticket: bits 0-31 the op's number in the launch (1, 2, ..., wrapping: blocks compare it for
+// equality with the last number they saw), 32-55 the token count, 56-60 the slot, 61 the ring was
+// local (kDoorbellRequestLocal), 62 leave. Every field of the op in the word that announces it:
+// a block that sees a number reads that op, never a mix of two.
+constexpr uint32_t kTicketMaxTokens = (1u << 24) - 1u;
+constexpr uint64_t kTicketLocal = uint64_t{1} << 61;
+constexpr uint64_t kTicketLeave = uint64_t{1} << 62;
+static_assert(kMaxDoorbellSlots <= 32, "the ticket's slot field has 5 bits");
+
+__device__ __forceinline__ uint64_t RunTicket(uint32_t op, uint32_t slot, uint32_t tokens,
+                                              bool local) {
+  return uint64_t{op} | (uint64_t{tokens} << 32) | (uint64_t{slot} << 56) |
+         (local ? kTicketLocal : 0u);
+}
+__device__ __forceinline__ uint64_t LeaveTicket(uint32_t op) { return uint64_t{op} | kTicketLeave; }
+__device__ __forceinline__ uint32_t TicketOp(uint64_t t) { return static_cast<uint32_t>(t); }
+__device__ __forceinline__ uint32_t TicketTokens(uint64_t t) {
+  return static_cast<uint32_t>(t >> 32) & kTicketMaxTokens;
+}
+__device__ __forceinline__ uint32_t TicketSlot(uint64_t t) {
+  return static_cast<uint32_t>(t >> 56) & 31u;
+}
 
 // The most tokens a ring on `slot` may have to run in place in a launch of the template's shape
 // (0: never): the op record's checks (token count within the plan's maximum, below its two-shot
@@ -262,15 +289,16 @@ __device__ uint32_t InPlaceTokenLimit(const DoorbellServeParams& sp, uint32_t sl
   }
   const uint64_t row_bytes = static_cast<uint64_t>(p.hidden) * DTypeSize(p.dtype);
   const uint64_t rows_in_slot = t.layout.lamport_slot_bytes / row_bytes;
-  const uint32_t by_plan = min(e.max_tokens, e.twoshot_min_tokens - 1);
+  const uint32_t by_plan = min(min(e.max_tokens, e.twoshot_min_tokens - 1), kTicketMaxTokens);
   return static_cast<uint32_t>(min(static_cast<uint64_t>(by_plan), rows_in_slot));
 }
 
-// Block 0, thread 0: completes an in-place op every block finished. `maybe_failed`: some block
-// reported a failure (or the count could not tell): only then is the workspace error word read
-// (a round trip the successful op does not pay; every way the word gets set during an op goes
-// through a failing block, and an error left by an earlier op makes every block fail at once).
-// Returns the DoorbellError written to the slot (0: the op succeeded).
+// Thread 0 of the block that completes an in-place op (block 0 for a one-block op, else the last
+// block to count in). `maybe_failed`: some block reported a failure (or the op timed out): only
+// then is the workspace error word read (a round trip the successful op does not pay; every way
+// the word gets set during an op goes through a failing block, and an error left by an earlier op
+// makes every block fail at once). Returns the DoorbellError written to the slot (0: the op
+// succeeded).
 __device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, bool maybe_failed,
                                     bool local) {
   const uint32_t error =
@@ -281,32 +309,59 @@ __device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, b
   return error;
 }
 
-// DoorbellServeState::finished: every block that ran an op adds kFinishedOne, plus kFinishedFail
-// when it failed. The low 24 bits count (compared with wrap-around arithmetic: a launch that
-// stays resident for hours wraps them); the high 8 bits change when a block failed. A carry out
-// of the count also changes them: block 0 then reads the error word for nothing, which is
-// harmless. At most 128 blocks fail per op, so the high bits cannot come back to where they were.
+// DoorbellServeState::finished, per op (zeroed by the block that completes it): bits 0-15 count
+// the blocks in, bit 16 says block 0 gave up waiting (a block that never became resident), bits
+// 24-31 count failed blocks (at most kMaxServeBlocks, so they never wrap to zero).
 constexpr uint32_t kFinishedOne = 1u;
+constexpr uint32_t kFinishedCountMask = 0xffffu;
+constexpr uint32_t kFinishedClosed = 1u << 16;
 constexpr uint32_t kFinishedFail = 1u << 24;
-constexpr uint32_t kFinishedCountMask = kFinishedFail - 1u;
-__device__ __forceinline__ bool CountBehind(uint32_t finished, uint32_t target) {
-  // (finished - target) as a signed 24-bit number.
-  return static_cast<int32_t>(((finished - target) & kFinishedCountMask) << 8) < 0;
+constexpr uint32_t kMaxServeBlocks = 128;
+static_assert(kMaxServeBlocks <= kFinishedCountMask, "the count fits its bits");
+static_assert(kMaxServeBlocks <= (0xffffffffu >> 24), "the failure count fits its bits");
+
+// Thread 0 of the block whose count made `finished` reach the op's blocks: completes op `op`,
+// then, behind the completion (off the client's path), zeroes `finished` for the next op and
+// releases `done`, which block 0 waits for before it polls again (nobody counts in for the next
+// op before block 0 announces it).
+__device__ void CompleteAsLastBlock(DoorbellServeState* st, DoorbellSlot* slot,
+                                    const FusionParams& p, bool maybe_failed, bool local,
+                                    uint32_t op, bool trace) {
+  const uint32_t error = CompleteInPlace(slot, p, maybe_failed, local);
+  StoreVolatile32(&st->finished, 0u);
+  StoreVolatile32(&st->error, error);
+  if (trace) {
+    *static_cast<volatile uint64_t*>(&st->completed_ns) = GlobalTimerNs();
+  }
+  StoreReleaseGpu32(&st->done, op);
 }
 
-// Block 0, thread 0: announces op `ticket` (run: its slot, token count and active blocks) or the
-// end of the launch. The words before the ticket, with release at GPU scope: a block that
-// acquires the ticket reads them (and the op record).
-__device__ void PublishTicket(DoorbellServeState* st, bool run, uint32_t slot, uint32_t tokens,
-                              uint32_t active, uint32_t ticket) {
-  if (run) {
-    StoreVolatile32(&st->slot, slot);
-    StoreVolatile32(&st->tokens, tokens);
-    StoreVolatile32(&st->active, active);
-  } else {
-    StoreVolatile32(&st->leave, 1u);
+// Block 0, thread 0: waits until op `op` of `active` blocks was completed and returns the error
+// it was completed with. Every resident block ends its op within its spins' deadline; a block
+// that never became resident (SMs taken by other contexts' spinning kernels) must not wedge the
+// launch: past twice that deadline block 0 closes the count (a late block's add then cannot be
+// the last) and, unless the last block had already counted in, fails the op as a timeout and
+// completes it itself (the late block sees the leave ticket that follows and does not run it).
+__device__ uint32_t AwaitCompletion(DoorbellServeState* st, DoorbellSlot* slot,
+                                    const FusionParams& p, uint32_t active, bool local,
+                                    uint32_t op) {
+  const uint64_t wait_start = GlobalTimerNs();
+  bool closed = false;
+  while (LoadAcquireGpu32(&st->done) != op) {
+    __nanosleep(32);
+    if (!closed && GlobalTimerNs() - wait_start > 2 * p.spin_timeout_ns) {
+      closed = true;
+      const uint32_t before = atomicAdd(&st->finished, kFinishedClosed);
+      // The last block already counted in: it completes the op and releases `done` within a
+      // few instructions (it is resident and past its body); its zeroing of `finished` comes
+      // after this add in the word's order, so the closed bit does not outlive the op.
+      if ((before & kFinishedCountMask) == active) continue;
+      atomicCAS(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error, 0u,
+                static_cast<uint32_t>(FusionError::kTimeout));
+      return CompleteInPlace(slot, p, /*maybe_failed=*/true, local);
+    }
   }
-  StoreReleaseGpu32(&st->ticket, ticket);
+  return LoadVolatile32(&st->error);
 }
 
 // Every block: the op's params into shared memory, from the plan table (read-only while the
@@ -335,23 +390,23 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   // As the waiter: the op record must not be overwritten before the kernel before it finished.
   WaitForPrerequisiteGrid();
   __shared__ FusionParams s_params;
-  __shared__ uint32_t s_cmd, s_slot, s_tokens, s_active;
+  __shared__ uint32_t s_cmd, s_op, s_slot, s_tokens, s_active, s_local;
   __shared__ uint32_t s_params_slot;  // the slot s_params belongs to (kNoSlot: none yet)
   DoorbellServeState* const st = sp.state;
   const uint32_t units = gridDim.x;
   const fusion_device::KernelConfig cfg = fusion_device::DefaultKernelConfig();
-  uint32_t ops = 0;             // ops announced in this launch: the same count in every block
-  uint32_t target = 0;          // block 0: (block, op) counts expected in `finished` so far
-  uint32_t fail_bits = 0;       // block 0: `finished`'s failure bits after the last op
-  bool maybe_failed = false;    // block 0, thread 0: a block of the current op failed
+  uint32_t ops = 0;             // thread 0: the number of the last op this block saw announced
   bool ticket_due = false;      // block 0, thread 0: the current op's ticket follows its completion
-  bool local_ring = false;      // block 0, thread 0: the current op was rung from this GPU
   uint64_t since = 0;           // block 0, lane 0: the idle deadline counts from here
   uint32_t error_in_place = 0;  // block 0, thread 0: the failed in-place op's error, slot and
   uint32_t failed_slot = 0;     // token count
   uint32_t failed_tokens = 0;
   DoorbellTraceRecord stamp{};  // block 0, thread 0, with a trace
-  if (blockIdx.x == 0 && threadIdx.x == 0) since = GlobalTimerNs();
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    since = GlobalTimerNs();
+    // The release pattern of the first ticket (see the fence after each op below).
+    FenceAcqRelGpu();
+  }
   if (threadIdx.x == 0) s_params_slot = kNoSlot;  // read after the loop's first barrier
   // Block 0's first warp: lane i holds the in-place token limit of slot i.
   const uint32_t inplace_limit =
@@ -395,39 +450,50 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
         __syncwarp();
         if (threadIdx.x == 0) {
           const uint32_t active = in_place ? min(units, n) : 0u;
+          const uint32_t slot = static_cast<uint32_t>(r.served);
+          const uint64_t ticket =
+              in_place ? RunTicket(ops + 1, slot, n, r.local) : LeaveTicket(ops + 1);
           // With one active block (one token, or a one-block grid) nobody else runs the op: its
-          // ticket, which only keeps the other blocks' count, is published after the completion
-          // (a release less on the client's path).
+          // ticket, which then only tells the other blocks to sit it out, is stored after the
+          // completion. Otherwise now: a plain store, released by the fence after the last op
+          // (or at the launch's start), which this thread issued before it polled.
           ticket_due = in_place && active == 1;
-          if (!ticket_due) {
-            PublishTicket(st, in_place, static_cast<uint32_t>(r.served), n, active, ops + 1);
-          }
-          local_ring = r.local;
+          if (!ticket_due) StoreRelaxedGpu64(&st->ticket, ticket);
           s_cmd = in_place ? kCmdRun : kCmdLeave;
-          s_slot = static_cast<uint32_t>(r.served);
+          s_op = ops + 1;
+          s_slot = slot;
           s_tokens = n;
           s_active = active;
+          s_local = r.local ? 1u : 0u;
           if (in_place && s_params_slot == s_slot) s_params.num_tokens = n;
         }
       }
       __syncthreads();
     } else {
       if (threadIdx.x == 0) {
-        while (LoadAcquireGpu32(&st->ticket) <= ops) __nanosleep(kTicketBackoffNs);
-        s_cmd = LoadVolatile32(&st->leave) != 0 ? kCmdLeave : kCmdRun;
-        s_slot = LoadVolatile32(&st->slot);
-        s_tokens = LoadVolatile32(&st->tokens);
-        s_active = LoadVolatile32(&st->active);
-        if (s_cmd == kCmdRun && s_params_slot == s_slot) s_params.num_tokens = s_tokens;
+        // A block sees every op it runs: block 0 announces op k + 1 only after op k was
+        // completed, which needs the count of every block that runs op k. It may miss ops it
+        // sits out (a newer ticket replaced the word before this block looked).
+        uint64_t t;
+        while (TicketOp(t = LoadAcquireGpu64(&st->ticket)) == ops) __nanosleep(kTicketBackoffNs);
+        const uint32_t n = TicketTokens(t);
+        s_cmd = (t & kTicketLeave) != 0 ? kCmdLeave : kCmdRun;
+        s_op = TicketOp(t);
+        s_slot = TicketSlot(t);
+        s_tokens = n;
+        s_active = min(units, n);
+        s_local = (t & kTicketLocal) != 0 ? 1u : 0u;
+        if (s_cmd == kCmdRun && s_params_slot == s_slot) s_params.num_tokens = n;
       }
       __syncthreads();
     }
     if (s_cmd == kCmdLeave) break;
-    ++ops;
+    ops = s_op;
     const uint32_t active = s_active;
     if (sp.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) stamp.announced = clock64();
     // Blocks beyond the op's rows sit it out: they neither run it nor count (the one-shot
     // body's own counting and epoch advance use `active` as the grid).
+    bool block_failed = false;
     if (blockIdx.x < active) {
       if (s_params_slot != s_slot) {
         LoadInPlaceParams(sp, s_slot, s_tokens, &s_params);
@@ -435,52 +501,51 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
       }
       const uint32_t failure =
           fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
-      // Every thread's stores of this block before its count (or, for block 0, the completion);
-      // the OR says whether any thread of the block failed.
-      const bool block_failed = __syncthreads_or(failure != 0) != 0;
+      // Every thread's stores of this block before its count (or, for a one-block op, the
+      // completion); the OR says whether any thread of the block failed.
+      block_failed = __syncthreads_or(failure != 0) != 0;
       if (sp.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) stamp.rows_done = clock64();
-      if (threadIdx.x == 0) {
-        if (active > 1) {
-          AtomicAddAcqRelGpu(&st->finished, kFinishedOne + (block_failed ? kFinishedFail : 0u));
+      if (threadIdx.x == 0 && active > 1) {
+        const uint32_t add = kFinishedOne + (block_failed ? kFinishedFail : 0u);
+        const uint32_t now = AtomicAddAcqRelGpu(&st->finished, add) + add;
+        if ((now & kFinishedClosed) == 0 && (now & kFinishedCountMask) == active) {
+          CompleteAsLastBlock(st, &sp.wait.slots[s_slot], s_params, now >= kFinishedFail,
+                              s_local != 0, ops, sp.trace != nullptr);
         }
-        maybe_failed = block_failed;
       }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
+      DoorbellSlot* const slot = &sp.wait.slots[s_slot];
       if (active > 1) {
-        target = (target + active) & kFinishedCountMask;
-        // Every resident block ends its op within its spins' deadline; a block that never
-        // became resident (SMs taken by other contexts' spinning kernels) must not wedge the
-        // launch: past twice that deadline the op fails as a timeout (the late block sees
-        // `leave` and does not run it).
-        const uint64_t wait_start = GlobalTimerNs();
-        uint32_t finished;
-        while (CountBehind(finished = LoadAcquireGpu32(&st->finished), target)) {
-          __nanosleep(32);
-          if (GlobalTimerNs() - wait_start > 2 * s_params.spin_timeout_ns) {
-            atomicCAS(
-                &fusion_device::ControlOf(s_params.peer_workspace[s_params.rank], s_params.layout)
-                     ->error,
-                0u, static_cast<uint32_t>(FusionError::kTimeout));
-            maybe_failed = true;
-            break;
-          }
+        error_in_place = AwaitCompletion(st, slot, s_params, active, s_local != 0, ops);
+        if (sp.trace != nullptr) {
+          stamp.all_done = clock64();
+          stamp.completed = stamp.all_done;
+          stamp.completed_ns = *static_cast<volatile uint64_t*>(&st->completed_ns);
         }
-        if ((finished >> 24) != fail_bits) {
-          maybe_failed = true;
-          fail_bits = finished >> 24;
+      } else {
+        if (sp.trace != nullptr) stamp.all_done = clock64();
+        error_in_place = CompleteInPlace(slot, s_params, block_failed, s_local != 0);
+        // Keeps `done` current (a posted store): a stale number could otherwise match a later
+        // op's after the numbers wrapped.
+        StoreVolatile32(&st->done, ops);
+        if (sp.trace != nullptr) {
+          stamp.completed = clock64();
+          stamp.completed_ns = GlobalTimerNs();
         }
       }
-      if (sp.trace != nullptr) stamp.all_done = clock64();
-      error_in_place = CompleteInPlace(&sp.wait.slots[s_slot], s_params, maybe_failed, local_ring);
       if (sp.trace != nullptr) {
-        stamp.completed = clock64();
-        stamp.completed_ns = GlobalTimerNs();
         stamp.tokens = s_tokens;
         stamp.op = ops;
         sp.trace[(ops - 1) % sp.trace_ops] = stamp;
       }
-      if (ticket_due) PublishTicket(st, true, s_slot, s_tokens, 1u, ops);
+      if (ticket_due) {
+        StoreRelaxedGpu64(&st->ticket, RunTicket(ops, s_slot, s_tokens, s_local != 0));
+      }
+      // The next ticket's release, issued now while the client works towards its next ring: this
+      // thread acquired `done` from the block that completed the op (or completed it itself), so
+      // the fence orders every block's op before whatever this thread stores next.
+      FenceAcqRelGpu();
       failed_slot = s_slot;
       failed_tokens = s_tokens;
       // For the host's counters while the launch stays resident (a posted store to host
@@ -503,9 +568,10 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     // Every block read the words before it counts itself out; the next launch on the stream
     // starts after this one ended.
     if (AtomicAddAcqRelGpu(&st->left, 1u) == units - 1) {
-      StoreVolatile32(&st->ticket, 0u);
+      StoreRelaxedGpu64(&st->ticket, 0u);
       StoreVolatile32(&st->finished, 0u);
-      StoreVolatile32(&st->leave, 0u);
+      StoreVolatile32(&st->done, 0u);
+      StoreVolatile32(&st->error, 0u);
       StoreVolatile32(&st->left, 0u);
     }
   }
@@ -515,8 +581,9 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
 
 bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
-// The serving launch's grid: at most max_blocks, and never more than can be resident at once
-// within the template's SM budget (every block must be resident: block 0 waits for all of them).
+// The serving launch's grid: at most max_blocks and kMaxServeBlocks (the count's bits), and never
+// more than can be resident at once within the template's SM budget (every block must be
+// resident: an op completes when all of its blocks counted in).
 template <DType DT, bool kNorm, int kBucket>
 cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   const FusionParams& t = sp.inplace_template;
@@ -526,7 +593,7 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
   const uint32_t resident =
       FusionResidentBlocks(reinterpret_cast<const void*>(kernel), threads, t.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
-  const unsigned grid = std::max(1u, std::min(sp.max_blocks, resident));
+  const unsigned grid = std::max(1u, std::min({sp.max_blocks, resident, kMaxServeBlocks}));
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, sp);
 }
 

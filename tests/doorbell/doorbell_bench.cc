@@ -200,23 +200,31 @@ void PrintTrace(const std::vector<DoorbellTraceRecord>& trace, uint32_t tokens) 
   std::sort(ops.begin(), ops.end(), [](const DoorbellTraceRecord& x, const DoorbellTraceRecord& y) {
     return x.taken_ns < y.taken_ns;
   });
-  // SM cycles to ns from the global timer over every op (its resolution averages out).
+  // SM cycles to ns from the global timer between consecutive ops' `taken` stamps (block 0's
+  // SM both times; the timer's resolution averages out). `completed_ns` is the completing
+  // block's, which for an op of several blocks is not block 0.
   double cycles = 0, ns = 0;
-  for (const DoorbellTraceRecord& r : ops) {
-    cycles += static_cast<double>(r.completed - r.taken);
-    ns += static_cast<double>(r.completed_ns - r.taken_ns);
+  for (size_t i = 0; i + 1 < ops.size(); ++i) {
+    if (ops[i + 1].op != ops[i].op + 1) continue;
+    cycles += static_cast<double>(ops[i + 1].taken - ops[i].taken);
+    ns += static_cast<double>(ops[i + 1].taken_ns - ops[i].taken_ns);
+  }
+  if (cycles <= 0) {
+    std::printf("trace %u tokens: no consecutive in-place ops recorded\n", tokens);
+    return;
   }
   const double us_per_cycle = ns / cycles / 1000.0;
-  std::vector<double> announce, rows, all, complete, gap, period, turnover, checks, take;
+  std::vector<double> announce, rows, all, complete, sidecar, gap, period, turnover, checks, take;
   for (size_t i = 0; i < ops.size(); ++i) {
     const DoorbellTraceRecord& r = ops[i];
+    sidecar.push_back((static_cast<double>(r.completed_ns) - r.taken_ns) / 1000.0);
     announce.push_back((r.announced - r.taken) * us_per_cycle);
     rows.push_back((r.rows_done - r.announced) * us_per_cycle);
     all.push_back((r.all_done - r.rows_done) * us_per_cycle);
     complete.push_back((r.completed - r.all_done) * us_per_cycle);
     // Consecutive ops of one launch: the same block 0, so the same SM's cycle counter.
     if (i + 1 < ops.size() && ops[i + 1].op == r.op + 1) {
-      gap.push_back((ops[i + 1].taken - r.completed) * us_per_cycle);
+      gap.push_back((static_cast<double>(ops[i + 1].taken_ns) - r.completed_ns) / 1000.0);
       period.push_back((ops[i + 1].taken - r.taken) * us_per_cycle);
       const DoorbellTraceRecord& n = ops[i + 1];
       if (n.ring_start_ns != 0 && n.ring_release_ns >= n.ring_start_ns) {
@@ -230,10 +238,11 @@ void PrintTrace(const std::vector<DoorbellTraceRecord>& trace, uint32_t tokens) 
   }
   std::printf(
       "trace %u tokens, rank 0, %zu ops (medians, us): taken->announced %.2f, announced->rows "
-      "done %.2f, rows->all blocks %.2f, all->completed %.2f | completed->next taken %.2f "
-      "(client side + poll) | taken->next taken %.2f (%zu pairs; %.3f ns per SM cycle)\n",
+      "done %.2f, rows->all blocks %.2f, all->completed %.2f (block 0's view) | taken->completed "
+      "%.2f | completed->next taken %.2f (client side + poll) | taken->next taken %.2f (%zu "
+      "pairs; %.3f ns per SM cycle)\n",
       tokens, ops.size(), Median(announce), Median(rows), Median(all), Median(complete),
-      Median(gap), Median(period), gap.size(), us_per_cycle * 1000.0);
+      Median(sidecar), Median(gap), Median(period), gap.size(), us_per_cycle * 1000.0);
   if (!turnover.empty()) {
     std::printf(
         "  ring stamps (%zu): completed->next ring started %.2f, ring checks %.2f, ring "
@@ -322,11 +331,8 @@ int Main(int argc, char** argv) {
   // or system scope with --system_scope.
   std::vector<DoorbellScope> scopes(a.world, DoorbellScope::kSystem);
   for (int r = 0; r < a.world && !a.system_scope; ++r) {
-    uint8_t owner[sizeof(DoorbellSlot::owner_uuid)];
     if (PrepareDoorbellRing() != cudaSuccess ||
-        cudaMemcpy(owner, slots[r]->owner_uuid, sizeof(owner), cudaMemcpyDeviceToHost) !=
-            cudaSuccess ||
-        DoorbellRingScopeFor(owner, &scopes[r]) != cudaSuccess) {
+        DoorbellRingScopeForSlot(slots[r], &scopes[r]) != cudaSuccess) {
       std::fprintf(stderr, "doorbell_bench: cannot work out the ring scope\n");
       return 1;
     }

@@ -107,17 +107,22 @@ class Planes {
   }
   DoorbellSlot* slot(uint32_t plan, int rank) { return slots_[plan][rank]; }
 
-  // Rank r's plane status once its host thread has counted `served` ops: it counts an op when it
-  // finds the op's launches ended (every poll interval), which can be after the client's stream
-  // saw the completion. The last status read when the deadline passes.
-  DoorbellPlaneStatus AwaitServed(int r, uint64_t served, absl::Duration limit = absl::Seconds(5)) {
+  // Rank r's plane status once `done` holds for it: the host thread counts an op (served,
+  // failed, rejected) when it finds the op's launches ended (every poll interval), which can be
+  // after the client's stream saw the completion. The last status read when the deadline passes.
+  template <typename Predicate>
+  DoorbellPlaneStatus AwaitStatus(int r, Predicate done, absl::Duration limit = absl::Seconds(5)) {
     const absl::Time deadline = absl::Now() + limit;
     DoorbellPlaneStatus s = planes_[r]->Status();
-    while (s.served < served && absl::Now() < deadline) {
+    while (!done(s) && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(1));
       s = planes_[r]->Status();
     }
     return s;
+  }
+  DoorbellPlaneStatus AwaitServed(int r, uint64_t served, absl::Duration limit = absl::Seconds(5)) {
+    return AwaitStatus(
+        r, [served](const DoorbellPlaneStatus& s) { return s.served >= served; }, limit);
   }
 
   absl::Status StartAll() {
@@ -229,9 +234,8 @@ TEST_P(DoorbellReplay, GraphReplayMatchesCpuThousandsOfTimes) {
       // What the client library does: the slot names this GPU, so rings here may use GPU scope.
       CUDA_OK(PrepareDoorbellRing());
       for (int r = 0; r < world; ++r) {
-        const DoorbellSlot owner = ReadSlot(planes.slot(*plan, r));
         DoorbellScope found = DoorbellScope::kSystem;
-        CUDA_OK(DoorbellRingScopeFor(owner.owner_uuid, &found));
+        CUDA_OK(DoorbellRingScopeForSlot(planes.slot(*plan, r), &found));
         ASSERT_EQ(found, DoorbellScope::kDevice) << "rank " << r;
       }
     }
@@ -330,6 +334,10 @@ TEST(DoorbellGpu, RingScopeIsDeviceOnlyForTheSlotsOwnGpu) {
   EXPECT_EQ(scope, DoorbellScope::kSystem);
   EXPECT_EQ(DoorbellRingScopeFor(nullptr, &scope), cudaErrorInvalidValue);
   EXPECT_EQ(DoorbellRingScopeFor(owner.owner_uuid, nullptr), cudaErrorInvalidValue);
+  // From the slot itself: its own block's UUID, read from device memory.
+  scope = DoorbellScope::kSystem;
+  CUDA_OK(DoorbellRingScopeForSlot(planes.slot(*plan, 0), &scope));
+  EXPECT_EQ(scope, DoorbellScope::kDevice);
 }
 
 // A client that never rings: waiters reach their deadline, consume nothing and are replaced; the
@@ -399,14 +407,15 @@ TEST(DoorbellGpu, AbortMakesEverythingExitAndTheGroupRecovers) {
   EXPECT_EQ(ReadSlot(planes.slot(*plan, 0)).error, host_abort_failure)
       << DoorbellErrorName(ReadSlot(planes.slot(*plan, 0)).error);
   EXPECT_EQ(g.ErrorWord(0), static_cast<uint32_t>(FusionError::kHostAbort));
-  // Let both host threads collect the finished triples.
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  const DoorbellPlaneStatus s0 = planes[0].Status();
+  // Both host threads collect the finished launches.
+  const DoorbellPlaneStatus s0 =
+      planes.AwaitStatus(0, [](const DoorbellPlaneStatus& s) { return s.failed >= 1; });
   EXPECT_EQ(s0.health.code(), absl::StatusCode::kFailedPrecondition) << s0.health;
   EXPECT_EQ(s0.served, 1u);
   EXPECT_EQ(s0.failed, 1u);
   EXPECT_EQ(s0.last_error, host_abort_failure);
-  const DoorbellPlaneStatus s1 = planes[1].Status();
+  const DoorbellPlaneStatus s1 =
+      planes.AwaitStatus(1, [](const DoorbellPlaneStatus& s) { return !s.running; });
   EXPECT_EQ(s1.health.code(), absl::StatusCode::kAborted) << s1.health;
   EXPECT_FALSE(s1.running);
   // Rank 1's client rings now: its slot was closed with the failure, so it returns at once.
@@ -515,9 +524,9 @@ TEST(DoorbellGpu, TokenCountAbovePlanMaximumIsRejected) {
   ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
   EXPECT_THAT(planes.SlotErrors(*plan),
               ::testing::Each(static_cast<uint32_t>(DoorbellError::kBadTokenCount)));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   for (int r = 0; r < 2; ++r) {
-    const DoorbellPlaneStatus s = planes[r].Status();
+    const DoorbellPlaneStatus s =
+        planes.AwaitStatus(r, [](const DoorbellPlaneStatus& s) { return s.rejected >= 1; });
     EXPECT_EQ(s.rejected, 1u);
     EXPECT_EQ(s.served, 0u);
     EXPECT_TRUE(s.health.ok()) << "a rejected ring does not poison anything: " << s.health;

@@ -122,6 +122,9 @@ TEST(DoorbellLaunch, RingRefusesBadArgumentsBeforeTheDevice) {
   const uint8_t uuid[16] = {};
   EXPECT_EQ(DoorbellRingScopeFor(nullptr, &scope), cudaErrorInvalidValue);
   EXPECT_EQ(DoorbellRingScopeFor(uuid, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(DoorbellRingScopeForSlot(nullptr, &scope), cudaErrorInvalidValue);
+  EXPECT_EQ(DoorbellRingScopeForSlot(Aligned(), nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(scope, DoorbellScope::kDevice) << "untouched on a refused call";
 }
 
 DoorbellWaitParams GoodWait() {
