@@ -301,7 +301,8 @@ struct DoorbellServeState {
   uint64_t ticket;
   // Blocks of the current multi-block op that counted in: each adds 1 (acq_rel) plus 1 << 24
   // when it failed; block 0 sets 1 << 16 when it gives up on a block that never came. The block
-  // whose add makes the count reach the op's active blocks completes the op and zeroes the word.
+  // whose add makes the count reach the op's active blocks completes the op; block 0 zeroes the
+  // word after it saw the op completed.
   uint32_t finished;
   uint32_t done;   // the number of the last op completed (release by the block that completed it)
   uint32_t error;  // the slot error that op was completed with (0: it succeeded)

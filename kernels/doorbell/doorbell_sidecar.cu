@@ -309,9 +309,12 @@ __device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, b
   return error;
 }
 
-// DoorbellServeState::finished, per op (zeroed by the block that completes it): bits 0-15 count
-// the blocks in, bit 16 says block 0 gave up waiting (a block that never became resident), bits
-// 24-31 count failed blocks (at most kMaxServeBlocks, so they never wrap to zero).
+// DoorbellServeState::finished, per op (zeroed by block 0 after the op, before it announces the
+// next): bits 0-15 count the blocks in, bit 16 says block 0 gave up waiting (a block that never
+// became resident), bits 24-31 count failed blocks (at most kMaxServeBlocks, so they never wrap to
+// zero). Only block 0 zeroes it, in program order with its closing add: a zeroing by the
+// completing block could land between block 0's deadline and its add, which would then read zero
+// and fail (and complete a second time) an op that had just completed.
 constexpr uint32_t kFinishedOne = 1u;
 constexpr uint32_t kFinishedCountMask = 0xffffu;
 constexpr uint32_t kFinishedClosed = 1u << 16;
@@ -321,14 +324,12 @@ static_assert(kMaxServeBlocks <= kFinishedCountMask, "the count fits its bits");
 static_assert(kMaxServeBlocks <= (0xffffffffu >> 24), "the failure count fits its bits");
 
 // Thread 0 of the block whose count made `finished` reach the op's blocks: completes op `op`,
-// then, behind the completion (off the client's path), zeroes `finished` for the next op and
-// releases `done`, which block 0 waits for before it polls again (nobody counts in for the next
-// op before block 0 announces it).
+// then, behind the completion (off the client's path), releases `done`, which block 0 waits for
+// before it zeroes `finished` and polls again.
 __device__ void CompleteAsLastBlock(DoorbellServeState* st, DoorbellSlot* slot,
                                     const FusionParams& p, bool maybe_failed, bool local,
                                     uint32_t op, bool trace) {
   const uint32_t error = CompleteInPlace(slot, p, maybe_failed, local);
-  StoreVolatile32(&st->finished, 0u);
   StoreVolatile32(&st->error, error);
   if (trace) {
     *static_cast<volatile uint64_t*>(&st->completed_ns) = GlobalTimerNs();
@@ -353,14 +354,19 @@ __device__ uint32_t AwaitCompletion(DoorbellServeState* st, DoorbellSlot* slot,
       closed = true;
       const uint32_t before = atomicAdd(&st->finished, kFinishedClosed);
       // The last block already counted in: it completes the op and releases `done` within a
-      // few instructions (it is resident and past its body); its zeroing of `finished` comes
-      // after this add in the word's order, so the closed bit does not outlive the op.
+      // few instructions (it is resident and past its body); the zeroing after the op clears
+      // the closed bit.
       if ((before & kFinishedCountMask) == active) continue;
       atomicCAS(&fusion_device::ControlOf(p.peer_workspace[p.rank], p.layout)->error, 0u,
                 static_cast<uint32_t>(FusionError::kTimeout));
+      // `finished` keeps the closed bit: the launch ends, and a block still in the op counts
+      // in behind this without completing it. The last block to leave zeroes the word.
       return CompleteInPlace(slot, p, /*maybe_failed=*/true, local);
     }
   }
+  // Every block of the op counted in: zeroed for the next op (the fence after the op orders
+  // this before the next ticket, so before the next op's counts).
+  StoreVolatile32(&st->finished, 0u);
   return LoadVolatile32(&st->error);
 }
 
