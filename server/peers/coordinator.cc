@@ -35,10 +35,14 @@ std::string RankList(const std::vector<int>& ranks) {
 
 const char* CollectiveKindName(CollectiveKind k) {
   switch (k) {
-    case CollectiveKind::kAllgather: return "allgather";
-    case CollectiveKind::kBarrier: return "barrier";
-    case CollectiveKind::kVote: return "vote";
-    case CollectiveKind::kAllgatherFd: return "allgather_fd";
+    case CollectiveKind::kAllgather:
+      return "allgather";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kVote:
+      return "vote";
+    case CollectiveKind::kAllgatherFd:
+      return "allgather_fd";
   }
   return "unknown";
 }
@@ -71,9 +75,8 @@ void Coordinator::Join(uint64_t participant, const MemberInfo& info, absl::Time 
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) {
-      fail(absl::AbortedError(absl::StrCat("group '", group_, "' epoch ", epoch_,
-                                           " is broken (", broken_.message(),
-                                           "); rank 0 must re-form it")));
+      fail(absl::AbortedError(absl::StrCat("group '", group_, "' epoch ", epoch_, " is broken (",
+                                           broken_.message(), "); rank 0 must re-form it")));
     } else if (info.group != group_) {
       fail(absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " asked to join group '",
                                                    info.group, "' but this coordinator serves '",
@@ -83,16 +86,16 @@ void Coordinator::Join(uint64_t participant, const MemberInfo& info, absl::Time 
                                                    info.world_size, " but group '", group_,
                                                    "' has world_size ", world_size_)));
     } else if (info.nnodes != nnodes_) {
-      fail(absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " has nnodes ",
-                                                   info.nnodes, " but group '", group_,
-                                                   "' has nnodes ", nnodes_)));
+      fail(absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " has nnodes ", info.nnodes,
+                                                   " but group '", group_, "' has nnodes ",
+                                                   nnodes_)));
     } else if (info.rank < 0 || info.rank >= world_size_) {
-      fail(absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " is out of range for world_size ",
-                                                   world_size_)));
+      fail(absl::InvalidArgumentError(
+          absl::StrCat("rank ", info.rank, " is out of range for world_size ", world_size_)));
     } else if (formed_ || joiners_[info.rank].participant != 0) {
-      fail(absl::FailedPreconditionError(absl::StrCat(
-          "rank ", info.rank, " has already joined group '", group_,
-          "' (two processes with the same rank?)")));
+      fail(absl::FailedPreconditionError(absl::StrCat("rank ", info.rank,
+                                                      " has already joined group '", group_,
+                                                      "' (two processes with the same rank?)")));
     } else {
       joiners_[info.rank] = Joiner{participant, info, deadline, std::move(done)};
       int joined = 0;
@@ -107,7 +110,9 @@ void Coordinator::Join(uint64_t participant, const MemberInfo& info, absl::Time 
           participants_[r] = joiners_[r].participant;
           JoinDone d = std::move(joiners_[r].done);
           joiners_[r].done = nullptr;
-          deferred.push_back([d, members, e = epoch_] { d(JoinResult{absl::OkStatus(), e, members}); });
+          deferred.push_back([d, members, e = epoch_] {
+            d(JoinResult{absl::OkStatus(), e, members});
+          });
         }
         spdlog::info("event=peer_group_formed group={} epoch={} world_size={}", group_, epoch_,
                      world_size_);
@@ -217,9 +222,8 @@ void Coordinator::Contribute(uint64_t participant, Contribution c, CollectiveDon
       p.arrived[rank] = true;
       ++p.num_arrived;
       if (!p.failed.ok()) {
-        fail(absl::AbortedError(absl::StrCat("collective '", c.tag,
-                                             "' already failed on the other ranks: ",
-                                             p.failed.message())));
+        fail(absl::AbortedError(absl::StrCat(
+            "collective '", c.tag, "' already failed on the other ranks: ", p.failed.message())));
       } else if (p.kind != c.kind) {
         std::string msg = absl::StrCat("collective '", c.tag, "': rank ", rank, " called ",
                                        CollectiveKindName(c.kind), " but other ranks called ",
@@ -244,8 +248,8 @@ void Coordinator::CollectGarbageLocked() {
   while (failed > kMaxFailedRecords) {
     auto oldest = pending_.end();
     for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-      if (!it->second.failed.ok() && (oldest == pending_.end() ||
-                                      it->second.created < oldest->second.created)) {
+      if (!it->second.failed.ok() &&
+          (oldest == pending_.end() || it->second.created < oldest->second.created)) {
         oldest = it;
       }
     }
@@ -263,10 +267,10 @@ void Coordinator::ParticipantGone(uint64_t participant, const std::string& reaso
       for (int r = 0; r < world_size_; ++r) {
         if (participants_[r] != participant) continue;
         if (broken_.ok()) {
-          broken_ = absl::UnavailableError(absl::StrCat("rank ", r, " of group '", group_,
-                                                        "' went away: ", reason));
-          spdlog::warn("event=peer_lost group={} epoch={} rank={} reason=\"{}\"", group_, epoch_,
-                       r, reason);
+          broken_ = absl::UnavailableError(
+              absl::StrCat("rank ", r, " of group '", group_, "' went away: ", reason));
+          spdlog::warn("event=peer_lost group={} epoch={} rank={} reason=\"{}\"", group_, epoch_, r,
+                       reason);
         }
         for (auto& [k, p] : pending_) {
           if (p.failed.ok()) FailPendingLocked(p, broken_, deferred);
@@ -310,8 +314,8 @@ void Coordinator::Expire(absl::Time now) {
         absl::Status s = absl::UnavailableError(
             absl::StrCat("group '", group_, "': ranks ", RankList(missing),
                          " did not join before the deadline (joined: ", RankList(joined), ")"));
-        spdlog::warn("event=peer_join_timeout group={} rank={} missing=\"{}\"", group_,
-                     j.info.rank, RankList(missing));
+        spdlog::warn("event=peer_join_timeout group={} rank={} missing=\"{}\"", group_, j.info.rank,
+                     RankList(missing));
         JoinDone d = std::move(j.done);
         deferred.push_back([d, s] { d(JoinResult{s, 0, {}}); });
         j = Joiner{};

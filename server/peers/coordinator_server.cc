@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "arfuse/v1/peer.pb.h"
 #include "server/core/status_macros.h"
+#include "server/peers/peer_credentials.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse::peers {
@@ -396,6 +397,19 @@ void CoordinatorServer::Loop() {
       for (;;) {
         int cfd = ::accept4(fds[l].fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (cfd < 0) break;
+        if (l == 1) {
+          // Before a byte is read: another user's process gets nothing, not even an answer.
+          absl::StatusOr<SocketCredentials> cred = PeerSocketCredentials(cfd);
+          if (!cred.ok() || !PeerUserAllowed(cred->uid)) {
+            refused_.fetch_add(1, std::memory_order_relaxed);
+            spdlog::warn(
+                "event=peer_connection_refused group={} uid={} reason=\"{}\"", options_.group,
+                cred.ok() ? static_cast<int64_t>(cred->uid) : -1,
+                cred.ok() ? "runs as another user than this sidecar" : "credentials unknown");
+            ::close(cfd);
+            continue;
+          }
+        }
         if (l == 2) {
           int one = 1;
           ::setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

@@ -47,6 +47,9 @@ class CoordinatorServer {
   std::shared_ptr<Coordinator> coordinator() const { return coordinator_; }
   // The bound TCP port (useful with port 0); 0 without a TCP listener.
   int tcp_port() const { return tcp_port_; }
+  // Connections to the Unix socket closed at once because their process runs as another user
+  // (peer_credentials.h).
+  uint64_t refused_connections() const { return refused_.load(std::memory_order_relaxed); }
 
   struct Conn;
   using Wake = WakeFd;
@@ -70,6 +73,7 @@ class CoordinatorServer {
   std::map<uint64_t, std::shared_ptr<Conn>> conns_;  // I/O thread only
   uint64_t next_conn_id_ = 1;
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> refused_{0};
   std::thread thread_;
 };
 

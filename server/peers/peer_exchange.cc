@@ -25,6 +25,7 @@
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
 #include "server/peers/coordinator_server.h"
+#include "server/peers/peer_credentials.h"
 #include "server/peers/wake_fd.h"
 #include "server/peers/wire.h"
 #include "spdlog/spdlog.h"
@@ -102,6 +103,17 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   if (!fd) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return absl::UnavailableError(absl::StrCat("connect ", path, ": ", strerror(errno)));
+  }
+  // The listener's credentials, before the join is sent (peer_credentials.h): a process of
+  // another user holding the group's path is not rank 0 of this group, and retrying cannot
+  // change who holds it.
+  ARFUSE_ASSIGN_OR_RETURN(const peers::SocketCredentials cred,
+                          peers::PeerSocketCredentials(fd.get()));
+  if (!peers::PeerUserAllowed(cred.uid)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the peer socket ", path, " is held by a process of uid ", cred.uid,
+        ", neither this sidecar's user (uid ", ::geteuid(),
+        ") nor root: refusing to join through it (is --peer-dir shared with another user?)"));
   }
   int flags = ::fcntl(fd.get(), F_GETFL);
   ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK);
@@ -565,7 +577,7 @@ class SocketExchange final : public PeerExchange {
         }
       } else {
         last = fd.status();
-        if (absl::IsInvalidArgument(last)) return last;
+        if (absl::IsInvalidArgument(last) || absl::IsPermissionDenied(last)) return last;
       }
       absl::SleepFor(std::min(backoff, deadline - absl::Now()));  // retry pacing, not sync
       backoff = std::min(backoff * 2, absl::Milliseconds(200));

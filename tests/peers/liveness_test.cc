@@ -3,9 +3,16 @@
 // a rank that stays silent past the timeout it announced; frames it does not understand break
 // the group naming the rank; a peer on another wire version gets a refusal it can read, and a
 // rank joining a coordinator on another version fails with both versions named, not a hang.
+// And the Unix socket's credential rule (peer_credentials.h), seen from a process of another
+// user on either side.
+#include <grp.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -299,5 +306,92 @@ TEST_F(WireVersion, OlderCoordinatorClosingTheJoinIsExplained) {
   EXPECT_THAT(ex.status().message(), HasSubstr("every rank runs the same build"));
 }
 
+// The Unix socket's credential rule, from the other user's side. Root only: the tests act as
+// uid/gid 65534 in a child process, with the directory and socket opened to everyone, so that
+// only the credential check stands in the way.
+constexpr uid_t kNobody = 65534;
+
+bool BecomeNobody() {
+  return ::setgroups(0, nullptr) == 0 && ::setgid(kNobody) == 0 && ::setuid(kNobody) == 0;
+}
+
+class PeerCredentials : public CoordinatorLiveness {};
+
+TEST_F(PeerCredentials, CoordinatorClosesAProcessOfAnotherUserWithoutReadingItsJoin) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  const std::string path = dir_ + "/g-rank0.sock";
+  std::filesystem::permissions(dir_, std::filesystem::perms::all);
+  ASSERT_EQ(::chmod(path.c_str(), 0777), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (!BecomeNobody()) ::_exit(100);
+    UniqueFd fd = ConnectTo(path);
+    if (!fd.valid()) ::_exit(101);       // the filesystem refused: the test would prove nothing
+    Send(fd.get(), JoinFrame(0, 1, 1));  // may fail: the coordinator may have closed already
+    ::_exit(ReadRaw(fd.get(), absl::Seconds(3)).has_value() ? 102 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "100: could not act as uid 65534, 101: could not connect, 102: the join was answered";
+  EXPECT_EQ(server_->refused_connections(), 1u);
+  // The group's own user still joins.
+  UniqueFd joined = Joined();
+  EXPECT_TRUE(joined.valid());
+  EXPECT_EQ(server_->refused_connections(), 1u);
+}
+
+class PeerSocketOwner : public InTempDir {};
+
+TEST_F(PeerSocketOwner, RankRefusesToJoinThroughASocketHeldByAnotherUser) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  std::filesystem::permissions(dir_, std::filesystem::perms::all);
+  absl::StatusOr<std::string> path = PeerSocketPath(dir_, kGroup);
+  ASSERT_TRUE(path.ok()) << path.status();
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(ready[0]);
+    if (!BecomeNobody()) ::_exit(100);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path->c_str(), sizeof(addr.sun_path) - 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(fd, 4) != 0 || ::chmod(path->c_str(), 0777) != 0) {
+      ::_exit(101);
+    }
+    const char one = 1;
+    if (::write(ready[1], &one, 1) != 1) ::_exit(102);
+    ::pause();  // holds the path until the test kills it
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char got = 0;
+  const bool listening = ::read(ready[0], &got, 1) == 1;
+  ::close(ready[0]);
+  absl::StatusOr<std::unique_ptr<PeerExchange>> joined =
+      absl::FailedPreconditionError("not attempted");
+  const absl::Time start = absl::Now();
+  if (listening) {
+    PeerOptions o;
+    o.rank = 1;
+    o.world_size = 2;
+    o.peer_dir = dir_;
+    o.group = kGroup;
+    o.timeout = absl::Seconds(10);
+    joined = ConnectPeers(o);
+  }
+  const absl::Duration took = absl::Now() - start;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  ASSERT_TRUE(listening) << "the other user's listener did not start";
+  ASSERT_FALSE(joined.ok());
+  EXPECT_EQ(joined.status().code(), absl::StatusCode::kPermissionDenied) << joined.status();
+  EXPECT_THAT(joined.status().message(), HasSubstr("uid 65534"));
+  EXPECT_LT(took, absl::Seconds(5)) << "retried as if rank 0 were not up yet";
+}
 }  // namespace
 }  // namespace arfuse::peers
