@@ -337,6 +337,9 @@ struct DoorbellTraceRecord {
 };
 static_assert(sizeof(DoorbellTraceRecord) == 80, "DoorbellTraceRecord is copied to the host");
 
+// The most blocks a serving launch runs: its per-op count keeps the failed blocks in 8 bits.
+inline constexpr uint32_t kMaxDoorbellServeBlocks = 128;
+
 struct DoorbellServeParams {
   DoorbellWaitParams wait;
   // The shape served in place: dtype, pattern, hidden, rank, world size, sm_budget and layout as
@@ -345,7 +348,8 @@ struct DoorbellServeParams {
   DoorbellServeState* state;
   DoorbellReport* report;  // optional: device address of the triple's host-mapped report
   uint32_t inplace_mask;   // slots (subset of wait.slot_mask) whose plans match the template
-  uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency and 128), >= 1
+  uint32_t max_blocks;     // the grid: at most this many blocks (capped by residency and
+                           // kMaxDoorbellServeBlocks), >= 1
   // Optional trace: op k of a launch goes to trace[(k - 1) % trace_ops]; null: no trace.
   DoorbellTraceRecord* trace;
   uint32_t trace_ops;

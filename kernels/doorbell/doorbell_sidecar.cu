@@ -314,17 +314,16 @@ __device__ uint32_t CompleteInPlace(DoorbellSlot* slot, const FusionParams& p, b
 
 // DoorbellServeState::finished, per op (zeroed by block 0 after the op, before it announces the
 // next): bits 0-15 count the blocks in, bit 16 says block 0 gave up waiting (a block that never
-// became resident), bits 24-31 count failed blocks (at most kMaxServeBlocks, so they never wrap to
-// zero). Only block 0 zeroes it, in program order with its closing add: a zeroing by the
+// became resident), bits 24-31 count failed blocks (at most kMaxDoorbellServeBlocks, so they never
+// wrap to zero). Only block 0 zeroes it, in program order with its closing add: a zeroing by the
 // completing block could land between block 0's deadline and its add, which would then read zero
 // and fail (and complete a second time) an op that had just completed.
 constexpr uint32_t kFinishedOne = 1u;
 constexpr uint32_t kFinishedCountMask = 0xffffu;
 constexpr uint32_t kFinishedClosed = 1u << 16;
 constexpr uint32_t kFinishedFail = 1u << 24;
-constexpr uint32_t kMaxServeBlocks = 128;
-static_assert(kMaxServeBlocks <= kFinishedCountMask, "the count fits its bits");
-static_assert(kMaxServeBlocks <= (0xffffffffu >> 24), "the failure count fits its bits");
+static_assert(kMaxDoorbellServeBlocks <= kFinishedCountMask, "the count fits its bits");
+static_assert(kMaxDoorbellServeBlocks <= (0xffffffffu >> 24), "the failure count fits its bits");
 
 // Thread 0 of the block whose count made `finished` reach the op's blocks: completes op `op`,
 // then, behind the completion (off the client's path), releases `done`, which block 0 waits for
@@ -590,8 +589,8 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
 
 bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
-// The serving launch's grid: at most max_blocks and kMaxServeBlocks (the count's bits), and never
-// more than can be resident at once within the template's SM budget (every block must be
+// The serving launch's grid: at most max_blocks and kMaxDoorbellServeBlocks (the count's bits), and
+// never more than can be resident at once within the template's SM budget (every block must be
 // resident: an op completes when all of its blocks counted in).
 template <DType DT, bool kNorm, int kBucket>
 cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
@@ -602,7 +601,7 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
   const uint32_t resident =
       FusionResidentBlocks(reinterpret_cast<const void*>(kernel), threads, t.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
-  const unsigned grid = std::max(1u, std::min({sp.max_blocks, resident, kMaxServeBlocks}));
+  const unsigned grid = std::max(1u, std::min({sp.max_blocks, resident, kMaxDoorbellServeBlocks}));
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, sp);
 }
 

@@ -104,6 +104,11 @@ absl::StatusOr<std::unique_ptr<DoorbellPlane>> DoorbellPlane::Create(
       options.poll_interval > absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("doorbell poll interval must be in (0, 100 ms]");
   }
+  if (options.serve_blocks > kMaxDoorbellServeBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat("doorbell serving launch runs at most ",
+                                                   kMaxDoorbellServeBlocks, " blocks, got ",
+                                                   options.serve_blocks));
+  }
   if (options.trace_ops > kMaxDoorbellTraceOps) {
     return absl::InvalidArgumentError(absl::StrCat(
         "doorbell trace holds at most ", kMaxDoorbellTraceOps, " ops, got ", options.trace_ops));

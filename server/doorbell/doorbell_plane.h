@@ -79,7 +79,8 @@ struct DoorbellPlaneOptions {
   bool serve_in_place = true;
   // Most blocks a serving launch keeps resident (fewer when the in-place plans have fewer rows
   // or fewer fit the SM budget). Idle, they poll one word with __nanosleep: their cost to the
-  // client's kernels is the SM slots they hold (docs/doorbell.md has the measurement).
+  // client's kernels is the SM slots they hold (docs/doorbell.md has the measurement). At most
+  // kMaxDoorbellServeBlocks.
   uint32_t serve_blocks = 32;
   // Diagnostics: keep a trace of the last `trace_ops` in-place ops (DoorbellTraceRecord: when
   // each step of the serving launch happened, ReadTrace). 0 = off, at most kMaxDoorbellTraceOps.

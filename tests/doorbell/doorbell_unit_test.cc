@@ -302,6 +302,8 @@ TEST(DoorbellPlaneOptions, CreateRefusesBadOptionsBeforeTheDevice) {
       {[](DoorbellPlaneOptions& o) { o.queue_depth = 65; }, "got 65"},
       {[](DoorbellPlaneOptions& o) { o.idle_timeout = absl::ZeroDuration(); }, "idle timeout"},
       {[](DoorbellPlaneOptions& o) { o.poll_interval = absl::Seconds(1); }, "poll interval"},
+      {[](DoorbellPlaneOptions& o) { o.serve_blocks = kMaxDoorbellServeBlocks + 1; },
+       "serving launch runs at most 128 blocks, got 129"},
       {[](DoorbellPlaneOptions& o) { o.trace_ops = kMaxDoorbellTraceOps + 1; },
        "trace holds at most 65536 ops, got 65537"},
   };
