@@ -350,7 +350,8 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   // last writer is the previous call's last block, ordered before this read by the kernel boundary
   // (griddepcontrol.wait with programmatic launches) or, inside the doorbell's serving launch,
   // by the acquire that separates two ops there (a block's acquire of the ticket; block 0's of
-  // the blocks' finished count, or its own program order when it runs the op alone).
+  // `done` from the block that completed the previous op, or its own program order when it ran
+  // that op alone).
   static_assert(offsetof(FusionControl, error) == 0 && offsetof(FusionControl, abort) == 4 &&
                 offsetof(FusionControl, lamport_epoch) == 8);
   uint32_t control[4] = {0, 0, 0, 0};
