@@ -55,6 +55,13 @@ struct VecTraits<DType::kBF16> {
   __device__ static uint32_t FromFloat(float f) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
   }
+  // Two elements rounded in one instruction (each exactly as FromFloat rounds it), `lo` in the
+  // low half: half the conversion-pipe work of two FromFloat and no repacking.
+  __device__ static uint32_t FromFloatPair(float lo, float hi) {
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+  }
 };
 
 template <>
@@ -65,6 +72,11 @@ struct VecTraits<DType::kFP16> {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
   __device__ static uint32_t FromFloat(float f) { return __half_as_ushort(__float2half_rn(f)); }
+  __device__ static uint32_t FromFloatPair(float lo, float hi) {
+    uint32_t w;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+  }
 };
 
 template <>
@@ -84,30 +96,27 @@ __device__ __forceinline__ uint32_t GetBits(const Raw16& v, int j) {
   }
 }
 
-template <DType DT>
-__device__ __forceinline__ void SetBits(Raw16& v, int j, uint32_t bits) {
-  if constexpr (VecTraits<DT>::kElems == 8) {
-    const int shift = (j & 1) * 16;
-    v.w[j >> 1] = (v.w[j >> 1] & ~(0xffffu << shift)) | (bits << shift);
-  } else {
-    v.w[j] = bits;
-  }
+// The 16-bit halves of `w` that hold -0.0 (0x8000): bit 15 of each such half set, every other
+// bit clear. (h & 0x7fff) + 0x7fff sets bit 15 exactly when h's magnitude bits are not all zero
+// and stays below 0x10000, so no carry crosses into the other half. Integer operations only:
+// the same answer for subnormals, NaNs and infinities as a comparison of each element's bits
+// (tests/kernels/sentinel_bits_test.cu checks every 16-bit value in either half).
+__host__ __device__ __forceinline__ uint32_t NegativeZeroHalves(uint32_t w) {
+  const uint32_t magnitude_nonzero = (w & 0x7fff7fffu) + 0x7fff7fffu;
+  return w & ~magnitude_nonzero & 0x80008000u;
 }
 
 // -0.0 -> +0.0 element by element, on raw bits (flush-to-zero cannot touch it; negative
 // subnormals stay as they are).
 template <DType DT>
-__device__ __forceinline__ Raw16 SanitizeNegativeZero(Raw16 v) {
+__host__ __device__ __forceinline__ Raw16 SanitizeNegativeZero(Raw16 v) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    uint32_t w = v.w[k];
     if constexpr (VecTraits<DT>::kElems == 8) {
-      if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
-      if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
-    } else {
-      if (w == 0x80000000u) w = 0u;
+      v.w[k] ^= NegativeZeroHalves(v.w[k]);  // clears the sign bit of the -0.0 halves only
+    } else if (v.w[k] == 0x80000000u) {
+      v.w[k] = 0u;
     }
-    v.w[k] = w;
   }
   return v;
 }
@@ -115,18 +124,16 @@ __device__ __forceinline__ Raw16 SanitizeNegativeZero(Raw16 v) {
 // Whether any element still holds the sentinel (-0.0 of the dtype): compares raw bits of every
 // element, never floats (a float compare may flush subnormals and mistake data for -0.0).
 template <DType DT>
-__device__ __forceinline__ bool HasSentinel(const Raw16& v) {
-  bool any = false;
+__host__ __device__ __forceinline__ bool HasSentinel(const Raw16& v) {
+  if constexpr (VecTraits<DT>::kElems == 8) {
+    return (NegativeZeroHalves(v.w[0]) | NegativeZeroHalves(v.w[1]) | NegativeZeroHalves(v.w[2]) |
+            NegativeZeroHalves(v.w[3])) != 0u;
+  } else {
+    bool any = false;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if constexpr (VecTraits<DT>::kElems == 8) {
-      any |= (v.w[k] & 0xffffu) == 0x8000u;
-      any |= (v.w[k] >> 16) == 0x8000u;
-    } else {
-      any |= v.w[k] == 0x80000000u;
-    }
+    for (int k = 0; k < 4; ++k) any |= v.w[k] == 0x80000000u;
+    return any;
   }
-  return any;
 }
 
 template <DType DT>
@@ -147,14 +154,24 @@ __device__ __forceinline__ void Accumulate(float (&acc)[VecTraits<DT>::kElems], 
 }
 
 // The allreduce result of step 3: round to dtype, then -0.0 -> +0.0.
+// Rounds the kElems floats of `f` to one vector of the dtype (element j from f[j]).
+template <DType DT>
+__device__ __forceinline__ Raw16 RoundVector(const float (&f)[VecTraits<DT>::kElems]) {
+  Raw16 out;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (VecTraits<DT>::kElems == 8) {
+      out.w[k] = VecTraits<DT>::FromFloatPair(f[2 * k], f[2 * k + 1]);
+    } else {
+      out.w[k] = VecTraits<DT>::FromFloat(f[k]);
+    }
+  }
+  return out;
+}
+
 template <DType DT>
 __device__ __forceinline__ Raw16 RoundSum(const float (&acc)[VecTraits<DT>::kElems]) {
-  Raw16 out{{0, 0, 0, 0}};
-#pragma unroll
-  for (int j = 0; j < VecTraits<DT>::kElems; ++j) {
-    SetBits<DT>(out, j, VecTraits<DT>::FromFloat(acc[j]));
-  }
-  return SanitizeNegativeZero<DT>(out);
+  return SanitizeNegativeZero<DT>(RoundVector<DT>(acc));
 }
 
 // The xor butterfly of one warp: every lane ends with the same bits (fp add commutes exactly).
@@ -229,13 +246,14 @@ __device__ __forceinline__ float ResidualAddRow(Raw16 (&reduced)[kVec], const Ra
   for (int k = 0; k < kVec; ++k) {
     const uint32_t v = t0 + k * stride;
     if (v < vecs_per_row) {
-      Raw16 pre{{0, 0, 0, 0}};
+      float sum[Tr::kElems];
 #pragma unroll
       for (int j = 0; j < Tr::kElems; ++j) {
         const float a = Tr::ToFloat(GetBits<DT>(reduced[k], j));
         const float r = Tr::ToFloat(GetBits<DT>(res[k], j));
-        SetBits<DT>(pre, j, Tr::FromFloat(__fadd_rn(a, r)));
+        sum[j] = __fadd_rn(a, r);
       }
+      const Raw16 pre = RoundVector<DT>(sum);
       StoreRaw(static_cast<uint4*>(residual_out_row) + v, pre);
 #pragma unroll
       for (int j = 0; j < Tr::kElems; ++j) {
@@ -275,14 +293,14 @@ __device__ __forceinline__ void NormRowStore(const Raw16 (&pre)[kVec], float tot
   for (int k = 0; k < kVec; ++k) {
     const uint32_t v = t0 + k * stride;
     if (v < vecs_per_row) {
-      Raw16 out{{0, 0, 0, 0}};
+      float out[Tr::kElems];
 #pragma unroll
       for (int j = 0; j < Tr::kElems; ++j) {
         const float y = Tr::ToFloat(GetBits<DT>(pre[k], j));
         const float gj = Tr::ToFloat(GetBits<DT>(g[k], j));
-        SetBits<DT>(out, j, Tr::FromFloat(__fmul_rn(__fmul_rn(y, inv_rms), gj)));
+        out[j] = __fmul_rn(__fmul_rn(y, inv_rms), gj);
       }
-      StoreRaw(static_cast<uint4*>(norm_out_row) + v, out);
+      StoreRaw(static_cast<uint4*>(norm_out_row) + v, RoundVector<DT>(out));
     }
   }
 }

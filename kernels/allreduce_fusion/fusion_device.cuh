@@ -478,22 +478,36 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
         const uint32_t v = t0 + k * stride;
         if (v >= vecs_per_row) continue;
         float acc[Tr::kElems];
-        for (int q = 0; q < n; ++q) {
-          const Raw16 x = q == p.rank ? own[k]
-                          : n == 2    ? peer[k]
-                                      : device::LoadRawVolatile(
-                                            row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
-          device::Accumulate<DT>(acc, x, q == 0);
+        if (n == 2) {
+          // x_0 + x_1 and x_1 + x_0 are the same bits (IEEE addition commutes), so both ranks
+          // add their own vector first: no per-rank selection and no loop over ranks on the
+          // common path, whose instructions are a small op's critical path (docs/kernels.md).
+          device::Accumulate<DT>(acc, own[k], true);
+          device::Accumulate<DT>(acc, peer[k], false);
+        } else {
+          for (int q = 0; q < n; ++q) {
+            const Raw16 x = q == p.rank
+                                ? own[k]
+                                : device::LoadRawVolatile(
+                                      row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
+            device::Accumulate<DT>(acc, x, q == 0);
+          }
         }
         sum[k] = device::RoundSum<DT>(acc);
       }
-      for (int q = 0; q < n; ++q) {
-        if (q == p.rank) continue;
+      auto clear_slot = [&](int q) {
         char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const uint32_t v = t0 + k * stride;
           if (v < vecs_per_row) device::StoreRaw(src + v * 16ull, sentinel);
+        }
+      };
+      if (n == 2) {
+        clear_slot(1 - p.rank);
+      } else {
+        for (int q = 0; q < n; ++q) {
+          if (q != p.rank) clear_slot(q);
         }
       }
       if constexpr (!kNorm) {
