@@ -114,7 +114,7 @@ __global__ void WorkspaceInitKernel(char* workspace, WorkspaceLayout layout) {
 //   tight=P        polls of a spin before it backs off                                  [24]
 //   twoshot_grid=0|1  two-shot barriers: per block (0) or one per rank (1)              [0]
 //   backoff=NS     the back-off sleep                                                   [64]
-//   opcheck=0..3   one-shot op agreement: 3 auto (2 for one-block launches, else 1), 2 per
+//   opcheck=0..3   one-shot op agreement: 3 auto (2 for launches of up to 4 blocks, else 1), 2 per
 //                  thread, 1 thread 0 + block barrier, 0 off (measurement only: ranks running
 //                  different ops then compute a wrong result)                           [3]
 struct Tuning {

@@ -38,8 +38,9 @@ struct KernelConfig {
   uint32_t twoshot_block_barriers;
   // One-shot op agreement (FusionControl's op descriptors), kOpCheck*: every thread checks its
   // peers' descriptors before its first store, or thread 0 does and a block barrier shares the
-  // verdict, or (auto) the first for single-block launches and the second otherwise: measured
-  // on 2x H200 the fastest at 1 token and at 8-128 tokens respectively (docs/kernels.md).
+  // verdict, or (auto) the first for launches of up to kOpCheckThreadMaxUnits blocks and the
+  // second otherwise: measured on 2x H200 the fastest at 1-4 tokens and at 16-256 tokens
+  // respectively, the same at 8 (docs/kernels.md, "Op agreement").
   // kOpCheckOff skips the descriptors: for measurement only (ranks running different ops then
   // compute a wrong result instead of failing).
   uint32_t op_check;
@@ -48,6 +49,7 @@ constexpr uint32_t kOpCheckOff = 0;
 constexpr uint32_t kOpCheckBlock = 1;
 constexpr uint32_t kOpCheckThread = 2;
 constexpr uint32_t kOpCheckAuto = 3;
+constexpr uint32_t kOpCheckThreadMaxUnits = 4;
 __host__ __device__ constexpr KernelConfig DefaultKernelConfig() {
   return KernelConfig{1, 24, 64, 1, kOpCheckAuto};
 }
@@ -379,8 +381,9 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   PeerDescPoll descs;
   descs.slots = ctrl->lamport_desc[buffer];
   descs.want = s_desc;
-  const uint32_t op_check =
-      cfg.op_check == kOpCheckAuto ? (units == 1 ? kOpCheckThread : kOpCheckBlock) : cfg.op_check;
+  const uint32_t op_check = cfg.op_check == kOpCheckAuto
+                                ? (units <= kOpCheckThreadMaxUnits ? kOpCheckThread : kOpCheckBlock)
+                                : cfg.op_check;
   const bool checker =
       op_check == kOpCheckThread || (op_check == kOpCheckBlock && threadIdx.x == 0);
   descs.pending = checker && unit < tokens ? ((1u << n) - 1u) & ~(1u << p.rank) : 0u;
