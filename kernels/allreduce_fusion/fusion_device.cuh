@@ -289,6 +289,70 @@ __device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* sr
   }
 }
 
+// World sizes above 2: the rank-order sum of this thread's vectors of one row, each vector's
+// ranks polled kWaitSpan at a time (the own vector taking its rank's place) instead of one peer
+// after the other: a span's loads are in flight together and its vectors are added as soon as
+// none holds the sentinel, so a vector costs one memory round trip per span, where it cost one
+// per peer plus a re-read of every peer's vector for the sum. Vectors go one after the other
+// and spans are 2 ranks wide: the one-shot runs near the 128-register cap of its 512-thread
+// blocks, and wider spans or both vectors at once made ptxas spill (the 2-vector kernels: none
+// at this width). `sum[k]` receives x_0 + x_1 + ... + x_{n-1} in rank order, rounded
+// (RoundSum). Returns a failure code or 0; `descs` is polled alongside, as in WaitVectors.
+constexpr int kWaitSpan = 2;
+template <DType DT, int kVec>
+__device__ __forceinline__ uint32_t WaitAndSumRanks(Raw16 (&sum)[kVec], const Raw16 (&own)[kVec],
+                                                    const char* row_inbox, uint32_t t0,
+                                                    uint32_t stride, uint32_t vecs_per_row,
+                                                    const FusionParams& p, FusionControl* ctrl,
+                                                    BlockWatch& w, SpinClock& clock,
+                                                    const KernelConfig& cfg, PeerDescPoll& descs) {
+  const int n = p.world_size;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const uint32_t v = t0 + k * stride;
+    if (v >= vecs_per_row) continue;
+    float acc[device::VecTraits<DT>::kElems];
+    for (int q0 = 0; q0 < n; q0 += kWaitSpan) {
+      Raw16 x[kWaitSpan];
+      auto polled = [&](int j) { return q0 + j < n && q0 + j != p.rank; };
+      auto src = [&](int j) {
+        return row_inbox + static_cast<uint64_t>(q0 + j) * p.layout.lamport_slot_bytes + v * 16ull;
+      };
+#pragma unroll
+      for (int j = 0; j < kWaitSpan; ++j) {
+        if (polled(j)) {
+          x[j] = device::LoadRawVolatile(src(j));
+        } else if (q0 + j == p.rank) {
+          x[j] = own[k];
+        }
+      }
+      uint32_t spin_polls = 0;
+      while (true) {
+        const bool descs_seen = descs.Poll();
+        bool pending = false;
+#pragma unroll
+        for (int j = 0; j < kWaitSpan; ++j) {
+          if (polled(j) && device::HasSentinel<DT>(x[j])) pending = true;
+        }
+        if (!pending && descs_seen) break;
+        if (const uint32_t code = SpinStep(p, ctrl, w, clock, spin_polls, cfg); code != 0) {
+          return code;
+        }
+#pragma unroll
+        for (int j = 0; j < kWaitSpan; ++j) {
+          if (polled(j) && device::HasSentinel<DT>(x[j])) x[j] = device::LoadRawVolatile(src(j));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kWaitSpan; ++j) {
+        if (q0 + j < n) device::Accumulate<DT>(acc, x[j], q0 + j == 0);
+      }
+    }
+    sum[k] = device::RoundSum<DT>(acc);
+  }
+  return 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // One-shot Lamport. Call k (k = this workspace's epoch) uses buffer k % 3 on every rank.
 // Block b handles rows b, b + grid, ... on every rank (the row layout of row_math.cuh).
@@ -446,12 +510,15 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
         push_row(ahead);
         ahead += units;
       }
-      // Wait until every peer's vectors of this row are here (polls batched over k). With two
-      // ranks the polled vectors are the peer's data; with more they are re-read below.
-      for (int s = 1; s < n && failure == 0; ++s) {
-        const int q = (p.rank + s) % n;
-        failure = WaitVectors<DT, kVec>(peer, row_inbox + q * p.layout.lamport_slot_bytes, t0,
-                                        stride, vecs_per_row, p, ctrl, watch, clock, cfg, descs);
+      // Wait until every peer's vectors of this row are here. Two ranks: the peer's vectors,
+      // polled together, summed below. More: summed while polled (WaitAndSumRanks).
+      if (n == 2) {
+        failure =
+            WaitVectors<DT, kVec>(peer, row_inbox + (1 - p.rank) * p.layout.lamport_slot_bytes, t0,
+                                  stride, vecs_per_row, p, ctrl, watch, clock, cfg, descs);
+      } else {
+        failure = WaitAndSumRanks<DT, kVec>(sum, own, row_inbox, t0, stride, vecs_per_row, p, ctrl,
+                                            watch, clock, cfg, descs);
       }
     }
     if (row == unit && op_check == kOpCheckThread) {
@@ -475,28 +542,19 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
         RecordError(p, failure, false);
       }
     } else {
-      // Sum in rank order (own input at position `rank`), then write the sentinel back.
+      // Two ranks: the sum (x_0 + x_1 and x_1 + x_0 are the same bits, IEEE addition commutes,
+      // so both ranks add their own vector first: no per-rank selection on the common path,
+      // whose instructions are a small op's critical path, docs/kernels.md). More ranks:
+      // WaitAndSumRanks left the rank-order sum in `sum`. Then write the sentinel back.
+      if (n == 2) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const uint32_t v = t0 + k * stride;
-        if (v >= vecs_per_row) continue;
-        float acc[Tr::kElems];
-        if (n == 2) {
-          // x_0 + x_1 and x_1 + x_0 are the same bits (IEEE addition commutes), so both ranks
-          // add their own vector first: no per-rank selection and no loop over ranks on the
-          // common path, whose instructions are a small op's critical path (docs/kernels.md).
+        for (int k = 0; k < kVec; ++k) {
+          if (t0 + k * stride >= vecs_per_row) continue;
+          float acc[Tr::kElems];
           device::Accumulate<DT>(acc, own[k], true);
           device::Accumulate<DT>(acc, peer[k], false);
-        } else {
-          for (int q = 0; q < n; ++q) {
-            const Raw16 x = q == p.rank
-                                ? own[k]
-                                : device::LoadRawVolatile(
-                                      row_inbox + q * p.layout.lamport_slot_bytes + v * 16ull);
-            device::Accumulate<DT>(acc, x, q == 0);
-          }
+          sum[k] = device::RoundSum<DT>(acc);
         }
-        sum[k] = device::RoundSum<DT>(acc);
       }
       auto clear_slot = [&](int q) {
         char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;

@@ -50,10 +50,43 @@ TEST(DispatchTable, Sm90Tp8FusesOnlySmallPayloads) {
   EXPECT_EQ(c->path, ExecPath::kUnfused);
 }
 
-TEST(DispatchTable, Sm90NeverPicksTwoShot) {
-  // Two-shot was measured slower than one-shot and unfused at TP2 on Hopper: no published range.
+TEST(DispatchTable, Sm90Tp4MeasuredOneShotUpTo1MiBThenTwoShotUpTo32MiB) {
   const DispatchTable t = DispatchTable::Published();
-  for (int ws : {2, 4, 8}) {
+  const DispatchEntry* e = t.Find(90, 4);
+  ASSERT_NE(e, nullptr);
+  EXPECT_NE(e->source.find("measured"), std::string::npos);
+  // 128 tokens x 4096 x 2 B = 1 MiB: the last one-shot payload; one token more is two-shot.
+  auto c = ChooseExecPath(t, Req(90, 4, 128, 4096));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->path, ExecPath::kOneShot);
+  c = ChooseExecPath(t, Req(90, 4, 129, 4096));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->path, ExecPath::kTwoShot) << c->reason;
+  // 2048 x 8192 x 2 B = 32 MiB, the largest payload measured: two-shot; above it, unfused with
+  // regular NCCL (symmetric windows measured slower from 14 MiB on).
+  c = ChooseExecPath(t, Req(90, 4, 2048, 8192));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->path, ExecPath::kTwoShot);
+  c = ChooseExecPath(t, Req(90, 4, 2049, 8192));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->path, ExecPath::kUnfused);
+  EXPECT_FALSE(c->nccl_symmetric);
+  // The two-shot range when the two-shot kernel cannot run the shape: unfused, with NCCL
+  // symmetric windows at 4 MiB (measured faster there).
+  DispatchRequest r = Req(90, 4, 512, 4096);
+  r.twoshot_available = false;
+  c = ChooseExecPath(t, r);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->path, ExecPath::kUnfused);
+  EXPECT_TRUE(c->nccl_symmetric);
+  EXPECT_NE(c->reason.find("two-shot kernel cannot run"), std::string::npos) << c->reason;
+}
+
+TEST(DispatchTable, Sm90Tp2AndTp8NeverPickTwoShot) {
+  // Two-shot was measured slower than one-shot and unfused at TP2 on Hopper, and TP8 keeps the
+  // published gate (no two-shot range) until measured.
+  const DispatchTable t = DispatchTable::Published();
+  for (int ws : {2, 8}) {
     for (uint32_t tokens : {1u, 8u, 128u, 1024u, 2048u, 4096u}) {
       auto c = ChooseExecPath(t, Req(90, ws, tokens, 8192));
       ASSERT_TRUE(c.ok());
