@@ -251,42 +251,52 @@ struct PeerDescPoll {
   }
 };
 
-// Polls the vectors of this thread (row thread t0, k < kVec) at `src` until no element of any
-// holds the sentinel (raw bits). Returns a failure code or 0.
-// `descs` is polled alongside (its loads issued after the data loads, so both are in flight at
-// once); the wait ends when both are complete.
-template <DType DT, int kVec>
-__device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* src, uint32_t t0,
-                                                uint32_t stride, uint32_t vecs_per_row,
-                                                const FusionParams& p, FusionControl* ctrl,
-                                                BlockWatch& w, SpinClock& clock,
-                                                const KernelConfig& cfg, PeerDescPoll& descs) {
+// The Lamport spin shared by both waits: loads every vector j < kCount with `polled(j)` through
+// `load(j)`, then reloads the ones still holding the sentinel (raw bits) until none does and
+// `descs` has seen every peer's descriptor (its loads issued after the data loads, so both are in
+// flight at once). Only the vectors still pending are reloaded: a vector without the sentinel
+// holds the peer's data of this call, which nothing changes before this rank reads it. Returns a
+// failure code (SpinStep: abort, peer error, deadline) or 0.
+template <DType DT, int kCount, typename Polled, typename Load>
+__device__ __forceinline__ uint32_t SpinUntilNoSentinel(Raw16 (&x)[kCount], Polled polled,
+                                                        Load load, const FusionParams& p,
+                                                        FusionControl* ctrl, BlockWatch& w,
+                                                        SpinClock& clock, const KernelConfig& cfg,
+                                                        PeerDescPoll& descs) {
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    const uint32_t v = t0 + k * stride;
-    if (v < vecs_per_row) x[k] = device::LoadRawVolatile(src + v * 16ull);
+  for (int j = 0; j < kCount; ++j) {
+    if (polled(j)) x[j] = load(j);
   }
   uint32_t spin_polls = 0;
   while (true) {
     const bool descs_seen = descs.Poll();
     bool pending = false;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const uint32_t v = t0 + k * stride;
-      if (v < vecs_per_row && device::HasSentinel<DT>(x[k])) pending = true;
+    for (int j = 0; j < kCount; ++j) {
+      if (polled(j) && device::HasSentinel<DT>(x[j])) pending = true;
     }
     if (!pending && descs_seen) return 0;
     if (const uint32_t code = SpinStep(p, ctrl, w, clock, spin_polls, cfg); code != 0) {
       return code;
     }
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const uint32_t v = t0 + k * stride;
-      if (v < vecs_per_row && device::HasSentinel<DT>(x[k])) {
-        x[k] = device::LoadRawVolatile(src + v * 16ull);
-      }
+    for (int j = 0; j < kCount; ++j) {
+      if (polled(j) && device::HasSentinel<DT>(x[j])) x[j] = load(j);
     }
   }
+}
+
+// Polls the vectors of this thread (row thread t0, k < kVec) at `src`, all of them together,
+// until they hold the peer's data. Returns a failure code or 0; `descs` is polled alongside.
+template <DType DT, int kVec>
+__device__ __forceinline__ uint32_t WaitVectors(Raw16 (&x)[kVec], const char* src, uint32_t t0,
+                                                uint32_t stride, uint32_t vecs_per_row,
+                                                const FusionParams& p, FusionControl* ctrl,
+                                                BlockWatch& w, SpinClock& clock,
+                                                const KernelConfig& cfg, PeerDescPoll& descs) {
+  auto polled = [&](int k) { return t0 + k * stride < vecs_per_row; };
+  auto load = [&](int k) { return device::LoadRawVolatile(src + (t0 + k * stride) * 16ull); };
+  return SpinUntilNoSentinel<DT>(x, polled, load, p, ctrl, w, clock, cfg, descs);
 }
 
 // World sizes above 2: the rank-order sum of this thread's vectors of one row, each vector's
@@ -314,34 +324,19 @@ __device__ __forceinline__ uint32_t WaitAndSumRanks(Raw16 (&sum)[kVec], const Ra
     float acc[device::VecTraits<DT>::kElems];
     for (int q0 = 0; q0 < n; q0 += kWaitSpan) {
       Raw16 x[kWaitSpan];
-      auto polled = [&](int j) { return q0 + j < n && q0 + j != p.rank; };
-      auto src = [&](int j) {
-        return row_inbox + static_cast<uint64_t>(q0 + j) * p.layout.lamport_slot_bytes + v * 16ull;
-      };
 #pragma unroll
       for (int j = 0; j < kWaitSpan; ++j) {
-        if (polled(j)) {
-          x[j] = device::LoadRawVolatile(src(j));
-        } else if (q0 + j == p.rank) {
-          x[j] = own[k];
-        }
+        if (q0 + j == p.rank) x[j] = own[k];  // unrolled: x stays in registers
       }
-      uint32_t spin_polls = 0;
-      while (true) {
-        const bool descs_seen = descs.Poll();
-        bool pending = false;
-#pragma unroll
-        for (int j = 0; j < kWaitSpan; ++j) {
-          if (polled(j) && device::HasSentinel<DT>(x[j])) pending = true;
-        }
-        if (!pending && descs_seen) break;
-        if (const uint32_t code = SpinStep(p, ctrl, w, clock, spin_polls, cfg); code != 0) {
-          return code;
-        }
-#pragma unroll
-        for (int j = 0; j < kWaitSpan; ++j) {
-          if (polled(j) && device::HasSentinel<DT>(x[j])) x[j] = device::LoadRawVolatile(src(j));
-        }
+      auto polled = [&](int j) { return q0 + j < n && q0 + j != p.rank; };
+      auto load = [&](int j) {
+        return device::LoadRawVolatile(
+            row_inbox + static_cast<uint64_t>(q0 + j) * p.layout.lamport_slot_bytes + v * 16ull);
+      };
+      if (const uint32_t code =
+              SpinUntilNoSentinel<DT>(x, polled, load, p, ctrl, w, clock, cfg, descs);
+          code != 0) {
+        return code;
       }
 #pragma unroll
       for (int j = 0; j < kWaitSpan; ++j) {
@@ -502,7 +497,6 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     Raw16 sum[kVec];  // the rounded sum, then the pre-norm sum
     const bool failed_before = failure != 0;
     const char* const row_inbox = local + buffer_offset + row * row_bytes;
-    Raw16 peer[kVec];
     if (failure == 0) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) own[k] = device::SanitizeNegativeZero<DT>(own[k]);
@@ -510,12 +504,25 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
         push_row(ahead);
         ahead += units;
       }
-      // Wait until every peer's vectors of this row are here. Two ranks: the peer's vectors,
-      // polled together, summed below. More: summed while polled (WaitAndSumRanks).
+      // Wait until every peer's vectors of this row are here and sum them (registers only:
+      // nothing is stored before the op check below). Two ranks: the peer's vectors, polled
+      // together, then x_0 + x_1, which both ranks compute as own + peer (IEEE addition
+      // commutes: the same bits, and no per-rank selection on the common path, whose
+      // instructions are a small op's critical path, docs/kernels.md). More ranks: summed in
+      // rank order while polled (WaitAndSumRanks).
       if (n == 2) {
+        Raw16 peer[kVec];
         failure =
             WaitVectors<DT, kVec>(peer, row_inbox + (1 - p.rank) * p.layout.lamport_slot_bytes, t0,
                                   stride, vecs_per_row, p, ctrl, watch, clock, cfg, descs);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          if (failure != 0 || t0 + k * stride >= vecs_per_row) continue;
+          float acc[Tr::kElems];
+          device::Accumulate<DT>(acc, own[k], true);
+          device::Accumulate<DT>(acc, peer[k], false);
+          sum[k] = device::RoundSum<DT>(acc);
+        }
       } else {
         failure = WaitAndSumRanks<DT, kVec>(sum, own, row_inbox, t0, stride, vecs_per_row, p, ctrl,
                                             watch, clock, cfg, descs);
@@ -542,20 +549,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
         RecordError(p, failure, false);
       }
     } else {
-      // Two ranks: the sum (x_0 + x_1 and x_1 + x_0 are the same bits, IEEE addition commutes,
-      // so both ranks add their own vector first: no per-rank selection on the common path,
-      // whose instructions are a small op's critical path, docs/kernels.md). More ranks:
-      // WaitAndSumRanks left the rank-order sum in `sum`. Then write the sentinel back.
-      if (n == 2) {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (t0 + k * stride >= vecs_per_row) continue;
-          float acc[Tr::kElems];
-          device::Accumulate<DT>(acc, own[k], true);
-          device::Accumulate<DT>(acc, peer[k], false);
-          sum[k] = device::RoundSum<DT>(acc);
-        }
-      }
+      // `sum` holds the rank-order sum. Write the sentinel back into what was read.
       auto clear_slot = [&](int q) {
         char* const src = const_cast<char*>(row_inbox) + q * p.layout.lamport_slot_bytes;
 #pragma unroll
