@@ -17,9 +17,6 @@
 namespace arfuse::config {
 namespace {
 
-// Bounds that catch typos ("9" for 90, "1000") without rejecting future architectures.
-constexpr int kMinSm = 10;
-constexpr int kMaxSm = 999;
 // Far above any NVLink domain; rejects garbage without limiting real deployments.
 constexpr int kMaxRanks = 1 << 16;
 

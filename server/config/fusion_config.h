@@ -15,6 +15,11 @@
 namespace arfuse::config {
 
 // Requested backend values (the flag's choices) and resolved backend names.
+// Bounds of an SM version (major * 10 + minor) that catch typos ("9" for 90, "1000") without
+// rejecting future architectures; the daemon's --sm and the config rules use both.
+inline constexpr int kMinSm = 10;
+inline constexpr int kMaxSm = 999;
+
 inline constexpr char kBackendAuto[] = "auto";
 inline constexpr char kBackendTrtllm[] = "trtllm";
 inline constexpr char kBackendMnnvl[] = "mnnvl";

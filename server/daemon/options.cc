@@ -15,6 +15,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kernels/common/op_types.h"
+#include "server/config/fusion_config.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 
@@ -274,9 +276,11 @@ absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
 
 absl::Status Validate(const DaemonOptions& o) {
   if (!o.device.empty()) ARFUSE_RETURN_IF_ERROR(CheckOneOf("device", o.device, {"cuda", "host"}));
-  if (o.world_size < 1 || o.world_size > 64) {
+  // The workspace holds one slot per rank up to kMaxWorldSize; a larger group would start and
+  // never become ready (the peer exchange refuses it), so it is refused here, at startup.
+  if (o.world_size < 1 || o.world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--world-size must be between 1 and 64, got ", o.world_size));
+        absl::StrCat("--world-size must be between 1 and ", kMaxWorldSize, ", got ", o.world_size));
   }
   if (o.rank < 0 || o.rank >= o.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--rank must be in [0, ", o.world_size,
@@ -307,9 +311,10 @@ absl::Status Validate(const DaemonOptions& o) {
   ARFUSE_RETURN_IF_ERROR(
       CheckOneOf("cuda-graph-mode", o.cuda_graph_mode, {"none", "piecewise", "full"}));
   ARFUSE_RETURN_IF_ERROR(CheckOneOf("dtype", o.dtype, {"bf16", "fp16", "fp32"}));
-  if (o.sm && (*o.sm < 10 || *o.sm > 199)) {
+  if (o.sm && (*o.sm < config::kMinSm || *o.sm > config::kMaxSm)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--sm must be major*10+minor (for example 90 or 100), got ", *o.sm));
+        absl::StrCat("--sm must be major*10+minor (for example 90 or 100) between ", config::kMinSm,
+                     " and ", config::kMaxSm, ", got ", *o.sm));
   }
   if (o.max_tokens < 1) {
     return absl::InvalidArgumentError(

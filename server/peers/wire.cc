@@ -170,6 +170,12 @@ absl::Status ReadAvailable(int fd, std::string& buf, std::deque<UniqueFd>& fds, 
 
 absl::Status SendSome(int fd, const std::string& data, size_t* offset,
                       const std::vector<int>& fds) {
+  // The control buffer below holds kMaxFrameFds descriptors, and a receiver refuses frames
+  // announcing more: refuse before writing anything.
+  if (fds.size() > kMaxFrameFds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a peer frame carries at most ", kMaxFrameFds, " fds, got ", fds.size()));
+  }
   while (*offset < data.size()) {
     iovec iov{const_cast<char*>(data.data() + *offset), data.size() - *offset};
     msghdr msg{};

@@ -346,6 +346,13 @@ TEST(Validation, ParsePositiveIntAndBoolAndMode) {
                 "unknown --cuda-graph-mode \"partial\": expected none, piecewise or full");
 }
 
+TEST(Validation, ParsePositiveIntAboveTheRankLimit) {
+  EXPECT_EQ(*ParsePositiveInt("--tp", "65536"), 65536);
+  ExpectInvalid(ParsePositiveInt("--tp", "65537").status(), "--tp 65537 is too large (max 65536)");
+  ExpectInvalid(ParsePositiveInt("--nnodes", "99999999999").status(),
+                "--nnodes \"99999999999\" is not a positive integer");
+}
+
 TEST(ExtractFusionArgs, TakesTheFrameworkSpellingsAndLeavesTheRest) {
   std::vector<std::string> args = {"--port=5",
                                    "--flashinfer-allreduce-fusion-backend",
@@ -736,6 +743,19 @@ TEST(RankReportEncoding, RejectsMalformedInput) {
                     .status(),
                 "unknown backend");
   ExpectInvalid(DecodeRankReport("arfuse-rank-report-v1\nbroken\n").status(), "no '='");
+}
+
+TEST(RankReportEncoding, RejectsBadValuesOfKnownFields) {
+  const std::string head = "arfuse-rank-report-v1\nrank=0\nsm=90\ntp=2\nnnodes=1\n";
+  ExpectInvalid(DecodeRankReport(head + "failure=oops\\q\n").status(),
+                "rank report field failure: bad escape");
+  ExpectInvalid(DecodeRankReport(head + "flags.deterministic=yes\n").status(),
+                "rank report field flags.deterministic: not true or false");
+  ExpectInvalid(DecodeRankReport(head + "decision.data_plane=rdma\n").status(),
+                "rank report field decision.data_plane: unknown data plane \"rdma\"");
+  ExpectInvalid(DecodeRankReport(head + "decision.cuda_graph_mode=partial\n").status(),
+                "rank report field decision.cuda_graph_mode: unknown --cuda-graph-mode "
+                "\"partial\"");
 }
 
 TEST(DecisionJson, HasEveryKeyAndEscapes) {

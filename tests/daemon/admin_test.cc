@@ -105,6 +105,35 @@ TEST_F(AdminTest, UnknownBackendIsAUsageError) {
   EXPECT_THAT(out, HasSubstr("unknown backend \"nccl\""));
 }
 
+// The same refusal from the sidecar itself, for a client that does not check first.
+TEST_F(AdminTest, UnknownBackendOverTheWireIsInvalidArgument) {
+  auto channel = grpc::CreateChannel(Addr(0), grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  v1::SetBackendRequest req;
+  req.set_backend("nccl");
+  v1::SetBackendResponse resp;
+  grpc::Status s = v1::Admin::NewStub(channel)->SetBackend(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("unknown backend \"nccl\": expected auto, trtllm, mnnvl or none"));
+}
+
+// The API version is checked before the request's fields: a client of another major learns that,
+// not that its backend name is unknown.
+TEST_F(AdminTest, AnotherApiMajorIsFailedPreconditionBeforeTheBackendIsChecked) {
+  auto channel = grpc::CreateChannel(Addr(0), grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  ctx.AddMetadata("arfuse-api-version", "2.0");
+  v1::SetBackendRequest req;
+  req.set_backend("nccl");
+  v1::SetBackendResponse resp;
+  grpc::Status s = v1::Admin::NewStub(channel)->SetBackend(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("client API version 2.0 is not supported"));
+}
+
 // SM80 has no fused backend: a switch to one is refused, and the group keeps its unfused path.
 class AdminSm80Test : public AdminTest {
  protected:

@@ -83,6 +83,44 @@ TEST(DaemonFlags, BadEnumValuesExit2) {
   EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--log-level=loud"}, "--log-level"));
 }
 
+TEST(DaemonFlags, RangeAndChoiceChecksExit2) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string text;
+  };
+  const Case cases[] = {
+      {{"--world-size=0"}, "--world-size must be between 1 and 16, got 0"},
+      // Above the workspace's rank slots: refused at startup, not left never becoming ready.
+      {{"--world-size=17"}, "--world-size must be between 1 and 16, got 17"},
+      {{"--world-size=2", "--nnodes=3"}, "--nnodes must be between 1 and --world-size (2), got 3"},
+      {{"--health-port=65536"}, "--health-port must be between 0 and 65535, got 65536"},
+      {{"--metrics-port=-2"}, "--metrics-port must be -1 (off) or between 0 and 65535, got -2"},
+      {{"--cuda-graph-mode=partial"},
+       "bad value \"partial\" for --cuda-graph-mode: expected one of none, piecewise, full"},
+      {{"--dtype=int8"}, "bad value \"int8\" for --dtype: expected one of bf16, fp16, fp32"},
+      {{"--sm=9"}, "--sm must be major*10+minor (for example 90 or 100) between 10 and 999, got 9"},
+      {{"--sm=1000"},
+       "--sm must be major*10+minor (for example 90 or 100) between 10 and 999, got 1000"},
+      {{"--max-tokens=0"}, "--max-tokens must be positive, got 0"},
+      {{"--hidden=100"}, "--hidden must be a positive multiple of 8, got 100"},
+      {{"--hidden=0"}, "--hidden must be a positive multiple of 8, got 0"},
+      {{"--peer-timeout=0"}, "--peer-timeout must be a positive number of seconds, got 0"},
+      {{"--spin-timeout=-1"}, "--spin-timeout must be a positive number of seconds, got -1"},
+      {{"--grace-period=0"}, "--grace-period must be a positive number of seconds, got 0"},
+      {{"--default-deadline=nan"},
+       "--default-deadline must be a positive number of seconds, got nan"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {ArfusedPath(), "--device=host"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    EXPECT_TRUE(ExitsWith2(argv, c.text)) << c.args.back();
+  }
+}
+
+TEST(DaemonFlags, EmptyFlagExits2) {
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--"}, "empty flag \"--\""));
+}
+
 TEST(DaemonFlags, PositionalArgumentExits2) {
   EXPECT_TRUE(ExitsWith2({ArfusedPath(), "serve"}, "unexpected argument \"serve\""));
 }
@@ -120,6 +158,15 @@ TEST(DaemonFlags, ConfigFileErrorsNameFileAndLine) {
   std::ofstream(dir + "/arfused.conf") << "# comment\nlog-level=debug\nno_such_flag=1\n";
   EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--config=" + dir + "/arfused.conf"},
                          "arfused.conf:3: unknown flag --no-such-flag"));
+}
+
+TEST(DaemonFlags, UnreadableOrNestedConfigFileExits2) {
+  std::string dir = MakeTempDir();
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--config=" + dir + "/missing.conf"},
+                         "--config: cannot read " + dir + "/missing.conf"));
+  std::ofstream(dir + "/nested.conf") << "log-level=debug\nconfig=/etc/other.conf\n";
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--config=" + dir + "/nested.conf"},
+                         "nested.conf:2: --config is not allowed in a file"));
 }
 
 TEST(DaemonFlags, PrecedenceCliOverEnvOverFile) {

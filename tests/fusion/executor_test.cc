@@ -10,6 +10,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace arfuse {
@@ -99,7 +100,9 @@ TEST(ExecutorTest, TheQueueBoundDoesNotCountTheRunningTask) {
   });
   inside.WaitForNotification();
   EXPECT_TRUE(ex.Submit([](bool) {}).ok());
-  EXPECT_EQ(ex.Submit([](bool) {}).code(), absl::StatusCode::kResourceExhausted);
+  absl::Status full = ex.Submit([](bool) {});
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), ::testing::HasSubstr("1 ops already wait for this workspace"));
   release.Notify();
   caller.join();
   ASSERT_TRUE(WaitFor([&] { return ex.queued() == 0; }));
@@ -122,7 +125,9 @@ TEST(ExecutorTest, ShutdownCancelsQueuedTasksAndRefusesInlineRuns) {
   ex.Shutdown();
   EXPECT_EQ(cancelled.load(), 3);
   EXPECT_FALSE(ex.RunInlineIfIdle([&](bool) { ran++; }));
-  EXPECT_EQ(ex.Submit([](bool) {}).code(), absl::StatusCode::kUnavailable);
+  absl::Status stopped = ex.Submit([](bool) {});
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(stopped.message(), ::testing::HasSubstr("sidecar is shutting down"));
   release.Notify();
   caller.join();
   EXPECT_EQ(ran.load(), 0);

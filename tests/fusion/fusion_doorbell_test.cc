@@ -9,8 +9,10 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -137,6 +139,52 @@ class FakeDoorbellEngine final : public ReadyEngine, public DoorbellHost {
 class PlainEngine final : public ReadyEngine {
  public:
   PlainEngine() : ReadyEngine(OpOutcome{ExecPath::kHost, "plain"}) {}
+};
+
+// An engine whose doorbell plane is there only for the next `set_planes(n)` looks: the plane of
+// an engine re-formed between the service's first look and the queued registration.
+class VanishingPlaneEngine final : public ReadyEngine, public DoorbellHost {
+ public:
+  VanishingPlaneEngine() : ReadyEngine(OpOutcome{ExecPath::kOneShot, "vanishing"}) {}
+  DoorbellHost* doorbell_host() override { return planes_.fetch_sub(1) > 0 ? this : nullptr; }
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs&, uint32_t, absl::Time) override {
+    ++adds_;
+    return absl::InternalError("unexpected: the plane was gone");
+  }
+  absl::Status RemoveDoorbellPlan(const DoorbellGrant&, absl::Time) override {
+    return absl::OkStatus();
+  }
+  void set_planes(int n) { planes_ = n; }
+  int adds() const { return adds_.load(); }
+
+ private:
+  std::atomic<int> planes_{0};
+  std::atomic<int> adds_{0};
+};
+
+// An engine whose AddDoorbellPlan holds until the test releases it: time for the session to end
+// while the plan is being registered.
+class SlowDoorbellEngine final : public ReadyEngine, public DoorbellHost {
+ public:
+  SlowDoorbellEngine() : ReadyEngine(OpOutcome{ExecPath::kOneShot, "slow"}) {}
+  DoorbellHost* doorbell_host() override { return this; }
+  absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs&, uint32_t max_tokens,
+                                                absl::Time deadline) override {
+    entered.Notify();
+    release.WaitForNotificationWithDeadline(deadline);
+    DoorbellGrant g;
+    g.plane_id = 12;
+    g.ipc_handle = std::string(64, 'S');
+    g.max_tokens = max_tokens;
+    return g;
+  }
+  absl::Status RemoveDoorbellPlan(const DoorbellGrant&, absl::Time) override {
+    ++removes;
+    return absl::OkStatus();
+  }
+
+  absl::Notification entered, release;
+  std::atomic<int> removes{0};
 };
 
 class FusionDoorbellTest : public ::testing::Test {
@@ -314,6 +362,43 @@ TEST_F(FusionDoorbellTest, AnEngineWithoutADoorbellPlaneIsRefused) {
   engine_ptr_ = nullptr;
   s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("engine is still initializing"));
+  engine_ptr_ = &engine_;
+}
+
+TEST_F(FusionDoorbellTest, APlaneGoneBeforeTheQueuedRegistrationIsRefused) {
+  VanishingPlaneEngine vanishing;
+  engine_ptr_ = &vanishing;
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
+  vanishing.set_planes(1);  // the service's first look finds the plane, the queued one does not
+  v1::CreatePlanResponse resp;
+  grpc::Status s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("engine has no doorbell plane; use the eager plane (Execute)"));
+  EXPECT_EQ(vanishing.adds(), 0);
+  // No plan and no hold were left behind.
+  EXPECT_EQ(InFlight(*client_, buffers_->region), 0u);
+  EXPECT_TRUE(client_->Unregister(buffers_->region, absl::Seconds(5)).ok());
+  engine_ptr_ = &engine_;
+}
+
+TEST_F(FusionDoorbellTest, ASessionThatEndsDuringTheRegistrationGetsNoPlan) {
+  SlowDoorbellEngine slow;
+  engine_ptr_ = &slow;
+  ASSERT_NO_FATAL_FAILURE(StartConnected(MemoryKind::kCudaIpc));
+  v1::CreatePlanResponse resp;
+  grpc::Status s;
+  std::thread call([&] { s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp); });
+  EXPECT_TRUE(slow.entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // The session ends (as when its stream breaks) while the engine registers the plan.
+  server_.service()->registry().CloseSession(client_->session().session_id);
+  slow.release.Notify();
+  call.join();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("the session ended; the plan was removed"));
+  // The plane's registration was taken back.
+  EXPECT_EQ(slow.removes.load(), 1);
   engine_ptr_ = &engine_;
 }
 

@@ -49,7 +49,7 @@ class FusionServiceTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(FusionServiceOptions{}); }
 
-  void Start(FusionServiceOptions options) {
+  void Start(FusionServiceOptions options, std::unique_ptr<EventIpc> events = nullptr) {
     baseline_ = OpenMappingCount();
     options.device = MemoryKind::kHostShm;
     options.rank = 1;
@@ -57,8 +57,9 @@ class FusionServiceTest : public ::testing::Test {
     if (options.default_deadline == absl::Seconds(30)) options.default_deadline = absl::Seconds(20);
     engine_ = std::make_unique<FakeEngine>();
     engine_ptr_ = engine_.get();
-    ASSERT_NO_FATAL_FAILURE(server_.Start("/tmp/arfuse-fusion-test-XXXXXX", options,
-                                          [this] { return engine_ptr_.load(); }));
+    ASSERT_NO_FATAL_FAILURE(server_.Start(
+        "/tmp/arfuse-fusion-test-XXXXXX", options, [this] { return engine_ptr_.load(); },
+        std::move(events)));
     channel_ = grpc::CreateChannel("unix:" + server_.socket(), grpc::InsecureChannelCredentials());
     stub_ = v1::Fusion::NewStub(channel_);
   }
@@ -368,6 +369,41 @@ TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing)
   EXPECT_THAT(s.error_message(), HasSubstr("pattern 42 is not supported"));
   // Still serving.
   EXPECT_TRUE(c->Execute(plan, kTokens).ok());
+}
+
+TEST_F(FusionServiceTest, CreatePlanWithoutAnOpIsInvalidArgument) {
+  auto c = Connect();
+  grpc::ClientContext ctx;
+  Prepare(&ctx, c->session().session_id, absl::Seconds(30));
+  v1::CreatePlanRequest req;
+  v1::CreatePlanResponse resp;
+  grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("op is missing"));
+}
+
+// Interprocess events that are never opened: with them the service takes wait_event as
+// --device=cuda does, and checks its length before opening anything.
+class UnopenedEventIpc final : public EventIpc {
+ public:
+  absl::StatusOr<std::unique_ptr<OpEvents>> Prepare(const std::string&) override {
+    return absl::InternalError("unexpected: the request should have been refused first");
+  }
+};
+
+TEST_F(FusionServiceTest, WaitEventOfTheWrongLengthIsInvalidArgument) {
+  Stop();
+  Start(FusionServiceOptions{}, std::make_unique<UnopenedEventIpc>());
+  auto [c, b, plan] = ConnectWithPlan();
+  for (size_t len : {1, 63, 65}) {
+    ExecOptions o;
+    o.wait_event = std::string(len, 'e');
+    auto r = c->Execute(plan, 1, o);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << len;
+    EXPECT_THAT(r.status().message(),
+                HasSubstr(absl::StrCat("wait_event must be exactly 64 bytes, got ", len)));
+  }
+  EXPECT_EQ(engine_->calls(), 0);
 }
 
 TEST_F(FusionServiceTest, EngineErrorsPassThrough) {

@@ -81,15 +81,16 @@ class FusionTestServer {
   FusionTestServer& operator=(const FusionTestServer&) = delete;
   ~FusionTestServer() { Stop(); }
 
-  // Serves a FusionService made with `options`, `engine` and the host shm opener; the socket's
-  // directory is made from `dir_template` (mkdtemp: it ends in XXXXXX).
+  // Serves a FusionService made with `options`, `engine`, the host shm opener and `events` (none
+  // by default, as in host mode); the socket's directory is made from `dir_template` (mkdtemp: it
+  // ends in XXXXXX).
   void Start(std::string dir_template, const FusionServiceOptions& options,
-             FusionService::EngineGetter engine) {
+             FusionService::EngineGetter engine, std::unique_ptr<EventIpc> events = nullptr) {
     ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
     dir_ = dir_template;
     socket_ = dir_ + "/fusion.sock";
-    service_ = std::make_unique<FusionService>(options, std::move(engine),
-                                               std::make_unique<HostShmOpener>(), nullptr);
+    service_ = std::make_unique<FusionService>(
+        options, std::move(engine), std::make_unique<HostShmOpener>(), std::move(events));
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());

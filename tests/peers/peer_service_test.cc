@@ -2,11 +2,10 @@
 // and the refusals a client can act on.
 #include "server/services/peer/peer_service.h"
 
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -56,6 +55,60 @@ TEST_F(PeerServiceTest, WithoutCoordinatorCallsAreUnavailable) {
   grpc::Status s = Join(0, 2, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("does not host the peer coordinator"));
+}
+
+TEST_F(PeerServiceTest, JoinFromAnotherPeerApiMajorIsFailedPrecondition) {
+  service_.SetCoordinator(std::make_shared<peers::Coordinator>("svc", 2, 1));
+  grpc::ClientContext c;
+  Deadline(c);
+  v1::JoinRequest req;
+  req.set_rank(1);
+  req.set_world_size(2);
+  req.set_nnodes(1);
+  req.mutable_api()->set_major(2);
+  req.mutable_api()->set_minor(3);
+  v1::JoinResponse resp;
+  grpc::Status s = stub_->Join(&c, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("peer API version 2.3 is not supported by this coordinator (1.x)"));
+}
+
+TEST_F(PeerServiceTest, LeaveWithAStaleEpochIsAbortedAndBreaksNothing) {
+  auto coord = std::make_shared<peers::Coordinator>("svc", 2, 1);
+  service_.SetCoordinator(coord);
+  grpc::ClientContext c;
+  Deadline(c);
+  v1::LeaveRequest req;
+  req.set_epoch(coord->epoch() + 7);
+  req.set_rank(1);
+  req.set_reason("from an older group");
+  v1::LeaveResponse resp;
+  grpc::Status s = stub_->Leave(&c, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr(absl::StrCat("stale epoch ", coord->epoch() + 7, " (group is at epoch ",
+                                     coord->epoch(), ")")));
+  EXPECT_TRUE(coord->broken().ok()) << coord->broken();
+}
+
+// Leave checks the caller's API major as Join and Collective do: a sidecar of another major cannot
+// take a rank out of this group.
+TEST_F(PeerServiceTest, LeaveFromAnotherApiMajorIsFailedPreconditionAndBreaksNothing) {
+  auto coord = std::make_shared<peers::Coordinator>("svc", 2, 1);
+  service_.SetCoordinator(coord);
+  grpc::ClientContext c;
+  Deadline(c);
+  c.AddMetadata("arfuse-api-version", "2.0");
+  v1::LeaveRequest req;
+  req.set_epoch(coord->epoch());
+  req.set_rank(1);
+  req.set_reason("from another major");
+  v1::LeaveResponse resp;
+  grpc::Status s = stub_->Leave(&c, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("client API version 2.0 is not supported"));
+  EXPECT_TRUE(coord->broken().ok()) << coord->broken();
 }
 
 TEST_F(PeerServiceTest, TwoRanksJoinAndAllgatherThroughGrpc) {

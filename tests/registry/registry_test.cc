@@ -4,10 +4,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -417,6 +421,150 @@ TEST_F(RegistryTest, OverlappingOutputsAreRefused) {
   EXPECT_THAT(r.status().message(), HasSubstr("overlap"));
 }
 
+TEST_F(RegistryTest, ExplicitOpRefusalsNameTheirRule) {
+  RegionHandle h = Register("buf");
+  OpRequest op = NormOpOn(h);
+  op.gamma.region_id = h.region_id + 100;
+  auto r = reg_->ResolveOp(session_, op, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr(absl::StrCat("gamma: region ", h.region_id + 100,
+                                                           " is not registered in this session")));
+  auto zero = reg_->ResolveOp(session_, NormOpOn(h), 0);
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(zero.status().message(), HasSubstr("num_tokens must be > 0"));
+}
+
+TEST_F(RegistryTest, SecondUnregisterWhileTheFirstWaitsIsAborted) {
+  RegionHandle h = Register("buf");
+  auto op = reg_->ResolveOp(session_, NormOpOn(h), 1);
+  ASSERT_TRUE(op.ok());
+  absl::Status first;
+  std::thread unreg([&] {
+    first = reg_->UnregisterRegion(session_, h.region_id, h.generation,
+                                   absl::Now() + absl::Seconds(30));
+  });
+  // Wait (bounded) until the first unregister has started, observed through the refusal of new
+  // ops it causes.
+  bool started = false;
+  for (int i = 0; i < 3000 && !started; ++i) {
+    started = !reg_->ResolveOp(session_, NormOpOn(h), 1).ok();
+    if (!started) absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(started);
+  absl::Status second =
+      reg_->UnregisterRegion(session_, h.region_id, h.generation, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(second.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(second.message(),
+              HasSubstr(absl::StrCat("region ", h.region_id,
+                                     " is already being unregistered by another call")));
+  op->Release();
+  unreg.join();
+  EXPECT_TRUE(first.ok()) << first;
+  EXPECT_TRUE(reg_->ListRegions(session_)->empty());
+}
+
+// An opener that runs `hook` once, inside the first Open: what another call can do while the
+// registry opens a region outside its lock.
+class HookOpener final : public MemoryOpener {
+ public:
+  explicit HookOpener(std::function<void()> hook) : hook_(std::move(hook)) {}
+  MemoryKind kind() const override { return MemoryKind::kHostShm; }
+  int32_t device_id() const override { return 0; }
+  absl::StatusOr<std::unique_ptr<Mapping>> Open(const RegionSpec& spec) override {
+    std::function<void()> hook = std::move(hook_);
+    hook_ = nullptr;
+    if (hook) hook();
+    return std::unique_ptr<Mapping>(new ::arfuse::testing::FakeMapping(spec.byte_size));
+  }
+
+ private:
+  std::function<void()> hook_;
+};
+
+// A mapping that starts 8 bytes past a 16-byte boundary (no real opener returns one).
+class MisalignedMapping final : public Mapping {
+ public:
+  explicit MisalignedMapping(uint64_t size)
+      : buf_(static_cast<char*>(std::aligned_alloc(64, (size + 8 + 63) / 64 * 64))), size_(size) {}
+  ~MisalignedMapping() override { std::free(buf_); }
+  void* base() const override { return buf_ + 8; }
+  uint64_t allocation_size() const override { return size_; }
+
+ private:
+  char* buf_;
+  uint64_t size_;
+};
+
+class MisalignedOpener final : public MemoryOpener {
+ public:
+  MemoryKind kind() const override { return MemoryKind::kHostShm; }
+  int32_t device_id() const override { return 0; }
+  absl::StatusOr<std::unique_ptr<Mapping>> Open(const RegionSpec& spec) override {
+    return std::unique_ptr<Mapping>(new MisalignedMapping(spec.byte_size));
+  }
+};
+
+TEST(RegistryOpening, MisalignedMappingIsRefused) {
+  const int64_t baseline = OpenMappingCount();
+  Registry reg({}, std::make_unique<MisalignedOpener>(), kNonce);
+  uint64_t sid = *reg.OpenSession("c");
+  auto r = reg.RegisterRegion(sid, HostSpec("odd", 4096));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("region does not start on a 16-byte boundary"));
+  EXPECT_EQ(OpenMappingCount(), baseline);
+  EXPECT_TRUE(reg.ListRegions(sid)->empty());
+}
+
+TEST(RegistryOpening, SessionEndedWhileOpeningIsFailedPrecondition) {
+  const int64_t baseline = OpenMappingCount();
+  Registry* reg_ptr = nullptr;
+  uint64_t sid = 0;
+  Registry reg({}, std::make_unique<HookOpener>([&] { reg_ptr->CloseSession(sid); }), kNonce);
+  reg_ptr = &reg;
+  sid = *reg.OpenSession("c");
+  auto r = reg.RegisterRegion(sid, HostSpec("a", 4096));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("session ended while the region was being opened"));
+  EXPECT_EQ(OpenMappingCount(), baseline);
+}
+
+TEST(RegistryOpening, NameTakenWhileOpeningIsAlreadyExists) {
+  const int64_t baseline = OpenMappingCount();
+  Registry* reg_ptr = nullptr;
+  uint64_t sid = 0;
+  Registry reg({}, std::make_unique<HookOpener>([&] {
+                 ASSERT_TRUE(reg_ptr->RegisterRegion(sid, HostSpec("a", 4096)).ok());
+               }),
+               kNonce);
+  reg_ptr = &reg;
+  sid = *reg.OpenSession("c");
+  auto r = reg.RegisterRegion(sid, HostSpec("a", 4096));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(r.status().message(), HasSubstr("already registered in this session"));
+  // The registration that won keeps its mapping; the loser's was closed.
+  EXPECT_EQ(reg.ListRegions(sid)->size(), 1u);
+  EXPECT_EQ(OpenMappingCount(), baseline + 1);
+}
+
+TEST(RegistryOpening, CapsReachedWhileOpeningAreResourceExhausted) {
+  const int64_t baseline = OpenMappingCount();
+  RegistryLimits limits;
+  limits.max_regions_per_session = 1;
+  Registry* reg_ptr = nullptr;
+  uint64_t sid = 0;
+  Registry reg(limits, std::make_unique<HookOpener>([&] {
+                 ASSERT_TRUE(reg_ptr->RegisterRegion(sid, HostSpec("b", 4096)).ok());
+               }),
+               kNonce);
+  reg_ptr = &reg;
+  sid = *reg.OpenSession("c");
+  auto r = reg.RegisterRegion(sid, HostSpec("a", 4096));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("session reached its region caps meanwhile"));
+  EXPECT_EQ(reg.ListRegions(sid)->size(), 1u);
+  EXPECT_EQ(OpenMappingCount(), baseline + 1);
+}
+
 TEST_F(RegistryTest, ConcurrentClientsKeepCountsConsistent) {
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
@@ -642,6 +790,61 @@ TEST(HostShmOpener, MissingObjectDoesNotEchoItsName) {
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(m.status().message(), HasSubstr("could not be opened"));
   EXPECT_THAT(m.status().message(), Not(HasSubstr("no-such-object")));
+}
+
+TEST(HostShmOpener, RechecksTheNameItself) {
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 64);
+  spec.shm_name = "/../etc/passwd";
+  auto m = opener.Open(spec);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("host_shm.shm_name may only contain"));
+}
+
+TEST(HostShmOpener, RefusesAnEmptyObject) {
+  const std::string name = absl::StrCat("/arfuse-regtest-empty-", getpid());
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 64);
+  spec.shm_name = name;
+  auto m = opener.Open(spec);
+  shm_unlink(name.c_str());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("host shared-memory object is empty"));
+}
+
+TEST(HostShmOpener, RefusesANameThatIsNotASharedMemoryObject) {
+  // A FIFO where a shared-memory object would be: it opens read-write, but is not one.
+  const std::string name = absl::StrCat("/arfuse-regtest-fifo-", getpid());
+  const std::string path = "/dev/shm" + name;
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 64);
+  spec.shm_name = name;
+  auto m = opener.Open(spec);
+  unlink(path.c_str());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(),
+              HasSubstr("host shared-memory name is not a shared-memory object"));
+  EXPECT_THAT(m.status().message(), Not(HasSubstr("regtest-fifo")));
+}
+
+TEST(HostShmOpener, OutOfDescriptorsIsResourceExhausted) {
+  ShmObject obj(4096);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 4096);
+  spec.shm_name = obj.name();
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit none = saved;
+  none.rlim_cur = 0;  // no descriptor can be opened until it is restored below
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none), 0);
+  auto m = opener.Open(spec);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(m.status().message(), HasSubstr("sidecar is out of file descriptors"));
 }
 
 TEST(HostShmOpener, RealRegistryRoundTrip) {

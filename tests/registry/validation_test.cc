@@ -109,6 +109,14 @@ TEST(RegionSpecValidation, RefusesBadNames) {
   EXPECT_THAT(s.message(), HasSubstr("printable ASCII"));
 }
 
+TEST(RegionSpecValidation, EmptyNameIsInvalidArgument) {
+  RegionSpec spec = CudaSpec();
+  spec.name = "";
+  absl::Status s = ValidateRegionSpec(spec, MemoryKind::kCudaIpc, 0, Limits());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("region name is empty"));
+}
+
 TEST(ShmNameValidation, AcceptsPlainNames) {
   EXPECT_TRUE(ValidateShmName("/arfuse-rank0.in_1").ok());
 }
@@ -121,6 +129,26 @@ TEST(ShmNameValidation, RefusesPathsAndOddNames) {
   }
   absl::Status s = ValidateShmName("/" + std::string(251, 'a'));
   EXPECT_THAT(s.message(), HasSubstr("longer than 251"));
+}
+
+TEST(ShmNameValidation, EachRefusalNamesItsRule) {
+  struct Case {
+    std::string name;
+    const char* text;
+  } cases[] = {{"arfuse", "must start with \"/\""},
+               {"/", "must start with \"/\""},
+               {"/" + std::string(251, 'a'), "host_shm.shm_name is longer than 251 bytes"},
+               {"/a/b", "may only contain [A-Za-z0-9._-] after the leading \"/\""},
+               {"/a b", "may only contain [A-Za-z0-9._-]"},
+               {"/.", "host_shm.shm_name is not an object name"},
+               {"/..", "host_shm.shm_name is not an object name"}};
+  for (const Case& c : cases) {
+    absl::Status s = ValidateShmName(c.name);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_THAT(s.message(), HasSubstr(c.text)) << c.name;
+  }
+  // 251 bytes in all is the longest name taken.
+  EXPECT_TRUE(ValidateShmName("/" + std::string(250, 'a')).ok());
 }
 
 TEST(RegionSize, RefusesMoreThanTheRealAllocation) {
@@ -213,6 +241,22 @@ TEST(OpShapeValidation, RefusesBadMaxTokens) {
   auto r = ValidateOpShape(op, Limits());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("max_tokens 1048577 exceeds the limit"));
+}
+
+TEST(OpShapeValidation, LimitsAndZeroesAreInvalidArgument) {
+  OpRequest op = NormOp();
+  op.hidden = (1u << 16) + 8;
+  auto r = ValidateOpShape(op, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("hidden 65544 exceeds the limit of 65536"));
+  op = NormOp();
+  op.max_tokens = 0;
+  r = ValidateOpShape(op, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("max_tokens must be > 0"));
+  absl::Status s = CheckNumTokens(0, 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("num_tokens must be > 0"));
 }
 
 TEST(OpShapeValidation, RefusesBadEps) {

@@ -281,12 +281,14 @@ TEST_F(BadInputTest, AnotherApiMajorVersionIsFailedPreconditionNamingBoth) {
     EXPECT_THAT(s.error_message(), HasSubstr("2.0"));
     EXPECT_THAT(s.error_message(), HasSubstr(ours));
   }
-  // Not MAJOR.MINOR at all.
-  ++g_cases;
-  grpc::Status s =
-      Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", "", {{kApiVersionMetadataKey, "banana"}});
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(s.error_message(), HasSubstr("not MAJOR.MINOR"));
+  // Not MAJOR.MINOR: garbage, a major alone, a minor that is no number, three parts.
+  grpc::Status s;
+  for (const char* bad : {"banana", "1", "1.x", "1.0.3", "", "."}) {
+    ++g_cases;
+    s = Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", "", {{kApiVersionMetadataKey, bad}});
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << bad;
+    EXPECT_THAT(s.error_message(), HasSubstr("not MAJOR.MINOR")) << bad;
+  }
   // A newer minor of our major is served.
   ++g_cases;
   s = Raw("/arfuse.v1.Fusion/GetWorkspaceInfo", "", {{kApiVersionMetadataKey, "1.7"}});

@@ -90,6 +90,12 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* ctx,
                                                    const v1::SetBackendRequest* req,
                                                    v1::SetBackendResponse* resp) {
+  // Hard check first: a client of another API major gets FAILED_PRECONDITION whatever it sent.
+  if (absl::Status version = CheckClientApiVersion(*ctx); !version.ok()) {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(version));
+    return reactor;
+  }
   const std::string& backend = req->backend();
   if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
     auto* reactor = ctx->DefaultReactor();

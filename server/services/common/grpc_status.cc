@@ -27,7 +27,9 @@ absl::Status CheckClientApiVersion(const grpc::ServerContextBase& context) {
   std::string value(it->second.data(), it->second.size());
   std::vector<std::string> parts = absl::StrSplit(value, '.');
   unsigned major = 0;
-  if (parts.empty() || !absl::SimpleAtoi(parts[0], &major)) {
+  unsigned minor = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &major) ||
+      !absl::SimpleAtoi(parts[1], &minor)) {
     return absl::FailedPreconditionError(
         absl::StrCat("client API version \"", value.substr(0, 32),
                      "\" is not MAJOR.MINOR; server API version is ", kApiMajor, ".", kApiMinor));

@@ -100,9 +100,15 @@ grpc::ServerUnaryReactor* PeerService::Collective(grpc::CallbackServerContext* c
   }
   peers::Contribution c;
   switch (request->kind()) {
-    case v1::COLLECTIVE_KIND_ALLGATHER: c.kind = peers::CollectiveKind::kAllgather; break;
-    case v1::COLLECTIVE_KIND_BARRIER: c.kind = peers::CollectiveKind::kBarrier; break;
-    case v1::COLLECTIVE_KIND_VOTE: c.kind = peers::CollectiveKind::kVote; break;
+    case v1::COLLECTIVE_KIND_ALLGATHER:
+      c.kind = peers::CollectiveKind::kAllgather;
+      break;
+    case v1::COLLECTIVE_KIND_BARRIER:
+      c.kind = peers::CollectiveKind::kBarrier;
+      break;
+    case v1::COLLECTIVE_KIND_VOTE:
+      c.kind = peers::CollectiveKind::kVote;
+      break;
     default:
       reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
           "collective kind ", static_cast<int>(request->kind()),
@@ -132,15 +138,19 @@ grpc::ServerUnaryReactor* PeerService::Leave(grpc::CallbackServerContext* contex
                                              const v1::LeaveRequest* request,
                                              v1::LeaveResponse* /*response*/) {
   auto* reactor = context->DefaultReactor();
+  absl::Status version = CheckClientApiVersion(*context);
+  if (!version.ok()) {
+    reactor->Finish(ToGrpcStatus(version));
+    return reactor;
+  }
   auto coord = coordinator();
   if (!coord) {
     reactor->Finish(ToGrpcStatus(NoCoordinator()));
     return reactor;
   }
   if (request->epoch() != coord->epoch()) {
-    reactor->Finish(ToGrpcStatus(absl::AbortedError(
-        absl::StrCat("stale epoch ", request->epoch(), " (group is at epoch ", coord->epoch(),
-                     ")"))));
+    reactor->Finish(ToGrpcStatus(absl::AbortedError(absl::StrCat(
+        "stale epoch ", request->epoch(), " (group is at epoch ", coord->epoch(), ")"))));
     return reactor;
   }
   coord->RankGone(static_cast<int>(request->rank()),
