@@ -37,7 +37,7 @@ ABSL_FLAG(int, rank, 0, "This sidecar's rank in the tensor-parallel group (0-bas
 ABSL_FLAG(int, gpu, -1,
           "CUDA device index of this rank; -1 picks rank % visible GPUs (ranks share GPUs when "
           "there are fewer GPUs than ranks; run MPS then).");
-ABSL_FLAG(int, world_size, 1, "Ranks in the tensor-parallel group (tp size).");
+ABSL_FLAG(int, world_size, 1, "Ranks in the tensor-parallel group (tp size), 1..16.");
 ABSL_FLAG(int, nnodes, 1, "Nodes the group spans.");
 ABSL_FLAG(std::string, peer_dir, "",
           "Directory where the sidecars of one node meet (Unix sockets, file-descriptor passing). "
