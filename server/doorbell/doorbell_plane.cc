@@ -562,6 +562,7 @@ DoorbellPlaneStatus DoorbellPlane::Status() const {
   s.running = state_ == State::kRunning;
   s.paused = state_ == State::kPaused;
   s.plans = static_cast<uint32_t>(__builtin_popcount(ActiveMaskLocked()));
+  s.inflight = static_cast<uint32_t>(inflight_.size());
   return s;
 }
 
@@ -605,13 +606,26 @@ void DoorbellPlane::RebuildSignaturesLocked() {
   }
 }
 
+bool DoorbellPlane::LoopHasWorkLocked() const {
+  return shutdown_ || !inflight_.empty() || (state_ == State::kRunning && ActiveMaskLocked() != 0);
+}
+
 void DoorbellPlane::Loop() {
   cudaSetDevice(options_.device);
   absl::MutexLock lock(&mu_);
   while (!shutdown_) {
     PumpLocked();
-    // Sleeps with the lock released; wakes early for shutdown.
-    mu_.AwaitWithTimeout(absl::Condition(&shutdown_), options_.poll_interval);
+    ++counters_.host_polls;
+    if (LoopHasWorkLocked()) {
+      // Sleeps with the lock released; wakes early for shutdown.
+      mu_.AwaitWithTimeout(absl::Condition(&shutdown_), options_.poll_interval);
+    } else {
+      // Nothing in flight and nothing to queue (no plans, paused or failed): sleep until a call
+      // changes that. absl::Mutex evaluates the condition whenever a holder of mu_ releases it,
+      // so AddPlan, Resume and the destructor wake this thread without a separate signal; an
+      // idle sidecar no longer wakes every poll interval.
+      mu_.Await(absl::Condition(this, &DoorbellPlane::LoopHasWorkLocked));
+    }
   }
 }
 

@@ -67,7 +67,8 @@ struct DoorbellPlaneOptions {
   uint32_t queue_depth = 8;
   // A waiter with no ring for this long exits (consuming nothing) and is replaced.
   absl::Duration idle_timeout = absl::Milliseconds(100);
-  // How often the host thread looks for consumed triples.
+  // How often the host thread looks for consumed triples (while any are in flight or plans are
+  // active; otherwise it sleeps until a plan is added or the plane resumes).
   absl::Duration poll_interval = absl::Microseconds(20);
   // Launch the first fused kernel and the completion kernel of each triple as programmatic
   // dependents (sm_90+), so they are scheduled while the kernel before them still runs: hides
@@ -123,6 +124,10 @@ struct DoorbellPlaneStatus {
   uint64_t idle = 0;             // waiters that reached their deadline with no ring
   uint64_t kicked = 0;           // waiters sent away by a plan change or a pause
   uint32_t last_error = 0;       // DoorbellError of the last failed op
+  uint32_t inflight = 0;         // launch triples queued on the stream and not yet seen ended
+  // Passes of the plane thread's loop: one per poll interval while it has triples in flight or
+  // active plans to queue them for, none while it has neither (it sleeps until that changes).
+  uint64_t host_polls = 0;
 };
 
 class DoorbellPlane {
@@ -203,6 +208,9 @@ class DoorbellPlane {
   // Runs `what` on the side stream and waits for it until `deadline`.
   absl::Status WaitSideStream(absl::Time deadline, const char* what);
   uint32_t ActiveMaskLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the plane thread has anything to poll for: triples in flight, or a running plane
+  // with active plans (to queue triples for), or shutdown.
+  bool LoopHasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fills the serving launch's template, in-place mask and grid cap from the active plans;
   // false when no plan can be served in place (the plain waiter is queued then).
   bool ServeParamsLocked(DoorbellServeParams* sp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -10,9 +10,11 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -184,6 +186,21 @@ class Planes {
     std::vector<uint32_t> errors;
     for (int r = 0; r < g_.world(); ++r) errors.push_back(ReadSlot(slot(plan, r)).error);
     return errors;
+  }
+
+  // Rings `tokens` rows of fresh random data on `plan` (a norm plan of hidden 1024, bf16) from
+  // every rank's client, waits for the clients, and checks the slots' error words and every
+  // output against the CPU. "" when all is well, else what went wrong.
+  std::string RingNormAndVerify(uint32_t plan, uint32_t tokens, std::mt19937& rng) {
+    HostOp op(g_.world(), tokens, 1024, DType::kBF16);
+    op.FillRandom(rng);
+    if (absl::Status st = op.Upload(g_); !st.ok()) return st.ToString();
+    if (cudaError_t e = RingAll(plan, tokens); e != cudaSuccess) return cudaGetErrorString(e);
+    if (absl::Status st = g_.SyncClients(absl::Seconds(5)); !st.ok()) return st.ToString();
+    for (uint32_t error : SlotErrors(plan)) {
+      if (error != 0) return absl::StrCat("slot error word ", error);
+    }
+    return op.Verify(g_, Pattern::kAllReduceResidualRmsNorm);
   }
 
  private:
@@ -364,13 +381,7 @@ TEST(DoorbellGpu, NeverRingingClientLeavesTheWaiterIdle) {
   }
   EXPECT_EQ(g.ErrorWord(0), 0u);
   std::mt19937 rng(3);
-  HostOp op(2, 9, 1024, DType::kBF16);
-  op.FillRandom(rng);
-  ASSERT_TRUE(op.Upload(g).ok());
-  CUDA_OK(planes->RingAll(*plan, 9));
-  ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
-  ASSERT_THAT(planes->SlotErrors(*plan), ::testing::Each(0u));
-  ASSERT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+  ASSERT_EQ(planes->RingNormAndVerify(*plan, 9, rng), "");
   const auto start = std::chrono::steady_clock::now();
   planes.reset();
   EXPECT_LT(SecondsSince(start), 1.0) << "destroying idle planes waited";
@@ -433,13 +444,7 @@ TEST(DoorbellGpu, AbortMakesEverythingExitAndTheGroupRecovers) {
     ASSERT_TRUE(planes[r].Resume().ok());
   }
   std::mt19937 rng(11);
-  HostOp op(2, 16, 1024, DType::kBF16);
-  op.FillRandom(rng);
-  ASSERT_TRUE(op.Upload(g).ok());
-  CUDA_OK(planes.RingAll(*plan, 16));
-  ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
-  ASSERT_THAT(planes.SlotErrors(*plan), ::testing::Each(0u));
-  EXPECT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+  ASSERT_EQ(planes.RingNormAndVerify(*plan, 16, rng), "");
 }
 
 // Stop while a client rings and nobody serves: the ring sees the slot closed, withdraws its
@@ -501,13 +506,7 @@ TEST(DoorbellGpu, RingTimesOutWithoutSidecarAndStaysQuiet) {
     ASSERT_TRUE(planes[r].ResetSlots(absl::Now() + absl::Seconds(2)).ok());
   ASSERT_TRUE(planes.StartAll().ok());
   std::mt19937 rng(5);
-  HostOp op(2, 5, 1024, DType::kBF16);
-  op.FillRandom(rng);
-  ASSERT_TRUE(op.Upload(g).ok());
-  CUDA_OK(planes.RingAll(*plan, 5));
-  ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
-  ASSERT_THAT(planes.SlotErrors(*plan), ::testing::Each(0u));
-  EXPECT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+  ASSERT_EQ(planes.RingNormAndVerify(*plan, 5, rng), "");
 }
 
 TEST(DoorbellGpu, TokenCountAbovePlanMaximumIsRejected) {
@@ -538,13 +537,7 @@ TEST(DoorbellGpu, TokenCountAbovePlanMaximumIsRejected) {
     ASSERT_TRUE(planes[r].Resume().ok());
   }
   std::mt19937 rng(8);
-  HostOp op(2, 16, 1024, DType::kBF16);
-  op.FillRandom(rng);
-  ASSERT_TRUE(op.Upload(g).ok());
-  CUDA_OK(planes.RingAll(*plan, 16));
-  ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
-  ASSERT_THAT(planes.SlotErrors(*plan), ::testing::Each(0u));
-  EXPECT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+  ASSERT_EQ(planes.RingNormAndVerify(*plan, 16, rng), "");
 }
 
 // The serving launch's trace (DoorbellPlaneOptions::trace_ops): one record per in-place op, its
@@ -573,13 +566,7 @@ TEST(DoorbellGpu, TraceRecordsTheInPlaceOps) {
   ASSERT_TRUE(planes.StartAll().ok());
   std::mt19937 rng(11);
   for (uint32_t t = 1; t <= 5; ++t) {
-    HostOp op(2, t, 1024, DType::kBF16);
-    op.FillRandom(rng);
-    ASSERT_TRUE(op.Upload(g).ok());
-    CUDA_OK(planes.RingAll(*plan, t));
-    ASSERT_TRUE(g.SyncClients(absl::Seconds(5)).ok());
-    ASSERT_THAT(planes.SlotErrors(*plan), ::testing::Each(0u));
-    ASSERT_EQ(op.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
+    ASSERT_EQ(planes.RingNormAndVerify(*plan, t, rng), "");
   }
   for (int r = 0; r < 2; ++r) {
     auto trace = planes[r].ReadTrace();
@@ -734,6 +721,48 @@ TEST(DoorbellGpu, TwoPlansOfDifferentShapesShareThePipeline) {
   ASSERT_EQ(c.Verify(g, Pattern::kAllReduceResidualRmsNorm), "");
   EXPECT_THAT(planes.SlotErrors(*sum),
               ::testing::Each(static_cast<uint32_t>(DoorbellError::kStopped)));
+}
+
+// The plane's host thread polls only while it has something to poll for: started without plans,
+// and again after its last plan is removed and the launches in flight ended, it sleeps (an idle
+// sidecar used to wake every poll interval, 50 000 times a second by default); adding a plan
+// wakes it, and the plan is served.
+TEST(DoorbellGpu, WithoutPlansTheHostThreadSleeps) {
+  REQUIRE_GPU();
+  RankGroup g(GroupShape{2, 16, 1024, DType::kBF16});
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE(g.Init().ok());
+  Planes planes(g, FastOptions());  // 10 us poll interval
+  ASSERT_TRUE(planes.status().ok());
+  ASSERT_TRUE(planes.StartAll().ok());
+  auto polls_during = [&](int r, absl::Duration d) {
+    const uint64_t before = planes[r].Status().host_polls;
+    absl::SleepFor(d);
+    return planes[r].Status().host_polls - before;
+  };
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(polls_during(r, absl::Milliseconds(200)), 2u) << "rank " << r << ", no plan yet";
+  }
+  std::mt19937 rng(41);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    auto plan = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, {16, 0xffffffffu});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(planes.RingNormAndVerify(*plan, 5, rng), "");
+    // With a plan it polls (a serving launch is in flight).
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_GE(polls_during(r, absl::Milliseconds(50)), 10u) << "rank " << r << ", one plan";
+    }
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(planes[r].RemovePlan(*plan).ok());
+    for (int r = 0; r < 2; ++r) {
+      const DoorbellPlaneStatus s =
+          planes.AwaitStatus(r, [](const DoorbellPlaneStatus& st) { return st.inflight == 0; });
+      ASSERT_EQ(s.inflight, 0u) << "rank " << r << ": the kicked launch did not end";
+      EXPECT_TRUE(s.health.ok()) << s.health;
+      EXPECT_EQ(s.plans, 0u);
+      EXPECT_LE(polls_during(r, absl::Milliseconds(200)), 2u) << "rank " << r << ", plan removed";
+    }
+  }
 }
 
 TEST(DoorbellGpu, SelfTestMeasuresTheHop) {
