@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -677,12 +678,17 @@ pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
   return pid;
 }
 
+// The exit code of `pid` if it has ended (reaping it), nullopt while it runs.
+std::optional<int> Reap(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, WNOHANG) != pid) return std::nullopt;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 // Waits for `pid` until `until`; returns the exit code, or -1 on timeout.
 int WaitUntil(pid_t pid, absl::Time until) {
   for (;;) {
-    int status = 0;
-    pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (std::optional<int> code = Reap(pid)) return *code;
     if (absl::Now() > until) return -1;
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -754,21 +760,48 @@ int ParentMain(const char* argv0) {
                absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
               ""));
   }
+  // Wait for the clients. A sidecar that exits first (it cannot serve: a GPU it cannot use, a bad
+  // flag) ends the wait at once: its clients would otherwise wait for it until --timeout.
   int rc = 0;
-  for (pid_t p : clients) {
-    int code = WaitUntil(p, until);
-    if (code != 0) rc = 1;
-    if (code == -1) {
-      std::cerr << "a client did not finish within --timeout; stopping it\n";
-      kill(p, SIGKILL);
-      WaitUntil(p, absl::Now() + absl::Seconds(5));
+  std::vector<std::optional<int>> client_codes(clients.size()), sidecar_codes(sidecars.size());
+  std::string sidecar_gone;
+  auto clients_left = [&] {
+    return std::count(client_codes.begin(), client_codes.end(), std::nullopt) > 0;
+  };
+  while (clients_left() && sidecar_gone.empty() && absl::Now() <= until) {
+    for (size_t i = 0; i < clients.size(); ++i) {
+      if (!client_codes[i]) client_codes[i] = Reap(clients[i]);
     }
+    for (size_t r = 0; r < sidecars.size() && sidecar_gone.empty(); ++r) {
+      sidecar_codes[r] = Reap(sidecars[r]);
+      if (sidecar_codes[r] && clients_left()) {
+        sidecar_gone = absl::StrCat("sidecar ", r, " exited with code ", *sidecar_codes[r],
+                                    " before its clients finished (its log is below)");
+      }
+    }
+    if (clients_left()) absl::SleepFor(absl::Milliseconds(20));
   }
-  for (pid_t p : sidecars) kill(p, SIGTERM);
-  for (pid_t p : sidecars) {
-    if (WaitUntil(p, absl::Now() + absl::Seconds(15)) == -1) {
-      kill(p, SIGKILL);
-      WaitUntil(p, absl::Now() + absl::Seconds(5));
+  for (size_t i = 0; i < clients.size(); ++i) {
+    if (client_codes[i]) {
+      if (*client_codes[i] != 0) rc = 1;
+      continue;
+    }
+    rc = 1;
+    std::cerr << (sidecar_gone.empty() ? "a client did not finish within --timeout"
+                                       : "a client's sidecar exited")
+              << "; stopping it\n";
+    kill(clients[i], SIGKILL);
+    WaitUntil(clients[i], absl::Now() + absl::Seconds(5));
+  }
+  if (!sidecar_gone.empty()) std::cerr << "arfuse-demo: " << sidecar_gone << "\n";
+  for (size_t r = 0; r < sidecars.size(); ++r) {
+    if (!sidecar_codes[r]) kill(sidecars[r], SIGTERM);
+  }
+  for (size_t r = 0; r < sidecars.size(); ++r) {
+    if (sidecar_codes[r]) continue;
+    if (WaitUntil(sidecars[r], absl::Now() + absl::Seconds(15)) == -1) {
+      kill(sidecars[r], SIGKILL);
+      WaitUntil(sidecars[r], absl::Now() + absl::Seconds(5));
     }
   }
 

@@ -190,8 +190,10 @@ absl::StatusOr<uint64_t> Sidecar::AgreeGenerationBase(absl::Time deadline) {
 bool Sidecar::StopOnLostDevice() {
 #if ARFUSE_HAVE_CUDA
   if (options_.device != "cuda") return false;
-  // A sticky error (illegal address, ...) has broken this process's CUDA context, or the device
-  // holds a kernel that can never finish: nothing on it can be trusted again.
+  // A sticky error (illegal address, ...) has broken this process's CUDA context, the device
+  // holds a kernel that can never finish, or this process cannot get a client of the GPU (held
+  // elsewhere, or MPS refusing it: IsRestartOnlyCudaError): nothing on it can be trusted again,
+  // and only a new process recovers.
   absl::Status health = DeviceHealth();
   if (!IsStickyDeviceError(health)) return false;
   spdlog::critical("event=sticky_device_error error=\"{}\"", health.message());
@@ -236,6 +238,9 @@ void Sidecar::SuperviseGroup() {
       SetReadiness(false);
       spdlog::warn("event=group_not_ready error=\"{}\"", formed.message());
       exchange_.reset();
+      // Forming the group failed on a device this process cannot use (engine creation, say): no
+      // retry here can succeed, exit for a restart.
+      if (StopOnLostDevice()) break;
       WaitFor(absl::Seconds(1));
       continue;
     }

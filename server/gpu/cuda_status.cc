@@ -1,6 +1,7 @@
 #include "server/gpu/cuda_status.h"
 
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -78,6 +79,32 @@ bool IsStickyCudaError(cudaError_t err) {
   }
 }
 
+bool IsRestartOnlyCudaError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorMpsConnectionFailed:
+    case cudaErrorMpsRpcFailure:
+    case cudaErrorMpsServerNotReady:
+    case cudaErrorMpsClientTerminated:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool IsRestartOnlyCudaError(CUresult err) {
+  switch (err) {
+    case CUDA_ERROR_DEVICE_UNAVAILABLE:
+    case CUDA_ERROR_MPS_CONNECTION_FAILED:
+    case CUDA_ERROR_MPS_RPC_FAILURE:
+    case CUDA_ERROR_MPS_SERVER_NOT_READY:
+    case CUDA_ERROR_MPS_CLIENT_TERMINATED:
+      return true;
+    default:
+      return false;
+  }
+}
+
 bool IsStickyCudaError(CUresult err) {
   switch (err) {
     case CUDA_ERROR_ILLEGAL_ADDRESS:
@@ -98,22 +125,25 @@ bool IsStickyCudaError(CUresult err) {
 }
 
 namespace {
-absl::Mutex g_wedged_mu;
-std::string* g_wedged ABSL_GUARDED_BY(g_wedged_mu) = nullptr;  // never freed: process-wide
+absl::Mutex g_lost_mu;
+// Why this process can no longer use its device (the first reason), or null. Never freed:
+// process-wide.
+std::string* g_lost ABSL_GUARDED_BY(g_lost_mu) = nullptr;
+
+void RecordDeviceLost(std::string why) {
+  absl::MutexLock lock(&g_lost_mu);
+  if (g_lost == nullptr) g_lost = new std::string(std::move(why));
+}
 }  // namespace
 
 void MarkDeviceWedged(absl::string_view why) {
-  absl::MutexLock lock(&g_wedged_mu);
-  if (g_wedged == nullptr) g_wedged = new std::string(why);
+  RecordDeviceLost(absl::StrCat("the device holds work that cannot finish: ", why));
 }
 
 absl::Status DeviceHealth() {
   {
-    absl::MutexLock lock(&g_wedged_mu);
-    if (g_wedged != nullptr) {
-      return StickyDeviceError(
-          absl::StrCat("the device holds work that cannot finish: ", *g_wedged));
-    }
+    absl::MutexLock lock(&g_lost_mu);
+    if (g_lost != nullptr) return StickyDeviceError(*g_lost);
   }
   // A sticky error is reported by every call, peeking included; a non-sticky one is left alone
   // for the call site that owns it.
@@ -143,7 +173,6 @@ absl::Status CudaResultToStatus(cudaError_t err, const char* expr, const char* f
     case cudaErrorInsufficientDriver:
     case cudaErrorNoDevice:
     case cudaErrorInvalidDevice:
-    case cudaErrorDevicesUnavailable:
     case cudaErrorStreamCaptureUnsupported:
     case cudaErrorStreamCaptureInvalidated:
       code = absl::StatusCode::kFailedPrecondition;
@@ -151,8 +180,10 @@ absl::Status CudaResultToStatus(cudaError_t err, const char* expr, const char* f
     default:
       break;
   }
-  return Make(code, IsStickyCudaError(err), "cuda", cudaGetErrorName(err), cudaGetErrorString(err),
-              expr, file, line);
+  absl::Status status = Make(code, IsStickyCudaError(err) || IsRestartOnlyCudaError(err), "cuda",
+                             cudaGetErrorName(err), cudaGetErrorString(err), expr, file, line);
+  if (IsRestartOnlyCudaError(err)) RecordDeviceLost(std::string(status.message()));
+  return status;
 }
 
 absl::Status CudaResultToStatus(CUresult err, const char* expr, const char* file, int line) {
@@ -180,7 +211,10 @@ absl::Status CudaResultToStatus(CUresult err, const char* expr, const char* file
     default:
       break;
   }
-  return Make(code, IsStickyCudaError(err), "cu", name.c_str(), text.c_str(), expr, file, line);
+  absl::Status status = Make(code, IsStickyCudaError(err) || IsRestartOnlyCudaError(err), "cu",
+                             name.c_str(), text.c_str(), expr, file, line);
+  if (IsRestartOnlyCudaError(err)) RecordDeviceLost(std::string(status.message()));
+  return status;
 }
 
 absl::Status CudaResultToStatus(ncclResult_t err, const char* expr, const char* file, int line) {

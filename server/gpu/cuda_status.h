@@ -32,9 +32,20 @@ absl::Status CudaResultToStatus(ncclResult_t err, const char* expr, const char* 
 bool IsStickyCudaError(cudaError_t err);
 bool IsStickyCudaError(CUresult err);
 
+// True for errors that say this process cannot get, or has lost, its client of the GPU: the
+// device is held exclusively by another process, or the MPS server refuses new clients (it is
+// recovering from a fault and waits for every client to leave) or has dropped this one. The
+// runtime does not keep them as a sticky error, but retrying in the same process did not recover
+// (on H200 under MPS, a sidecar retried for 130 s after a peer had left a stuck NCCL kernel,
+// docs/reliability.md); a restarted process does. They map like sticky errors (UNAVAILABLE with
+// the sticky payload) and are recorded for DeviceHealth(), so the daemon exits for a restart.
+bool IsRestartOnlyCudaError(cudaError_t err);
+bool IsRestartOnlyCudaError(CUresult err);
+
 // OK while the current device's context is usable; the sticky error's status (UNAVAILABLE with
-// the sticky payload, see IsStickyDeviceError) once it is not. Does not wait for the device:
-// the daemon's health loop calls it to decide NOT_SERVING + exit.
+// the sticky payload, see IsStickyDeviceError) once it is not, or once a restart-only error (see
+// IsRestartOnlyCudaError) was mapped in this process. Does not wait for the device: the daemon's
+// health loop calls it to decide NOT_SERVING + exit.
 absl::Status DeviceHealth();
 
 // Records that this process's device holds work that can never finish (an NCCL kernel waiting

@@ -103,5 +103,50 @@ TEST(CudaStatus, AWedgedDeviceIsReportedStickyWithTheFirstReason) {
   EXPECT_EQ(health.message().find("a later reason"), absl::string_view::npos) << health;
 }
 
+// A GPU held by another process, or an MPS server refusing this client (it waits for every
+// client to leave after a fault): mapped like a sticky error and recorded, so that DeviceHealth()
+// makes the daemon exit for a restart (retrying in-process did not recover, docs/reliability.md).
+TEST(CudaStatus, RestartOnlyRuntimeErrorsAreStickyAndRecorded) {
+  for (cudaError_t e :
+       {cudaErrorDevicesUnavailable, cudaErrorMpsConnectionFailed, cudaErrorMpsRpcFailure,
+        cudaErrorMpsServerNotReady, cudaErrorMpsClientTerminated}) {
+    EXPECT_TRUE(IsRestartOnlyCudaError(e)) << cudaGetErrorName(e);
+    EXPECT_FALSE(IsStickyCudaError(e)) << cudaGetErrorName(e);
+  }
+  EXPECT_FALSE(IsRestartOnlyCudaError(cudaErrorMemoryAllocation));
+  EXPECT_FALSE(IsRestartOnlyCudaError(cudaErrorIllegalAddress));
+  EXPECT_TRUE(DeviceHealth().ok());
+  cudaError_t busy = cudaErrorDevicesUnavailable;
+  const absl::Status s = ARFUSE_CUDA_STATUS(busy);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(IsStickyDeviceError(s)) << s;
+  EXPECT_NE(s.message().find("cuda call busy failed: cudaErrorDevicesUnavailable"),
+            absl::string_view::npos)
+      << s;
+  // Recorded: the process's health says so from now on, with the first reason.
+  static_cast<void>(ARFUSE_CUDA_STATUS(cudaErrorMpsServerNotReady));
+  const absl::Status health = DeviceHealth();
+  EXPECT_TRUE(IsStickyDeviceError(health)) << health;
+  EXPECT_EQ(health.message(), s.message());
+}
+
+TEST(CudaStatus, RestartOnlyDriverErrorsAreStickyAndRecorded) {
+  EXPECT_TRUE(IsRestartOnlyCudaError(CUDA_ERROR_DEVICE_UNAVAILABLE));
+  EXPECT_TRUE(IsRestartOnlyCudaError(CUDA_ERROR_MPS_SERVER_NOT_READY));
+  EXPECT_FALSE(IsRestartOnlyCudaError(CUDA_ERROR_OUT_OF_MEMORY));
+  const absl::Status s = ARFUSE_CUDA_STATUS(CUDA_ERROR_MPS_CLIENT_TERMINATED);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(IsStickyDeviceError(s)) << s;
+  EXPECT_TRUE(IsStickyDeviceError(DeviceHealth()));
+}
+
+// A recoverable error is not recorded.
+TEST(CudaStatus, OrdinaryErrorsLeaveTheHealthAlone) {
+  static_cast<void>(ARFUSE_CUDA_STATUS(cudaErrorMemoryAllocation));
+  static_cast<void>(ARFUSE_CUDA_STATUS(CUDA_ERROR_INVALID_VALUE));
+  static_cast<void>(ARFUSE_CUDA_STATUS(ncclRemoteError));
+  EXPECT_TRUE(DeviceHealth().ok());
+}
+
 }  // namespace
 }  // namespace arfuse
