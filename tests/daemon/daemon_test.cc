@@ -258,6 +258,7 @@ TEST(DaemonHealth, BothEntriesOnSocketAndPort) {
     EXPECT_TRUE(ready) << addr;
     grpc::Status unknown = HealthCheck(addr, "no.such.Service", &response);
     EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << addr;
+    EXPECT_EQ(unknown.error_message(), "unknown health entry") << addr;
   }
 }
 
