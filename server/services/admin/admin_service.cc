@@ -90,21 +90,15 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* ctx,
                                                    const v1::SetBackendRequest* req,
                                                    v1::SetBackendResponse* resp) {
-  // Hard check first: a client of another API major gets FAILED_PRECONDITION whatever it sent.
-  if (absl::Status version = CheckClientApiVersion(*ctx); !version.ok()) {
-    auto* reactor = ctx->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(version));
-    return reactor;
-  }
-  const std::string& backend = req->backend();
-  if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
-    auto* reactor = ctx->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "unknown backend \"", backend.substr(0, 32), "\": expected auto, trtllm, mnnvl or none"))));
-    return reactor;
-  }
+  const std::string backend = req->backend();
   absl::Time deadline = DeadlineOf(*ctx);
+  // RunBlocking checks the API version first: a client of another major gets
+  // FAILED_PRECONDITION whatever backend it named.
   return RunBlocking(ctx, [this, backend, deadline, resp]() -> absl::Status {
+    if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
+      return absl::InvalidArgumentError(absl::StrCat("unknown backend \"", backend.substr(0, 32),
+                                                     "\": expected auto, trtllm, mnnvl or none"));
+    }
     auto result = control_->SetBackend(backend, deadline);
     if (!result.ok()) return result.status();
     *resp = *std::move(result);
