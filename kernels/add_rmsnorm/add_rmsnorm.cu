@@ -1,8 +1,8 @@
-#include "kernels/add_rmsnorm/add_rmsnorm.h"
-
 #include <algorithm>
 
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/add_rmsnorm/row_math.cuh"
+#include "kernels/common/launch.cuh"
 
 namespace arfuse {
 namespace {
@@ -34,8 +34,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
     device::ResidualRmsNormRow<DT, kVec>(reduced, vecs_per_row, p.hidden, p.eps,
                                          static_cast<const char*>(p.residual_in) + offset,
                                          static_cast<char*>(p.residual_out) + offset,
-                                         static_cast<char*>(p.norm_out) + offset, p.gamma,
-                                         scratch);
+                                         static_cast<char*>(p.norm_out) + offset, p.gamma, scratch);
   }
 }
 
@@ -43,16 +42,41 @@ template <DType DT>
 void LaunchAddRmsNormTyped(const AddRmsNormParams& p, unsigned grid, int threads, int bucket,
                            cudaStream_t stream) {
   switch (bucket) {
-    case 0: AddRmsNormKernel<DT, 0><<<grid, threads, 0, stream>>>(p); break;
-    case 1: AddRmsNormKernel<DT, 1><<<grid, threads, 0, stream>>>(p); break;
-    case 2: AddRmsNormKernel<DT, 2><<<grid, threads, 0, stream>>>(p); break;
-    default: AddRmsNormKernel<DT, 3><<<grid, threads, 0, stream>>>(p); break;
+    case 0:
+      AddRmsNormKernel<DT, 0><<<grid, threads, 0, stream>>>(p);
+      break;
+    case 1:
+      AddRmsNormKernel<DT, 1><<<grid, threads, 0, stream>>>(p);
+      break;
+    case 2:
+      AddRmsNormKernel<DT, 2><<<grid, threads, 0, stream>>>(p);
+      break;
+    default:
+      AddRmsNormKernel<DT, 3><<<grid, threads, 0, stream>>>(p);
+      break;
   }
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+template <DType DT>
+cudaError_t LoadAddRmsNormKernels() {
+  return LoadKernelFunctions({reinterpret_cast<const void*>(&AddRmsNormKernel<DT, 0>),
+                              reinterpret_cast<const void*>(&AddRmsNormKernel<DT, 1>),
+                              reinterpret_cast<const void*>(&AddRmsNormKernel<DT, 2>),
+                              reinterpret_cast<const void*>(&AddRmsNormKernel<DT, 3>)});
+}
+
 }  // namespace
+
+cudaError_t PrepareAddRmsNormKernels() {
+  for (cudaError_t err :
+       {LoadAddRmsNormKernels<DType::kBF16>(), LoadAddRmsNormKernels<DType::kFP16>(),
+        LoadAddRmsNormKernels<DType::kFP32>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& p, const char** why) {
   const char* problem = nullptr;
@@ -62,9 +86,9 @@ cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& p, const char** why) {
     problem = "hidden is not a positive multiple of 8";
   } else if (p.hidden > MaxAddRmsNormHidden(p.dtype)) {
     problem = "hidden is above the largest supported row";
-  } else if (p.num_tokens > 0 && (p.input == nullptr || p.residual_in == nullptr ||
-                                  p.residual_out == nullptr || p.norm_out == nullptr ||
-                                  p.gamma == nullptr)) {
+  } else if (p.num_tokens > 0 &&
+             (p.input == nullptr || p.residual_in == nullptr || p.residual_out == nullptr ||
+              p.norm_out == nullptr || p.gamma == nullptr)) {
     problem = "a tensor pointer is null";
   } else if (!Aligned16(p.input) || !Aligned16(p.residual_in) || !Aligned16(p.residual_out) ||
              !Aligned16(p.norm_out) || !Aligned16(p.gamma)) {
@@ -83,9 +107,15 @@ cudaError_t LaunchAddRmsNorm(const AddRmsNormParams& p, cudaStream_t stream) {
   // Enough rows in flight to cover the GPU a few times over; no cross-block waiting here.
   const unsigned grid = std::min<uint32_t>(p.num_tokens, 4096u);
   switch (p.dtype) {
-    case DType::kBF16: LaunchAddRmsNormTyped<DType::kBF16>(p, grid, threads, bucket, stream); break;
-    case DType::kFP16: LaunchAddRmsNormTyped<DType::kFP16>(p, grid, threads, bucket, stream); break;
-    case DType::kFP32: LaunchAddRmsNormTyped<DType::kFP32>(p, grid, threads, bucket, stream); break;
+    case DType::kBF16:
+      LaunchAddRmsNormTyped<DType::kBF16>(p, grid, threads, bucket, stream);
+      break;
+    case DType::kFP16:
+      LaunchAddRmsNormTyped<DType::kFP16>(p, grid, threads, bucket, stream);
+      break;
+    case DType::kFP32:
+      LaunchAddRmsNormTyped<DType::kFP32>(p, grid, threads, bucket, stream);
+      break;
   }
   return cudaGetLastError();
 }

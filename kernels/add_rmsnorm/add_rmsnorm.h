@@ -36,4 +36,9 @@ cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& params, const char** w
 
 cudaError_t LaunchAddRmsNorm(const AddRmsNormParams& params, cudaStream_t stream);
 
+// Loads every instantiation of the kernel (each dtype and row bucket) into the current context
+// now, as PrepareAllReduceFusionKernels does for the fused kernels: the engine launches it on the
+// stream where the doorbell plane keeps a kernel resident. Not inside a graph capture.
+cudaError_t PrepareAddRmsNormKernels();
+
 }  // namespace arfuse

@@ -327,7 +327,43 @@ cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* de
   return cudaErrorInvalidValue;
 }
 
+template <DType DT, bool kNorm, int kBucket>
+cudaError_t LoadBucketKernels() {
+  return LoadKernelFunctions(
+      {reinterpret_cast<const void*>(&OneShotKernel<DT, kNorm, kBucket>),
+       reinterpret_cast<const void*>(&TwoShotKernel<DT, kNorm, kBucket>),
+       reinterpret_cast<const void*>(&IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>),
+       reinterpret_cast<const void*>(&IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>)});
+}
+
+template <DType DT, bool kNorm>
+cudaError_t LoadPatternKernels() {
+  for (cudaError_t err : {LoadBucketKernels<DT, kNorm, 0>(), LoadBucketKernels<DT, kNorm, 1>(),
+                          LoadBucketKernels<DT, kNorm, 2>(), LoadBucketKernels<DT, kNorm, 3>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+template <DType DT>
+cudaError_t LoadDTypeKernels() {
+  for (cudaError_t err :
+       {LoadPatternKernels<DT, false>(), LoadPatternKernels<DT, true>(),
+        LoadKernelFunctions({reinterpret_cast<const void*>(&WorkspaceInitKernel<DT>)})}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
+
+cudaError_t PrepareAllReduceFusionKernels() {
+  for (cudaError_t err : {LoadDTypeKernels<DType::kBF16>(), LoadDTypeKernels<DType::kFP16>(),
+                          LoadDTypeKernels<DType::kFP32>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 uint32_t FusionResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {
   return ResidentBlocks(kernel, threads, sm_budget);

@@ -179,6 +179,13 @@ cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
                                           const FusionParams* device_params, cudaStream_t stream,
                                           bool programmatic_dependent = false);
 
+// Loads every fused kernel (by value and indirect, each dtype, pattern, algorithm and row
+// bucket) and the workspace reset into the current context now. Call once per device before a
+// fused kernel may spin while another is first launched (the doorbell plane, the engine):
+// lazy module loading would load that kernel at its launch and may wait for the spinning one
+// (kernels/common/launch.cuh). Not inside a graph capture. Returns the first load error.
+cudaError_t PrepareAllReduceFusionKernels();
+
 // Blocks of `kernel` launched with `threads` threads that can be resident at once on this device
 // within `sm_budget` SMs (0: all), capped at kMaxFusionBlocks: a grid whose blocks spin on each
 // other must not exceed it. Cached per (kernel, threads, device); 0 when the device cannot be

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <initializer_list>
+
 namespace arfuse {
 
 // Launches `kernel<<<grid, threads, 0, stream>>>(args...)`; with `programmatic`, as a
@@ -27,6 +29,22 @@ cudaError_t LaunchKernel(Kernel kernel, unsigned grid, unsigned threads, bool pr
   config.attrs = attribute;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Loads each kernel's function into the current context now (cudaFuncGetAttributes forces it).
+// With lazy module loading (the CUDA default) a kernel is otherwise loaded at its first launch,
+// and that load may wait for every kernel running in the context to finish: when the running
+// kernel spins until the new one has run (a doorbell waiter and its fused launch, a serving
+// launch and a new plan's kernels), the process hangs. Each family's Prepare*Kernels calls this
+// with all of its instantiations. Returns the first error.
+inline cudaError_t LoadKernelFunctions(std::initializer_list<const void*> kernels) {
+  for (const void* kernel : kernels) {
+    cudaFuncAttributes attributes;
+    if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) {
+      return err;
+    }
+  }
+  return cudaSuccess;
 }
 
 }  // namespace arfuse

@@ -248,6 +248,16 @@ struct DoorbellCompleteParams {
 };
 static_assert(sizeof(DoorbellCompleteParams) == 32, "DoorbellCompleteParams is a kernel parameter");
 
+// Loads every sidecar-side doorbell kernel (waiter, completion, slot error and reset, the serving
+// launch for each dtype, pattern and row bucket) and every fused kernel the plane launches
+// (PrepareAllReduceFusionKernels) into the current context now. The plane keeps a waiter or a
+// serving launch resident, spinning until the next ring: a kernel first launched behind it (a
+// completion, a new plan's fused launch) would otherwise be loaded at its launch, and with lazy
+// module loading that load may wait for the resident kernel, which waits for a ring the client
+// cannot get served: a hang (kernels/common/launch.cuh). Call before the plane launches anything;
+// not inside a graph capture. Returns the first load error.
+cudaError_t PrepareDoorbellSidecarKernels();
+
 // One block of one warp: polls the request words of the slots in slot_mask (and, every few
 // microseconds, the control words, the abort words and the idle deadline), then writes the op.
 // Right after it takes a ring it executes griddepcontrol.launch_dependents, so a fused launch

@@ -630,7 +630,30 @@ cudaError_t LaunchServeForDType(const DoorbellServeParams& sp, cudaStream_t stre
   return cudaErrorInvalidValue;
 }
 
+template <DType DT, bool kNorm>
+cudaError_t LoadServeKernels() {
+  return LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 0>),
+                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 1>),
+                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 2>),
+                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 3>)});
+}
+
 }  // namespace
+
+cudaError_t PrepareDoorbellSidecarKernels() {
+  for (cudaError_t err :
+       {LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellWaitKernel),
+                             reinterpret_cast<const void*>(&DoorbellCompleteKernel),
+                             reinterpret_cast<const void*>(&DoorbellSetErrorKernel),
+                             reinterpret_cast<const void*>(&DoorbellResetSlotsKernel)}),
+        LoadServeKernels<DType::kBF16, false>(), LoadServeKernels<DType::kBF16, true>(),
+        LoadServeKernels<DType::kFP16, false>(), LoadServeKernels<DType::kFP16, true>(),
+        LoadServeKernels<DType::kFP32, false>(), LoadServeKernels<DType::kFP32, true>(),
+        PrepareAllReduceFusionKernels()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& w, const char** why) {
   const char* problem = nullptr;

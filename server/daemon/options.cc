@@ -80,8 +80,9 @@ ABSL_FLAG(double, spin_timeout, 5,
 ABSL_FLAG(int, doorbell_serve_blocks, 128,
           "Most blocks the doorbell plane keeps resident to run one-shot ops in place, one row "
           "each (0..128; at most the plans' largest one-shot token count; 0: a waiter warp and a "
-          "launch per op). Idle, they cost a client kernel that fills the GPU about 3% on an "
-          "H200, measured alike with 32 and 128 (docs/doorbell.md).");
+          "launch per op; at most 32 when ranks share the GPU). Idle, they cost a client kernel "
+          "that fills the GPU about 3% on an H200, measured alike with 32 and 128 "
+          "(docs/doorbell.md).");
 ABSL_FLAG(double, grace_period, 10,
           "Seconds in-flight calls get to finish on SIGTERM/SIGINT before they are cancelled.");
 ABSL_FLAG(double, default_deadline, 10, "Deadline in seconds for calls that carry none.");

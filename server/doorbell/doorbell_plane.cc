@@ -104,6 +104,11 @@ absl::StatusOr<std::unique_ptr<DoorbellPlane>> DoorbellPlane::Create(
       options.poll_interval > absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("doorbell poll interval must be in (0, 100 ms]");
   }
+  if (options.max_poll_interval < options.poll_interval ||
+      options.max_poll_interval > absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError(
+        "doorbell max poll interval must be in [poll interval, 100 ms]");
+  }
   if (options.serve_blocks > kMaxDoorbellServeBlocks) {
     return absl::InvalidArgumentError(absl::StrCat("doorbell serving launch runs at most ",
                                                    kMaxDoorbellServeBlocks, " blocks, got ",
@@ -122,10 +127,13 @@ absl::StatusOr<std::unique_ptr<DoorbellPlane>> DoorbellPlane::Create(
   return plane;
 }
 
-DoorbellPlane::DoorbellPlane(const DoorbellPlaneOptions& options) : options_(options) {}
+DoorbellPlane::DoorbellPlane(const DoorbellPlaneOptions& options)
+    : options_(options), poll_wait_(options.poll_interval) {}
 
 absl::Status DoorbellPlane::Allocate() {
   ScopedDevice device(options_.device);
+  // Before any of the plane's kernels can be resident and spinning (kernels/doorbell/doorbell.h).
+  ARFUSE_DOORBELL_CUDA(PrepareDoorbellSidecarKernels(), "doorbell kernel load");
   ARFUSE_DOORBELL_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
                        "doorbell side stream creation");
   void* raw = nullptr;
@@ -573,6 +581,9 @@ DoorbellSlot* DoorbellPlane::slot_for_testing(uint32_t slot) const {
 void DoorbellPlane::KickLocked() {
   ++generation_;
   StoreControl(&control_host_->generation, generation_);
+  // Every queued waiter leaves now and is replaced only when the thread sees it ended.
+  poll_wait_ = options_.poll_interval;
+  poll_soon_ = true;
 }
 
 void DoorbellPlane::FailLocked(absl::Status status) {
@@ -610,6 +621,8 @@ bool DoorbellPlane::LoopHasWorkLocked() const {
   return shutdown_ || !inflight_.empty() || (state_ == State::kRunning && ActiveMaskLocked() != 0);
 }
 
+bool DoorbellPlane::WakeEarlyLocked() const { return shutdown_ || poll_soon_; }
+
 void DoorbellPlane::Loop() {
   cudaSetDevice(options_.device);
   absl::MutexLock lock(&mu_);
@@ -617,8 +630,16 @@ void DoorbellPlane::Loop() {
     PumpLocked();
     ++counters_.host_polls;
     if (LoopHasWorkLocked()) {
-      // Sleeps with the lock released; wakes early for shutdown.
-      mu_.AwaitWithTimeout(absl::Condition(&shutdown_), options_.poll_interval);
+      // A resident serving launch consumes no triple for as long as rings keep coming, and a
+      // waiter none until a ring or its idle timeout: looking every poll_interval then only burns
+      // a core. Each look that finds nothing doubles the wait (PumpLocked and KickLocked reset
+      // it), so the first consumed triple after a quiet spell is seen within max_poll_interval
+      // while the queue_depth - 1 behind it keep serving.
+      const absl::Duration wait = poll_wait_;
+      poll_wait_ = std::min(poll_wait_ * 2, options_.max_poll_interval);
+      poll_soon_ = false;
+      // Sleeps with the lock released; wakes early for shutdown or a kick.
+      mu_.AwaitWithTimeout(absl::Condition(this, &DoorbellPlane::WakeEarlyLocked), wait);
     } else {
       // Nothing in flight and nothing to queue (no plans, paused or failed): sleep until a call
       // changes that. absl::Mutex evaluates the condition whenever a holder of mu_ releases it,
@@ -653,6 +674,8 @@ void DoorbellPlane::PumpLocked() {
     }
     inflight_.pop_front();
     free_entries_.push_back(entry);
+    // Triples are being consumed: look again soon (Loop doubles this while nothing is).
+    poll_wait_ = options_.poll_interval;
     const DoorbellReport r = ReadReport(reports_host_ + entry);
     counters_.served += r.served_in_place;
     counters_.served_in_place += r.served_in_place;

@@ -70,6 +70,13 @@ struct DoorbellPlaneOptions {
   // How often the host thread looks for consumed triples (while any are in flight or plans are
   // active; otherwise it sleeps until a plan is added or the plane resumes).
   absl::Duration poll_interval = absl::Microseconds(20);
+  // While its looks find no consumed triple (a serving launch resident between rings, waiters
+  // waiting), the host thread doubles its interval up to this; a consumed triple or a plan change
+  // brings it back to poll_interval. The queue must last one such interval: rings that each use up
+  // a triple (two-shot, shapes not served in place) arriving faster than queue_depth per
+  // max_poll_interval after a quiet spell wait for the host once. Equal to poll_interval: no
+  // back-off. In [poll_interval, 100 ms].
+  absl::Duration max_poll_interval = absl::Microseconds(160);
   // Launch the first fused kernel and the completion kernel of each triple as programmatic
   // dependents (sm_90+), so they are scheduled while the kernel before them still runs: hides
   // two launch latencies per op. Off by default until measured (doorbell_bench --pdl).
@@ -125,8 +132,9 @@ struct DoorbellPlaneStatus {
   uint64_t kicked = 0;           // waiters sent away by a plan change or a pause
   uint32_t last_error = 0;       // DoorbellError of the last failed op
   uint32_t inflight = 0;         // launch triples queued on the stream and not yet seen ended
-  // Passes of the plane thread's loop: one per poll interval while it has triples in flight or
-  // active plans to queue them for, none while it has neither (it sleeps until that changes).
+  // Passes of the plane thread's loop: one per poll interval (longer while nothing is consumed,
+  // up to max_poll_interval) while it has triples in flight or active plans to queue them for,
+  // none while it has neither (it sleeps until that changes).
   uint64_t host_polls = 0;
 };
 
@@ -211,6 +219,9 @@ class DoorbellPlane {
   // Whether the plane thread has anything to poll for: triples in flight, or a running plane
   // with active plans (to queue triples for), or shutdown.
   bool LoopHasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the plane thread's timed wait early: shutdown, or a kick (its replacements must be
+  // queued promptly, whatever the thread's backed-off interval).
+  bool WakeEarlyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fills the serving launch's template, in-place mask and grid cap from the active plans;
   // false when no plan can be served in place (the plain waiter is queued then).
   bool ServeParamsLocked(DoorbellServeParams* sp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -235,6 +246,10 @@ class DoorbellPlane {
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kCreated;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // The plane thread's next timed wait (poll_interval .. max_poll_interval) and whether a kick
+  // asked it to look again at once.
+  absl::Duration poll_wait_ ABSL_GUARDED_BY(mu_);
+  bool poll_soon_ ABSL_GUARDED_BY(mu_) = false;
   std::array<Plan, kMaxDoorbellSlots> plans_ ABSL_GUARDED_BY(mu_);
   std::vector<Signature> signatures_ ABSL_GUARDED_BY(mu_);
   uint32_t generation_ ABSL_GUARDED_BY(mu_) = 1;

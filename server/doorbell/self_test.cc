@@ -182,8 +182,12 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
   ARFUSE_RETURN_IF_ERROR(WaitStreamBounded(r.sidecar, setup_deadline, "self-test setup"));
 
   DoorbellSlot* slot = reinterpret_cast<DoorbellSlot*>(r.block);
-  // Load every kernel's module before capturing (no lazy loading inside a capture).
+  // Load every kernel before capturing (no lazy loading inside a capture) and before the waiter
+  // spins: the completion kernel first launched behind a running waiter would be loaded then,
+  // and that load may wait for the waiter, which waits for a ring queued behind the load (every
+  // self-test in a fresh process failed so, until the waiter's timeout).
   ARFUSE_DOORBELL_CUDA(PrepareDoorbellRing(), "self-test ring kernel load");
+  ARFUSE_DOORBELL_CUDA(PrepareDoorbellSidecarKernels(), "self-test kernel load");
   ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(tmpl, r.idle_params, r.client),
                        "self-test fused launch");
   ARFUSE_RETURN_IF_ERROR(WaitStreamBounded(r.client, setup_deadline, "self-test setup"));

@@ -173,6 +173,11 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& 
   ARFUSE_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   engine->sm_ = major * 10 + minor;
+  // Every kernel the engine may launch is loaded now, before any can spin: with lazy module
+  // loading a first launch behind a spinning kernel (a fused op waiting for its peers, the
+  // doorbell plane's resident launch) could wait for it (kernels/common/launch.cuh).
+  ARFUSE_CUDA_RETURN_IF_ERROR(PrepareAllReduceFusionKernels());
+  ARFUSE_CUDA_RETURN_IF_ERROR(PrepareAddRmsNormKernels());
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&engine->stream_, cudaStreamNonBlocking));
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine->op_done_, cudaEventDisableTiming));
   ARFUSE_CUDA_RETURN_IF_ERROR(
@@ -259,7 +264,9 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   // Ranks sharing one GPU (MPS) must not starve each other of SMs while they spin: each gets an
   // equal share, the same number on every rank so every rank's grid is the same.
   // With the doorbell plane every rank also keeps one waiter block resident, and its client one
-  // ring block (docs/doorbell.md): the fused grids leave room for them.
+  // ring block (docs/doorbell.md): the fused grids leave room for them. A serving launch keeps
+  // more (DoorbellServeBlocksFor caps them when the GPU is shared); it never runs beside its own
+  // rank's fused launches, which wait for it on the stream.
   const int reserved_sms = cuda_options_.enable_doorbell ? 2 * max_share + 2 : 0;
   const uint32_t sm_budget =
       cuda_options_.sm_budget != 0
@@ -781,8 +788,14 @@ absl::Status CudaEngine::EnsureDoorbellLocked() {
   o.host_abort = workspace_->device_host_abort();
   o.queue_depth = cuda_options_.doorbell_queue_depth;
   o.programmatic_launch = cuda_options_.doorbell_programmatic_launch;
-  o.serve_in_place = cuda_options_.doorbell_serve_blocks > 0;
-  o.serve_blocks = cuda_options_.doorbell_serve_blocks;
+  o.serve_blocks = DoorbellServeBlocksFor(cuda_options_.doorbell_serve_blocks, shares_gpu_);
+  o.serve_in_place = o.serve_blocks > 0;
+  if (o.serve_blocks != cuda_options_.doorbell_serve_blocks) {
+    spdlog::info(
+        "event=doorbell_serve_blocks_capped requested={} serve_blocks={} reason=\"ranks share "
+        "this GPU\"",
+        cuda_options_.doorbell_serve_blocks, o.serve_blocks);
+  }
   absl::StatusOr<std::unique_ptr<DoorbellPlane>> plane = DoorbellPlane::Create(o);
   if (!plane.ok()) {
     return absl::Status(plane.status().code(), absl::StrCat("cannot create the doorbell plane: ",

@@ -65,7 +65,8 @@ struct CudaEngineOptions {
   bool enable_doorbell = true;
   uint32_t doorbell_queue_depth = 8;
   bool doorbell_programmatic_launch = false;
-  // DoorbellPlaneOptions::serve_blocks; 0 turns in-place serving off. arfused's default
+  // DoorbellPlaneOptions::serve_blocks (at most kSharedGpuDoorbellServeBlocks when ranks share
+  // the GPU); 0 turns in-place serving off. arfused's default
   // (--doorbell-serve-blocks) is 128.
   uint32_t doorbell_serve_blocks = 128;
 };

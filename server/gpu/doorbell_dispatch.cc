@@ -1,5 +1,7 @@
 #include "server/gpu/doorbell_dispatch.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace arfuse {
@@ -58,15 +60,14 @@ absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& tab
   if (!top.ok()) return top.status();
   if (top->path == ExecPath::kUnfused) {
     return absl::FailedPreconditionError(absl::StrCat("a plan of ", ShapeOf(at_max),
-                                                      " runs unfused at max_tokens (",
-                                                      top->reason, "); ", kUseEager,
-                                                      ", or lower max_tokens"));
+                                                      " runs unfused at max_tokens (", top->reason,
+                                                      "); ", kUseEager, ", or lower max_tokens"));
   }
   d.path_at_max = top->path;
   if (top->path == ExecPath::kOneShot) {
     d.twoshot_min_tokens = kDoorbellNeverTwoShot;
-    d.reason = absl::StrCat("doorbell plane: one-shot up to ", max_tokens, " tokens (",
-                            top->reason, ")");
+    d.reason =
+        absl::StrCat("doorbell plane: one-shot up to ", max_tokens, " tokens (", top->reason, ")");
   } else {
     // Smallest token count that runs two-shot: every count below it runs one-shot.
     uint32_t lo = 1, hi = max_tokens;  // path(hi) is two-shot
@@ -81,9 +82,9 @@ absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& tab
       }
     }
     d.twoshot_min_tokens = lo;
-    d.reason = absl::StrCat("doorbell plane: ",
-                            lo > 1 ? absl::StrCat("one-shot below ", lo, " tokens, ") : "",
-                            "two-shot from ", lo, " tokens (", top->reason, ")");
+    d.reason = absl::StrCat(
+        "doorbell plane: ", lo > 1 ? absl::StrCat("one-shot below ", lo, " tokens, ") : "",
+        "two-shot from ", lo, " tokens (", top->reason, ")");
   }
   // What the table says must be what the device runs: one-shot below the threshold, two-shot
   // from it, nothing unfused (a table that is not monotone in the payload is refused).
@@ -91,18 +92,22 @@ absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& tab
     if (n == 0 || n > max_tokens) continue;
     absl::StatusOr<DispatchChoice> c = ChooseAt(table, at_max, n);
     if (!c.ok()) return c.status();
-    const ExecPath want =
-        n >= d.twoshot_min_tokens ? ExecPath::kTwoShot : ExecPath::kOneShot;
+    const ExecPath want = n >= d.twoshot_min_tokens ? ExecPath::kTwoShot : ExecPath::kOneShot;
     if (c->path != want) {
       DispatchRequest at_n = at_max;
       at_n.num_tokens = n;
       return absl::FailedPreconditionError(absl::StrCat(
-          "a plan of up to ", max_tokens, " tokens does not run one algorithm range per token "
-          "count (", ShapeOf(at_n), ": ", ExecPathName(c->path), ", ", c->reason, "); ",
-          kUseEager));
+          "a plan of up to ", max_tokens,
+          " tokens does not run one algorithm range per token "
+          "count (",
+          ShapeOf(at_n), ": ", ExecPathName(c->path), ", ", c->reason, "); ", kUseEager));
     }
   }
   return d;
+}
+
+uint32_t DoorbellServeBlocksFor(uint32_t requested, bool shares_gpu) {
+  return shares_gpu ? std::min(requested, kSharedGpuDoorbellServeBlocks) : requested;
 }
 
 }  // namespace arfuse

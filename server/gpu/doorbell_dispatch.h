@@ -35,4 +35,15 @@ struct DoorbellDispatch {
 absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& table,
                                                         const DispatchRequest& at_max);
 
+// Most serving blocks a rank keeps resident when ranks share its GPU (MPS, tests and demos).
+// Each rank's serving launch stays resident between rings, and beside it run the other ranks'
+// serving launches, the clients' ring kernels and whatever else the clients launch: with 128
+// blocks per rank and two sidecars on one H200, a client's graph of rings at 128 tokens stalled
+// to its 90 s timeout, while 64 and 32 blocks ran it (docs/doorbell.md, twelfth session).
+inline constexpr uint32_t kSharedGpuDoorbellServeBlocks = 32;
+
+// The serving launch's block cap a rank uses: `requested` (the --doorbell-serve-blocks flag; 0
+// turns in-place serving off), at most kSharedGpuDoorbellServeBlocks when ranks share the GPU.
+uint32_t DoorbellServeBlocksFor(uint32_t requested, bool shares_gpu);
+
 }  // namespace arfuse

@@ -13,12 +13,18 @@
 // usage: doorbell_bench [--world=2] [--hidden=4096] [--tokens=1,8,32,128] [--ops=3000]
 //                       [--per_graph=100] [--algo=oneshot|twoshot] [--queue=32] [--poll_us=5]
 //                       [--pdl] [--serve_blocks=32] [--trace] [--system_scope] [--json=PATH]
+//                       [--max_poll_us=N] [--resident_ms=300]
 // --trace: rank 0's plane keeps a trace of its in-place ops (DoorbellPlaneOptions::trace_ops);
 // after each token count the bench prints where an op's time went (trace line, medians); with
 // ARFUSE_RING_TRACE=1 also the ring kernel's side (its stamps on the request line).
 // --system_scope: ring at system scope (kDoorbellRequest) instead of the scope the client library
 // picks for a ring on the slot's own GPU.
+// --max_poll_us: the planes' max_poll_interval (default: DoorbellPlaneOptions'; --poll_us's value
+// turns the host thread's back-off off). After the rows the planes stay resident, unrung, for
+// --resident_ms: the bench reports their host threads' looks per second and the process's CPU
+// time over that spell (the main thread sleeps through it).
 #include <cuda_runtime_api.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -28,17 +34,20 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
+#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/mps.h"
 #include "tests/doorbell/doorbell_test_util.h"
 
@@ -62,6 +71,8 @@ struct Args {
   uint32_t serve_blocks = 32;
   bool trace = false;
   bool system_scope = false;
+  int max_poll_us = -1;  // -1: the plane's default
+  int resident_ms = 300;
   std::string json;
 };
 
@@ -84,6 +95,10 @@ bool Parse(int argc, char** argv, Args* a) {
       ok = absl::SimpleAtoi(value, &a->queue);
     } else if (key == "--poll_us") {
       ok = absl::SimpleAtoi(value, &a->poll_us);
+    } else if (key == "--max_poll_us") {
+      ok = absl::SimpleAtoi(value, &a->max_poll_us) && a->max_poll_us >= 0;
+    } else if (key == "--resident_ms") {
+      ok = absl::SimpleAtoi(value, &a->resident_ms) && a->resident_ms >= 0 && a->resident_ms < 1000;
     } else if (key == "--pdl") {
       a->pdl = true;
     } else if (key == "--trace") {
@@ -111,6 +126,14 @@ bool Parse(int argc, char** argv, Args* a) {
       std::fprintf(stderr, "doorbell_bench: bad argument %s\n", arg.c_str());
       return false;
     }
+  }
+  if (a->serve_blocks > kSharedGpuDoorbellServeBlocks) {
+    // Every simulated rank's serving launch shares this GPU: above the sidecars' cap for a shared
+    // GPU the rows stalled (server/gpu/doorbell_dispatch.h).
+    std::fprintf(stderr,
+                 "doorbell_bench: --serve_blocks must be at most %u (ranks share one GPU)\n",
+                 kSharedGpuDoorbellServeBlocks);
+    return false;
   }
   if (a->per_graph < 1 || a->ops < a->per_graph || a->tokens.empty()) {
     std::fprintf(stderr, "doorbell_bench: need --ops >= --per_graph >= 1 and some --tokens\n");
@@ -174,6 +197,13 @@ std::vector<cudaGraphExec_t> CaptureEach(RankGroup& g, int per_graph, Launch lau
     if (graph != nullptr) cudaGraphDestroy(graph);
   }
   return execs;
+}
+
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 double Median(std::vector<double> v) {
@@ -284,9 +314,10 @@ int Main(int argc, char** argv) {
   std::printf("%s\n", DescribeDoorbell(hop, mps.active()).c_str());
   std::printf(
       "world=%d hidden=%u dtype=bf16 algo=%s ops=%d per_graph=%d queue=%u poll_us=%d "
-      "pdl=%d serve_blocks=%u; ranks simulated in one process on one GPU; %s\n",
+      "max_poll_us=%s pdl=%d serve_blocks=%u; ranks simulated in one process on one GPU; %s\n",
       a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.per_graph,
-      a.queue, a.poll_us, a.pdl ? 1 : 0, a.serve_blocks, mps.Describe().c_str());
+      a.queue, a.poll_us, a.max_poll_us < 0 ? "default" : absl::StrCat(a.max_poll_us).c_str(),
+      a.pdl ? 1 : 0, a.serve_blocks, mps.Describe().c_str());
   const uint32_t max_tokens = *std::max_element(a.tokens.begin(), a.tokens.end());
   RankGroup g(GroupShape{a.world, max_tokens, a.hidden, DType::kBF16});
   if (!g.ok() || !g.Init().ok()) {
@@ -297,6 +328,7 @@ int Main(int argc, char** argv) {
   po.device = device;
   po.queue_depth = a.queue;
   po.poll_interval = absl::Microseconds(a.poll_us);
+  if (a.max_poll_us >= 0) po.max_poll_interval = absl::Microseconds(a.max_poll_us);
   po.idle_timeout = absl::Seconds(1);
   po.programmatic_launch = a.pdl;
   po.serve_blocks = a.serve_blocks;
@@ -367,7 +399,30 @@ int Main(int argc, char** argv) {
     // Both use the same workspaces in the same order on every rank, so they may follow each other.
     const uint64_t idle_before = planes[0]->Status().idle;
     if (a.trace && !planes[0]->ClearTrace().ok()) return 1;
-    row.doorbell_us = TimeReplays(g, rings, replays, a.per_graph);
+    {
+      // A run that stalls says what the planes see (ops served, waiters that idled out, launches
+      // in flight) every 2 s after the first 5.
+      absl::Notification done;
+      std::thread watchdog([&] {
+        for (int waited = 0; !done.WaitForNotificationWithTimeout(absl::Seconds(waited ? 2 : 5));
+             ++waited) {
+          for (int r = 0; r < a.world; ++r) {
+            const DoorbellPlaneStatus st = planes[r]->Status();
+            std::printf(
+                "stalled? tokens=%u rank=%d served=%llu idle=%llu kicked=%llu inflight=%u "
+                "health=%s\n",
+                t, r, static_cast<unsigned long long>(st.served),
+                static_cast<unsigned long long>(st.idle),
+                static_cast<unsigned long long>(st.kicked), st.inflight,
+                st.health.ok() ? "ok" : std::string(st.health.message()).c_str());
+          }
+          std::fflush(stdout);
+        }
+      });
+      row.doorbell_us = TimeReplays(g, rings, replays, a.per_graph);
+      done.Notify();
+      watchdog.join();
+    }
     row.idle = planes[0]->Status().idle - idle_before;
     if (a.trace) {
       auto trace = planes[0]->ReadTrace();
@@ -391,15 +446,35 @@ int Main(int argc, char** argv) {
     for (cudaGraphExec_t e : rings) cudaGraphExecDestroy(e);
     rows.push_back(row);
   }
+  // The serving launches stay resident (idle timeout 1 s) and nothing rings: what the planes' host
+  // threads cost while a serving client pauses between steps.
+  double resident_looks_per_s = 0, resident_cpu_percent = 0;
+  if (a.resident_ms > 0) {
+    uint64_t looks = 0;
+    for (auto& p : planes) looks -= p->Status().host_polls;
+    const double cpu0 = ProcessCpuSeconds();
+    absl::SleepFor(absl::Milliseconds(a.resident_ms));
+    const double cpu = ProcessCpuSeconds() - cpu0;
+    for (auto& p : planes) looks += p->Status().host_polls;
+    resident_looks_per_s = static_cast<double>(looks) / a.world / (a.resident_ms * 1e-3);
+    resident_cpu_percent = 100.0 * cpu / (a.resident_ms * 1e-3);
+    std::printf(
+        "\nresident %d ms, no rings: %.0f host-thread looks/s per plane, process CPU %.1f%% of a "
+        "core (%d planes)\n",
+        a.resident_ms, resident_looks_per_s, resident_cpu_percent, a.world);
+  }
   if (!a.json.empty()) {
     std::string j = absl::StrFormat(
         "{\"world\": %d, \"hidden\": %u, \"algo\": \"%s\", \"ops\": %d, \"queue\": %u, "
-        "\"pdl\": %s, "
+        "\"pdl\": %s, \"poll_us\": %d, \"max_poll_us\": %.0f, \"resident_ms\": %d, "
+        "\"resident_looks_per_s\": %.1f, \"resident_cpu_percent\": %.2f, "
         "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %.3f, \"doorbell_us\": %.3f, "
         "\"inprocess_us\": %.3f}, \"rows\": [",
         a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.queue,
-        a.pdl ? "true" : "false", mps.active() ? "true" : "false", hop.measured ? "true" : "false",
-        hop.hop_us, hop.doorbell_us_per_op, hop.inprocess_us_per_op);
+        a.pdl ? "true" : "false", a.poll_us, absl::ToDoubleMicroseconds(po.max_poll_interval),
+        a.resident_ms, resident_looks_per_s, resident_cpu_percent, mps.active() ? "true" : "false",
+        hop.measured ? "true" : "false", hop.hop_us, hop.doorbell_us_per_op,
+        hop.inprocess_us_per_op);
     for (size_t i = 0; i < rows.size(); ++i) {
       absl::StrAppendFormat(&j,
                             "%s{\"tokens\": %u, \"inprocess_us\": %.3f, \"doorbell_us\": %.3f, "

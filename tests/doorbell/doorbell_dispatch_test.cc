@@ -27,6 +27,14 @@ DispatchRequest AtMax(int sm, int ws, uint32_t max_tokens, uint32_t hidden,
   return r;
 }
 
+TEST(DoorbellServeBlocks, CappedOnlyWhenRanksShareTheGpu) {
+  EXPECT_EQ(DoorbellServeBlocksFor(128, false), 128u);
+  EXPECT_EQ(DoorbellServeBlocksFor(128, true), kSharedGpuDoorbellServeBlocks);
+  EXPECT_EQ(DoorbellServeBlocksFor(16, true), 16u);
+  EXPECT_EQ(DoorbellServeBlocksFor(0, true), 0u) << "0 keeps in-place serving off";
+  EXPECT_EQ(DoorbellServeBlocksFor(0, false), 0u);
+}
+
 TEST(DoorbellDispatch, OneShotPlanNeverRunsTwoShot) {
   // SM90 TP2: one-shot up to 32 MiB, no two-shot range.
   auto d = ChooseDoorbellDispatch(DispatchTable::Published(), AtMax(90, 2, 128, 4096));

@@ -765,6 +765,61 @@ TEST(DoorbellGpu, WithoutPlansTheHostThreadSleeps) {
   }
 }
 
+TEST(DoorbellGpu, WhileNothingIsConsumedTheHostThreadBacksOff) {
+  REQUIRE_GPU();
+  RankGroup g(GroupShape{2, 16, 1024, DType::kBF16});
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE(g.Init().ok());
+  DoorbellPlaneOptions options = FastOptions();  // 10 us poll interval, queue depth 8
+  options.max_poll_interval = absl::Microseconds(640);
+  options.idle_timeout = absl::Seconds(5);  // the serving launch stays resident throughout
+  Planes planes(g, options);
+  ASSERT_TRUE(planes.status().ok()) << planes.status();
+  ASSERT_TRUE(planes.StartAll().ok());
+  auto plan = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, {16, 0xffffffffu});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::mt19937 rng(43);
+  ASSERT_EQ(planes.RingNormAndVerify(*plan, 5, rng), "");
+  // Resident between rings, the serving launch consumes no triple. A timed wait never ends before
+  // its timeout unless kicked (nothing kicks here), so once backed off the thread looks at most
+  // once per 640 us, plus the doublings on the way up (10 -> 640 us: 7). At its 10 us base it
+  // would look 200 ms / 10 us = 20000 times (a few thousand with the kernel's timer slack).
+  const absl::Duration window = absl::Milliseconds(200);
+  const uint64_t ceiling = window / options.max_poll_interval + 8;
+  for (int r = 0; r < 2; ++r) {
+    const uint64_t before = planes[r].Status().host_polls;
+    absl::SleepFor(window);
+    const uint64_t polls = planes[r].Status().host_polls - before;
+    EXPECT_LE(polls, ceiling) << "rank " << r;
+    EXPECT_GE(polls, 20u) << "rank " << r << ": the thread must keep looking";
+    std::printf("rank %d: %llu looks in %lld ms while resident\n", r,
+                static_cast<unsigned long long>(polls),
+                static_cast<long long>(absl::ToInt64Milliseconds(window)));
+  }
+  // After the quiet spell: in-place rings, then a plan added while the thread is backed off (its
+  // kick must bring the replacements in at once: the new slot is in no queued waiter's mask),
+  // then rings that each use up a triple (two-shot), more of them than the queue holds.
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(planes.RingNormAndVerify(*plan, 1 + i, rng), "");
+  absl::SleepFor(absl::Milliseconds(20));
+  auto twoshot = planes.AddPlan(1024, Pattern::kAllReduceResidualRmsNorm, {16, 1});
+  ASSERT_TRUE(twoshot.ok()) << twoshot.status();
+  uint64_t served_before[2];
+  for (int r = 0; r < 2; ++r) served_before[r] = planes[r].Status().served;
+  const int rings = 3 * static_cast<int>(options.queue_depth);
+  for (int i = 0; i < rings; ++i) {
+    SCOPED_TRACE(::testing::Message() << "two-shot ring " << i);
+    ASSERT_EQ(planes.RingNormAndVerify(*twoshot, 2 + i % 15, rng), "");
+    if (i % 8 == 7) absl::SleepFor(absl::Milliseconds(5));  // let the thread back off again
+  }
+  ASSERT_EQ(planes.RingNormAndVerify(*plan, 7, rng), "");
+  for (int r = 0; r < 2; ++r) {
+    const DoorbellPlaneStatus s = planes.AwaitServed(r, served_before[r] + rings + 1);
+    EXPECT_EQ(s.served, served_before[r] + rings + 1) << "rank " << r;
+    EXPECT_EQ(s.failed, 0u) << "rank " << r;
+    EXPECT_TRUE(s.health.ok()) << s.health;
+  }
+}
+
 TEST(DoorbellGpu, SelfTestMeasuresTheHop) {
   REQUIRE_GPU();
   for (bool pdl : {false, true}) {

@@ -302,6 +302,14 @@ TEST(DoorbellPlaneOptions, CreateRefusesBadOptionsBeforeTheDevice) {
       {[](DoorbellPlaneOptions& o) { o.queue_depth = 65; }, "got 65"},
       {[](DoorbellPlaneOptions& o) { o.idle_timeout = absl::ZeroDuration(); }, "idle timeout"},
       {[](DoorbellPlaneOptions& o) { o.poll_interval = absl::Seconds(1); }, "poll interval"},
+      {[](DoorbellPlaneOptions& o) { o.max_poll_interval = absl::Microseconds(19); },
+       "max poll interval must be in [poll interval, 100 ms]"},
+      {[](DoorbellPlaneOptions& o) { o.max_poll_interval = absl::Milliseconds(101); },
+       "max poll interval must be in [poll interval, 100 ms]"},
+      {[](DoorbellPlaneOptions& o) {
+         o.poll_interval = absl::Milliseconds(1);  // above the default max: both must move
+       },
+       "max poll interval"},
       {[](DoorbellPlaneOptions& o) { o.serve_blocks = kMaxDoorbellServeBlocks + 1; },
        "serving launch runs at most 128 blocks, got 129"},
       {[](DoorbellPlaneOptions& o) { o.trace_ops = kMaxDoorbellTraceOps + 1; },

@@ -774,7 +774,9 @@ TEST(FusionGpu, RankArrivingAfterItsPeersGaveUpFailsAndStoresNothing) {
       const int late = world - 1;
       LaunchWithoutRank(g, algo, 16, late);
       for (int r = 0; r < world; ++r) {
-        if (r != late) ASSERT_NE(g.ErrorWord(r), 0u) << "rank " << r << " did not give up";
+        if (r != late) {
+          ASSERT_NE(g.ErrorWord(r), 0u) << "rank " << r << " did not give up";
+        }
       }
       ASSERT_EQ(g.ErrorWord(late), 0u);
       const size_t bytes = g.Bytes(16);
