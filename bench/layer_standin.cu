@@ -39,7 +39,48 @@ __global__ void FullGpuBusyKernel(float* scratch, uint32_t iters) {
   if (threadIdx.x == 0) scratch[blockIdx.x] = a + b + c + d;
 }
 
+constexpr int kFullSmThreads = 1024;
+constexpr int kFullSmChains = 24;
+
+// kFullSmChains independent FMA chains per thread keep more than 32 registers live: 1024 threads
+// then need more than half of the SM's 64K registers (ptxas: 47 at sm_90, allocated as 48).
+__global__ void __launch_bounds__(kFullSmThreads, 1)
+    FullSmBusyKernel(float* scratch, uint32_t iters) {
+  float acc[kFullSmChains];
+#pragma unroll
+  for (int c = 0; c < kFullSmChains; ++c) acc[c] = threadIdx.x * 1e-3f + c;
+  for (uint32_t i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int c = 0; c < kFullSmChains; ++c) acc[c] = fmaf(acc[c], 0.9999f - c * 1e-5f, 0.5f);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < kFullSmChains; ++c) sum += acc[c];
+  if (threadIdx.x == 0) scratch[blockIdx.x] = sum;
+}
+
 }  // namespace
+
+int FullSmBusyRegisters() {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, FullSmBusyKernel) == cudaSuccess ? a.numRegs : 0;
+}
+
+int FullSmBusyBlocks(int waves) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return sms * (waves > 0 ? waves : 1);
+}
+
+cudaError_t LaunchFullSmBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream) {
+  const int blocks = FullSmBusyBlocks(waves);
+  if (scratch == nullptr || blocks <= 0) return cudaErrorInvalidValue;
+  FullSmBusyKernel<<<blocks, kFullSmThreads, 0, stream>>>(scratch, iters);
+  return cudaGetLastError();
+}
 
 int FullGpuBusyBlocks(int waves) {
   int device = 0, sms = 0, per_sm = 0;

@@ -23,4 +23,13 @@ cudaError_t LaunchFullGpuBusy(float* scratch, int waves, uint32_t iters, cudaStr
 // Blocks of LaunchFullGpuBusy's grid for `waves` (scratch must hold that many floats).
 int FullGpuBusyBlocks(int waves);
 
+// The same work shaped like a large GEMM's tile: 1024-thread blocks that each need more than half
+// of an SM's register file, so one fits an SM only while no other kernel's block holding as much
+// sits there. Its time shows what the sidecar's resident blocks cost a register-heavy client
+// kernel (the light kernel above shares the SM with them). `waves` blocks per SM.
+cudaError_t LaunchFullSmBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream);
+int FullSmBusyBlocks(int waves);
+// Registers per thread of LaunchFullSmBusy's kernel (0 when it cannot be queried).
+int FullSmBusyRegisters();
+
 }  // namespace arfuse::bench

@@ -167,9 +167,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
 
 // Rows in table order.
 constexpr const char* kRows[] = {
-    "echo",         "eager_refused", "eager",        "eager_rpc",      "eager_client_cuda",
-    "eager_nowait", "eager_sync",    "inproc",       "busy",           "doorbell",
-    "busy_idle",    "compute",       "layer_inproc", "layer_doorbell", "layer_nccl"};
+    "echo",           "eager_refused", "eager",        "eager_rpc", "eager_client_cuda",
+    "eager_nowait",   "eager_sync",    "inproc",       "busy",      "busy_sm",
+    "doorbell",       "busy_idle",     "busy_sm_idle", "compute",   "layer_inproc",
+    "layer_doorbell", "layer_nccl"};
 
 struct RowResult {
   std::string row;
@@ -854,19 +855,40 @@ struct ClientRun {
     // What the sidecar's idle doorbell plane costs a client kernel that wants the whole GPU:
     // the same graph of full-GPU kernels before any doorbell plan exists (nothing of the
     // sidecar resident) and after (its serving launch resident and idle, between rings).
-    constexpr int kBusyWaves = 4;
-    constexpr uint32_t kBusyIters = 4096;
-    float* busy_scratch = nullptr;
-    const bool busy_ok =
-        all("busy",
-            cudaMalloc(&busy_scratch, sizeof(float) * FullGpuBusyBlocks(kBusyWaves)) == cudaSuccess,
-            "scratch allocation");
-    auto busy = [&]() -> absl::Status {
-      return ARFUSE_CUDA_STATUS(LaunchFullGpuBusy(busy_scratch, kBusyWaves, kBusyIters, s));
+    // Two shapes of the same FMA work: light 256-thread blocks that share SMs with anything, and
+    // one 1024-thread block per SM needing more than half of its registers (a large GEMM tile's
+    // shape), which cannot sit on an SM where a serving block keeps its registers.
+    struct BusyKernel {
+      std::string row;
+      std::string what;
+      int blocks;
+      std::function<cudaError_t(float*)> launch;
+      float* scratch = nullptr;
+      bool ok = false;
     };
-    if (busy_ok) {
-      AddGraphRow("busy", tokens, hidden, TimeGraph(ex, s, f, busy, tag + "/busy"), "-",
-                  "full-GPU client kernel, no doorbell plan yet (nothing of the sidecar resident)");
+    constexpr int kBusyWaves = 4, kFullSmWaves = 8;
+    constexpr uint32_t kBusyIters = 4096, kFullSmIters = 2048;
+    BusyKernel busy_kernels[] = {
+        {"busy", "full-GPU client kernel", FullGpuBusyBlocks(kBusyWaves),
+         [&](float* scratch) { return LaunchFullGpuBusy(scratch, kBusyWaves, kBusyIters, s); }},
+        {"busy_sm",
+         absl::StrCat("register-heavy client kernel (", FullSmBusyRegisters(),
+                      " registers x 1024 threads per block, one block per SM)"),
+         FullSmBusyBlocks(kFullSmWaves),
+         [&](float* scratch) { return LaunchFullSmBusy(scratch, kFullSmWaves, kFullSmIters, s); }},
+    };
+    auto enqueue_busy = [](BusyKernel& k) {
+      return [&k]() -> absl::Status { return ARFUSE_CUDA_STATUS(k.launch(k.scratch)); };
+    };
+    for (BusyKernel& k : busy_kernels) {
+      k.ok =
+          all(k.row, cudaMalloc(&k.scratch, sizeof(float) * std::max(k.blocks, 1)) == cudaSuccess,
+              "scratch allocation");
+      if (k.ok) {
+        AddGraphRow(
+            k.row, tokens, hidden, TimeGraph(ex, s, f, enqueue_busy(k), tag + "/" + k.row), "-",
+            absl::StrCat(k.what, ", no doorbell plan yet (nothing of the sidecar resident)"));
+      }
     }
 
     // Doorbell: a plan with a doorbell, rung from this process's stream.
@@ -923,11 +945,14 @@ struct ClientRun {
     } else {
       AddSkippedRow("doorbell", tokens, hidden, dnote);
     }
-    if (busy_ok && db_ok) {
-      AddGraphRow("busy_idle", tokens, hidden, TimeGraph(ex, s, f, busy, tag + "/busy_idle"), "-",
-                  "the same kernel while the doorbell plane waits for the next ring");
+    for (BusyKernel& k : busy_kernels) {
+      if (k.ok && db_ok) {
+        const std::string row = k.row + "_idle";
+        AddGraphRow(row, tokens, hidden, TimeGraph(ex, s, f, enqueue_busy(k), tag + "/" + row), "-",
+                    "the same kernel while the doorbell plane waits for the next ring");
+      }
+      if (k.scratch != nullptr) cudaFree(k.scratch);
     }
-    if (busy_scratch != nullptr) cudaFree(busy_scratch);
 
     // The layer loop: stand-in compute, then the fused op.
     AddGraphRow("compute", tokens, hidden, TimeGraph(ex, s, f, standin, tag + "/compute"), "-",
@@ -1459,9 +1484,14 @@ int Launch(Flags f) {
         checks.push_back(k);
         vs[d] = absl::StrFormat("%+.1f us vs inproc", k.value);
       }
-      if (const RowResult* bi = find("busy_idle", t, h)) {
-        if (const RowResult* b = find("busy", t, h)) {
-          vs[bi] = absl::StrFormat("%.3fx busy (%+.1f us)", bi->p50 / b->p50, bi->p50 - b->p50);
+      for (const auto& [idle_row, base_row] :
+           {std::pair<const char*, const char*>{"busy_idle", "busy"},
+            {"busy_sm_idle", "busy_sm"}}) {
+        const RowResult* bi = find(idle_row, t, h);
+        const RowResult* b = find(base_row, t, h);
+        if (bi != nullptr && b != nullptr) {
+          vs[bi] =
+              absl::StrFormat("%.3fx %s (%+.1f us)", bi->p50 / b->p50, base_row, bi->p50 - b->p50);
         }
       }
       const RowResult* compute = find("compute", t, h);

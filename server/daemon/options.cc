@@ -77,12 +77,14 @@ ABSL_FLAG(int, hidden, 8192, "Workspace capacity in hidden size (a multiple of 8
 ABSL_FLAG(std::string, dtype, "bf16", "Workspace dtype sizing: bf16, fp16 or fp32.");
 ABSL_FLAG(double, spin_timeout, 5,
           "Seconds any cross-rank wait may take before it gives up and poisons the workspace.");
-ABSL_FLAG(int, doorbell_serve_blocks, 128,
+ABSL_FLAG(int, doorbell_serve_blocks, 16,
           "Most blocks the doorbell plane keeps resident to run one-shot ops in place, one row "
-          "each (0..128; at most the plans' largest one-shot token count; 0: a waiter warp and a "
-          "launch per op; at most 32 when ranks share the GPU). Idle, they cost a client kernel "
-          "that fills the GPU about 3% on an H200, measured alike with 32 and 128 "
-          "(docs/doorbell.md).");
+          "each (0..128; at most the plans' largest one-shot token count; at most 32 when ranks "
+          "share the GPU; 0: a waiter warp and a launch per op, about +20 us per op). Each one "
+          "holds registers on its SM between rings (half of them at hidden 4096 bf16): a model "
+          "kernel whose block needs more than the rest (large GEMM tiles) cannot use that SM "
+          "meanwhile (1.28x its time with 32 such blocks on an H200, 1.59x with 64; "
+          "docs/doorbell.md). Ops of more tokens than blocks run several rows per block.");
 ABSL_FLAG(double, grace_period, 10,
           "Seconds in-flight calls get to finish on SIGTERM/SIGINT before they are cancelled.");
 ABSL_FLAG(double, default_deadline, 10, "Deadline in seconds for calls that carry none.");

@@ -44,7 +44,7 @@ struct DaemonOptions {
   double spin_timeout_s = 5;
   // Blocks the doorbell plane's serving launch keeps resident to run one-shot ops in place
   // (docs/doorbell.md); 0 = no in-place serving (one waiter warp, a launch per op).
-  int doorbell_serve_blocks = 128;
+  int doorbell_serve_blocks = 16;
   double grace_period_s = 10;
   double default_deadline_s = 10;
   std::vector<std::string> allowed_uids;

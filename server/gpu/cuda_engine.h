@@ -66,9 +66,9 @@ struct CudaEngineOptions {
   uint32_t doorbell_queue_depth = 8;
   bool doorbell_programmatic_launch = false;
   // DoorbellPlaneOptions::serve_blocks (at most kSharedGpuDoorbellServeBlocks when ranks share
-  // the GPU); 0 turns in-place serving off. arfused's default
-  // (--doorbell-serve-blocks) is 128.
-  uint32_t doorbell_serve_blocks = 128;
+  // the GPU); 0 turns in-place serving off. arfused's default (--doorbell-serve-blocks) is 16:
+  // each resident block keeps a register-heavy client kernel off its SM (docs/doorbell.md).
+  uint32_t doorbell_serve_blocks = 16;
 };
 
 class CudaEngine final : public Engine, public DoorbellHost {
