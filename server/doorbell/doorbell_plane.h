@@ -86,8 +86,9 @@ struct DoorbellPlaneOptions {
   // another plan shape) go to the fused launches behind it as without this option.
   bool serve_in_place = true;
   // Most blocks a serving launch keeps resident (fewer when the in-place plans have fewer rows
-  // or fewer fit the SM budget). Idle, they poll one word with __nanosleep: their cost to the
-  // client's kernels is the SM slots they hold (docs/doorbell.md has the measurement). At most
+  // or fewer fit the SM budget). Idle, they poll one word with __nanosleep, but their registers
+  // stay allocated: a client kernel whose blocks need more than the rest of an SM's register file
+  // cannot use an SM that holds one (docs/doorbell.md has the measurement). At most
   // kMaxDoorbellServeBlocks.
   uint32_t serve_blocks = 32;
   // Diagnostics: keep a trace of the last `trace_ops` in-place ops (DoorbellTraceRecord: when
