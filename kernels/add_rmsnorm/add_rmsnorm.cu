@@ -70,12 +70,8 @@ cudaError_t LoadAddRmsNormKernels() {
 }  // namespace
 
 cudaError_t PrepareAddRmsNormKernels() {
-  for (cudaError_t err :
-       {LoadAddRmsNormKernels<DType::kBF16>(), LoadAddRmsNormKernels<DType::kFP16>(),
-        LoadAddRmsNormKernels<DType::kFP32>()}) {
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return FirstError({LoadAddRmsNormKernels<DType::kBF16>(), LoadAddRmsNormKernels<DType::kFP16>(),
+                     LoadAddRmsNormKernels<DType::kFP32>()});
 }
 
 cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& p, const char** why) {

@@ -338,31 +338,22 @@ cudaError_t LoadBucketKernels() {
 
 template <DType DT, bool kNorm>
 cudaError_t LoadPatternKernels() {
-  for (cudaError_t err : {LoadBucketKernels<DT, kNorm, 0>(), LoadBucketKernels<DT, kNorm, 1>(),
-                          LoadBucketKernels<DT, kNorm, 2>(), LoadBucketKernels<DT, kNorm, 3>()}) {
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return FirstError({LoadBucketKernels<DT, kNorm, 0>(), LoadBucketKernels<DT, kNorm, 1>(),
+                     LoadBucketKernels<DT, kNorm, 2>(), LoadBucketKernels<DT, kNorm, 3>()});
 }
 
 template <DType DT>
 cudaError_t LoadDTypeKernels() {
-  for (cudaError_t err :
-       {LoadPatternKernels<DT, false>(), LoadPatternKernels<DT, true>(),
-        LoadKernelFunctions({reinterpret_cast<const void*>(&WorkspaceInitKernel<DT>)})}) {
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return FirstError(
+      {LoadPatternKernels<DT, false>(), LoadPatternKernels<DT, true>(),
+       LoadKernelFunctions({reinterpret_cast<const void*>(&WorkspaceInitKernel<DT>)})});
 }
 
 }  // namespace
 
 cudaError_t PrepareAllReduceFusionKernels() {
-  for (cudaError_t err : {LoadDTypeKernels<DType::kBF16>(), LoadDTypeKernels<DType::kFP16>(),
-                          LoadDTypeKernels<DType::kFP32>()}) {
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return FirstError({LoadDTypeKernels<DType::kBF16>(), LoadDTypeKernels<DType::kFP16>(),
+                     LoadDTypeKernels<DType::kFP32>()});
 }
 
 uint32_t FusionResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {

@@ -47,4 +47,12 @@ inline cudaError_t LoadKernelFunctions(std::initializer_list<const void*> kernel
   return cudaSuccess;
 }
 
+// The first error of several calls made in order (all of them are made), or cudaSuccess.
+inline cudaError_t FirstError(std::initializer_list<cudaError_t> errors) {
+  for (cudaError_t err : errors) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace arfuse

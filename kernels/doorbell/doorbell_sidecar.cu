@@ -641,18 +641,15 @@ cudaError_t LoadServeKernels() {
 }  // namespace
 
 cudaError_t PrepareDoorbellSidecarKernels() {
-  for (cudaError_t err :
-       {LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellWaitKernel),
-                             reinterpret_cast<const void*>(&DoorbellCompleteKernel),
-                             reinterpret_cast<const void*>(&DoorbellSetErrorKernel),
-                             reinterpret_cast<const void*>(&DoorbellResetSlotsKernel)}),
-        LoadServeKernels<DType::kBF16, false>(), LoadServeKernels<DType::kBF16, true>(),
-        LoadServeKernels<DType::kFP16, false>(), LoadServeKernels<DType::kFP16, true>(),
-        LoadServeKernels<DType::kFP32, false>(), LoadServeKernels<DType::kFP32, true>(),
-        PrepareAllReduceFusionKernels()}) {
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return FirstError(
+      {LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellWaitKernel),
+                            reinterpret_cast<const void*>(&DoorbellCompleteKernel),
+                            reinterpret_cast<const void*>(&DoorbellSetErrorKernel),
+                            reinterpret_cast<const void*>(&DoorbellResetSlotsKernel)}),
+       LoadServeKernels<DType::kBF16, false>(), LoadServeKernels<DType::kBF16, true>(),
+       LoadServeKernels<DType::kFP16, false>(), LoadServeKernels<DType::kFP16, true>(),
+       LoadServeKernels<DType::kFP32, false>(), LoadServeKernels<DType::kFP32, true>(),
+       PrepareAllReduceFusionKernels()});
 }
 
 cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& w, const char** why) {
