@@ -59,6 +59,18 @@ __global__ void __launch_bounds__(kFullSmThreads, 1)
   if (threadIdx.x == 0) scratch[blockIdx.x] = sum;
 }
 
+// `waves` times as many blocks of `kernel` as fit every SM of the current device at once (at
+// least one per SM); 0 when the device cannot be queried.
+int WavesOfResidentBlocks(const void* kernel, int threads, int waves) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess) {
+    return 0;
+  }
+  return sms * (per_sm > 0 ? per_sm : 1) * (waves > 0 ? waves : 1);
+}
+
 }  // namespace
 
 int FullSmBusyRegisters() {
@@ -67,12 +79,8 @@ int FullSmBusyRegisters() {
 }
 
 int FullSmBusyBlocks(int waves) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  return sms * (waves > 0 ? waves : 1);
+  return WavesOfResidentBlocks(reinterpret_cast<const void*>(&FullSmBusyKernel), kFullSmThreads,
+                               waves);
 }
 
 cudaError_t LaunchFullSmBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream) {
@@ -83,14 +91,8 @@ cudaError_t LaunchFullSmBusy(float* scratch, int waves, uint32_t iters, cudaStre
 }
 
 int FullGpuBusyBlocks(int waves) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, FullGpuBusyKernel, kBusyThreads, 0) !=
-          cudaSuccess) {
-    return 0;
-  }
-  return sms * (per_sm > 0 ? per_sm : 1) * (waves > 0 ? waves : 1);
+  return WavesOfResidentBlocks(reinterpret_cast<const void*>(&FullGpuBusyKernel), kBusyThreads,
+                               waves);
 }
 
 cudaError_t LaunchFullGpuBusy(float* scratch, int waves, uint32_t iters, cudaStream_t stream) {
