@@ -15,6 +15,7 @@ namespace arfuse {
 
 class Exchange;
 class DoorbellHost;
+class InStreamHost;
 
 // Numbers match arfuse.v1.ExecPath.
 enum class ExecPath : uint8_t { kOneShot = 1, kTwoShot = 2, kUnfused = 3, kHost = 4 };
@@ -29,10 +30,14 @@ enum class WorkspaceState : uint8_t {
 
 inline constexpr const char* ExecPathName(ExecPath p) {
   switch (p) {
-    case ExecPath::kOneShot: return "oneshot";
-    case ExecPath::kTwoShot: return "twoshot";
-    case ExecPath::kUnfused: return "unfused";
-    case ExecPath::kHost: return "host";
+    case ExecPath::kOneShot:
+      return "oneshot";
+    case ExecPath::kTwoShot:
+      return "twoshot";
+    case ExecPath::kUnfused:
+      return "unfused";
+    case ExecPath::kHost:
+      return "host";
   }
   return "unknown";
 }
@@ -113,6 +118,10 @@ class Engine {
   // The doorbell plane (server/engine/doorbell_host.h), or null when this engine has none (host
   // mode). The pointer lives as long as the engine.
   virtual DoorbellHost* doorbell_host() { return nullptr; }
+
+  // The in-stream plane (server/engine/instream_host.h), or null when this engine cannot hand
+  // its workspace to a client library. The pointer lives as long as the engine.
+  virtual InStreamHost* instream_host() { return nullptr; }
 };
 
 }  // namespace arfuse

@@ -1,0 +1,155 @@
+/* libarfuse_client: the in-stream data plane's client library (docs/instream.md).
+ *
+ * The sidecar (arfused) owns the cross-rank workspace and the fused kernels; this library maps
+ * the workspace into the caller's process and launches the sidecar's kernels in the caller's own
+ * CUDA stream, on the caller's own tensors: one cuLaunchKernelEx per op, no RPC, nothing
+ * registered, nothing resident. It carries no kernel code: the kernel image comes from the
+ * sidecar at attach, so a new sidecar image upgrades the kernels of every client.
+ *
+ * The caller does the control path (the C++ wrapper arfuse_client.hpp and the Python package do
+ * it for you): Fusion.Attach over the sidecar's Unix socket, the descriptors picked up on its fd
+ * socket with the response's ticket, then
+ *
+ *   arfuse_ctx* ctx = NULL;
+ *   if (arfuse_attach(resp.attach_blob, len, fds, nfds, &ctx) != ARFUSE_OK) ... arfuse_last_error()
+ *   ... per op, in the caller's stream (capturable in CUDA graphs):
+ *   int rc = arfuse_fused_allreduce_residual_rmsnorm(ctx, stream, input, residual_in,
+ *                                                    residual_out, norm_out, gamma, tokens,
+ *                                                    hidden, ARFUSE_DTYPE_BF16, 1e-6f);
+ *   if (rc == ARFUSE_OUT_OF_RANGE || rc == ARFUSE_UNAVAILABLE) ... run the framework's own path
+ *   ... now and then, outside capture (cheap: reads a host-mapped word):
+ *   uint32_t code; if (arfuse_check(ctx, &code) != ARFUSE_OK) ... re-attach
+ *   arfuse_detach(ctx);   // after every graph that captured its launches is destroyed
+ *
+ * Every rank of the group must make the same calls in the same order (as with NCCL). All ranks
+ * must agree that the plane is available before the first launch: a rank that runs its own path
+ * while its peers launch leaves them spinning until the spin timeout.
+ *
+ * Host mode (a sidecar started with --device=host): the same calls run the CPU implementation
+ * synchronously on host memory, through the host workspace shared with the other ranks' clients
+ * (stream is ignored).
+ *
+ * Thread safety: one ctx may be used from one thread at a time; distinct ctxs are independent.
+ * Return codes are absl/gRPC status code numbers; arfuse_last_error() describes the last failure
+ * on the calling thread.
+ */
+#ifndef ARFUSE_CLIENT_INSTREAM_ARFUSE_CLIENT_H_
+#define ARFUSE_CLIENT_INSTREAM_ARFUSE_CLIENT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The version of this C ABI (functions and structs below). */
+#define ARFUSE_CLIENT_ABI_VERSION 1
+
+/* Status codes (absl::StatusCode / grpc::StatusCode numbers). */
+#define ARFUSE_OK 0
+#define ARFUSE_INVALID_ARGUMENT 3  /* a bad pointer, shape, dtype or alias: nothing launched */
+#define ARFUSE_DEADLINE_EXCEEDED 4 /* host mode: a peer did not arrive within the spin timeout */
+#define ARFUSE_NOT_FOUND 5
+#define ARFUSE_PERMISSION_DENIED 7
+#define ARFUSE_FAILED_PRECONDITION 9 /* ABI/version mismatch, wrong GPU, stale generation */
+#define ARFUSE_ABORTED 10            /* a kernel (or a peer) gave up: the workspace is poisoned */
+#define ARFUSE_OUT_OF_RANGE 11 /* fusion unavailable for this op (shape/dtype): run your own path \
+                                */
+#define ARFUSE_UNIMPLEMENTED 12
+#define ARFUSE_INTERNAL 13
+#define ARFUSE_UNAVAILABLE 14 /* the ctx is disabled (drained, sidecar lost): run your own path */
+
+#define ARFUSE_DTYPE_BF16 1
+#define ARFUSE_DTYPE_FP16 2
+#define ARFUSE_DTYPE_FP32 3
+
+typedef struct arfuse_ctx arfuse_ctx;
+
+typedef struct arfuse_ctx_info {
+  uint32_t struct_bytes; /* set by the caller: sizeof(arfuse_ctx_info) */
+  uint32_t device_kind;  /* 1 CUDA, 2 host */
+  uint32_t rank;
+  uint32_t world_size;
+  uint64_t generation;
+  uint64_t attach_id;
+  uint32_t max_tokens; /* workspace capacity: tokens x hidden <= max_tokens x hidden */
+  uint32_t hidden;
+  uint32_t dtype; /* ARFUSE_DTYPE_* of the workspace */
+  uint32_t sm;    /* compute capability x 10 (0 in host mode) */
+  uint64_t oneshot_max_bytes;
+  uint64_t twoshot_max_bytes;
+  uint64_t image_bytes;
+  uint32_t num_entries;
+  uint32_t pdl;
+} arfuse_ctx_info;
+
+/* This library's ABI version (ARFUSE_CLIENT_ABI_VERSION), the kernel launch ABI it fills
+ * (kLaunchAbiVersion and the argument size) and its version string. Send the first three in
+ * Fusion.AttachRequest. */
+uint32_t arfuse_client_abi_version(void);
+uint32_t arfuse_launch_abi_version(void);
+uint32_t arfuse_launch_args_bytes(void);
+const char* arfuse_client_version(void);
+
+/* The last failure's message on this thread ("" when none). Never NULL. */
+const char* arfuse_last_error(void);
+
+/* Maps every rank's workspace, loads the kernel image (every function loaded before first use)
+ * and checks the blob: magic, versions, sizes, offsets, the GPU (the current CUDA context's
+ * device must be the sidecar's). `fds` are the descriptors picked up with the attach's ticket,
+ * in order; the library duplicates what it keeps, the caller closes its own. Not inside a graph
+ * capture. FAILED_PRECONDITION for a version or GPU mismatch, INVALID_ARGUMENT for a malformed
+ * blob, UNAVAILABLE when the CUDA driver cannot be loaded. */
+int arfuse_attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
+                  arfuse_ctx** out);
+
+/* Unmaps and frees. The caller's stream must have finished every launch of this ctx, and graphs
+ * that captured them must be destroyed first (their launches point into these mappings). NULL is
+ * a no-op. */
+int arfuse_detach(arfuse_ctx* ctx);
+
+int arfuse_ctx_get_info(const arfuse_ctx* ctx, arfuse_ctx_info* info);
+
+/* Whether an op of this shape would launch fused: ARFUSE_OK, or ARFUSE_OUT_OF_RANGE with the
+ * reason (tokens x hidden beyond the workspace or the dispatch's fused range, hidden not
+ * attached, another dtype) or ARFUSE_UNAVAILABLE (disabled). Pure host logic, the same answer on
+ * every rank for the same arguments. pattern: 1 allreduce, 2 allreduce + residual + RMSNorm. */
+int arfuse_supports(const arfuse_ctx* ctx, int pattern, uint32_t tokens, uint32_t hidden,
+                    int dtype);
+
+/* residual_out = sum over ranks of input + residual_in; norm_out = rmsnorm(residual_out) * gamma.
+ * Tensors are contiguous [tokens, hidden] (gamma [hidden]) of `dtype`, 16-byte aligned, device
+ * memory of the ctx's GPU (host memory in host mode). residual_out may be residual_in (in place);
+ * no other two may overlap, and no output may overlap input. Host-side checks first (a failure
+ * launches nothing), then one kernel launch on `stream` (a CUstream / cudaStream_t; NULL: the
+ * legacy default stream). tokens == 0 launches nothing. */
+int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const void* input,
+                                            const void* residual_in, void* residual_out,
+                                            void* norm_out, const void* gamma, uint32_t tokens,
+                                            uint32_t hidden, int dtype, float eps);
+
+/* output = sum over ranks of input (output may equal input; no partial overlap). */
+int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, void* output,
+                           uint32_t tokens, uint32_t hidden, int dtype);
+
+/* Reads the ctx's host-mapped error word, which the kernels write when a launch fails (a peer
+ * did not arrive, an abort, a stale generation, a poisoned workspace). *code = 0 and ARFUSE_OK
+ * while healthy; otherwise *code is the kernel's error code (arfuse_error_name) and the return is
+ * FAILED_PRECONDITION (stale generation: attach again) or ABORTED (poisoned: the sidecars
+ * re-initialize; attach again after). Outputs of the failed launch and of later launches are not
+ * written. Cheap (no CUDA call); outside capture. */
+int arfuse_check(arfuse_ctx* ctx, uint32_t* code);
+
+/* Disables the ctx: every later op returns ARFUSE_UNAVAILABLE with `reason` (a drain, a lost
+ * sidecar). Launches already enqueued are not affected. */
+int arfuse_disable(arfuse_ctx* ctx, const char* reason);
+
+/* A static name for a kernel error code ("timeout", "stale_generation", ...). Never NULL. */
+const char* arfuse_error_name(uint32_t code);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ARFUSE_CLIENT_INSTREAM_ARFUSE_CLIENT_H_ */

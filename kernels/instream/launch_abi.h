@@ -1,0 +1,32 @@
+// The launch-parameter ABI of the in-stream kernels: every function of the kernel image takes
+// exactly one parameter, an InStreamLaunchArgs by value. The client library fills it and passes
+// it to cuLaunchKernelEx; the image's kernels read it. Both sides are compiled separately, so the
+// layout is pinned here and its version and size travel in the attach blob (attach_abi.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/instream/attach_abi.h"
+
+namespace arfuse::instream {
+
+struct InStreamLaunchArgs {
+  // The op, exactly as the sidecar's own launches fill it: peer_workspace from the client's
+  // mappings, the client's tensors, host_abort null (the sidecar aborts through the workspace's
+  // own abort word) and host_error the client's host-mapped error word.
+  FusionParams fusion;
+  // KernelConfig (fusion_device.cuh) as the attach blob gave it.
+  uint32_t kernel_config[5];
+  // kLaunchAbiVersion: a kernel that finds another value writes kErrorLaunchAbi and returns.
+  uint32_t abi_version;
+  // The workspace generation the client attached to (FusionControl::generation must match).
+  uint64_t generation;
+};
+static_assert(sizeof(InStreamLaunchArgs) == kLaunchArgsBytes);
+static_assert(offsetof(InStreamLaunchArgs, kernel_config) == 312);
+static_assert(offsetof(InStreamLaunchArgs, abi_version) == 332);
+static_assert(offsetof(InStreamLaunchArgs, generation) == 336);
+
+}  // namespace arfuse::instream
