@@ -351,6 +351,17 @@ cudaError_t LoadDTypeKernels() {
 
 }  // namespace
 
+void CurrentFusionKernelConfig(uint32_t config[5], bool* pdl) {
+  const KernelConfig c = ConfigFromTuning();
+  static_assert(sizeof(KernelConfig) == 5 * sizeof(uint32_t));
+  config[0] = c.lookahead;
+  config[1] = c.tight_polls;
+  config[2] = c.backoff_ns;
+  config[3] = c.twoshot_block_barriers;
+  config[4] = c.op_check;
+  if (pdl != nullptr) *pdl = GetTuning().pdl != 0;
+}
+
 cudaError_t PrepareAllReduceFusionKernels() {
   return FirstError({LoadDTypeKernels<DType::kBF16>(), LoadDTypeKernels<DType::kFP16>(),
                      LoadDTypeKernels<DType::kFP32>()});

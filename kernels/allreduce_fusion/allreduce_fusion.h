@@ -186,6 +186,12 @@ cudaError_t LaunchAllReduceFusionIndirect(const FusionParams& grid_template,
 // (kernels/common/launch.cuh). Not inside a graph capture. Returns the first load error.
 cudaError_t PrepareAllReduceFusionKernels();
 
+// The launch-time knobs the kernels of this process run with (KernelConfig: lookahead, tight
+// polls, back-off, two-shot barriers, op check, from ARFUSE_FUSION_TUNING or the defaults) and
+// whether launches are programmatic dependents where the GPU is not shared. The in-stream plane
+// hands them to clients so their launches run exactly as the sidecar's would.
+void CurrentFusionKernelConfig(uint32_t config[5], bool* pdl);
+
 // Blocks of `kernel` launched with `threads` threads that can be resident at once on this device
 // within `sm_budget` SMs (0: all), capped at kMaxFusionBlocks: a grid whose blocks spin on each
 // other must not exceed it. Cached per (kernel, threads, device); 0 when the device cannot be

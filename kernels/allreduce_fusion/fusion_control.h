@@ -10,6 +10,12 @@
 
 namespace arfuse {
 
+// The 32-bit tag of a workspace generation that FusionControl::generation holds: never 0, so a
+// zeroed (dropped) control block refuses every tagged launch.
+__host__ __device__ constexpr uint32_t GenerationTag(uint64_t generation) {
+  return static_cast<uint32_t>(generation % 0xffffffffull) + 1u;
+}
+
 // What one rank runs in one call, written by that rank into every peer's control block before
 // its data, so that every rank checks, before it stores any output, that its peers run the same
 // op: two clients racing on one group can pair rank 0's op of one shape with rank 1's op of
@@ -48,7 +54,18 @@ struct FusionControl {
   // again: one PCIe read per rank per interval, claimed with a CAS. (Every spinning block
   // reading it at once queued hundreds of PCIe reads and stalled ops for up to 2.4 ms.)
   uint64_t host_check_ns;
-  uint8_t reserved1[256 - 64];
+  // The workspace generation's tag (GenerationTag), written by the owning sidecar after every
+  // initialization and zeroed when it drops the workspace. In-stream launches carry the tag they
+  // attached with and change nothing when it differs (a launch captured before a
+  // re-initialization, or on a workspace that is gone); the sidecar's own launches do not check.
+  uint32_t generation;
+  uint32_t reserved_gen;
+  // In-stream launches that passed the generation check, and those refused for a stale
+  // generation or launch ABI: counted by block 0 of each launch, read by the sidecar (metrics).
+  // Zeroed by every initialization.
+  uint64_t instream_launches;
+  uint64_t instream_stale;
+  uint8_t reserved1[256 - 88];
   // Two-shot barrier: barrier[0][r] is written by rank r's last block to arrive at a barrier
   // (st.release.sys) and polled by every block of this rank (ld.acquire.sys).
   uint32_t barrier[kMaxFusionBlocks][kMaxWorldSize];
@@ -65,6 +82,9 @@ static_assert(offsetof(FusionControl, error) == 0);
 static_assert(offsetof(FusionControl, abort) == 4);
 static_assert(offsetof(FusionControl, lamport_used_elems) == 32);
 static_assert(offsetof(FusionControl, host_check_ns) == 56);
+static_assert(offsetof(FusionControl, generation) == 64);
+static_assert(offsetof(FusionControl, instream_launches) == 72);
+static_assert(offsetof(FusionControl, instream_stale) == 80);
 static_assert(offsetof(FusionControl, barrier) == 256);
 constexpr size_t kFusionBarrierBytes = kMaxFusionBlocks * kMaxWorldSize * 4;
 static_assert(offsetof(FusionControl, lamport_desc) == 256 + kFusionBarrierBytes);

@@ -76,6 +76,10 @@ __device__ inline void RecordError(const FusionParams& p, uint32_t code, bool fo
   __threadfence_system();
 }
 
+// An in-stream launch whose generation tag is not the workspace's (instream::
+// kErrorStaleGeneration): the bodies return it without touching or recording anything.
+constexpr uint32_t kStaleGenerationRefusal = 16;
+
 // Why a launch must not start, from the workspace's error and abort words as thread 0 of every
 // block read them at launch: the first error (kPoisoned: an earlier call failed here) or the
 // abort word. A peer that failed a call wrote kPeerAbort into it, possibly after it had pushed
@@ -376,8 +380,12 @@ template <DType DT, bool kNorm, int kBucket>
 // Returns this thread's failure (a FusionError code; kPoisoned when the workspace already held
 // an error), 0 when it completed its part: a caller that finds 0 in every thread of every block
 // knows the op succeeded without reading the error word.
+// `expected_generation` (in-stream launches; 0 = unchecked): the workspace's generation tag
+// (FusionControl::generation) the launch was made for; another tag makes the launch return
+// kStaleGenerationRefusal at once, touching nothing and recording nothing in the workspace.
 __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const KernelConfig& cfg,
-                                                const uint32_t unit, const uint32_t units) {
+                                                const uint32_t unit, const uint32_t units,
+                                                const uint32_t expected_generation = 0) {
   using Tr = device::VecTraits<DT>;
   constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[2][32];
@@ -416,13 +424,19 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   static_assert(offsetof(FusionControl, error) == 0 && offsetof(FusionControl, abort) == 4 &&
                 offsetof(FusionControl, lamport_epoch) == 8);
   uint32_t control[4] = {0, 0, 0, 0};
-  if (threadIdx.x == 0) LoadVolatile32x4(&ctrl->error, control);
+  uint32_t generation = expected_generation;
+  if (threadIdx.x == 0) {
+    LoadVolatile32x4(&ctrl->error, control);
+    // Issued right behind the control words: the two loads are in flight together.
+    if (expected_generation != 0) generation = LoadVolatile32(&ctrl->generation);
+  }
   // Then the loads that depend on nothing.
   if (unit < tokens) load_row(unit);
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   if (threadIdx.x == 0) {
     InitWatch(watch);
-    s_error = RefusalOf(control[0], control[1]);
+    s_error = generation != expected_generation ? kStaleGenerationRefusal
+                                                : RefusalOf(control[0], control[1]);
     s_epoch = control[2];
     uint64_t desc[4];
     MakeOpDesc(p, s_epoch + 1, desc);
@@ -430,9 +444,11 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     for (int k = 0; k < 4; ++k) s_desc[k] = desc[k];
   }
   __syncthreads();
-  // A poisoned or aborted workspace: nothing is touched.
+  // A poisoned or aborted workspace: nothing is touched. A stale generation: not even recorded.
   if (s_error != 0) {
-    if (threadIdx.x == 0) RecordRefusal(p, s_error, unit == 0);
+    if (threadIdx.x == 0 && s_error != kStaleGenerationRefusal) {
+      RecordRefusal(p, s_error, unit == 0);
+    }
     return s_error;
   }
   const uint32_t buffer = s_epoch % 3;
@@ -623,8 +639,10 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
 // (or, grid-wide, all of its blocks) signalled barrier A of call k + 1, i.e. after this rank's
 // call-k kernel ended. The last block to count itself in at barrier B (every block read the
 // sequence long before) resets the counters and advances the sequence.
+// Returns this thread's failure like OneShotBody (kStaleGenerationRefusal: see there).
 template <DType DT, bool kNorm, int kBucket>
-__device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelConfig& cfg) {
+__device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const KernelConfig& cfg,
+                                                const uint32_t expected_generation = 0) {
   using Tr = device::VecTraits<DT>;
   constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[2][32];
@@ -639,13 +657,17 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   if (threadIdx.x == 0) {
     InitWatch(watch);
-    s_error = LaunchRefusal(ctrl);
+    const uint32_t generation =
+        expected_generation != 0 ? LoadVolatile32(&ctrl->generation) : expected_generation;
+    s_error = generation != expected_generation ? kStaleGenerationRefusal : LaunchRefusal(ctrl);
     s_seq = LoadAcquireGpu32(&ctrl->twoshot_seq);
   }
   __syncthreads();
   if (s_error != 0) {
-    if (threadIdx.x == 0) RecordRefusal(p, s_error, blockIdx.x == 0);
-    return;
+    if (threadIdx.x == 0 && s_error != kStaleGenerationRefusal) {
+      RecordRefusal(p, s_error, blockIdx.x == 0);
+    }
+    return s_error;
   }
   const uint32_t seq = s_seq;
   const uint32_t n = static_cast<uint32_t>(p.world_size);
@@ -818,7 +840,7 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
     if (failure != 0 && failure != static_cast<uint32_t>(FusionError::kPoisoned)) {
       RecordError(p, failure, false);
     }
-    return;
+    return failure != 0 ? failure : static_cast<uint32_t>(FusionError::kPoisoned);
   }
   if (threadIdx.x == 0 && last_at_b) {
     // Every block counted itself in at both barriers: no more increments in this call.
@@ -826,6 +848,7 @@ __device__ __forceinline__ void TwoShotBody(const FusionParams& p, const KernelC
     StoreVolatile32(&counters[1], 0u);
     StoreVolatile32(&ctrl->twoshot_seq, seq + 2);
   }
+  return 0;
 }
 
 }  // namespace fusion_device

@@ -65,6 +65,8 @@ const char* DataPlaneName(DataPlane plane) {
       return "eager";
     case DataPlane::kDoorbell:
       return "doorbell";
+    case DataPlane::kInStream:
+      return "instream";
   }
   return "unknown";
 }
@@ -324,16 +326,34 @@ Decision Negotiate(const Decision& resolved, const CaptureRequest& capture,
   Decision d = resolved;
   CudaGraphMode mode = capture.mode;
   const bool fused = d.fusion_enabled && d.backend != kBackendNone;
+  // The in-stream plane: the sidecar's kernel launched in the client's own stream, capturable in
+  // full and piecewise graphs alike, nothing per call site in the sidecar.
+  const bool instream = fused && capture.client_loads_kernels && env.instream_available;
+  // The doorbell plane holds one slot per planned call site: a client that plans more sites
+  // than there are slots (a real model: 2 per layer) is not offered it.
+  const bool doorbell_fits = env.doorbell_slots == 0 || capture.call_sites <= env.doorbell_slots;
+  const bool doorbell = env.doorbell_available && doorbell_fits;
   const bool wants_in_graph = fused && capture.fused_op_in_graph && mode != CudaGraphMode::kNone;
+  if (fused && capture.client_loads_kernels && !env.instream_available) {
+    d.warnings.push_back(
+        absl::StrCat("the in-stream plane is unavailable (", env.instream_unavailable_reason, ")"));
+  }
+  if (fused && !instream && !doorbell_fits && env.doorbell_available) {
+    d.warnings.push_back(absl::StrCat(
+        "the doorbell plane has ", env.doorbell_slots, " slots and the client plans ",
+        capture.call_sites,
+        " call sites: not offered; without the in-stream plane (a client that loads the "
+        "sidecar's kernels) every fused op runs on the eager plane (an RPC per op)"));
+  }
 
   // Without a doorbell the fused op can only be an eager split op between graph pieces, which a
   // full graph cannot have.
-  if (wants_in_graph && !env.doorbell_available && mode == CudaGraphMode::kFull) {
+  if (wants_in_graph && !instream && !doorbell && mode == CudaGraphMode::kFull) {
     mode = CudaGraphMode::kPiecewise;
-    d.reasons.push_back(absl::StrCat("doorbell plane unavailable (",
-                                     env.doorbell_unavailable_reason,
-                                     "): full CUDA graphs become piecewise with the fused op as an "
-                                     "eager split op"));
+    d.reasons.push_back(absl::StrCat(
+        "doorbell plane unavailable (",
+        env.doorbell_available ? "more call sites than slots" : env.doorbell_unavailable_reason,
+        "): full CUDA graphs become piecewise with the fused op as an eager split op"));
   }
 
   if (fused && d.backend == kBackendMnnvl && mode == CudaGraphMode::kPiecewise) {
@@ -351,7 +371,12 @@ Decision Negotiate(const Decision& resolved, const CaptureRequest& capture,
   d.cuda_graph_mode = mode;
 
   d.data_plane = DataPlane::kEager;
-  if (!fused) {
+  if (instream) {
+    d.data_plane = DataPlane::kInStream;
+    d.reasons.push_back(
+        "the client loads the sidecar's kernels: in-stream plane (one kernel launch per op in the "
+        "client's own stream, inside its CUDA graphs or not)");
+  } else if (!fused) {
     d.reasons.push_back("fusion is off: the unfused path runs on the eager plane");
   } else if (mode == CudaGraphMode::kNone) {
     d.reasons.push_back("no CUDA graphs: eager plane (one Execute call per op)");
@@ -359,10 +384,11 @@ Decision Negotiate(const Decision& resolved, const CaptureRequest& capture,
     d.reasons.push_back(
         "fused op kept out of the client's CUDA graphs: eager plane, a split op "
         "between graph pieces");
-  } else if (!env.doorbell_available) {
-    d.reasons.push_back(absl::StrCat("doorbell plane unavailable (",
-                                     env.doorbell_unavailable_reason,
-                                     "): eager plane, a split op between graph pieces"));
+  } else if (!doorbell) {
+    d.reasons.push_back(absl::StrCat(
+        "doorbell plane unavailable (",
+        env.doorbell_available ? "more call sites than slots" : env.doorbell_unavailable_reason,
+        "): eager plane, a split op between graph pieces"));
   } else {
     d.data_plane = DataPlane::kDoorbell;
     d.reasons.push_back(
@@ -553,6 +579,8 @@ absl::StatusOr<RankReport> DecodeRankReport(const std::string& text) {
         decision().data_plane = DataPlane::kEager;
       else if (value == "doorbell")
         decision().data_plane = DataPlane::kDoorbell;
+      else if (value == "instream")
+        decision().data_plane = DataPlane::kInStream;
       else
         return bad(key, absl::StrCat("unknown data plane ", Quoted(value)));
     } else if (key == "decision.warning") {

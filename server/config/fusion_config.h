@@ -57,7 +57,7 @@ struct Topology {
 };
 
 enum class CudaGraphMode { kNone, kPiecewise, kFull };
-enum class DataPlane { kEager, kDoorbell };
+enum class DataPlane { kEager, kDoorbell, kInStream };
 
 struct CaptureRequest {
   CudaGraphMode mode = CudaGraphMode::kNone;
@@ -65,6 +65,10 @@ struct CaptureRequest {
   bool fused_op_in_graph = false;
   // Ops override for older builds; unset means ours are capture-safe (bitwise sentinel checks).
   std::optional<bool> mnnvl_capture_safe;
+  // The client can load the sidecar's kernels (libarfuse_client): the in-stream plane.
+  bool client_loads_kernels = false;
+  // Fused-op call sites the client will plan; 0 = not said.
+  uint32_t call_sites = 0;
 
   bool operator==(const CaptureRequest&) const = default;
 };
@@ -93,12 +97,17 @@ struct NegotiationEnvironment {
   std::optional<bool> mps_detected;
   // Doorbell hop measured by the self-test; 0 when not measured.
   double doorbell_hop_us = 0;
+  // Slots of the doorbell plane (one per planned call site); 0 = not known.
+  uint32_t doorbell_slots = 0;
+  // Whether a client that loads kernels can attach (the engine can hand out its workspace).
+  bool instream_available = true;
+  std::string instream_unavailable_reason;
 };
 
 // ---- Names and parsing (INVALID_ARGUMENT with a message naming the flag and the bad value). ----
 
 const char* CudaGraphModeName(CudaGraphMode mode);  // "none", "piecewise", "full"
-const char* DataPlaneName(DataPlane plane);         // "eager", "doorbell"
+const char* DataPlaneName(DataPlane plane);         // "eager", "doorbell", "instream"
 absl::StatusOr<CudaGraphMode> ParseCudaGraphMode(const std::string& text);
 // "auto", "trtllm" or "mnnvl", exactly (the frameworks' choices are case-sensitive).
 absl::StatusOr<std::string> ParseBackendFlag(const std::string& text);

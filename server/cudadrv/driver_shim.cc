@@ -68,3 +68,17 @@ ARFUSE_DRIVER_FORWARD(cuMemGetAllocationGranularity, cuMemGetAllocationGranulari
                       (size_t * granularity, const CUmemAllocationProp* prop,
                        CUmemAllocationGranularity_flags option),
                       (granularity, prop, option))
+// The in-stream kernel image: the sidecar loads it itself to check it and size its grids.
+ARFUSE_DRIVER_FORWARD(cuModuleLoadData, cuModuleLoadData, (CUmodule * module, const void* image),
+                      (module, image))
+ARFUSE_DRIVER_FORWARD(cuModuleUnload, cuModuleUnload, (CUmodule module), (module))
+ARFUSE_DRIVER_FORWARD(cuModuleGetFunction, cuModuleGetFunction,
+                      (CUfunction * function, CUmodule module, const char* name),
+                      (function, module, name))
+ARFUSE_DRIVER_FORWARD(cuFuncGetAttribute, cuFuncGetAttribute,
+                      (int* value, CUfunction_attribute attrib, CUfunction function),
+                      (value, attrib, function))
+ARFUSE_DRIVER_FORWARD(cuOccupancyMaxActiveBlocksPerMultiprocessor,
+                      cuOccupancyMaxActiveBlocksPerMultiprocessor,
+                      (int* blocks, CUfunction function, int block_size, size_t dynamic_smem),
+                      (blocks, function, block_size, dynamic_smem))

@@ -78,6 +78,48 @@ absl::Status GatedEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::T
   return result;
 }
 
+template <typename R, typename Fn>
+R GatedEngine::WithInStreamHost(bool gated, Fn fn) {
+  InStreamHost* host = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (inner_ == nullptr || (gated && !open_)) {
+      return absl::UnavailableError(absl::StrCat("not serving: ", closed_reason_));
+    }
+    host = inner_->instream_host();
+    if (host == nullptr) {
+      return absl::FailedPreconditionError(
+          "this sidecar's engine cannot hand its workspace to a client library");
+    }
+    ++in_flight_;
+  }
+  R result = fn(*host);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--in_flight_ == 0) idle_.notify_all();
+  }
+  return result;
+}
+
+absl::StatusOr<InStreamExport> GatedEngine::ExportInStream(const std::vector<uint32_t>& hiddens) {
+  // The export's generation is the workspace's own (what its kernels check), unique in the
+  // process across engines: a re-formed group's workspace never matches an older attachment.
+  return WithInStreamHost<absl::StatusOr<InStreamExport>>(
+      true, [&](InStreamHost& host) { return host.ExportInStream(hiddens); });
+}
+
+absl::StatusOr<InStreamCounters> GatedEngine::InStreamStatus() {
+  return WithInStreamHost<absl::StatusOr<InStreamCounters>>(
+      false, [](InStreamHost& host) { return host.InStreamStatus(); });
+}
+
+void GatedEngine::AbortInStream() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (inner_ != nullptr && inner_->instream_host() != nullptr) {
+    inner_->instream_host()->AbortInStream();
+  }
+}
+
 void GatedEngine::Abort() {
   std::lock_guard<std::mutex> lock(mu_);
   if (inner_ != nullptr) inner_->Abort();

@@ -14,6 +14,7 @@
 
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
+#include "server/engine/instream_host.h"
 
 namespace arfuse {
 
@@ -21,7 +22,9 @@ namespace arfuse {
 // while closed or empty, FAILED_PRECONDITION when the engine has no doorbell plane);
 // RemoveDoorbellPlan reaches the engine even while the gate is closed (a client leaving while
 // the group re-forms), and is OK when there is no engine (its plane went with it).
-class GatedEngine final : public Engine, public DoorbellHost {
+// The in-stream plane likewise: ExportInStream passes the gate like an op; InStreamStatus and
+// AbortInStream reach the engine whenever there is one.
+class GatedEngine final : public Engine, public DoorbellHost, public InStreamHost {
  public:
   GatedEngine() = default;
 
@@ -40,6 +43,11 @@ class GatedEngine final : public Engine, public DoorbellHost {
   absl::StatusOr<DoorbellGrant> AddDoorbellPlan(const OpArgs& op_template, uint32_t max_tokens,
                                                 absl::Time deadline) override;
   absl::Status RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) override;
+
+  InStreamHost* instream_host() override { return this; }
+  absl::StatusOr<InStreamExport> ExportInStream(const std::vector<uint32_t>& hiddens) override;
+  absl::StatusOr<InStreamCounters> InStreamStatus() override;
+  void AbortInStream() override;
 
   // Refuses new ops; waits until none is in flight or `deadline`. Returns how many ops were in
   // flight when the drain began; DEADLINE_EXCEEDED when some are still running at the deadline
@@ -66,6 +74,11 @@ class GatedEngine final : public Engine, public DoorbellHost {
   uint64_t ops_in_flight() const;
 
  private:
+  // Runs `fn` on the inner engine's in-stream host with the engine held (in_flight_), so it
+  // cannot be swapped meanwhile. `gated`: refused while the gate is closed.
+  template <typename R, typename Fn>
+  R WithInStreamHost(bool gated, Fn fn);
+
   OpObserver observer_;
   mutable std::mutex mu_;
   std::condition_variable idle_;

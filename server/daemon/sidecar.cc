@@ -377,6 +377,12 @@ void Sidecar::ShutdownNow() {
     gate_.Abort();
   });
   if (unix_listener_ != nullptr) unix_listener_->Stop();
+  // Clients launching in-stream stop first (bounded by the grace period): their launches finish
+  // before the workspace's abort.
+  if (fusion_ != nullptr) {
+    fusion_->DrainInStream("sidecar shutting down",
+                           std::min(absl::FromChrono(deadline), absl::Now() + absl::Seconds(2)));
+  }
   // Clients hold their Fusion.Session stream open for as long as they are connected, and
   // Server::Shutdown waits for every call: ending the sessions first (UNAVAILABLE, "sidecar
   // shutting down") lets the process exit as soon as the ops in flight are done instead of after

@@ -269,6 +269,10 @@ void Sidecar::SuperviseGroup() {
             absl::StrCat("peer link lost (", link.message(), "); re-forming the group");
         break;
       }
+      if (fusion_ != nullptr) {
+        InStreamAttachments& a = fusion_->instream();
+        metrics_->SetInStream(a.size(), a.launches(), a.stale());
+      }
       WaitFor(absl::Milliseconds(50));
     }
     if (ShutdownRequested()) break;
@@ -455,8 +459,14 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
                                            absl::StrJoin(vote.reasons, "; "),
                                            "); backend unchanged: ", previous.backend));
   }
-  // Swap: drain the old engine's ops, install the new one, serve again.
+  // Swap: drain the old engine's ops, install the new one, serve again. Clients launching
+  // in-stream on the old workspace stop first (they answer on their session streams); any that
+  // do not answer in time see the old workspace's abort when it is dropped.
   SetReadiness(false);
+  if (fusion_ != nullptr) {
+    fusion_->DrainInStream(absl::StrCat("backend switch to ", decision.backend),
+                           absl::Now() + absl::Seconds(options_.grace_period_s));
+  }
   absl::StatusOr<uint32_t> drained =
       gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
   if (!drained.ok()) {

@@ -7,9 +7,12 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
 #include "server/doorbell/cuda_check.h"
+#include "server/engine/doorbell_host.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
+
+static_assert(kDoorbellPlaneSlots == kMaxDoorbellSlots);
 namespace {
 
 using doorbell_internal::CudaStatus;

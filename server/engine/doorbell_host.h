@@ -14,6 +14,10 @@
 
 namespace arfuse {
 
+// Slots of one doorbell plane: one per registered plan (a call site of the client). Equal to the
+// kernels' kMaxDoorbellSlots (static_asserted where both are visible, server/doorbell).
+inline constexpr uint32_t kDoorbellPlaneSlots = 32;
+
 // What one registered doorbell plan got: the proto's Doorbell message field for field, plus
 // what identifies it for removal and what the client may want to know.
 struct DoorbellGrant {

@@ -24,9 +24,9 @@ struct InStreamRankMemory {
   uint64_t bytes = 0;
   std::string handle;  // 64 bytes for kCudaIpc and kVmmFabric, empty otherwise
   // kVmmPosixFd, kHostShm: a descriptor of this rank's memory (a duplicate the export owns);
-  // for kHostShm only rank 0's entry holds one (the group's one object) and every rank's
-  // RankMemory points at it.
-  peers::UniqueFd fd;
+  // for kHostShm only one entry holds one (the exporting rank's: the group's one object) and
+  // every rank's RankMemory points at it.
+  UniqueFd fd;
 };
 
 // Everything the attach blob describes, filled by the engine for one attach.
@@ -58,9 +58,11 @@ struct InStreamExport {
 // What the engine's workspace did while clients launched on it: the kernels' counters and
 // error word, read by the daemon for metrics and poisoning.
 struct InStreamCounters {
-  uint64_t launches = 0;  // in-stream launches that passed the generation check
-  uint64_t stale = 0;     // launches refused for a stale generation or launch ABI
-  uint32_t error = 0;     // the workspace's sticky error word (FusionError), 0 = healthy
+  uint64_t generation = 0;  // the workspace's generation (InStreamExport::generation)
+  uint64_t launches = 0;    // in-stream launches that passed the generation check
+  uint64_t stale = 0;       // launches refused for a stale generation or launch ABI
+  uint32_t error = 0;       // the workspace's sticky error word (FusionError), 0 = healthy
+  std::string error_name;   // "timeout", ... ("" when healthy)
 };
 
 class InStreamHost {

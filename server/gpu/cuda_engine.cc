@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
@@ -22,6 +24,9 @@
 
 namespace arfuse {
 namespace {
+
+// How long a copy of the workspace's control words may take (a copy engine; never behind ops).
+constexpr absl::Duration kInStreamReadTimeout = absl::Milliseconds(20);
 
 // What every rank tells the others at the start of Initialize.
 struct Hello {
@@ -262,16 +267,17 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   for (const auto& [device, n] : per_gpu) max_share = std::max(max_share, n);
   shares_gpu_ = max_share > 1;
   // Ranks sharing one GPU (MPS) must not starve each other of SMs while they spin: each gets an
-  // equal share, the same number on every rank so every rank's grid is the same.
-  // With the doorbell plane every rank also keeps one waiter block resident, and its client one
-  // ring block (docs/doorbell.md): the fused grids leave room for them. A serving launch keeps
-  // more (DoorbellServeBlocksFor caps them when the GPU is shared); it never runs beside its own
-  // rank's fused launches, which wait for it on the stream.
-  const int reserved_sms = cuda_options_.enable_doorbell ? 2 * max_share + 2 : 0;
+  // equal share, the same number on every rank so every rank's grid is the same. With the
+  // doorbell plane every rank also keeps a waiter or a serving launch resident, and its client a
+  // ring block (docs/doorbell.md): the fused grids leave room for all of them, since a serving
+  // launch of one rank stays resident while another rank's fused grid (an eager prefill op)
+  // runs (SharedGpuSmBudget).
   const uint32_t sm_budget =
       cuda_options_.sm_budget != 0
           ? cuda_options_.sm_budget
-          : (shares_gpu_ ? static_cast<uint32_t>(std::max(1, (min_sms - reserved_sms) / max_share))
+          : (shares_gpu_ ? SharedGpuSmBudget(
+                               min_sms, max_share, cuda_options_.enable_doorbell,
+                               DoorbellServeBlocksFor(cuda_options_.doorbell_serve_blocks, true))
                          : 0);
   PrefixedExchange ex(exchange, absl::StrCat("g", generation, "/"));
 
@@ -749,12 +755,125 @@ void CudaEngine::Abort() {
 EngineStatus CudaEngine::Status() const {
   absl::MutexLock state(&state_mu_);
   EngineStatus s = status_;
-  if (abortable_ != nullptr && abortable_->poisoned()) {
+  uint32_t error = abortable_ != nullptr ? abortable_->error_code() : 0;
+  if (abortable_ != nullptr && error == 0 && exported_.load()) {
+    // In-stream kernels record errors in the workspace only (their host word is the client's).
+    absl::StatusOr<InStreamCounters> c =
+        abortable_->ReadInStreamCounters(absl::Now() + kInStreamReadTimeout);
+    if (c.ok()) instream_error_.store(c->error);
+    error = instream_error_.load();
+  }
+  if (error != 0) {
     s.state = WorkspaceState::kPoisoned;
     s.fusion_enabled = false;
-    s.reason = absl::StrCat("workspace poisoned: ", FusionErrorName(abortable_->error_code()));
+    s.reason = absl::StrCat("workspace poisoned: ", FusionErrorName(error));
   }
   return s;
+}
+
+// ---- in-stream plane ----
+
+absl::StatusOr<InStreamExport> CudaEngine::ExportInStream(const std::vector<uint32_t>& hiddens) {
+  absl::MutexLock lock(&mu_);
+  {
+    absl::MutexLock state(&state_mu_);
+    if (status_.state == WorkspaceState::kInitializing) {
+      return absl::UnavailableError("the workspace is being built; attach again shortly");
+    }
+  }
+  if (workspace_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("fusion is off for the group (", Status().reason, ")"));
+  }
+  if (workspace_->poisoned()) {
+    return absl::FailedPreconditionError(absl::StrCat("the workspace is poisoned (",
+                                                      FusionErrorName(workspace_->error_code()),
+                                                      "); attach again after the group re-forms"));
+  }
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  if (image_ == nullptr) {
+    ARFUSE_ASSIGN_OR_RETURN(image_, InStreamKernelImage::Load(static_cast<uint32_t>(sm_)));
+  }
+  const WorkspaceLayout& layout = workspace_->layout();
+  std::vector<uint32_t> wanted = hiddens.empty() ? std::vector<uint32_t>{layout.hidden} : hiddens;
+  if (wanted.size() > instream::kMaxAttachHiddens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "at most ", instream::kMaxAttachHiddens, " hidden sizes per attach, got ", wanted.size()));
+  }
+  for (uint32_t h : wanted) {
+    if (h > layout.hidden) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "hidden ", h, " exceeds the workspace's hidden ", layout.hidden, " (--hidden)"));
+    }
+  }
+  InStreamExport e;
+  e.device = instream::DeviceKind::kCuda;
+  e.rank = static_cast<uint32_t>(options_.rank);
+  e.world_size = static_cast<uint32_t>(options_.world_size);
+  e.generation = workspace_->generation();
+  cudaDeviceProp prop;
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+  static_assert(sizeof(prop.uuid.bytes) == sizeof(e.gpu_uuid));
+  std::memcpy(e.gpu_uuid, prop.uuid.bytes, sizeof(e.gpu_uuid));
+  e.sm = static_cast<uint32_t>(sm_);
+  e.sm_budget = workspace_->options().sm_budget;
+  e.spin_timeout_ns =
+      static_cast<uint64_t>(absl::ToInt64Nanoseconds(workspace_->options().spin_timeout));
+  bool pdl = false;
+  CurrentFusionKernelConfig(e.kernel_config, &pdl);
+  // As the sidecar's own launches: programmatic dependents only on a GPU of one rank.
+  e.pdl = pdl && e.sm_budget == 0;
+  e.dtype = options_.dtype;
+  switch (cuda_options_.forced) {
+    case ForcedPath::kOneShot:
+      e.oneshot_max_bytes = e.twoshot_max_bytes = UINT64_MAX;
+      break;
+    case ForcedPath::kTwoShot:
+      e.twoshot_max_bytes = UINT64_MAX;
+      break;
+    case ForcedPath::kUnfused:
+      return absl::FailedPreconditionError(
+          "the dispatch is forced to the unfused path: no op would run in-stream");
+    case ForcedPath::kAuto: {
+      const DispatchEntry* entry = cuda_options_.table.Find(sm_, options_.world_size);
+      if (entry == nullptr || (entry->oneshot_max_bytes == 0 && entry->twoshot_max_bytes == 0)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the dispatch table has no fused range for sm_", sm_, " at world size ",
+                         options_.world_size, ": every op would run unfused"));
+      }
+      e.oneshot_max_bytes = entry->oneshot_max_bytes;
+      e.twoshot_max_bytes = std::max(entry->oneshot_max_bytes, entry->twoshot_max_bytes);
+      break;
+    }
+  }
+  static_assert(sizeof(WorkspaceLayout) == sizeof(e.layout));
+  std::memcpy(e.layout, &layout, sizeof(e.layout));
+  e.max_tokens = layout.max_tokens;
+  e.hidden = layout.hidden;
+  int sms = 0;
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  ARFUSE_ASSIGN_OR_RETURN(
+      e.entries, image_->Entries(options_.dtype, options_.world_size, wanted, e.sm_budget, sms));
+  for (int r = 0; r < options_.world_size; ++r) {
+    ARFUSE_ASSIGN_OR_RETURN(InStreamRankMemory m, workspace_->ExportForClient(r));
+    e.ranks.push_back(std::move(m));
+  }
+  e.image = image_->bytes();
+  e.image_bytes = image_->size();
+  exported_.store(true);
+  return e;
+}
+
+absl::StatusOr<InStreamCounters> CudaEngine::InStreamStatus() {
+  absl::MutexLock state(&state_mu_);
+  if (abortable_ == nullptr) return absl::UnavailableError("no fused workspace");
+  ARFUSE_ASSIGN_OR_RETURN(InStreamCounters c,
+                          abortable_->ReadInStreamCounters(absl::Now() + kInStreamReadTimeout));
+  instream_error_.store(c.error);
+  c.generation = abortable_->generation();
+  if (c.error != 0) c.error_name = FusionErrorName(c.error);
+  return c;
 }
 
 // ---- doorbell plane ----

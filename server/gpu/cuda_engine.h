@@ -32,9 +32,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -42,8 +44,10 @@
 #include "server/doorbell/doorbell_plane.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
+#include "server/engine/instream_host.h"
 #include "server/gpu/dispatch_table.h"
 #include "server/gpu/peer_memory.h"
+#include "server/instream/cuda/kernel_image.h"
 
 namespace arfuse {
 
@@ -71,7 +75,7 @@ struct CudaEngineOptions {
   uint32_t doorbell_serve_blocks = 16;
 };
 
-class CudaEngine final : public Engine, public DoorbellHost {
+class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost {
  public:
   CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options);
   ~CudaEngine() override;
@@ -82,6 +86,13 @@ class CudaEngine final : public Engine, public DoorbellHost {
   void Abort() override;
   EngineStatus Status() const override;
   DoorbellHost* doorbell_host() override { return this; }
+  InStreamHost* instream_host() override { return this; }
+
+  // InStreamHost (docs/instream.md): the workspace's mappings, the kernel image for this GPU
+  // (loaded here first to check it and size its grids) and the dispatch for a client library.
+  absl::StatusOr<InStreamExport> ExportInStream(const std::vector<uint32_t>& hiddens) override;
+  absl::StatusOr<InStreamCounters> InStreamStatus() override;
+  void AbortInStream() override { Abort(); }
 
   // DoorbellHost. The plan's twoshot_min_tokens comes from the dispatch table (the same on every
   // rank); a shape the dispatcher sends to the unfused path at max_tokens is refused with
@@ -171,6 +182,13 @@ class CudaEngine final : public Engine, public DoorbellHost {
   mutable absl::Mutex state_mu_;
   mutable EngineStatus status_ ABSL_GUARDED_BY(state_mu_);
   FusionWorkspace* abortable_ ABSL_GUARDED_BY(state_mu_) = nullptr;
+  // The in-stream image as loaded here (on the first export).
+  std::unique_ptr<InStreamKernelImage> image_ ABSL_GUARDED_BY(mu_);
+  // Set once a client was given the workspace: from then on Status() also reads the device's
+  // error word, which in-stream kernels write instead of this process's host mirror.
+  std::atomic<bool> exported_{false};
+  // The last error word read from the device (0 = healthy), for Status().
+  mutable std::atomic<uint32_t> instream_error_{0};
 };
 
 // The factory the daemon calls (CUDA builds only). FAILED_PRECONDITION when there is no GPU.

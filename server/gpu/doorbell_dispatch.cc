@@ -110,4 +110,11 @@ uint32_t DoorbellServeBlocksFor(uint32_t requested, bool shares_gpu) {
   return shares_gpu ? std::min(requested, kSharedGpuDoorbellServeBlocks) : requested;
 }
 
+uint32_t SharedGpuSmBudget(int sms, int ranks, bool doorbell, uint32_t serve_blocks) {
+  if (ranks < 1) ranks = 1;
+  const int64_t per_rank = doorbell ? 2 + static_cast<int64_t>(serve_blocks) : 0;
+  const int64_t reserved = doorbell ? per_rank * ranks + 2 : 0;
+  return static_cast<uint32_t>(std::max<int64_t>(1, (sms - reserved) / ranks));
+}
+
 }  // namespace arfuse

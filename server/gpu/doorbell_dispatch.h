@@ -46,4 +46,12 @@ inline constexpr uint32_t kSharedGpuDoorbellServeBlocks = 32;
 // turns in-place serving off), at most kSharedGpuDoorbellServeBlocks when ranks share the GPU.
 uint32_t DoorbellServeBlocksFor(uint32_t requested, bool shares_gpu);
 
+// FusionParams::sm_budget of each rank when `ranks` ranks share one GPU of `sms` SMs: an equal
+// share of what every rank's resident doorbell blocks leave free (its waiter or serving launch
+// and its client's ring: `serve_blocks` + 2 per rank, counted as a whole SM each, and 2 spare),
+// at least 1. A fused grid whose peers' grids cannot all be resident beside it deadlocks to the
+// spin timeout: each rank's resident blocks wait for rows of the other's that are not resident.
+// Without the doorbell plane (`doorbell` false) nothing else is resident: SMs / ranks.
+uint32_t SharedGpuSmBudget(int sms, int ranks, bool doorbell, uint32_t serve_blocks);
+
 }  // namespace arfuse

@@ -1,11 +1,14 @@
 #include "server/gpu/fusion_workspace.h"
 
 #include <atomic>
+#include <cstddef>
+#include <cstring>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/allreduce_fusion/fusion_control.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/group_step.h"
 #include "server/peers/exchange.h"
@@ -17,6 +20,8 @@ namespace {
 // How long the destructor waits for this rank's kernels to notice the abort word before it
 // leaks the memory instead of freeing it under a running kernel.
 constexpr absl::Duration kTeardownGrace = absl::Seconds(1);
+// How long a re-initialization waits after the abort for in-stream launches to leave.
+constexpr absl::Duration kInStreamQuiesce = absl::Milliseconds(10);
 // How long waits spin before they start sleeping between polls.
 constexpr absl::Duration kHotPoll = absl::Milliseconds(1);
 
@@ -46,6 +51,10 @@ absl::Status PollUntil(Query query, absl::Time deadline, const char* what) {
     }
   }
 }
+
+// Generations of every workspace this process makes, so a workspace made after another one was
+// dropped never reuses its generation tags (a graph replayed on the old memory stays stale).
+std::atomic<uint64_t> g_last_generation{0};
 
 }  // namespace
 
@@ -96,11 +105,23 @@ absl::StatusOr<std::unique_ptr<FusionWorkspace>> FusionWorkspace::Create(
     alloc = ARFUSE_CUDA_STATUS(cudaHostGetDevicePointer(&device, host, 0));
     ws->device_host_words_ = static_cast<HostWords*>(device);
   }
+  if (alloc.ok()) {
+    void* staging = nullptr;
+    alloc =
+        ARFUSE_CUDA_STATUS(cudaHostAlloc(&staging, sizeof(ControlStaging), cudaHostAllocDefault));
+    ws->staging_ = static_cast<ControlStaging*>(staging);
+  }
+  if (alloc.ok()) {
+    alloc =
+        ARFUSE_CUDA_STATUS(cudaStreamCreateWithFlags(&ws->control_stream_, cudaStreamNonBlocking));
+  }
   ARFUSE_RETURN_IF_ERROR(
       StatusStep(exchange, "workspace.host_words", alloc, "workspace abort/error words", deadline));
   ws->last_stream_ = stream;
-  ARFUSE_RETURN_IF_ERROR(ws->InitAndBarrier(exchange, stream, "workspace.initialized", deadline));
-  ws->generation_ = 1;
+  const uint64_t generation = g_last_generation.fetch_add(1) + 1;
+  ARFUSE_RETURN_IF_ERROR(
+      ws->InitAndBarrier(exchange, stream, "workspace.initialized", generation, deadline));
+  ws->generation_ = generation;
   spdlog::info(
       "event=workspace_ready backend={} kind={} rank={} world_size={} max_tokens={} hidden={} "
       "dtype={} bytes_per_rank={}",
@@ -120,18 +141,58 @@ FusionWorkspace::~FusionWorkspace() {
     static_cast<void>(memory_.release());
     return;
   }
+  if (staging_ != nullptr && control_stream_ != nullptr && memory_ != nullptr) {
+    // A client may keep this memory mapped (VMM handles are reference counted) and replay a
+    // graph on it: a zero tag makes every such launch stale instead of waiting for peers that
+    // moved on to another workspace.
+    absl::Status retired = WriteGenerationTag(0, control_stream_);
+    if (retired.ok()) retired = WaitStream(control_stream_, absl::Now() + kTeardownGrace);
+    if (!retired.ok()) {
+      spdlog::warn("event=workspace_retire_failed error=\"{}\"", std::string(retired.message()));
+    }
+  }
   memory_.reset();
+  if (control_stream_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaStreamDestroy(control_stream_));
+  if (staging_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaFreeHost(staging_));
   ARFUSE_CUDA_LOG_IF_ERROR(cudaFreeHost(host_words_));
 }
 
+absl::Status FusionWorkspace::WriteGenerationTag(uint32_t tag, cudaStream_t stream) {
+  staging_->tag = tag;
+  char* control = static_cast<char*>(memory_->local()) + layout_.control_offset;
+  return ARFUSE_CUDA_STATUS(cudaMemcpyAsync(control + offsetof(FusionControl, generation),
+                                            &staging_->tag, sizeof(uint32_t),
+                                            cudaMemcpyHostToDevice, stream));
+}
+
 absl::Status FusionWorkspace::InitAndBarrier(Exchange& exchange, cudaStream_t stream,
-                                             const std::string& tag, absl::Time deadline) {
+                                             const std::string& tag, uint64_t generation,
+                                             absl::Time deadline) {
   StoreWord(&host_words_->abort, 0);
   StoreWord(&host_words_->error, 0);
   absl::Status init = ARFUSE_CUDA_STATUS(LaunchWorkspaceInit(memory_->local(), layout_, stream));
+  // The init zeroed the tag: in-stream launches of an older generation stay refused, and those of
+  // this one run once it is written (stream order: after the init).
+  if (init.ok()) init = WriteGenerationTag(GenerationTag(generation), stream);
   if (init.ok()) init = WaitStream(stream, deadline);
   // Every rank's workspace holds its sentinels before any rank stores into a peer.
   return StatusStep(exchange, tag, init, "workspace init", deadline);
+}
+
+absl::StatusOr<InStreamCounters> FusionWorkspace::ReadInStreamCounters(absl::Time deadline) {
+  std::lock_guard<std::mutex> lock(control_mu_);
+  const char* control = static_cast<const char*>(memory_->local()) + layout_.control_offset;
+  static_assert(sizeof(ControlStaging::control) >= offsetof(FusionControl, instream_stale) + 8);
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging_->control, control, sizeof(staging_->control),
+                                              cudaMemcpyDeviceToHost, control_stream_));
+  ARFUSE_RETURN_IF_ERROR(WaitStream(control_stream_, deadline));
+  FusionControl c;
+  std::memcpy(&c, staging_->control, sizeof(staging_->control));
+  InStreamCounters out;
+  out.launches = c.instream_launches;
+  out.stale = c.instream_stale;
+  out.error = c.error;
+  return out;
 }
 
 absl::Status FusionWorkspace::CheckFits(uint32_t num_tokens, uint32_t hidden, DType dtype) const {
@@ -201,6 +262,16 @@ uint32_t FusionWorkspace::error_code() const { return LoadWord(&host_words_->err
 
 void FusionWorkspace::Abort() {
   if (host_words_ != nullptr) StoreWord(&host_words_->abort, 1);
+  // In-stream launches do not see the host word (it lives in this process): the workspace's own
+  // abort word reaches them. A copy engine writes it, so a GPU full of spinning blocks cannot
+  // hold it back; cudaMemcpyAsync from pinned memory returns at once.
+  if (staging_ != nullptr && control_stream_ != nullptr && memory_ != nullptr) {
+    staging_->abort = static_cast<uint32_t>(FusionError::kHostAbort);
+    char* control = static_cast<char*>(memory_->local()) + layout_.control_offset;
+    ARFUSE_CUDA_LOG_IF_ERROR(cudaMemcpyAsync(control + offsetof(FusionControl, abort),
+                                             &staging_->abort, sizeof(uint32_t),
+                                             cudaMemcpyHostToDevice, control_stream_));
+  }
 }
 
 absl::Status FusionWorkspace::Reinitialize(Exchange& exchange, cudaStream_t stream,
@@ -209,10 +280,17 @@ absl::Status FusionWorkspace::Reinitialize(Exchange& exchange, cudaStream_t stre
   // no peer kernel writes into a workspace while it is being reset.
   Abort();
   absl::Status idle = WaitStream(stream, deadline);
+  // In-stream launches run in clients' streams, which this rank cannot wait for: they see the
+  // abort word within microseconds (every spin polls it); this leaves them ample time to leave
+  // before the reset, and launches that start later find a stale tag.
+  if (idle.ok()) idle = WaitStream(control_stream_, deadline);
+  absl::SleepFor(kInStreamQuiesce);
   ARFUSE_RETURN_IF_ERROR(
       StatusStep(exchange, "workspace.quiesced", idle, "workspace quiesce", deadline));
-  ARFUSE_RETURN_IF_ERROR(InitAndBarrier(exchange, stream, "workspace.reinitialized", deadline));
-  ++generation_;
+  const uint64_t generation = g_last_generation.fetch_add(1) + 1;
+  ARFUSE_RETURN_IF_ERROR(
+      InitAndBarrier(exchange, stream, "workspace.reinitialized", generation, deadline));
+  generation_ = generation;
   spdlog::info("event=workspace_reinitialized rank={} generation={}", exchange.rank(), generation_);
   return absl::OkStatus();
 }

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -28,6 +29,7 @@
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/common/op_types.h"
 #include "server/engine/engine.h"
+#include "server/engine/instream_host.h"
 #include "server/gpu/peer_memory.h"
 
 namespace arfuse {
@@ -85,6 +87,17 @@ class FusionWorkspace {
 
   absl::Status Reinitialize(Exchange& exchange, cudaStream_t stream, absl::Time deadline);
 
+  // The in-stream kernels' counters and the workspace's error word, copied from the device on a
+  // stream of its own (never behind the engine's kernels). DEADLINE_EXCEEDED past `deadline`.
+  absl::StatusOr<InStreamCounters> ReadInStreamCounters(absl::Time deadline);
+  // What a client process needs to map rank r's buffer (PeerMemory::ExportForClient).
+  absl::StatusOr<InStreamRankMemory> ExportForClient(int r) const {
+    return memory_->ExportForClient(r);
+  }
+  int world_size() const { return memory_->world_size(); }
+
+  // Unique within the process across workspaces (never reused after this one is dropped); its
+  // GenerationTag is written into the control block at every initialization.
   uint64_t generation() const { return generation_; }
   const WorkspaceLayout& layout() const { return layout_; }
   // Device memory this rank allocated for the workspace (its own buffer, not the peers').
@@ -103,15 +116,28 @@ class FusionWorkspace {
  private:
   FusionWorkspace(const WorkspaceOptions& options, const WorkspaceLayout& layout)
       : options_(options), layout_(layout) {}
-  // Init + wait (bounded) + barrier; the host words are cleared first.
+  // Init + generation tag + wait (bounded) + barrier; the host words are cleared first.
   absl::Status InitAndBarrier(Exchange& exchange, cudaStream_t stream, const std::string& tag,
-                              absl::Time deadline);
+                              uint64_t generation, absl::Time deadline);
+  // Writes FusionControl::generation of this rank's workspace (stream-ordered).
+  absl::Status WriteGenerationTag(uint32_t tag, cudaStream_t stream);
+
+  // Pinned host words the control-block copies go through.
+  struct ControlStaging {
+    uint32_t tag;
+    uint32_t abort;
+    alignas(16) uint8_t control[96];  // FusionControl's first bytes (error .. instream_stale)
+  };
 
   WorkspaceOptions options_;
   WorkspaceLayout layout_;
   std::unique_ptr<PeerMemory> memory_;
   HostWords* host_words_ = nullptr;         // pinned, mapped
   HostWords* device_host_words_ = nullptr;  // the same words as the device sees them
+  ControlStaging* staging_ = nullptr;       // pinned
+  // Control-block copies (abort, tag, counters): independent of the engine's stream.
+  cudaStream_t control_stream_ = nullptr;
+  std::mutex control_mu_;  // one counters copy at a time (staging_->control)
   uint64_t generation_ = 0;
   // The stream of the last launch: teardown waits (bounded) for it after aborting.
   cudaStream_t last_stream_ = nullptr;

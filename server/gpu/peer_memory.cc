@@ -2,7 +2,9 @@
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -50,6 +52,16 @@ class IpcPeerMemory final : public PeerMemory {
   int world_size() const override { return static_cast<int>(ptrs_.size()); }
   void* peer(int r) const override { return ptrs_[r]; }
   const char* kind() const override { return "cuda_ipc"; }
+  absl::StatusOr<InStreamRankMemory> ExportForClient(int r) const override {
+    if (r < 0 || r >= world_size() || handles_.size() != ptrs_.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("no CUDA IPC handle of rank ", r));
+    }
+    InStreamRankMemory m;
+    m.kind = instream::MemoryKind::kCudaIpc;
+    m.bytes = bytes_;
+    m.handle = handles_[r];
+    return m;
+  }
 
   absl::StatusOr<std::string> AllocateAndExport() {
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptrs_[rank_], bytes_));
@@ -59,6 +71,7 @@ class IpcPeerMemory final : public PeerMemory {
   }
 
   absl::Status Import(const std::vector<std::string>& handles) {
+    handles_ = handles;
     for (int r = 0; r < world_size(); ++r) {
       if (r == rank_) continue;
       if (handles[r].size() != sizeof(cudaIpcMemHandle_t)) {
@@ -78,6 +91,7 @@ class IpcPeerMemory final : public PeerMemory {
   int rank_;
   size_t bytes_;
   std::vector<void*> ptrs_;
+  std::vector<std::string> handles_;  // every rank's, for clients (ExportForClient)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -99,6 +113,31 @@ class VmmPeerMemory final : public PeerMemory {
   int world_size() const override { return world_size_; }
   void* peer(int r) const override { return reinterpret_cast<void*>(base_ + r * stride_); }
   const char* kind() const override { return fabric_ ? "vmm_fabric" : "vmm_posix_fd"; }
+  absl::StatusOr<InStreamRankMemory> ExportForClient(int r) const override {
+    if (r < 0 || r >= world_size_) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", r, " is outside the group"));
+    }
+    InStreamRankMemory m;
+    m.bytes = stride_;
+    if (fabric_) {
+      if (fabric_handles_.size() != static_cast<size_t>(world_size_)) {
+        return absl::FailedPreconditionError(absl::StrCat("no FABRIC handle of rank ", r));
+      }
+      m.kind = instream::MemoryKind::kVmmFabric;
+      m.handle = fabric_handles_[r];
+      return m;
+    }
+    if (fds_.size() != static_cast<size_t>(world_size_) || !fds_[r]) {
+      return absl::FailedPreconditionError(absl::StrCat("no descriptor of rank ", r));
+    }
+    m.kind = instream::MemoryKind::kVmmPosixFd;
+    m.fd.reset(::fcntl(fds_[r].get(), F_DUPFD_CLOEXEC, 0));
+    if (!m.fd) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot duplicate rank ", r, "'s descriptor: ", std::strerror(errno)));
+    }
+    return m;
+  }
 
   // Creates this rank's allocation; `want_fabric` asks for a FABRIC-exportable one as well.
   absl::Status Create(bool want_fabric, bool fabric_required) {
@@ -149,6 +188,7 @@ class VmmPeerMemory final : public PeerMemory {
   }
 
   absl::Status ImportFabric(const std::vector<std::string>& handles) {
+    fabric_handles_ = handles;
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_) continue;
       if (handles[r].size() != sizeof(CUmemFabricHandle)) {
@@ -171,7 +211,7 @@ class VmmPeerMemory final : public PeerMemory {
     return fd;
   }
 
-  // Takes ownership of the descriptors (closes every one).
+  // Takes ownership of the descriptors (kept for clients, closed with this object).
   absl::Status ImportFds(std::vector<int> fds) {
     std::vector<UniqueFd> owned;
     for (int fd : fds) owned.emplace_back(fd);
@@ -185,6 +225,7 @@ class VmmPeerMemory final : public PeerMemory {
       ARFUSE_CUDA_RETURN_IF_ERROR(cuMemImportFromShareableHandle(
           &imported_[r], os_handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
     }
+    fds_ = std::move(owned);
     fabric_ = false;
     return absl::OkStatus();
   }
@@ -227,6 +268,9 @@ class VmmPeerMemory final : public PeerMemory {
   int mapped_ = 0;
   bool fabric_capable_ = false;
   bool fabric_ = false;
+  // Every rank's handle as the group exchanged it, for clients (ExportForClient).
+  std::vector<std::string> fabric_handles_;
+  std::vector<UniqueFd> fds_;
 };
 
 // The FABRIC attempt of kAuto/kFabric. Returns true when every rank imported every peer's

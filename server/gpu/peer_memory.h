@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "server/engine/instream_host.h"
 
 namespace arfuse {
 
@@ -41,6 +42,11 @@ class PeerMemory {
   virtual void* peer(int r) const = 0;
   // "cuda_ipc", "vmm_posix_fd" or "vmm_fabric".
   virtual const char* kind() const = 0;
+  // What a client process on this node needs to map rank `r`'s buffer (the in-stream plane):
+  // the kind, the bytes to map and the handle (CUDA IPC, FABRIC) or a new descriptor of the
+  // allocation (POSIX FD; the caller owns it). The handles and descriptors the group exchanged
+  // are kept for this; a descriptor keeps the allocation alive while a client holds it.
+  virtual absl::StatusOr<InStreamRankMemory> ExportForClient(int r) const = 0;
 };
 
 // The current device's memory, shared with legacy CUDA IPC. One node only.

@@ -42,6 +42,15 @@ struct Metrics::Families {
   absl::flat_hash_map<std::string, OpSeries> series;
 };
 
+struct Metrics::InStreamFamilies {
+  prometheus::Gauge& attachments;
+  prometheus::Counter& launches;
+  prometheus::Counter& stale;
+  std::mutex mu;
+  uint64_t launches_seen = 0;
+  uint64_t stale_seen = 0;
+};
+
 namespace {
 
 // Latency buckets from 2 µs (a doorbell op) to 1 s (a stuck peer hitting its deadline).
@@ -134,6 +143,26 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const std:
       /*backend_gauge=*/nullptr,
       /*series_mu=*/{},
       /*series=*/{},
+  });
+  instream_.reset(new InStreamFamilies{
+      prometheus::BuildGauge()
+          .Name("arfuse_instream_attachments")
+          .Help("Clients attached to the workspace through the in-stream plane")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildCounter()
+          .Name("arfuse_instream_launches_total")
+          .Help("In-stream kernel launches on the workspace (counted by the kernels)")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
+      prometheus::BuildCounter()
+          .Name("arfuse_instream_stale_launches_total")
+          .Help("In-stream launches refused for a stale workspace generation or launch ABI")
+          .Labels(constant)
+          .Register(r)
+          .Add({}),
   });
   prometheus::BuildGauge()
       .Name("arfuse_build_info")
@@ -228,6 +257,19 @@ void Metrics::SetMps(bool detected, double hop_s) {
   families_->doorbell_hop.Set(hop_s);
 }
 void Metrics::SetReady(bool ready) { families_->ready.Set(ready ? 1 : 0); }
+
+void Metrics::SetInStream(uint64_t attachments, uint64_t launches, uint64_t stale) {
+  instream_->attachments.Set(static_cast<double>(attachments));
+  std::lock_guard<std::mutex> lock(instream_->mu);
+  if (launches > instream_->launches_seen) {
+    instream_->launches.Increment(static_cast<double>(launches - instream_->launches_seen));
+    instream_->launches_seen = launches;
+  }
+  if (stale > instream_->stale_seen) {
+    instream_->stale.Increment(static_cast<double>(stale - instream_->stale_seen));
+    instream_->stale_seen = stale;
+  }
+}
 
 std::string Metrics::Render() const {
   prometheus::TextSerializer serializer;

@@ -61,14 +61,19 @@ class Metrics {
   void SetPeersReady(int ready);
   void SetMps(bool detected, double doorbell_hop_s);
   void SetReady(bool ready);
+  // The in-stream plane: attachments now, and the kernels' launch counters as the sidecar last
+  // read them (monotonic; counted up by the difference).
+  void SetInStream(uint64_t attachments, uint64_t launches, uint64_t stale);
 
   // The text exposition of every family (what a scrape returns).
   std::string Render() const;
 
  private:
   struct Families;
+  struct InStreamFamilies;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<Families> families_;
+  std::unique_ptr<InStreamFamilies> instream_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
   // Kept apart from the Prometheus families so GetStats reads them without parsing labels.

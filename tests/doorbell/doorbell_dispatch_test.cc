@@ -35,6 +35,20 @@ TEST(DoorbellServeBlocks, CappedOnlyWhenRanksShareTheGpu) {
   EXPECT_EQ(DoorbellServeBlocksFor(0, false), 0u);
 }
 
+// The shared-GPU budget leaves room for every rank's resident doorbell blocks: a serving launch
+// of one rank stays resident while another rank's fused grid runs (eager prefill ops of 512
+// tokens timed out at 8-12 layers with doorbell plans active, two ranks on one H200).
+TEST(SharedGpuSmBudget, LeavesRoomForEveryRanksServingBlocks) {
+  // 132 SMs, 2 ranks, 16 serving blocks each: (132 - 2 x (16 + 2) - 2) / 2.
+  EXPECT_EQ(SharedGpuSmBudget(132, 2, true, 16), 47u);
+  // Serving off: the waiter and the ring only.
+  EXPECT_EQ(SharedGpuSmBudget(132, 2, true, 0), 63u);
+  EXPECT_EQ(SharedGpuSmBudget(132, 2, false, 16), 66u);
+  EXPECT_EQ(SharedGpuSmBudget(132, 4, true, 16), 14u);  // (132 - 4 x 18 - 2) / 4
+  EXPECT_EQ(SharedGpuSmBudget(8, 4, true, 16), 1u);     // never 0
+  EXPECT_EQ(SharedGpuSmBudget(132, 0, false, 0), 132u);
+}
+
 TEST(DoorbellDispatch, OneShotPlanNeverRunsTwoShot) {
   // SM90 TP2: one-shot up to 32 MiB, no two-shot range.
   auto d = ChooseDoorbellDispatch(DispatchTable::Published(), AtMax(90, 2, 128, 4096));

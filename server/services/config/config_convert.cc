@@ -84,7 +84,15 @@ absl::StatusOr<CudaGraphMode> CudaGraphModeFromProto(v1::CudaGraphMode mode) {
 }
 
 v1::DataPlane DataPlaneToProto(DataPlane plane) {
-  return plane == DataPlane::kDoorbell ? v1::DATA_PLANE_DOORBELL : v1::DATA_PLANE_EAGER;
+  switch (plane) {
+    case DataPlane::kDoorbell:
+      return v1::DATA_PLANE_DOORBELL;
+    case DataPlane::kInStream:
+      return v1::DATA_PLANE_INSTREAM;
+    case DataPlane::kEager:
+      break;
+  }
+  return v1::DATA_PLANE_EAGER;
 }
 
 absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane) {
@@ -93,6 +101,8 @@ absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane) {
       return DataPlane::kEager;
     case v1::DATA_PLANE_DOORBELL:
       return DataPlane::kDoorbell;
+    case v1::DATA_PLANE_INSTREAM:
+      return DataPlane::kInStream;
     default:
       break;
   }
@@ -105,6 +115,8 @@ v1::CaptureRequest CaptureToProto(const CaptureRequest& c) {
   p.set_cuda_graph_mode(CudaGraphModeToProto(c.mode));
   p.set_fused_op_in_graph(c.fused_op_in_graph);
   if (c.mnnvl_capture_safe) p.set_mnnvl_capture_safe(*c.mnnvl_capture_safe);
+  p.set_client_loads_kernels(c.client_loads_kernels);
+  p.set_call_sites(c.call_sites);
   return p;
 }
 
@@ -113,6 +125,8 @@ absl::StatusOr<CaptureRequest> CaptureFromProto(const v1::CaptureRequest& p) {
   ARFUSE_ASSIGN_OR_RETURN(c.mode, CudaGraphModeFromProto(p.cuda_graph_mode()));
   c.fused_op_in_graph = p.fused_op_in_graph();
   if (p.has_mnnvl_capture_safe()) c.mnnvl_capture_safe = p.mnnvl_capture_safe();
+  c.client_loads_kernels = p.client_loads_kernels();
+  c.call_sites = p.call_sites();
   return c;
 }
 

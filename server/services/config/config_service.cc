@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
+#include "server/engine/doorbell_host.h"
 #include "server/services/common/grpc_status.h"
 #include "server/services/config/config_convert.h"
 
@@ -85,6 +86,7 @@ absl::StatusOr<v1::NegotiateResponse> ConfigService::HandleNegotiate(
   if (snapshot.device == v1::DEVICE_KIND_CUDA) {
     env.mps_detected = snapshot.mps_detected;
     env.doorbell_hop_us = snapshot.doorbell_hop_us;
+    env.doorbell_slots = kDoorbellPlaneSlots;
   } else {
     env.doorbell_available = false;
     env.doorbell_unavailable_reason = snapshot.device == v1::DEVICE_KIND_HOST

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -15,16 +16,11 @@
 #include "server/services/common/grpc_status.h"
 #include "server/services/fusion/event_ipc_factory.h"
 #include "server/services/fusion/proto_convert.h"
+#include "server/services/fusion/service_helpers.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
 namespace {
-
-grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& s) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(s));
-  return reactor;
-}
 
 v1::ExecPath ToProtoPath(ExecPath p) { return static_cast<v1::ExecPath>(p); }
 
@@ -36,10 +32,6 @@ void LogExecuteFailure(LogRateLimiter& limiter, const absl::Status& status) {
   if (!limiter.Allow(code, absl::Now(), &held_back)) return;
   spdlog::warn("event=execute_failed code={} held_back={} message=\"{}\"", code, held_back,
                std::string(status.message()));
-}
-
-absl::Status EngineUnavailable() {
-  return absl::UnavailableError("the sidecar's engine is still initializing; retry shortly");
 }
 
 absl::Status ShuttingDown() {
@@ -72,9 +64,15 @@ FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
       ops_(1, options_.max_queued_ops),
       // Two control threads, so one unregister draining a long op does not stall every
       // registration behind it.
-      control_(2, 256) {}
+      control_(2, 256),
+      instream_(std::make_unique<InStreamAttachments>(
+          [this](uint64_t session, const AttachEventData& e) { NotifySession(session, e); },
+          [this] { return ProbeInStream(); })) {}
 
-FusionService::~FusionService() { Shutdown(); }
+FusionService::~FusionService() {
+  Shutdown();
+  instream_.reset();  // stops the watcher before the members it calls back into go
+}
 
 void FusionService::Shutdown() {
   BeginShutdown();
@@ -171,25 +169,64 @@ class FusionService::SessionReactor final
         write_pending_ = true;
       }
       StartWrite(&response_);
+    } else if (request_.drained_attach_id() != 0) {
+      // The client finished its in-stream launches after a DRAIN event.
+      uint64_t id = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        id = session_id_;
+      }
+      service_->instream_->Acknowledge(id, request_.drained_attach_id());
     }
-    // Later messages carry nothing; reading on is how the end of the stream is noticed.
+    // Reading on is how later messages (drain answers) and the end of the stream are noticed.
     StartRead(&request_);
+  }
+
+  // Queues an in-stream event for this session's stream (one write in flight at a time).
+  void SendEvent(const AttachEventData& event) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!opened_ || finish_requested_) return;
+      v1::SessionResponse message;
+      v1::AttachEvent* e = message.mutable_event();
+      e->set_kind(static_cast<v1::AttachEvent::Kind>(event.kind));
+      e->set_attach_id(event.attach_id);
+      e->set_reason(event.reason);
+      events_.push_back(std::move(message));
+      if (write_pending_) return;  // OnWriteDone sends it
+      write_pending_ = true;
+      writing_ = std::move(events_.front());
+      events_.pop_front();
+    }
+    StartWrite(&writing_);
+  }
+
+  uint64_t session_id() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return opened_ ? session_id_ : 0;
   }
 
   void OnWriteDone(bool ok) override {
     absl::Status pending;
     bool finish = false;
+    bool next = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       write_pending_ = false;
-      if (finish_requested_ && !finished_) {
+      if (ok && !finish_requested_ && !events_.empty()) {
+        write_pending_ = true;
+        next = true;
+        writing_ = std::move(events_.front());
+        events_.pop_front();
+      } else if (finish_requested_ && !finished_) {
         finished_ = true;
         finish = true;
         pending = finish_status_;
       }
     }
+    if (next) StartWrite(&writing_);
     if (finish) Finish(ToGrpcStatus(pending));
-    (void)ok;  // a failed write means the stream is gone; the failed read that follows ends it
+    // A failed write means the stream is gone; the failed read that follows ends it.
   }
 
   void OnDone() override {
@@ -203,6 +240,7 @@ class FusionService::SessionReactor final
       id = session_id_;
     }
     if (opened) {
+      service_->instream_->RemoveSession(id);
       service_->registry_.CloseSession(id);
       service_->EndSessionDoorbells(id);
     }
@@ -236,6 +274,9 @@ class FusionService::SessionReactor final
   std::atomic<int> refs_{1};
   v1::SessionRequest request_;
   v1::SessionResponse response_;
+  // In-stream events waiting for the stream, and the one being written (guarded by mu_).
+  std::deque<v1::SessionResponse> events_;
+  v1::SessionResponse writing_;
   std::mutex mu_;
   bool opened_ = false;
   uint64_t session_id_ = 0;
@@ -265,6 +306,23 @@ size_t FusionService::open_sessions() const {
 void FusionService::UntrackSession(SessionReactor* reactor) {
   std::lock_guard<std::mutex> lock(sessions_mu_);
   sessions_.erase(reactor);
+}
+
+void FusionService::NotifySession(uint64_t session, const AttachEventData& event) {
+  SessionReactor* target = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    for (SessionReactor* r : sessions_) {
+      if (r->session_id() == session) {
+        r->Ref();
+        target = r;
+        break;
+      }
+    }
+  }
+  if (target == nullptr) return;
+  target->SendEvent(event);
+  target->Unref();
 }
 
 void FusionService::BeginShutdown() {
@@ -407,6 +465,7 @@ grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ct
   };
   auto session = SessionOf(*ctx);
   if (!session.ok()) return finish_failed(session.status());
+  if (absl::Status busy = RefuseWhileAttached(); !busy.ok()) return finish_failed(busy);
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) return finish_failed(EngineUnavailable());
   if (!req->wait_event().empty() && events_ == nullptr) {
@@ -562,6 +621,7 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
                               "--device=host, where the CPU implementation runs every op); "
                               "create the plan without doorbell and use Execute (eager plane)"));
   }
+  if (absl::Status busy = RefuseWhileAttached(); !busy.ok()) return FinishNow(ctx, busy);
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
   if (engine->doorbell_host() == nullptr) {

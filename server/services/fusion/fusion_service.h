@@ -25,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,8 @@
 #include "server/core/log.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
+#include "server/instream/attachments.h"
+#include "server/peers/unique_fd.h"
 #include "server/registry/opener.h"
 #include "server/registry/registry.h"
 #include "server/services/fusion/event_ipc.h"
@@ -62,6 +65,15 @@ struct FusionServiceOptions {
   // The daemon's doorbell self-test (docs/doorbell.md): us per op over in-process; 0 when not
   // measured.
   double doorbell_hop_us = 0;
+  // The in-stream plane's descriptors (VMM POSIX-FD handles, the host workspace) reach the
+  // client through the fd socket: `offer_fds` puts them there for the calling client (its
+  // credentials come from the call) and returns the single-use ticket; `fd_socket` is the
+  // socket's path for the client. Without it, attaches that need descriptors answer
+  // FAILED_PRECONDITION.
+  std::function<absl::StatusOr<std::string>(const grpc::CallbackServerContext& ctx,
+                                            std::vector<UniqueFd> fds)>
+      offer_fds;
+  std::string fd_socket;
 };
 
 class FusionService final : public v1::Fusion::CallbackService {
@@ -121,6 +133,19 @@ class FusionService final : public v1::Fusion::CallbackService {
   grpc::ServerUnaryReactor* GetWorkspaceInfo(grpc::CallbackServerContext* ctx,
                                              const v1::GetWorkspaceInfoRequest* req,
                                              v1::GetWorkspaceInfoResponse* resp) override;
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx, const v1::AttachRequest* req,
+                                   v1::AttachResponse* resp) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* ctx, const v1::DetachRequest* req,
+                                   v1::DetachResponse* resp) override;
+
+  // The in-stream plane's attachments (docs/instream.md).
+  InStreamAttachments& instream() { return *instream_; }
+  // Asks every attached client to stop launching on the workspace and waits for their answers
+  // (bounded): before a backend switch drops the workspace, and at shutdown. Returns how many
+  // did not answer (their launches end at the workspace's abort).
+  size_t DrainInStream(const std::string& reason, absl::Time deadline) {
+    return instream_->Drain(reason, deadline);
+  }
 
  private:
   class SessionReactor;
@@ -134,6 +159,13 @@ class FusionService final : public v1::Fusion::CallbackService {
   // shutdown began (the stream is refused).
   bool TrackSession(SessionReactor* reactor);
   void UntrackSession(SessionReactor* reactor);
+  // Sends an in-stream event on the session's stream (dropped when the session is gone).
+  void NotifySession(uint64_t session, const AttachEventData& event);
+  // FAILED_PRECONDITION while clients launch in-stream on the workspace: the sidecar's own ops
+  // (eager, doorbell) would interleave with theirs in the kernels' sequence.
+  absl::Status RefuseWhileAttached() const;
+  // The watcher's sample of the engine (InStreamAttachments::Probe).
+  InStreamProbe ProbeInStream() const;
 
   // ---- doorbell plane (docs/doorbell.md) ----
   // One registered doorbell plan: the engine's grant and the hold on the plan's regions, kept
@@ -170,6 +202,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   DoorbellPlans doorbell_parked_;
   Executor ops_;
   Executor control_;
+  // Last: its watcher thread calls back into the members above.
+  std::unique_ptr<InStreamAttachments> instream_;
 };
 
 // The metadata key carrying the session id (decimal) on every call after Session.

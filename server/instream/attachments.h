@@ -1,0 +1,110 @@
+// The in-stream plane's bookkeeping in the sidecar (docs/instream.md): which sessions hold an
+// attachment to the workspace, and what each must be told. CUDA-free and gRPC-free; the Fusion
+// service delivers the events on the sessions' streams.
+//
+// An attachment belongs to a session and ends with it (the client disconnected or died), with
+// Detach, with a drain (backend switch, shutdown: the client acknowledges on its session stream)
+// or when the workspace it was made for is gone (the engine was replaced after a poisoning:
+// REINITIALIZED tells the client to attach again).
+//
+// While any attachment exists the workspace belongs to the in-stream plane: the sidecar runs no
+// op of its own on it (Busy()), since its launches and the clients' would interleave in the
+// kernels' per-workspace sequence.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace arfuse {
+
+enum class AttachEventKind : uint8_t { kDrain = 1, kReinitialized = 2, kPoisoned = 3 };
+
+struct AttachEventData {
+  AttachEventKind kind = AttachEventKind::kDrain;
+  uint64_t attach_id = 0;
+  std::string reason;
+};
+
+// What the watcher samples from the engine: the workspace generation the attachments were made
+// for, and its error word.
+struct InStreamProbe {
+  bool ok = false;  // false: no engine or no workspace right now
+  uint64_t generation = 0;
+  uint32_t error = 0;
+  std::string error_name;
+  uint64_t launches = 0;
+  uint64_t stale = 0;
+};
+
+class InStreamAttachments {
+ public:
+  // `notify` delivers an event to a session (called without the table's lock held, from the
+  // watcher thread or the caller of Drain). `probe` samples the engine; it is called from the
+  // watcher thread every `interval` while attachments exist.
+  using Notify = std::function<void(uint64_t session, const AttachEventData& event)>;
+  using Probe = std::function<InStreamProbe()>;
+  InStreamAttachments(Notify notify, Probe probe, absl::Duration interval = absl::Milliseconds(50));
+  ~InStreamAttachments();  // stops the watcher (never waits for clients)
+  InStreamAttachments(const InStreamAttachments&) = delete;
+  InStreamAttachments& operator=(const InStreamAttachments&) = delete;
+
+  // A new attachment of `session` to the workspace of `generation`. ALREADY_EXISTS when the
+  // session holds one; FAILED_PRECONDITION while a drain is in progress.
+  absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation);
+  // NOT_FOUND for an id the session does not hold.
+  absl::Status Remove(uint64_t session, uint64_t attach_id);
+  // The session ended: its attachment (if any) ends.
+  void RemoveSession(uint64_t session);
+  // The client's SessionRequest.drained_attach_id.
+  void Acknowledge(uint64_t session, uint64_t attach_id);
+
+  // Whether the workspace belongs to the in-stream plane now (an attachment exists).
+  bool Busy() const;
+  size_t size() const;
+
+  // Asks every attachment to drain (DRAIN on its session) and waits until each acknowledged or
+  // its session ended, at most until `deadline`; new attachments are refused meanwhile. Returns
+  // how many did not answer in time (their clients' launches end at the workspace's abort, when
+  // the caller drops it). Every attachment is gone when it returns.
+  size_t Drain(const std::string& reason, absl::Time deadline);
+
+  // Sums of the kernels' counters as last probed, for metrics (monotonic across workspaces).
+  uint64_t launches() const;
+  uint64_t stale() const;
+
+ private:
+  struct Entry {
+    uint64_t session = 0;
+    uint64_t generation = 0;
+    bool draining = false;
+  };
+  void Watch();
+  void Deliver(std::vector<std::pair<uint64_t, AttachEventData>> events);
+
+  const Notify notify_;
+  const Probe probe_;
+  const absl::Duration interval_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Entry> entries_;  // by attach id
+  uint64_t next_id_ = 1;
+  bool draining_ = false;
+  bool stop_ = false;
+  bool poisoned_reported_ = false;
+  // Counters: those of workspaces gone, plus the last probe of the current one.
+  uint64_t launches_base_ = 0, stale_base_ = 0, last_launches_ = 0, last_stale_ = 0;
+  uint64_t probed_generation_ = 0;
+  std::thread watcher_;
+};
+
+}  // namespace arfuse

@@ -1,0 +1,151 @@
+// Fusion.Attach / Fusion.Detach: the in-stream plane's control path (docs/instream.md). The
+// client library launches the sidecar's kernels in the client's own stream; these calls hand it
+// the workspace (the attach blob and its descriptors) and take it back. Nothing here is on the
+// per-op path.
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/instream/attach_abi.h"
+#include "server/engine/instream_host.h"
+#include "server/instream/attach_blob.h"
+#include "server/services/fusion/fusion_service.h"
+#include "server/services/fusion/service_helpers.h"
+#include "spdlog/spdlog.h"
+
+namespace arfuse {
+namespace {
+
+// The client library's ABI versions, checked before anything is handed out: a client built for
+// another launch layout would make the kernels read their arguments at other offsets.
+absl::Status CheckClientAbi(const v1::AttachRequest& req) {
+  if (req.attach_abi_version() != instream::kAttachAbiVersion ||
+      req.launch_abi_version() != instream::kLaunchAbiVersion ||
+      req.launch_args_bytes() != instream::kLaunchArgsBytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the client library speaks attach ABI ", req.attach_abi_version(), ", launch ABI ",
+        req.launch_abi_version(), " (", req.launch_args_bytes(),
+        "-byte arguments); this sidecar's kernels need attach ABI ", instream::kAttachAbiVersion,
+        ", launch ABI ", instream::kLaunchAbiVersion, " (", instream::kLaunchArgsBytes,
+        "-byte arguments): use the client library of this sidecar's release"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status FusionService::RefuseWhileAttached() const {
+  const size_t n = instream_->size();
+  if (n == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the workspace is attached in-stream (", n,
+      " attachment(s)): ops run in the attached client's stream; detach it before using the "
+      "eager or doorbell plane"));
+}
+
+InStreamProbe FusionService::ProbeInStream() const {
+  InStreamProbe p;
+  Engine* engine = engine_ ? engine_() : nullptr;
+  InStreamHost* host = engine != nullptr ? engine->instream_host() : nullptr;
+  if (host == nullptr) return p;
+  absl::StatusOr<InStreamCounters> c = host->InStreamStatus();
+  if (!c.ok()) return p;
+  p.ok = true;
+  p.generation = c->generation;
+  p.error = c->error;
+  p.error_name = c->error_name;
+  p.launches = c->launches;
+  p.stale = c->stale;
+  return p;
+}
+
+grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx,
+                                                const v1::AttachRequest* req,
+                                                v1::AttachResponse* resp) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  if (absl::Status abi = CheckClientAbi(*req); !abi.ok()) return FinishNow(ctx, abi);
+  if (req->hidden_size() > static_cast<int>(instream::kMaxAttachHiddens)) {
+    return FinishNow(ctx, absl::InvalidArgumentError(
+                              absl::StrCat("at most ", instream::kMaxAttachHiddens,
+                                           " hidden sizes per attach, got ", req->hidden_size())));
+  }
+  Engine* engine = engine_ ? engine_() : nullptr;
+  if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
+  if (engine->instream_host() == nullptr) {
+    return FinishNow(ctx, absl::FailedPreconditionError(
+                              "this sidecar's engine cannot hand its workspace to a client "
+                              "library; use the doorbell or eager plane"));
+  }
+  std::vector<uint32_t> hiddens(req->hidden().begin(), req->hidden().end());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const uint64_t sid = *session;
+  // Loading and sizing the kernel image takes milliseconds the first time: a control thread.
+  absl::Status queued = control_.Submit(
+      [this, reactor, ctx, resp, sid, hiddens = std::move(hiddens)](bool cancelled) {
+        if (cancelled) {
+          reactor->Finish(ToGrpcStatus(absl::UnavailableError("sidecar is shutting down")));
+          return;
+        }
+        Engine* engine = engine_ ? engine_() : nullptr;
+        InStreamHost* host = engine != nullptr ? engine->instream_host() : nullptr;
+        if (host == nullptr) {
+          reactor->Finish(ToGrpcStatus(EngineUnavailable()));
+          return;
+        }
+        absl::StatusOr<InStreamExport> exported = host->ExportInStream(hiddens);
+        if (!exported.ok()) {
+          reactor->Finish(ToGrpcStatus(exported.status()));
+          return;
+        }
+        const uint64_t generation = exported->generation;
+        absl::StatusOr<uint64_t> id = instream_->Add(sid, generation);
+        if (!id.ok()) {
+          reactor->Finish(ToGrpcStatus(id.status()));
+          return;
+        }
+        absl::StatusOr<AttachBlob> blob = BuildAttachBlob(*std::move(exported), *id);
+        absl::Status done = blob.status();
+        if (done.ok() && !blob->fds.empty()) {
+          const size_t count = blob->fds.size();
+          if (!options_.offer_fds) {
+            done = absl::FailedPreconditionError(
+                "this workspace's memory reaches clients as file descriptors, and this sidecar "
+                "serves no fd socket");
+          } else {
+            absl::StatusOr<std::string> ticket = options_.offer_fds(*ctx, std::move(blob->fds));
+            done = ticket.status();
+            if (ticket.ok()) {
+              resp->set_fd_ticket(*ticket);
+              resp->set_fd_count(static_cast<uint32_t>(count));
+              resp->set_fd_socket(options_.fd_socket);
+            }
+          }
+        }
+        if (!done.ok()) {
+          static_cast<void>(instream_->Remove(sid, *id));
+          reactor->Finish(ToGrpcStatus(done));
+          return;
+        }
+        resp->set_attach_id(*id);
+        resp->set_generation(generation);
+        resp->set_memory_kind(blob->memory_kind);
+        resp->set_image_bytes(blob->bytes.size());
+        *resp->mutable_attach_blob() = std::move(blob->bytes);
+        spdlog::info("event=instream_attached attach_id={} memory={} blob_bytes={}", *id,
+                     resp->memory_kind(), resp->attach_blob().size());
+        reactor->Finish(grpc::Status::OK);
+      });
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(queued));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* FusionService::Detach(grpc::CallbackServerContext* ctx,
+                                                const v1::DetachRequest* req,
+                                                v1::DetachResponse* /*resp*/) {
+  auto session = SessionOf(*ctx);
+  if (!session.ok()) return FinishNow(ctx, session.status());
+  return FinishNow(ctx, instream_->Remove(*session, req->attach_id()));
+}
+
+}  // namespace arfuse
