@@ -97,7 +97,7 @@ struct AttachHeader {
   uint32_t hidden;
   // Host mode: bytes of one rank's slot in one buffer of the host workspace (0 on CUDA).
   uint64_t host_slot_bytes;
-  uint64_t reserved2[4];
+  uint64_t reserved2[2];
 };
 static_assert(sizeof(AttachHeader) == 288);
 static_assert(offsetof(AttachHeader, generation) == 48);

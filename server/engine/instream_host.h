@@ -24,9 +24,9 @@ struct InStreamRankMemory {
   uint64_t bytes = 0;
   std::string handle;  // 64 bytes for kCudaIpc and kVmmFabric, empty otherwise
   // kVmmPosixFd, kHostShm: a descriptor of this rank's memory (a duplicate the export owns);
-  // for kHostShm only rank 0's entry holds one (the group's one object) and every rank's
-  // RankMemory points at it.
-  peers::UniqueFd fd;
+  // for kHostShm only one entry holds one (the exporting rank's: the group's one object) and
+  // every rank's RankMemory points at it.
+  UniqueFd fd;
 };
 
 // Everything the attach blob describes, filled by the engine for one attach.
