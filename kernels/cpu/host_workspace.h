@@ -77,6 +77,7 @@ enum class HostWsError : uint32_t {
   kTimeout = 1,    // a rank did not arrive within the spin deadline
   kHostAbort = 2,  // this process aborted the wait (Engine::Abort, InStreamHost::AbortInStream)
   kPeerAbort = 3,  // another rank gave up first
+  kPoisoned = 4,   // (reported, never stored) the workspace was poisoned for a reason not recorded
 };
 
 // Whether a rank that found every rank's input for op `seq` must drop it because a rank gave up:
