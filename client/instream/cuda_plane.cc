@@ -205,7 +205,7 @@ class CudaPlane final : public Plane {
       }
     }
     if (module_ != nullptr) d_.ModuleUnload(module_);
-    if (error_host_ != nullptr) d_.MemFreeHost(error_host_);
+    if (error_host_ != nullptr) d_.MemFreeHost(const_cast<uint32_t*>(error_host_));
   }
 
   absl::Status Attach(const ParsedBlob& blob, const int* fds) {
