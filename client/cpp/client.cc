@@ -251,6 +251,24 @@ absl::StatusOr<v1::GetWorkspaceInfoResponse> Client::GetWorkspaceInfo() {
   return resp;
 }
 
+absl::StatusOr<v1::AttachResponse> Client::Attach(const v1::AttachRequest& request) {
+  v1::AttachResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, absl::ZeroDuration());
+  grpc::Status s = stub_->Attach(&ctx, request, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return resp;
+}
+
+absl::Status Client::Detach(uint64_t attach_id) {
+  v1::DetachRequest req;
+  req.set_attach_id(attach_id);
+  v1::DetachResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, absl::ZeroDuration());
+  return FromGrpc(stub_->Detach(&ctx, req, &resp));
+}
+
 // ---- HostShmBuffer ----
 
 absl::StatusOr<HostShmBuffer> HostShmBuffer::Create(uint64_t byte_size, const std::string& tag) {

@@ -134,6 +134,13 @@ class Client {
 
   absl::StatusOr<v1::GetWorkspaceInfoResponse> GetWorkspaceInfo();
 
+  // Fusion.Attach / Fusion.Detach of the in-stream plane (docs/instream.md), as raw messages:
+  // the request carries the client library's versions (client/cpp/instream_attach.h fills them
+  // from libarfuse_client and completes the attach). Detach after the attachment's launches and
+  // the graphs that captured them are gone.
+  absl::StatusOr<v1::AttachResponse> Attach(const v1::AttachRequest& request);
+  absl::Status Detach(uint64_t attach_id);
+
   // The raw stub and a context with version, session and deadline set, for calls this class
   // does not wrap.
   v1::Fusion::Stub& stub() { return *stub_; }

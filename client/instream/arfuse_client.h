@@ -54,8 +54,9 @@ extern "C" {
 #define ARFUSE_PERMISSION_DENIED 7
 #define ARFUSE_FAILED_PRECONDITION 9 /* ABI/version mismatch, wrong GPU, stale generation */
 #define ARFUSE_ABORTED 10            /* a kernel (or a peer) gave up: the workspace is poisoned */
-#define ARFUSE_OUT_OF_RANGE 11 /* fusion unavailable for this op (shape/dtype): run your own path \
-                                */
+#define ARFUSE_OUT_OF_RANGE                                             \
+  11 /* fusion unavailable for this op (shape/dtype): run your own path \
+      */
 #define ARFUSE_UNIMPLEMENTED 12
 #define ARFUSE_INTERNAL 13
 #define ARFUSE_UNAVAILABLE 14 /* the ctx is disabled (drained, sidecar lost): run your own path */

@@ -17,106 +17,86 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/cpu/host_collective.h"
+#include "kernels/instream/attach_abi.h"
 #include "server/core/status_macros.h"
-#include "server/host/host_workspace.h"
+#include "server/engine/instream_host.h"
 #include "server/peers/exchange.h"
+#include "server/peers/unique_fd.h"
 #include "spdlog/spdlog.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define ARFUSE_CPU_RELAX() _mm_pause()
-#else
-#define ARFUSE_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
-#endif
 
 namespace arfuse {
 namespace {
 
-using host::HostRankSync;
-using host::HostSlotDesc;
-using host::HostWsHeader;
-
-// RAII owner of one shared-memory mapping. munmap never blocks.
-class ShmMapping {
- public:
-  static absl::StatusOr<std::unique_ptr<ShmMapping>> Create(const std::string& name, size_t bytes) {
-    int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot create host workspace shm: ", strerror(errno)));
-    }
-    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      int e = errno;
-      ::close(fd);
-      ::shm_unlink(name.c_str());
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot size host workspace to ", bytes, " bytes: ", strerror(e)));
-    }
-    return Map(fd, bytes);
-  }
-
-  static absl::StatusOr<std::unique_ptr<ShmMapping>> Open(const std::string& name,
-                                                          size_t expected_bytes) {
-    int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot open rank 0's host workspace: ", strerror(errno),
-                       " (ranks of a host-mode group must share one node and user)"));
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != expected_bytes) {
-      ::close(fd);
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank 0's host workspace has ", st.st_size, " bytes, expected ",
-                       expected_bytes, " (do all ranks run with the same options?)"));
-    }
-    return Map(fd, expected_bytes);
-  }
-
-  ~ShmMapping() { ::munmap(data_, size_); }
-  uint8_t* data() const { return static_cast<uint8_t*>(data_); }
-  size_t size() const { return size_; }
-
- private:
-  ShmMapping(void* data, size_t size) : data_(data), size_(size) {}
-  static absl::StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, size_t bytes) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int e = errno;
-    ::close(fd);  // the mapping keeps the object alive
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot map the host workspace (", bytes, " bytes): ", strerror(e)));
-    }
-    return std::unique_ptr<ShmMapping>(new ShmMapping(p, bytes));
-  }
-  void* data_;
-  size_t size_;
+// The group's host workspace object as this rank holds it: the descriptor (kept open so that
+// attached clients can be handed a duplicate) and the mapping. Closing and munmap never block.
+struct HostWsObject {
+  UniqueFd fd;
+  host::HostWsMapping mapping;
 };
 
-std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ", "); }
-
-uint32_t FloatBitsOf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
+absl::StatusOr<HostWsObject> CreateShm(const std::string& name, size_t bytes) {
+  UniqueFd fd(::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create host workspace shm: ", strerror(errno)));
+  }
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
+    int e = errno;
+    ::shm_unlink(name.c_str());
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot size host workspace to ", bytes, " bytes: ", strerror(e)));
+  }
+  auto m = host::HostWsMapping::Map(fd.get(), bytes);
+  if (!m.ok()) {
+    ::shm_unlink(name.c_str());
+    return m.status();
+  }
+  return HostWsObject{std::move(fd), std::move(*m)};
 }
 
-class HostEngine final : public Engine {
+absl::StatusOr<HostWsObject> OpenShm(const std::string& name, size_t expected_bytes) {
+  UniqueFd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
+  if (!fd.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open rank 0's host workspace: ", strerror(errno),
+                     " (ranks of a host-mode group must share one node and user)"));
+  }
+  auto m = host::HostWsMapping::Map(fd.get(), expected_bytes);
+  if (!m.ok()) {
+    return absl::Status(m.status().code(), absl::StrCat("rank 0's ", m.status().message()));
+  }
+  return HostWsObject{std::move(fd), std::move(*m)};
+}
+
+// FusionAlgo::kOneShot (kernels/allreduce_fusion/allreduce_fusion.h, which needs the CUDA
+// headers): the host collective is the one algorithm of host mode.
+constexpr uint8_t kOneShotAlgo = 1;
+
+class HostEngine final : public Engine, public InStreamHost {
  public:
   explicit HostEngine(const EngineOptions& options)
       : options_(options),
-        slot_bytes_(host::AlignUp(
-            static_cast<size_t>(options.max_tokens) * options.max_hidden * DTypeSize(options.dtype),
-            host::kHostWsSlotAlign)) {}
+        slot_bytes_(host::HostWsSlotBytes(options.max_tokens, options.max_hidden, options.dtype)) {}
 
-  ~HostEngine() override { Abort(); }
+  ~HostEngine() override {
+    Abort();
+    // Clients attached to this generation stop at their next op instead of waiting for a rank
+    // that is gone.
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (ws_.mapping.valid()) host::RetireHostWorkspace(ws_.mapping.data());
+  }
 
   absl::Status Initialize(Exchange& exchange, absl::Time deadline) override {
     std::lock_guard<std::mutex> op_lock(op_mu_);  // no op runs while the workspace changes
-    SetState(WorkspaceState::kInitializing, "initializing the host workspace");
-    mapping_.reset();
-    header_ = nullptr;
+    {
+      // The old generation is dropped: clients still attached to it get a stale generation.
+      std::lock_guard<std::mutex> lock(state_mu_);
+      if (ws_.mapping.valid()) host::RetireHostWorkspace(ws_.mapping.data());
+      ws_ = HostWsObject{};
+      state_ = WorkspaceState::kInitializing;
+      reason_ = "initializing the host workspace";
+    }
 
     // Local checks first; a rank that fails them still takes part in every collective below
     // (with a "no" vote), so its peers hear why instead of hanging.
@@ -132,13 +112,13 @@ class HostEngine final : public Engine {
 
     // Every rank agrees on the new generation: one more than the highest any rank has seen.
     auto gathered =
-        exchange.Allgather("host_engine/generation", absl::StrCat(generation_), deadline);
+        exchange.Allgather("host_engine/generation", absl::StrCat(generation()), deadline);
     if (!gathered.ok()) {
       SetState(WorkspaceState::kInitializing, std::string(gathered.status().message()));
       return gathered.status();
     }
     const std::vector<std::string>& gens = *gathered;
-    uint64_t next_gen = generation_;
+    uint64_t next_gen = generation();
     for (const auto& g : gens) {
       uint64_t v = 0;
       if (absl::SimpleAtoi(g, &v)) next_gen = std::max(next_gen, v);
@@ -147,25 +127,16 @@ class HostEngine final : public Engine {
 
     const size_t total = host::HostWsTotalBytes(options_.world_size, slot_bytes_);
     std::string name;
-    std::unique_ptr<ShmMapping> mapping;
+    HostWsObject ws;
     if (options_.rank == 0 && local_problem.empty()) {
       std::random_device rd;
       name = absl::StrCat("/arfuse-host-", ::getpid(), "-", next_gen, "-", rd());
-      auto m = ShmMapping::Create(name, total);
-      if (m.ok()) {
-        mapping = std::move(*m);
-        auto* h = new (mapping->data()) HostWsHeader{};
-        h->magic = host::kHostWsMagic;
-        h->layout_version = host::kHostWsLayoutVersion;
-        h->world_size = static_cast<uint32_t>(options_.world_size);
-        h->generation = next_gen;
-        h->slot_bytes = slot_bytes_;
-        h->total_bytes = total;
-        h->abort_word.store(0, std::memory_order_relaxed);
-        h->abort_seq.store(0, std::memory_order_relaxed);
-        for (int r = 0; r < options_.world_size; ++r) new (Sync(mapping->data(), r)) HostRankSync{};
+      auto created = CreateShm(name, total);
+      if (created.ok()) {
+        ws = std::move(*created);
+        host::InitHostWorkspace(ws.mapping.data(), options_.world_size, next_gen, slot_bytes_);
       } else {
-        local_problem = std::string(m.status().message());
+        local_problem = std::string(created.status().message());
         name.clear();
       }
     }
@@ -182,18 +153,16 @@ class HostEngine final : public Engine {
       if (rank0_name.empty()) {
         local_problem = "rank 0 could not create the workspace";
       } else {
-        auto m = ShmMapping::Open(rank0_name, total);
-        if (!m.ok()) {
-          local_problem = std::string(m.status().message());
+        auto opened = OpenShm(rank0_name, total);
+        if (!opened.ok()) {
+          local_problem = std::string(opened.status().message());
+        } else if (absl::Status match = host::CheckHostWorkspace(
+                       opened->mapping.data(), options_.world_size, slot_bytes_, next_gen);
+                   !match.ok()) {
+          local_problem = absl::StrCat(
+              "rank 0's host workspace does not match this rank's layout (", match.message(), ")");
         } else {
-          mapping = std::move(*m);
-          auto* h = reinterpret_cast<HostWsHeader*>(mapping->data());
-          if (h->magic != host::kHostWsMagic || h->layout_version != host::kHostWsLayoutVersion ||
-              h->world_size != static_cast<uint32_t>(options_.world_size) ||
-              h->slot_bytes != slot_bytes_ || h->generation != next_gen) {
-            local_problem = "rank 0's host workspace does not match this rank's layout";
-            mapping.reset();
-          }
+          ws = std::move(*opened);
         }
       }
     }
@@ -211,12 +180,10 @@ class HostEngine final : public Engine {
                    options_.rank, next_gen, why);
       return absl::FailedPreconditionError(absl::StrCat("host workspace not built: ", why));
     }
-    mapping_ = std::move(mapping);
-    header_ = reinterpret_cast<HostWsHeader*>(mapping_->data());
-    seq_ = 0;
     abort_.store(false, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(state_mu_);
+      ws_ = std::move(ws);
       generation_ = next_gen;
       state_ = WorkspaceState::kReady;
       reason_ = "host shared-memory workspace ready";
@@ -234,6 +201,7 @@ class HostEngine final : public Engine {
           "another op held the host workspace until this op's deadline");
     }
     std::lock_guard<std::mutex> op_lock(op_mu_);
+    uint64_t generation = 0;
     {
       std::lock_guard<std::mutex> s(state_mu_);
       if (state_ == WorkspaceState::kPoisoned) {
@@ -241,84 +209,40 @@ class HostEngine final : public Engine {
             absl::StrCat("host workspace is poisoned (", reason_,
                          "); every rank must re-initialize (generation ", generation_, ")"));
       }
-      if (state_ != WorkspaceState::kReady || header_ == nullptr) {
+      if (state_ != WorkspaceState::kReady || !ws_.mapping.valid()) {
         return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
       }
+      generation = generation_;
     }
     ARFUSE_RETURN_IF_ERROR(Validate(op));
 
-    const uint64_t s = ++seq_;
-    const int b = static_cast<int>(s & 1);
-    const int world = options_.world_size;
-    const absl::Time deadline = std::min(ctx.deadline, absl::Now() + options_.spin_timeout);
-    const bool by_ctx = ctx.deadline <= absl::Now() + options_.spin_timeout;
-    uint8_t* base = mapping_->data();
-
-    // 1. Re-arm: buffer b last held call s - 2; every rank must be done reading it.
-    if (s > 2) {
-      ARFUSE_RETURN_IF_ERROR(SpinAll(
-          [&](int q) { return Sync(base, q)->done_seq.load(std::memory_order_acquire) >= s - 2; },
-          deadline, by_ctx, s, "finish reading the previous use of this buffer"));
+    host::HostOpArgs a;
+    a.pattern = op.pattern;
+    a.dtype = op.dtype;
+    a.hidden = op.hidden;
+    a.num_tokens = op.num_tokens;
+    a.eps = op.eps;
+    a.input = op.input;
+    a.output = op.output;
+    a.residual_in = op.residual_in;
+    a.residual_out = op.residual_out;
+    a.norm_out = op.norm_out;
+    a.gamma = op.gamma;
+    host::HostWaitLimits limits;
+    limits.deadline = std::min(ctx.deadline, absl::Now() + options_.spin_timeout);
+    limits.deadline_is_callers = ctx.deadline <= absl::Now() + options_.spin_timeout;
+    limits.local_abort = &abort_;
+    // op_mu_ keeps Initialize from replacing the mapping while the op runs.
+    host::HostCollective collective(ws_.mapping.data(), options_.rank, options_.world_size,
+                                    slot_bytes_);
+    host::HostOpResult r = collective.Run(a, generation, limits);
+    if (r.poisoned) {
+      SetState(WorkspaceState::kPoisoned, std::string(r.status.message()));
+      spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",
+                    options_.rank, generation, absl::StatusCodeToString(r.status.code()),
+                    std::string(r.status.message()));
     }
-    // 2. Publish this rank's input and what it runs.
-    HostRankSync* mine = Sync(base, options_.rank);
-    const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
-    std::memcpy(Slot(base, b, options_.rank), op.input, bytes);
-    mine->desc[b] = HostSlotDesc{op.hidden,
-                                 op.num_tokens,
-                                 FloatBitsOf(op.eps),
-                                 static_cast<uint8_t>(op.pattern),
-                                 static_cast<uint8_t>(op.dtype),
-                                 0};
-    // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
-    mine->written_seq[b].store(s, std::memory_order_release);
-    // 3. Wait for every rank's slot of this call.
-    ARFUSE_RETURN_IF_ERROR(SpinAll(
-        [&](int q) { return Sync(base, q)->written_seq[b].load(std::memory_order_acquire) >= s; },
-        deadline, by_ctx, s, "arrive"));
-    // A rank that gave up while this one waited may have seen this rank arrive; failing here
-    // too keeps the outcome alike on every rank in all but the narrowest race.
-    if (uint32_t w = header_->abort_word.load(std::memory_order_acquire);
-        host::DropsOpAfterAbort(w, header_->abort_seq.load(std::memory_order_acquire), s)) {
-      return Fail(
-          absl::AbortedError(absl::StrCat("op ", s, ": rank ", w - 1, " gave up on this op; rank ",
-                                          options_.rank, " drops it too")),
-          s);
-    }
-    // 4. Every rank must run the same op; a mismatch is refused alike on every rank, and the
-    // buffer is still released below so the protocol stays in step.
-    absl::Status agreed = absl::OkStatus();
-    for (int q = 0; q < world && agreed.ok(); ++q) {
-      const HostSlotDesc& d = Sync(base, q)->desc[b];
-      const HostSlotDesc& m = mine->desc[b];
-      if (std::memcmp(&d, &m, sizeof(d)) != 0) {
-        agreed = absl::InvalidArgumentError(absl::StrCat("ranks disagree on the op: rank ", q,
-                                                         " ran ", Describe(d), " but rank ",
-                                                         options_.rank, " ran ", Describe(m)));
-      }
-    }
-    absl::Status ran = agreed;
-    if (agreed.ok()) {
-      std::vector<const void*> inputs(world);
-      for (int q = 0; q < world; ++q) inputs[q] = Slot(base, b, q);
-      CpuOpArgs a;
-      a.pattern = op.pattern;
-      a.dtype = op.dtype;
-      a.world_size = world;
-      a.hidden = op.hidden;
-      a.num_tokens = op.num_tokens;
-      a.eps = op.eps;
-      a.rank_inputs = inputs.data();
-      a.output = op.output;
-      a.residual_in = op.residual_in;
-      a.residual_out = op.residual_out;
-      a.norm_out = op.norm_out;
-      a.gamma = op.gamma;
-      ran = ReferenceFusedOp(a);
-    }
-    // 5. Release: this rank is done reading buffer b for call s.
-    mine->done_seq.store(s, std::memory_order_release);
-    if (!ran.ok()) return ran;
+    if (!r.status.ok()) return r.status;
     return OpOutcome{ExecPath::kHost, "host shared-memory workspace, CPU implementation"};
   }
 
@@ -332,7 +256,7 @@ class HostEngine final : public Engine {
     // The group's decided backend (the CPU implementation stands in for its kernels); "none"
     // when the config service turned fusion off, so clients see the same answer as Negotiate.
     s.backend = options_.backend;
-    s.fusion_enabled = state_ == WorkspaceState::kReady && options_.backend != "none";
+    s.fusion_enabled = FusionEnabledLocked();
     s.reason = reason_;
     s.workspace_bytes = state_ == WorkspaceState::kInitializing
                             ? 0
@@ -340,21 +264,120 @@ class HostEngine final : public Engine {
     return s;
   }
 
- private:
-  static HostRankSync* Sync(uint8_t* base, int rank) {
-    return reinterpret_cast<HostRankSync*>(base + sizeof(HostWsHeader)) + rank;
-  }
-  uint8_t* Slot(uint8_t* base, int buffer, int rank) const {
-    return base + host::HostWsDataOffset(options_.world_size) +
-           (static_cast<size_t>(buffer) * options_.world_size + rank) * slot_bytes_;
+  InStreamHost* instream_host() override { return this; }
+
+  // ---- InStreamHost ----
+
+  absl::StatusOr<InStreamExport> ExportInStream(const std::vector<uint32_t>& hiddens) override {
+    ARFUSE_ASSIGN_OR_RETURN(std::vector<uint32_t> wanted, AttachHiddens(hiddens));
+    InStreamExport e;
+    e.device = instream::DeviceKind::kHost;
+    e.rank = static_cast<uint32_t>(options_.rank);
+    e.world_size = static_cast<uint32_t>(options_.world_size);
+    e.spin_timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.spin_timeout));
+    e.dtype = options_.dtype;
+    // One algorithm on the host: every op that fits the slot runs (the client calls it one-shot).
+    const uint64_t capacity =
+        uint64_t{options_.max_tokens} * options_.max_hidden * DTypeSize(options_.dtype);
+    e.oneshot_max_bytes = capacity;
+    e.twoshot_max_bytes = capacity;
+    e.max_tokens = options_.max_tokens;
+    e.hidden = options_.max_hidden;
+    e.host_slot_bytes = slot_bytes_;
+    for (uint32_t h : wanted) {
+      for (Pattern p : {Pattern::kAllReduce, Pattern::kAllReduceResidualRmsNorm}) {
+        instream::KernelEntry k{};
+        k.hidden = h;
+        k.pattern = static_cast<uint8_t>(p);
+        k.algo = kOneShotAlgo;
+        k.dtype = static_cast<uint8_t>(options_.dtype);
+        e.entries.push_back(k);  // no function: the client runs kernels/cpu/host_collective
+      }
+    }
+    const uint64_t total = host::HostWsTotalBytes(options_.world_size, slot_bytes_);
+    e.ranks.resize(static_cast<size_t>(options_.world_size));
+    for (InStreamRankMemory& m : e.ranks) {
+      m.kind = instream::MemoryKind::kHostShm;
+      m.bytes = total;
+    }
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (state_ == WorkspaceState::kPoisoned) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "host workspace is poisoned (", reason_, "); attach after every rank re-initialized"));
+    }
+    if (state_ != WorkspaceState::kReady || !ws_.fd.valid()) {
+      return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
+    }
+    if (!FusionEnabledLocked()) {
+      return absl::FailedPreconditionError(
+          "fusion is off for this group (backend none): there is nothing to attach to");
+    }
+    // The group's one object: this rank's descriptor stands for every rank.
+    UniqueFd dup(::fcntl(ws_.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!dup.valid()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot duplicate the host workspace descriptor: ", strerror(errno)));
+    }
+    e.ranks[static_cast<size_t>(options_.rank)].fd = std::move(dup);
+    e.generation = generation_;
+    return e;
   }
 
-  static std::string Describe(const HostSlotDesc& d) {
-    float eps;
-    std::memcpy(&eps, &d.eps_bits, sizeof(eps));
-    return absl::StrCat(PatternName(static_cast<Pattern>(d.pattern)), " ",
-                        DTypeName(static_cast<DType>(d.dtype)), " tokens=", d.num_tokens,
-                        " hidden=", d.hidden, " eps=", eps);
+  absl::StatusOr<InStreamCounters> InStreamStatus() override {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!ws_.mapping.valid()) {
+      return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
+    }
+    host::HostCollective view(ws_.mapping.data(), options_.rank, options_.world_size, slot_bytes_);
+    InStreamCounters c;
+    c.launches = view.sync(options_.rank)->client_ops.load(std::memory_order_relaxed);
+    // A stale client op touches nothing, not even a counter: there is none to report.
+    c.stale = 0;
+    c.error = view.header()->error.load(std::memory_order_acquire);
+    return c;
+  }
+
+  void AbortInStream() override {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!ws_.mapping.valid()) return;
+    host::AbortHostWorkspace(ws_.mapping.data(), options_.rank);
+    if (state_ == WorkspaceState::kReady) {
+      state_ = WorkspaceState::kPoisoned;
+      reason_ = "the sidecar aborted the in-stream plane";
+    }
+  }
+
+ private:
+  // The hidden sizes an attach gets entries for: the workspace's when none are asked for.
+  absl::StatusOr<std::vector<uint32_t>> AttachHiddens(const std::vector<uint32_t>& asked) const {
+    if (asked.empty()) return std::vector<uint32_t>{options_.max_hidden};
+    if (asked.size() > instream::kMaxAttachHiddens) {
+      return absl::InvalidArgumentError(absl::StrCat("an attach takes at most ",
+                                                     instream::kMaxAttachHiddens,
+                                                     " hidden sizes, not ", asked.size()));
+    }
+    std::vector<uint32_t> out;
+    for (uint32_t h : asked) {
+      if (h == 0 || h % kHiddenMultiple != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("hidden ", h, " must be a positive multiple of ", kHiddenMultiple));
+      }
+      if (h > options_.max_hidden) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "hidden ", h, " exceeds the workspace's max_hidden ", options_.max_hidden));
+      }
+      if (std::find(out.begin(), out.end(), h) == out.end()) out.push_back(h);
+    }
+    return out;
+  }
+
+  bool FusionEnabledLocked() const {
+    return state_ == WorkspaceState::kReady && options_.backend != "none";
+  }
+
+  uint64_t generation() const {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    return generation_;
   }
 
   absl::Status Validate(const OpArgs& op) const {
@@ -406,77 +429,6 @@ class HostEngine final : public Engine {
     return absl::OkStatus();
   }
 
-  // Polls until ready(q) holds for every rank q, or fails: the local abort flag (Abort()), a
-  // peer's abort word, or the deadline. Failure poisons the workspace and raises the abort word
-  // so the peers stop waiting too.
-  template <typename Ready>
-  absl::Status SpinAll(Ready ready, absl::Time deadline, bool by_ctx, uint64_t seq,
-                       const char* what) {
-    const int world = options_.world_size;
-    const absl::Time start = absl::Now();
-    for (uint64_t iter = 0;; ++iter) {
-      bool all = true;
-      for (int q = 0; q < world && all; ++q) all = ready(q);
-      if (all) return absl::OkStatus();
-      if (iter % 64 == 63) {
-        auto missing = [&] {
-          std::vector<int> m;
-          for (int q = 0; q < world; ++q) {
-            if (!ready(q)) m.push_back(q);
-          }
-          return RankList(m);
-        };
-        if (abort_.load(std::memory_order_acquire)) {
-          return Fail(
-              absl::AbortedError(absl::StrCat("op ", seq, " aborted on rank ", options_.rank,
-                                              " while ranks ", missing(), " had yet to ", what)),
-              seq);
-        }
-        uint32_t w = header_->abort_word.load(std::memory_order_acquire);
-        if (w != 0) {
-          return Fail(absl::AbortedError(absl::StrCat("op ", seq, ": rank ", w - 1,
-                                                      " gave up, so rank ", options_.rank,
-                                                      " stops waiting for ranks ", missing())),
-                      seq);
-        }
-        absl::Time now = absl::Now();
-        if (now >= deadline) {
-          return Fail(absl::DeadlineExceededError(
-                          absl::StrCat("op ", seq, ": ranks ", missing(), " did not ", what,
-                                       " within ", absl::FormatDuration(now - start), " (",
-                                       by_ctx ? "the op's deadline" : "spin_timeout", ")")),
-                      seq);
-        }
-        // Polling, not synchronization: on a loaded machine with more ranks than cores, a
-        // spinner must leave the core to the rank it waits for.
-        if (now - start > absl::Milliseconds(2)) {
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        } else {
-          std::this_thread::yield();
-        }
-      } else {
-        ARFUSE_CPU_RELAX();
-      }
-    }
-  }
-
-  // `seq`: the op this rank gives up on. The lowest one any rank gave up on is recorded before
-  // the abort word is raised (see HostWsHeader::abort_seq).
-  absl::Status Fail(absl::Status s, uint64_t seq) {
-    uint64_t low = header_->abort_seq.load(std::memory_order_acquire);
-    while ((low == 0 || seq < low) &&
-           !header_->abort_seq.compare_exchange_weak(low, seq, std::memory_order_acq_rel)) {
-    }
-    uint32_t expected = 0;
-    header_->abort_word.compare_exchange_strong(expected, static_cast<uint32_t>(options_.rank) + 1,
-                                                std::memory_order_acq_rel);
-    SetState(WorkspaceState::kPoisoned, std::string(s.message()));
-    spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",
-                  options_.rank, generation_, absl::StatusCodeToString(s.code()),
-                  std::string(s.message()));
-    return s;
-  }
-
   void SetState(WorkspaceState st, std::string reason) {
     std::lock_guard<std::mutex> lock(state_mu_);
     state_ = st;
@@ -487,11 +439,11 @@ class HostEngine final : public Engine {
   const size_t slot_bytes_;
   std::timed_mutex exec_mu_;  // callers queue here, bounded by their deadline
   std::mutex op_mu_;          // the workspace: Initialize and Execute
-  std::unique_ptr<ShmMapping> mapping_;
-  HostWsHeader* header_ = nullptr;
-  uint64_t seq_ = 0;
   std::atomic<bool> abort_{false};
+  // state_, generation_, reason_ and ws_ (replaced only under op_mu_ too, so Execute may use
+  // ws_ with op_mu_ alone).
   mutable std::mutex state_mu_;
+  HostWsObject ws_;
   WorkspaceState state_ = WorkspaceState::kInitializing;
   uint64_t generation_ = 0;
   std::string reason_ = "not initialized";

@@ -1,6 +1,5 @@
-// The attach blob (kernels/instream/attach_abi.h) built from an engine's InStreamExport: the
-// bytes Fusion.Attach hands the client library, and the descriptors it offers on the fd socket
-// (in RankMemory::fd_index order). CUDA-free.
+// The attach blob (kernels/instream/attach_abi.h) of an engine's InStreamExport: what
+// Fusion.Attach sends and arfuse_attach() reads. Plain bytes, no CUDA and no gRPC here.
 #pragma once
 
 #include <cstdint>
@@ -9,22 +8,25 @@
 
 #include "absl/status/statusor.h"
 #include "server/engine/instream_host.h"
-#include "server/peers/unique_fd.h"
 
 namespace arfuse {
 
-struct AttachBlob {
-  std::string bytes;
-  // The descriptors the blob's RankMemory entries index, moved out of the export.
-  std::vector<UniqueFd> fds;
-  // "cuda_ipc", "vmm_posix_fd", "vmm_fabric" or "host_shm" (rank 0's kind; all ranks share it).
-  std::string memory_kind;
-};
+// The blob for one attach: header, kernel entries, per-rank memory, kernel image. File
+// descriptors do not travel in it: RankMemory::fd_index indexes AttachBlobFds(e). INVALID_ARGUMENT
+// (naming the field) for an export the client would refuse: ranks not world_size long, rank out
+// of range, a handle that is not 64 bytes, a descriptor missing where the kind needs one (or
+// present where it must not be), an image on a host export or none on a CUDA one, too many
+// entries, or a function name that does not fit.
+absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id);
 
-// INVALID_ARGUMENT when the export is inconsistent (ranks != world size, a handle of the wrong
-// length, a descriptor missing for a kind that needs one, no image on CUDA, too many entries).
-absl::StatusOr<AttachBlob> BuildAttachBlob(InStreamExport exported, uint64_t attach_id);
+// The descriptors the blob's fd_index values refer to, in index order (the export keeps owning
+// them): those the rank entries hold, in rank order. A kVmmPosixFd rank points at its own; every
+// kHostShm rank points at the one the group's object came with. Offer them on the fd socket in
+// this order.
+std::vector<int> AttachBlobFds(const InStreamExport& e);
 
-const char* MemoryKindName(instream::MemoryKind kind);
+// The proto's AttachResponse.memory_kind for logs: "cuda_ipc", "vmm_posix_fd", "vmm_fabric",
+// "host_shm" (the first rank's kind), or "none".
+const char* AttachMemoryKindName(const InStreamExport& e);
 
 }  // namespace arfuse

@@ -11,7 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference_op.h"
-#include "server/host/host_workspace.h"
+#include "kernels/cpu/host_workspace.h"
 #include "server/peers/local_exchange.h"
 
 namespace arfuse {

@@ -1,174 +1,182 @@
-// The sidecar's attach blob builder (server/instream/attach_blob.h): layout, descriptors, and
-// the exports it refuses.
+// The attach blob builder (server/instream/attach_blob.h): the layout it writes, the descriptor
+// order, and every export it refuses (code and part of the message).
 #include "server/instream/attach_blob.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/instream/attach_abi.h"
+#include "tests/instream/instream_test_util.h"
 
-namespace arfuse {
+namespace arfuse::instream {
 namespace {
 
-using instream::AttachHeader;
-using instream::KernelEntry;
-using instream::MemoryKind;
-using instream::RankMemory;
+using testing::CudaExport;
 using ::testing::HasSubstr;
+using testing::HostExport;
+using testing::TestHostWorkspace;
 
-UniqueFd DevNull() { return UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
-
-InStreamExport CudaExport(MemoryKind kind, int world = 2) {
-  static const char kImage[64] = "not a real fatbin";
-  InStreamExport e;
-  e.device = instream::DeviceKind::kCuda;
-  e.rank = 1;
-  e.world_size = static_cast<uint32_t>(world);
-  e.generation = 7;
-  e.sm = 90;
-  e.sm_budget = 47;
-  e.spin_timeout_ns = 5'000'000'000ull;
-  e.oneshot_max_bytes = 1 << 20;
-  e.twoshot_max_bytes = 32 << 20;
-  e.max_tokens = 2048;
-  e.hidden = 8192;
-  e.image = kImage;
-  e.image_bytes = sizeof(kImage);
-  KernelEntry entry{};
-  entry.hidden = 4096;
-  entry.block_threads = 256;
-  entry.max_grid = 94;
-  entry.rows_divisor = 1;
-  std::strcpy(entry.function, "arfuse_is_bf16_arnorm_oneshot_b0");
-  e.entries = {entry, entry};
-  for (int r = 0; r < world; ++r) {
-    InStreamRankMemory m;
-    m.kind = kind;
-    m.bytes = 1 << 21;
-    if (kind == MemoryKind::kVmmPosixFd) {
-      m.fd = DevNull();
-    } else {
-      m.handle.assign(64, static_cast<char>('a' + r));
-    }
-    e.ranks.push_back(std::move(m));
+class AttachBlobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto ws = TestHostWorkspace::Create(4, 8, 64, DType::kFP32, 9);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    ws_ = std::move(*ws);
+    fd_.reset(::memfd_create("arfuse-test-vmm", MFD_CLOEXEC));
+    ASSERT_TRUE(fd_.valid());
   }
-  return e;
-}
 
-TEST(AttachBlob, LaysOutHeaderEntriesRanksAndImage) {
-  absl::StatusOr<AttachBlob> blob = BuildAttachBlob(CudaExport(MemoryKind::kCudaIpc), 42);
-  ASSERT_TRUE(blob.ok()) << blob.status();
+  void Refused(const std::function<void(InStreamExport&)>& edit, bool cuda,
+               const std::string& part) {
+    InStreamExport e = cuda ? CudaExport(fd_.get()) : HostExport(*ws_, 2);
+    edit(e);
+    absl::StatusOr<std::string> b = BuildAttachBlob(e, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << part;
+    EXPECT_THAT(b.status().message(), HasSubstr(part));
+  }
+
+  std::unique_ptr<TestHostWorkspace> ws_;
+  UniqueFd fd_;
+};
+
+TEST_F(AttachBlobTest, AHostBlobsLayout) {
+  InStreamExport e = HostExport(*ws_, 2, {32, 64});
+  absl::StatusOr<std::string> b = BuildAttachBlob(e, 42);
+  ASSERT_TRUE(b.ok()) << b.status();
   AttachHeader h;
-  ASSERT_GE(blob->bytes.size(), sizeof(h));
-  std::memcpy(&h, blob->bytes.data(), sizeof(h));
-  EXPECT_EQ(h.magic, instream::kAttachMagic);
-  EXPECT_EQ(h.abi_version, instream::kAttachAbiVersion);
-  EXPECT_EQ(h.launch_abi_version, instream::kLaunchAbiVersion);
-  EXPECT_EQ(h.launch_args_bytes, instream::kLaunchArgsBytes);
+  std::memcpy(&h, b->data(), sizeof(h));
+  EXPECT_EQ(h.magic, kAttachMagic);
+  EXPECT_EQ(h.abi_version, kAttachAbiVersion);
+  EXPECT_EQ(h.launch_abi_version, kLaunchAbiVersion);
+  EXPECT_EQ(h.launch_args_bytes, kLaunchArgsBytes);
   EXPECT_EQ(h.header_bytes, sizeof(AttachHeader));
-  EXPECT_EQ(h.entry_bytes, sizeof(KernelEntry));
-  EXPECT_EQ(h.rank_bytes, sizeof(RankMemory));
+  EXPECT_EQ(h.device_kind, static_cast<uint32_t>(DeviceKind::kHost));
+  EXPECT_EQ(h.rank, 2u);
+  EXPECT_EQ(h.world_size, 4u);
+  EXPECT_EQ(h.generation, 9u);
   EXPECT_EQ(h.attach_id, 42u);
-  EXPECT_EQ(h.generation, 7u);
-  EXPECT_EQ(h.rank, 1u);
-  EXPECT_EQ(h.world_size, 2u);
-  EXPECT_EQ(h.num_entries, 2u);
-  EXPECT_EQ(h.sm_budget, 47u);
-  for (uint64_t off : {h.entries_offset, h.ranks_offset, h.image_offset}) EXPECT_EQ(off % 16, 0u);
-  EXPECT_EQ(h.ranks_offset, h.entries_offset + 2 * sizeof(KernelEntry));
-  EXPECT_EQ(h.image_offset + h.image_bytes, blob->bytes.size());
-  RankMemory r1;
-  std::memcpy(&r1, blob->bytes.data() + h.ranks_offset + sizeof(RankMemory), sizeof(r1));
-  EXPECT_EQ(r1.kind, static_cast<uint32_t>(MemoryKind::kCudaIpc));
-  EXPECT_EQ(r1.fd_index, -1);
-  EXPECT_EQ(r1.handle[0], 'b');
-  EXPECT_EQ(std::memcmp(blob->bytes.data() + h.image_offset, "not a real fatbin", 17), 0);
-  EXPECT_TRUE(blob->fds.empty());
-  EXPECT_EQ(blob->memory_kind, "cuda_ipc");
-}
-
-TEST(AttachBlob, PosixFdRanksIndexTheirDescriptorsInOrder) {
-  absl::StatusOr<AttachBlob> blob = BuildAttachBlob(CudaExport(MemoryKind::kVmmPosixFd, 4), 1);
-  ASSERT_TRUE(blob.ok()) << blob.status();
-  ASSERT_EQ(blob->fds.size(), 4u);
-  AttachHeader h;
-  std::memcpy(&h, blob->bytes.data(), sizeof(h));
-  for (int r = 0; r < 4; ++r) {
-    RankMemory m;
-    std::memcpy(&m, blob->bytes.data() + h.ranks_offset + r * sizeof(RankMemory), sizeof(m));
-    EXPECT_EQ(m.fd_index, r);
-    EXPECT_TRUE(blob->fds[r]);
-  }
-  EXPECT_EQ(blob->memory_kind, "vmm_posix_fd");
-}
-
-TEST(AttachBlob, HostWorkspaceIsOneDescriptorForEveryRank) {
-  InStreamExport e;
-  e.device = instream::DeviceKind::kHost;
-  e.world_size = 2;
-  e.host_slot_bytes = 4096;
-  for (int r = 0; r < 2; ++r) {
-    InStreamRankMemory m;
-    m.kind = MemoryKind::kHostShm;
-    m.bytes = 1 << 16;
-    if (r == 1) m.fd = DevNull();
-    e.ranks.push_back(std::move(m));
-  }
-  absl::StatusOr<AttachBlob> blob = BuildAttachBlob(std::move(e), 3);
-  ASSERT_TRUE(blob.ok()) << blob.status();
-  ASSERT_EQ(blob->fds.size(), 1u);
-  AttachHeader h;
-  std::memcpy(&h, blob->bytes.data(), sizeof(h));
+  EXPECT_EQ(h.num_entries, 4u);
+  EXPECT_EQ(h.dtype, static_cast<uint32_t>(DType::kFP32));
+  EXPECT_EQ(h.host_slot_bytes, ws_->slot_bytes);
+  EXPECT_EQ(h.entries_offset, 288u);
+  EXPECT_EQ(h.ranks_offset, 288u + 4 * 128);
+  EXPECT_EQ(h.image_offset, 288u + 4 * 128 + 4 * 96);
   EXPECT_EQ(h.image_bytes, 0u);
-  EXPECT_EQ(h.host_slot_bytes, 4096u);
-  for (int r = 0; r < 2; ++r) {
+  EXPECT_EQ(b->size(), h.image_offset);
+  for (uint32_t r = 0; r < 4; ++r) {
     RankMemory m;
-    std::memcpy(&m, blob->bytes.data() + h.ranks_offset + r * sizeof(RankMemory), sizeof(m));
-    EXPECT_EQ(m.fd_index, 0);
+    std::memcpy(&m, b->data() + h.ranks_offset + r * sizeof(m), sizeof(m));
+    EXPECT_EQ(m.kind, static_cast<uint32_t>(MemoryKind::kHostShm));
+    EXPECT_EQ(m.fd_index, 0) << "every rank names the group's one object";
   }
+  const std::vector<int> fds = AttachBlobFds(e);
+  ASSERT_EQ(fds.size(), 1u);
+  EXPECT_EQ(fds[0], e.ranks[2].fd.get());
+  EXPECT_STREQ(AttachMemoryKindName(e), "host_shm");
 }
 
-TEST(AttachBlob, RefusesInconsistentExports) {
-  InStreamExport few = CudaExport(MemoryKind::kCudaIpc);
-  few.ranks.pop_back();
-  EXPECT_THAT(BuildAttachBlob(std::move(few), 1).status().message(), HasSubstr("1 ranks"));
+TEST_F(AttachBlobTest, ACudaBlobCarriesItsImageAndOneDescriptorPerVmmRank) {
+  InStreamExport e = CudaExport(fd_.get());
+  absl::StatusOr<std::string> b = BuildAttachBlob(e, 5);
+  ASSERT_TRUE(b.ok()) << b.status();
+  AttachHeader h;
+  std::memcpy(&h, b->data(), sizeof(h));
+  EXPECT_EQ(h.image_offset % 16, 0u);
+  ASSERT_EQ(h.image_bytes, e.image_bytes);
+  EXPECT_EQ(std::memcmp(b->data() + h.image_offset, e.image, e.image_bytes), 0);
+  EXPECT_EQ(std::memcmp(h.layout, e.layout, sizeof(h.layout)), 0);
+  KernelEntry k;
+  std::memcpy(&k, b->data() + h.entries_offset + 3 * sizeof(k), sizeof(k));
+  EXPECT_STREQ(k.function, e.entries[3].function);
+  EXPECT_EQ(k.rows_divisor, 2u);
+  for (uint32_t r = 0; r < 2; ++r) {
+    RankMemory m;
+    std::memcpy(&m, b->data() + h.ranks_offset + r * sizeof(m), sizeof(m));
+    EXPECT_EQ(m.fd_index, static_cast<int32_t>(r));
+  }
+  const std::vector<int> fds = AttachBlobFds(e);
+  ASSERT_EQ(fds.size(), 2u);
+  EXPECT_EQ(fds[1], e.ranks[1].fd.get());
+  EXPECT_STREQ(AttachMemoryKindName(e), "vmm_posix_fd");
+}
 
-  InStreamExport short_handle = CudaExport(MemoryKind::kVmmFabric);
-  short_handle.ranks[1].handle.resize(10);
-  absl::Status s = BuildAttachBlob(std::move(short_handle), 1).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("rank 1's vmm_fabric handle has 10 bytes"));
+TEST_F(AttachBlobTest, HandlesOfIpcAndFabricMemoryAreCopied) {
+  InStreamExport e = CudaExport(fd_.get());
+  for (uint32_t r = 0; r < 2; ++r) {
+    e.ranks[r].fd.reset();
+    e.ranks[r].kind = r == 0 ? MemoryKind::kCudaIpc : MemoryKind::kVmmFabric;
+    e.ranks[r].handle = std::string(64, static_cast<char>('a' + r));
+  }
+  absl::StatusOr<std::string> b = BuildAttachBlob(e, 5);
+  ASSERT_TRUE(b.ok()) << b.status();
+  AttachHeader h;
+  std::memcpy(&h, b->data(), sizeof(h));
+  RankMemory m;
+  std::memcpy(&m, b->data() + h.ranks_offset + sizeof(m), sizeof(m));
+  EXPECT_EQ(m.fd_index, -1);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(m.handle), 64), std::string(64, 'b'));
+  EXPECT_TRUE(AttachBlobFds(e).empty());
+  EXPECT_STREQ(AttachMemoryKindName(e), "cuda_ipc");
+}
 
-  InStreamExport no_fd = CudaExport(MemoryKind::kVmmPosixFd);
-  no_fd.ranks[0].fd.reset();
-  EXPECT_THAT(BuildAttachBlob(std::move(no_fd), 1).status().message(),
-              HasSubstr("rank 0 has no fd"));
-
-  InStreamExport no_image = CudaExport(MemoryKind::kCudaIpc);
-  no_image.image = nullptr;
-  EXPECT_THAT(BuildAttachBlob(std::move(no_image), 1).status().message(),
-              HasSubstr("no kernel image"));
-
-  InStreamExport no_entries = CudaExport(MemoryKind::kCudaIpc);
-  no_entries.entries.clear();
-  EXPECT_THAT(BuildAttachBlob(std::move(no_entries), 1).status().message(),
-              HasSubstr("no kernel entry"));
-
-  InStreamExport bad_rank = CudaExport(MemoryKind::kCudaIpc);
-  bad_rank.rank = 2;
-  EXPECT_THAT(BuildAttachBlob(std::move(bad_rank), 1).status().message(),
-              HasSubstr("for rank 2 of 2"));
-
-  InStreamExport host_without_fd;
-  host_without_fd.world_size = 1;
-  host_without_fd.ranks.emplace_back();
-  host_without_fd.ranks[0].kind = MemoryKind::kHostShm;
-  EXPECT_THAT(BuildAttachBlob(std::move(host_without_fd), 1).status().message(),
-              HasSubstr("host workspace has no fd"));
+TEST_F(AttachBlobTest, Refusals) {
+  Refused([](InStreamExport& e) { e.device = static_cast<DeviceKind>(9); }, false,
+          "export device_kind 9 is unknown");
+  Refused([](InStreamExport& e) { e.world_size = 17; }, false,
+          "export world_size 17 is out of range [1, 16]");
+  Refused([](InStreamExport& e) { e.rank = 4; }, false,
+          "export rank 4 is out of range for world_size 4");
+  Refused([](InStreamExport& e) { e.ranks.pop_back(); }, false,
+          "export has 3 rank memories for world_size 4");
+  Refused([](InStreamExport& e) { e.entries.resize(65); }, false,
+          "export has 65 kernel entries, at most 64");
+  Refused([](InStreamExport& e) { std::memset(e.entries[1].function, 'f', kFunctionNameBytes); },
+          false, "export entry 1's function name is not NUL-terminated");
+  Refused([](InStreamExport& e) { e.image_bytes = 0; }, true, "a CUDA export needs a kernel image");
+  Refused(
+      [&](InStreamExport& e) {
+        e.image = &e;
+        e.image_bytes = 4;
+      },
+      false, "a host export has no kernel image");
+  Refused([&](InStreamExport& e) { e.ranks[0].fd.reset(::dup(fd_.get())); }, false,
+          "more than one host workspace descriptor");
+  Refused([](InStreamExport& e) { e.ranks[2].fd.reset(); }, false,
+          "host export without the workspace's descriptor");
+  Refused([](InStreamExport& e) { e.ranks[1].kind = MemoryKind::kCudaIpc; }, false,
+          "export rank 1: GPU memory in a host export");
+  Refused([](InStreamExport& e) { e.ranks[0].kind = MemoryKind::kHostShm; }, true,
+          "export rank 0: host memory in a CUDA export");
+  Refused([](InStreamExport& e) { e.ranks[1].fd.reset(); }, true,
+          "export rank 1: a VMM POSIX-FD memory without its descriptor");
+  Refused(
+      [](InStreamExport& e) {
+        e.ranks[0].kind = MemoryKind::kCudaIpc;
+        e.ranks[0].handle = std::string(64, 'x');
+      },
+      true, "export rank 0 holds a descriptor its memory kind does not use");
+  Refused(
+      [](InStreamExport& e) {
+        e.ranks[0].fd.reset();
+        e.ranks[0].kind = MemoryKind::kVmmFabric;
+        e.ranks[0].handle = "short";
+      },
+      true, "export rank 0: handle is 5 bytes, not 64");
+  Refused([](InStreamExport& e) { e.ranks[1].handle = std::string(64, 'x'); }, true,
+          "export rank 1: a handle its memory kind does not use");
+  Refused(
+      [](InStreamExport& e) {
+        e.ranks[0].fd.reset();
+        e.ranks[0].kind = static_cast<MemoryKind>(7);
+      },
+      true, "export rank 0: memory kind 7 is unknown");
 }
 
 }  // namespace
-}  // namespace arfuse
+}  // namespace arfuse::instream

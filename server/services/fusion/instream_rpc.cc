@@ -2,6 +2,10 @@
 // client library launches the sidecar's kernels in the client's own stream; these calls hand it
 // the workspace (the attach blob and its descriptors) and take it back. Nothing here is on the
 // per-op path.
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -104,20 +108,32 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
           reactor->Finish(ToGrpcStatus(id.status()));
           return;
         }
-        absl::StatusOr<AttachBlob> blob = BuildAttachBlob(*std::move(exported), *id);
+        absl::StatusOr<std::string> blob = BuildAttachBlob(*exported, *id);
         absl::Status done = blob.status();
-        if (done.ok() && !blob->fds.empty()) {
-          const size_t count = blob->fds.size();
+        const std::vector<int> fd_refs = AttachBlobFds(*exported);
+        if (done.ok() && !fd_refs.empty()) {
           if (!options_.offer_fds) {
             done = absl::FailedPreconditionError(
                 "this workspace's memory reaches clients as file descriptors, and this sidecar "
                 "serves no fd socket");
           } else {
-            absl::StatusOr<std::string> ticket = options_.offer_fds(*ctx, std::move(blob->fds));
+            // The export keeps its descriptors; the fd socket hands out duplicates.
+            std::vector<UniqueFd> fds;
+            for (int fd : fd_refs) {
+              fds.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+              if (!fds.back()) {
+                done = absl::ResourceExhaustedError(absl::StrCat(
+                    "cannot duplicate a workspace descriptor: ", std::strerror(errno)));
+                break;
+              }
+            }
+            absl::StatusOr<std::string> ticket =
+                done.ok() ? options_.offer_fds(*ctx, std::move(fds))
+                          : absl::StatusOr<std::string>(done);
             done = ticket.status();
             if (ticket.ok()) {
               resp->set_fd_ticket(*ticket);
-              resp->set_fd_count(static_cast<uint32_t>(count));
+              resp->set_fd_count(static_cast<uint32_t>(fd_refs.size()));
               resp->set_fd_socket(options_.fd_socket);
             }
           }
@@ -129,9 +145,9 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
         }
         resp->set_attach_id(*id);
         resp->set_generation(generation);
-        resp->set_memory_kind(blob->memory_kind);
-        resp->set_image_bytes(blob->bytes.size());
-        *resp->mutable_attach_blob() = std::move(blob->bytes);
+        resp->set_memory_kind(AttachMemoryKindName(*exported));
+        resp->set_image_bytes(exported->image_bytes);
+        *resp->mutable_attach_blob() = *std::move(blob);
         spdlog::info("event=instream_attached attach_id={} memory={} blob_bytes={}", *id,
                      resp->memory_kind(), resp->attach_blob().size());
         reactor->Finish(grpc::Status::OK);

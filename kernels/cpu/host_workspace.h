@@ -1,6 +1,8 @@
 // Layout of the host-mode workspace: one POSIX shared-memory object per group and generation,
-// created by rank 0 and mapped by every rank of the node. Shared between processes, so every
-// field's size and offset is pinned here.
+// created by rank 0's host engine and mapped by every rank of the node, and by the clients that
+// attached to it (libarfuse_client's host mode). Shared between processes (and between builds:
+// the sidecar and a framework's copy of the client library), so every field's size and offset is
+// pinned here. kernels/cpu/host_collective.h runs the protocol on it.
 //
 //   [HostWsHeader][HostRankSync x world_size] ... page ... [slot(buf 0, rank 0)] ... [slot(buf 1,
 //   rank world_size-1)]
@@ -18,7 +20,8 @@
 namespace arfuse::host {
 
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
-inline constexpr uint32_t kHostWsLayoutVersion = 2;              // 2: abort_seq
+// 2: abort_seq. 3: retired, error; an op's sequence number comes from done_seq.
+inline constexpr uint32_t kHostWsLayoutVersion = 3;
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
@@ -46,15 +49,36 @@ struct alignas(64) HostWsHeader {
   // 0 while healthy; rank + 1 of the first rank that gave up (timeout or abort): every other
   // rank's spin sees it and leaves at once instead of waiting out its own deadline.
   std::atomic<uint32_t> abort_word;
-  uint32_t reserved;
+  // Nonzero once a host engine dropped this workspace generation (re-initialization, shutdown):
+  // an attached client's op then fails with a stale generation before touching anything, and a
+  // client spinning on it stops. Never cleared (the next generation is a new object).
+  std::atomic<uint32_t> retired;
   // The lowest op sequence any rank gave up on, stored before abort_word is raised (so a rank that
   // acquires abort_word sees it). Ops before it had every rank's input when the failure came and
   // still run on the ranks that reach them; ops from it on are dropped alike on every rank.
   std::atomic<uint64_t> abort_seq;
+  // The first failure's code (HostWsError), stored before abort_word is raised: what the
+  // sidecar reports for the workspace (InStreamStatus), whoever failed (engine or client).
+  std::atomic<uint32_t> error;
+  uint32_t reserved;
 };
 static_assert(sizeof(HostWsHeader) == 64);
 static_assert(offsetof(HostWsHeader, abort_word) == 40);
+static_assert(offsetof(HostWsHeader, retired) == 44);
 static_assert(offsetof(HostWsHeader, abort_seq) == 48);
+static_assert(offsetof(HostWsHeader, error) == 56);
+
+// Codes of HostWsHeader::error: the numbers of the GPU workspace's FusionError
+// (kernels/allreduce_fusion/allreduce_fusion.h, which host-only builds cannot include; the
+// client library's CUDA part static_asserts that they agree), so the sidecar and the client
+// report a host failure as they report a kernel's.
+enum class HostWsError : uint32_t {
+  kNone = 0,
+  kTimeout = 1,    // a rank did not arrive within the spin deadline
+  kHostAbort = 2,  // this process aborted the wait (Engine::Abort, InStreamHost::AbortInStream)
+  kPeerAbort = 3,  // another rank gave up first
+  kPoisoned = 4,   // (reported, never stored) the workspace was poisoned for a reason not recorded
+};
 
 // Whether a rank that found every rank's input for op `seq` must drop it because a rank gave up:
 // only when the failure was at this op or an earlier one. (A rank that gave up on a later op
@@ -70,9 +94,11 @@ struct alignas(64) HostRankSync {
   // input and desc are written, acquire-loaded by readers.
   std::atomic<uint64_t> written_seq[kHostWsBuffers];
   // The last call this rank finished reading; release-stored after the op, acquire-loaded by a
-  // writer before it reuses a buffer.
+  // writer before it reuses a buffer. The rank's next op is done_seq + 1, whoever runs it (the
+  // host engine or a client attached to this rank: they take turns, never both at once).
   std::atomic<uint64_t> done_seq;
-  uint64_t reserved;
+  // Ops of this rank run by attached clients (libarfuse_client), for the sidecar's metrics.
+  std::atomic<uint64_t> client_ops;
   HostSlotDesc desc[kHostWsBuffers];
 };
 static_assert(sizeof(HostRankSync) == 64);

@@ -1,0 +1,297 @@
+// The C ABI of libarfuse_client (arfuse_client.h) over the blob reader, the op rules and the
+// device planes. Nothing here throws across the ABI: every entry point catches and reports
+// INTERNAL.
+#include "client/instream/arfuse_client.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/instream/blob_reader.h"
+#include "client/instream/host_plane.h"
+#include "client/instream/op_rules.h"
+#include "client/instream/plane.h"
+#include "kernels/cpu/host_workspace.h"
+#include "kernels/instream/attach_abi.h"
+#if ARFUSE_CLIENT_CUDA
+#include "client/instream/cuda_plane.h"
+#endif
+
+#ifndef ARFUSE_CLIENT_VERSION
+#error "ARFUSE_CLIENT_VERSION must be defined by the build"
+#endif
+
+namespace lib = ::arfuse::instream::lib;
+
+struct arfuse_ctx {
+  lib::ParsedBlob blob;  // image cleared: it was loaded at attach and is not kept
+  std::unique_ptr<lib::Plane> plane;
+  // arfuse_disable may come from another thread (a session's drain) than the ops'.
+  std::atomic<bool> disabled{false};
+  std::mutex mu;
+  std::string disabled_reason;
+};
+
+static_assert(ARFUSE_OK == static_cast<int>(absl::StatusCode::kOk));
+static_assert(ARFUSE_INVALID_ARGUMENT == static_cast<int>(absl::StatusCode::kInvalidArgument));
+static_assert(ARFUSE_DEADLINE_EXCEEDED == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+static_assert(ARFUSE_NOT_FOUND == static_cast<int>(absl::StatusCode::kNotFound));
+static_assert(ARFUSE_PERMISSION_DENIED == static_cast<int>(absl::StatusCode::kPermissionDenied));
+static_assert(ARFUSE_FAILED_PRECONDITION ==
+              static_cast<int>(absl::StatusCode::kFailedPrecondition));
+static_assert(ARFUSE_ABORTED == static_cast<int>(absl::StatusCode::kAborted));
+static_assert(ARFUSE_OUT_OF_RANGE == static_cast<int>(absl::StatusCode::kOutOfRange));
+static_assert(ARFUSE_UNIMPLEMENTED == static_cast<int>(absl::StatusCode::kUnimplemented));
+static_assert(ARFUSE_INTERNAL == static_cast<int>(absl::StatusCode::kInternal));
+static_assert(ARFUSE_UNAVAILABLE == static_cast<int>(absl::StatusCode::kUnavailable));
+static_assert(ARFUSE_DTYPE_BF16 == static_cast<int>(arfuse::DType::kBF16));
+static_assert(ARFUSE_DTYPE_FP16 == static_cast<int>(arfuse::DType::kFP16));
+static_assert(ARFUSE_DTYPE_FP32 == static_cast<int>(arfuse::DType::kFP32));
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int Report(const absl::Status& s) {
+  if (s.ok()) return ARFUSE_OK;
+  g_last_error.assign(s.message().data(), s.message().size());
+  return static_cast<int>(s.code());
+}
+
+// Runs `body` (returning absl::Status) with nothing thrown across the C ABI.
+template <typename Body>
+int Guarded(Body body) {
+  try {
+    return Report(body());
+  } catch (const std::bad_alloc&) {
+    return Report(absl::ResourceExhaustedError("out of host memory"));
+  } catch (...) {
+    return Report(absl::InternalError("unexpected exception in libarfuse_client"));
+  }
+}
+
+absl::Status CheckUsable(const arfuse_ctx* ctx) {
+  if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+  if (ctx->disabled.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(const_cast<arfuse_ctx*>(ctx)->mu);
+    return absl::UnavailableError(
+        absl::StrCat("the in-stream plane is disabled: ", ctx->disabled_reason));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op) {
+  if (absl::Status s = CheckUsable(ctx); !s.ok()) return s;
+  if (absl::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
+  op.pattern = static_cast<arfuse::Pattern>(pattern);
+  op.dtype = static_cast<arfuse::DType>(dtype);
+  if (op.tokens == 0) return absl::OkStatus();  // nothing to run, on every rank alike
+  absl::StatusOr<lib::Dispatch> d =
+      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.tokens, op.hidden, op.dtype);
+  if (!d.ok()) return d.status();
+  if (absl::Status s = lib::CheckTensors(op); !s.ok()) return s;
+  const std::pair<const void*, const char*> tensors[] = {{op.input, "input"},
+                                                         {op.output, "output"},
+                                                         {op.residual_in, "residual_in"},
+                                                         {op.residual_out, "residual_out"},
+                                                         {op.norm_out, "norm_out"},
+                                                         {op.gamma, "gamma"}};
+  for (const auto& [ptr, name] : tensors) {
+    if (ptr == nullptr) continue;  // not a tensor of this pattern (CheckTensors saw the others)
+    if (absl::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) return s;
+  }
+  return ctx->plane->Run(op, *d, stream);
+}
+
+absl::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
+                    arfuse_ctx** out) {
+  if (out == nullptr) return absl::InvalidArgumentError("out is NULL");
+  *out = nullptr;
+  if (num_fds > 0 && fds == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("fds is NULL with num_fds ", num_fds));
+  }
+  absl::StatusOr<lib::ParsedBlob> parsed = lib::ParseAttachBlob(blob, blob_bytes, num_fds);
+  if (!parsed.ok()) return parsed.status();
+  auto ctx = std::make_unique<arfuse_ctx>();
+  if (parsed->device() == arfuse::instream::DeviceKind::kHost) {
+    absl::StatusOr<std::unique_ptr<lib::HostPlane>> plane = lib::HostPlane::Attach(*parsed, fds);
+    if (!plane.ok()) return plane.status();
+    ctx->plane = std::move(*plane);
+  } else {
+#if ARFUSE_CLIENT_CUDA
+    if (absl::Status s = lib::CheckCudaBlob(*parsed); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<lib::Plane>> plane = lib::AttachCuda(*parsed, fds);
+    if (!plane.ok()) return plane.status();
+    ctx->plane = std::move(*plane);
+#else
+    return absl::UnimplementedError(
+        "this libarfuse_client was built without CUDA: only host-mode sidecars can be attached");
+#endif
+  }
+  ctx->blob = std::move(*parsed);
+  ctx->blob.image = nullptr;
+  *out = ctx.release();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// The C ABI: the only symbols the library exports (default visibility here, exports.map keeps
+// everything else local).
+#pragma GCC visibility push(default)
+extern "C" {
+
+uint32_t arfuse_client_abi_version(void) { return ARFUSE_CLIENT_ABI_VERSION; }
+uint32_t arfuse_launch_abi_version(void) { return arfuse::instream::kLaunchAbiVersion; }
+uint32_t arfuse_launch_args_bytes(void) { return arfuse::instream::kLaunchArgsBytes; }
+const char* arfuse_client_version(void) { return ARFUSE_CLIENT_VERSION; }
+
+const char* arfuse_last_error(void) { return g_last_error.c_str(); }
+
+int arfuse_attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
+                  arfuse_ctx** out) {
+  return Guarded([&] { return Attach(blob, blob_bytes, fds, num_fds, out); });
+}
+
+int arfuse_detach(arfuse_ctx* ctx) {
+  return Guarded([&] {
+    delete ctx;
+    return absl::OkStatus();
+  });
+}
+
+int arfuse_ctx_get_info(const arfuse_ctx* ctx, arfuse_ctx_info* info) {
+  return Guarded([&]() -> absl::Status {
+    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+    if (info == nullptr) return absl::InvalidArgumentError("info is NULL");
+    if (info->struct_bytes < sizeof(info->struct_bytes)) {
+      return absl::InvalidArgumentError("info->struct_bytes must be sizeof(arfuse_ctx_info)");
+    }
+    const arfuse::instream::AttachHeader& h = ctx->blob.header;
+    arfuse_ctx_info full;
+    std::memset(&full, 0, sizeof(full));
+    full.struct_bytes = info->struct_bytes < sizeof(full) ? info->struct_bytes : sizeof(full);
+    full.device_kind = h.device_kind;
+    full.rank = h.rank;
+    full.world_size = h.world_size;
+    full.generation = h.generation;
+    full.attach_id = h.attach_id;
+    full.max_tokens = h.max_tokens;
+    full.hidden = h.hidden;
+    full.dtype = h.dtype;
+    full.sm = ctx->plane->sm();
+    full.oneshot_max_bytes = h.oneshot_max_bytes;
+    full.twoshot_max_bytes = h.twoshot_max_bytes;
+    full.image_bytes = h.image_bytes;
+    full.num_entries = h.num_entries;
+    full.pdl = h.pdl;
+    // An older caller's shorter struct gets the fields it knows.
+    std::memcpy(info, &full, full.struct_bytes);
+    return absl::OkStatus();
+  });
+}
+
+int arfuse_supports(const arfuse_ctx* ctx, int pattern, uint32_t tokens, uint32_t hidden,
+                    int dtype) {
+  return Guarded([&]() -> absl::Status {
+    if (absl::Status s = CheckUsable(ctx); !s.ok()) return s;
+    if (absl::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
+    return lib::DispatchOp(ctx->blob, *ctx->plane, static_cast<arfuse::Pattern>(pattern), tokens,
+                           hidden, static_cast<arfuse::DType>(dtype))
+        .status();
+  });
+}
+
+int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const void* input,
+                                            const void* residual_in, void* residual_out,
+                                            void* norm_out, const void* gamma, uint32_t tokens,
+                                            uint32_t hidden, int dtype, float eps) {
+  return Guarded([&] {
+    lib::OpRequest op;
+    op.tokens = tokens;
+    op.hidden = hidden;
+    op.eps = eps;
+    op.input = input;
+    op.residual_in = residual_in;
+    op.residual_out = residual_out;
+    op.norm_out = norm_out;
+    op.gamma = gamma;
+    return RunOp(ctx, stream, static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNorm), dtype,
+                 op);
+  });
+}
+
+int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, void* output,
+                           uint32_t tokens, uint32_t hidden, int dtype) {
+  return Guarded([&] {
+    lib::OpRequest op;
+    op.tokens = tokens;
+    op.hidden = hidden;
+    op.input = input;
+    op.output = output;
+    return RunOp(ctx, stream, static_cast<int>(arfuse::Pattern::kAllReduce), dtype, op);
+  });
+}
+
+int arfuse_check(arfuse_ctx* ctx, uint32_t* code) {
+  return Guarded([&]() -> absl::Status {
+    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+    const uint32_t c = ctx->plane->ErrorCode();
+    if (code != nullptr) *code = c;
+    if (c == 0) return absl::OkStatus();
+    if (c == arfuse::instream::kErrorStaleGeneration || c == arfuse::instream::kErrorLaunchAbi) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a launch was refused (", arfuse_error_name(c),
+          c == arfuse::instream::kErrorStaleGeneration
+              ? "): the workspace was re-initialized; attach again (and capture graphs again)"
+              : "): the kernels read another launch ABI; attach again"));
+    }
+    return absl::AbortedError(
+        absl::StrCat("a fused op failed (", arfuse_error_name(c),
+                     "): the workspace is poisoned; attach again once the sidecars "
+                     "re-initialized it"));
+  });
+}
+
+int arfuse_disable(arfuse_ctx* ctx, const char* reason) {
+  return Guarded([&]() -> absl::Status {
+    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+    {
+      std::lock_guard<std::mutex> lock(ctx->mu);
+      ctx->disabled_reason = reason != nullptr && reason[0] != '\0' ? reason : "disabled";
+    }
+    ctx->disabled.store(true, std::memory_order_release);
+    return absl::OkStatus();
+  });
+}
+
+const char* arfuse_error_name(uint32_t code) {
+  switch (code) {
+    case 0:
+      return "none";
+    // FusionError's codes (the host collective's HostWsError shares them).
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kTimeout):
+      return "timeout";
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kHostAbort):
+      return "host_abort";
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kPeerAbort):
+      return "peer_abort";
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kPoisoned):
+      return "poisoned";
+    case lib::kErrorOpMismatch:
+      return "op_mismatch";
+    case arfuse::instream::kErrorStaleGeneration:
+      return "stale_generation";
+    case arfuse::instream::kErrorLaunchAbi:
+      return "launch_abi";
+  }
+  return "unknown";
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

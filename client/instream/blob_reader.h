@@ -1,0 +1,48 @@
+// libarfuse_client's reading of the attach blob (kernels/instream/attach_abi.h): every rule the
+// blob must meet before anything is mapped or loaded. Pure host logic (no CUDA, no driver), so
+// every rule is unit-tested on machines without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/common/op_types.h"
+#include "kernels/instream/attach_abi.h"
+
+namespace arfuse::instream::lib {
+
+// FusionAlgo's numbers (kernels/allreduce_fusion/allreduce_fusion.h, which host-only builds cannot
+// include; the CUDA part static_asserts that they agree).
+inline constexpr uint8_t kAlgoOneShot = 1;
+inline constexpr uint8_t kAlgoTwoShot = 2;
+// FusionError::kOpMismatch: the ranks launched different ops (only GPU kernels detect it this way;
+// the host collective refuses such an op with INVALID_ARGUMENT).
+inline constexpr uint32_t kErrorOpMismatch = 5;
+// Entries an attach may carry: both patterns and both algorithms for each hidden size.
+inline constexpr uint32_t kMaxEntries = 4 * kMaxAttachHiddens;
+// kMaxFusionBlocks: the two-shot barrier has a slot per block.
+inline constexpr uint32_t kMaxGrid = 1024;
+
+// The blob's parts, copied out (the image stays in the caller's blob: it is loaded during the
+// attach and not kept).
+struct ParsedBlob {
+  AttachHeader header{};
+  std::vector<KernelEntry> entries;
+  std::vector<RankMemory> ranks;  // indexed by rank
+  const uint8_t* image = nullptr;
+  uint64_t image_bytes = 0;
+
+  DeviceKind device() const { return static_cast<DeviceKind>(header.device_kind); }
+  DType dtype() const { return static_cast<DType>(header.dtype); }
+};
+
+// Checks and copies the blob: INVALID_ARGUMENT for a malformed blob, FAILED_PRECONDITION for a
+// version this library does not read, each naming the field. `num_fds` is how many descriptors
+// the caller picked up (fd_index must be below it).
+absl::StatusOr<ParsedBlob> ParseAttachBlob(const void* blob, size_t blob_bytes, size_t num_fds);
+
+bool IsKnownDType(uint32_t dtype);
+
+}  // namespace arfuse::instream::lib

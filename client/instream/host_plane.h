@@ -1,0 +1,40 @@
+// Host mode of libarfuse_client: the group's host workspace (kernels/cpu/host_workspace.h),
+// mapped from the descriptor the sidecar handed out, and the CPU collective run synchronously
+// in the caller's thread (kernels/cpu/host_collective.h), taking turns with this rank's host
+// engine.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/instream/blob_reader.h"
+#include "client/instream/plane.h"
+#include "kernels/cpu/host_collective.h"
+
+namespace arfuse::instream::lib {
+
+class HostPlane final : public Plane {
+ public:
+  // Maps fds[rank's fd_index] and checks the workspace's header against the blob: FAILED_
+  // PRECONDITION for another layout, or "stale generation" for another generation or a retired
+  // workspace.
+  static absl::StatusOr<std::unique_ptr<HostPlane>> Attach(const ParsedBlob& blob, const int* fds);
+
+  absl::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override;
+  absl::Status CheckPointer(const void*, const char*) override { return absl::OkStatus(); }
+  absl::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override;
+  uint32_t ErrorCode() const override;
+  uint32_t sm() const override { return 0; }
+
+ private:
+  HostPlane(const ParsedBlob& blob, host::HostWsMapping mapping);
+
+  const AttachHeader header_;
+  host::HostWsMapping mapping_;
+  host::HostCollective collective_;
+  // The first failure of an op of this attachment (HostWsError or kErrorStaleGeneration).
+  std::atomic<uint32_t> error_{0};
+};
+
+}  // namespace arfuse::instream::lib

@@ -1,0 +1,358 @@
+// libarfuse_client's host mode end to end: ranks attached through arfuse_attach with blobs from
+// the blob builder, over a host workspace made by kernels/cpu/host_collective or by real host
+// engines (ExportInStream), as threads of this process or as two processes. Results against the
+// CPU reference bit for bit; turns with the host engine; stale generation after a
+// re-initialization; a peer that never arrives; the sidecar's abort.
+#include "server/engine/instream_host.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/instream/arfuse_client.hpp"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/host/host_engine.h"
+#include "server/instream/attach_blob.h"
+#include "server/peers/local_exchange.h"
+#include "tests/instream/instream_test_util.h"
+
+namespace arfuse::instream {
+namespace {
+
+using testing::AttachBlob;
+using testing::AttachResult;
+using testing::Blob;
+using ::testing::HasSubstr;
+using testing::HostExport;
+using testing::RankTensors;
+using testing::TestHostWorkspace;
+
+void OnRanks(int n, const std::function<void(int)>& fn) {
+  std::vector<std::thread> t;
+  for (int r = 0; r < n; ++r) t.emplace_back(fn, r);
+  for (auto& x : t) x.join();
+}
+
+struct Ctxs {
+  std::vector<arfuse_ctx*> ctx;
+  ~Ctxs() {
+    for (arfuse_ctx* c : ctx) arfuse_detach(c);
+  }
+};
+
+int RunOp(arfuse_ctx* ctx, Pattern p, DType dt, uint32_t tokens, uint32_t hidden, RankTensors& t) {
+  if (p == Pattern::kAllReduce) {
+    return arfuse_fused_allreduce(ctx, nullptr, t.input(), t.output(), tokens, hidden,
+                                  static_cast<int>(dt));
+  }
+  return arfuse_fused_allreduce_residual_rmsnorm(ctx, nullptr, t.input(), t.residual_in(),
+                                                 t.residual_out(), t.norm_out(), t.gamma(), tokens,
+                                                 hidden, static_cast<int>(dt), 1e-5f);
+}
+
+// Every rank's outputs equal the reference's, byte for byte.
+void ExpectReference(Pattern p, DType dt, uint32_t tokens, uint32_t hidden,
+                     std::vector<RankTensors>& ranks, int call) {
+  RankTensors want(dt, 0, call, tokens, hidden);
+  testing::Reference(p, dt, tokens, hidden, ranks, want);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const size_t n = ranks[r].tensor_bytes;
+    if (p == Pattern::kAllReduce) {
+      ASSERT_EQ(ranks[r].bytes(4, n), want.bytes(4, n)) << "call " << call << " rank " << r;
+    } else {
+      ASSERT_EQ(ranks[r].bytes(2, n), want.bytes(2, n)) << "call " << call << " rank " << r;
+      ASSERT_EQ(ranks[r].bytes(3, n), want.bytes(3, n)) << "call " << call << " rank " << r;
+    }
+  }
+}
+
+struct Case {
+  int world;
+  DType dtype;
+  Pattern pattern;
+};
+
+class InStreamHostResults : public ::testing::TestWithParam<Case> {};
+
+TEST_P(InStreamHostResults, MatchTheCpuReferenceBitForBitOnEveryRankCallAfterCall) {
+  const Case c = GetParam();
+  auto ws = TestHostWorkspace::Create(c.world, 16, 256, c.dtype, 1);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  std::vector<uint32_t> hiddens;
+  for (uint32_t h = 32; h <= 256; h += 32) hiddens.push_back(h);
+  Ctxs ctxs;
+  for (int r = 0; r < c.world; ++r) {
+    AttachResult a = AttachBlob(Blob(HostExport(**ws, r, hiddens)), {(*ws)->fd.get()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  for (int call = 0; call < 24; ++call) {
+    const uint32_t tokens = 1 + call % 16, hidden = 32 * (1 + call % 8);
+    std::vector<RankTensors> t;
+    for (int r = 0; r < c.world; ++r) t.emplace_back(c.dtype, r, call, tokens, hidden);
+    std::vector<int> rc(c.world, -1);
+    OnRanks(c.world,
+            [&](int r) { rc[r] = RunOp(ctxs.ctx[r], c.pattern, c.dtype, tokens, hidden, t[r]); });
+    for (int r = 0; r < c.world; ++r) ASSERT_EQ(rc[r], ARFUSE_OK) << "call " << call;
+    ExpectReference(c.pattern, c.dtype, tokens, hidden, t, call);
+  }
+  for (arfuse_ctx* ctx : ctxs.ctx) EXPECT_EQ(arfuse_check(ctx, nullptr), ARFUSE_OK);
+  // Each rank counted its client ops where the sidecar reads them.
+  host::HostCollective view((*ws)->mapping.data(), 0, c.world, (*ws)->slot_bytes);
+  EXPECT_EQ(view.sync(c.world - 1)->client_ops.load(), 24u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, InStreamHostResults,
+    ::testing::Values(Case{2, DType::kBF16, Pattern::kAllReduceResidualRmsNorm},
+                      Case{4, DType::kFP16, Pattern::kAllReduce},
+                      Case{2, DType::kFP32, Pattern::kAllReduceResidualRmsNorm},
+                      Case{1, DType::kBF16, Pattern::kAllReduceResidualRmsNorm}));
+
+// Rank 1 in a child process, which gets the workspace the way a client does: a descriptor and a
+// blob (here inherited over fork; from the sidecar's fd socket in production).
+TEST(InStreamHost, TwoProcessesShareTheWorkspace) {
+  auto ws = TestHostWorkspace::Create(2, 8, 128, DType::kBF16, 4);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  const std::string blob0 = Blob(HostExport(**ws, 0));
+  const std::string blob1 = Blob(HostExport(**ws, 1));
+  constexpr int kCalls = 20;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    arfuse_ctx* ctx = nullptr;
+    const int fd = (*ws)->fd.get();
+    if (arfuse_attach(blob1.data(), blob1.size(), &fd, 1, &ctx) != ARFUSE_OK) ::_exit(2);
+    for (int call = 0; call < kCalls; ++call) {
+      RankTensors t(DType::kBF16, 1, call, 8, 128);
+      if (RunOp(ctx, Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 8, 128, t) != ARFUSE_OK) {
+        ::_exit(3);
+      }
+    }
+    arfuse_detach(ctx);
+    ::_exit(0);
+  }
+  AttachResult a = AttachBlob(blob0, {(*ws)->fd.get()});
+  ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+  for (int call = 0; call < kCalls; ++call) {
+    RankTensors mine(DType::kBF16, 0, call, 8, 128);
+    ASSERT_EQ(RunOp(a.ctx, Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 8, 128, mine),
+              ARFUSE_OK)
+        << arfuse_last_error();
+    // Rank 0's outputs hold the sum with the child's input (made from the same (rank, call)).
+    std::vector<RankTensors> inputs;
+    inputs.emplace_back(DType::kBF16, 0, call, 8, 128);
+    inputs.emplace_back(DType::kBF16, 1, call, 8, 128);
+    RankTensors want(DType::kBF16, 0, call, 8, 128);
+    testing::Reference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 8, 128, inputs, want);
+    ASSERT_EQ(mine.bytes(2, want.tensor_bytes), want.bytes(2, want.tensor_bytes));
+    ASSERT_EQ(mine.bytes(3, want.tensor_bytes), want.bytes(3, want.tensor_bytes));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  arfuse_detach(a.ctx);
+}
+
+TEST(InStreamHost, APeerThatNeverArrivesEndsWithinTheSpinTimeoutAndPoisons) {
+  auto ws = TestHostWorkspace::Create(2, 8, 64, DType::kBF16, 1);
+  ASSERT_TRUE(ws.ok());
+  Ctxs ctxs;
+  for (int r = 0; r < 2; ++r) {
+    InStreamExport e = HostExport(**ws, r);
+    e.spin_timeout_ns = 200'000'000;  // 200 ms
+    AttachResult a = AttachBlob(Blob(e), {(*ws)->fd.get()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  RankTensors t(DType::kBF16, 0, 0, 2, 64);
+  const absl::Time t0 = absl::Now();
+  EXPECT_EQ(RunOp(ctxs.ctx[0], Pattern::kAllReduce, DType::kBF16, 2, 64, t),
+            ARFUSE_DEADLINE_EXCEEDED);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("ranks 1 did not arrive"));
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("spin_timeout"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  EXPECT_EQ(t.bytes(4, t.tensor_bytes), std::vector<uint8_t>(t.tensor_bytes, 0xee));
+  uint32_t code = 0;
+  EXPECT_EQ(arfuse_check(ctxs.ctx[0], &code), ARFUSE_ABORTED);
+  EXPECT_EQ(code, 1u);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("(timeout)"));
+  // The late rank finds the abort word and gives up at once instead of computing.
+  RankTensors t1(DType::kBF16, 1, 0, 2, 64);
+  EXPECT_EQ(RunOp(ctxs.ctx[1], Pattern::kAllReduce, DType::kBF16, 2, 64, t1), ARFUSE_ABORTED);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("rank 0 gave up"));
+  EXPECT_EQ(arfuse_check(ctxs.ctx[1], &code), ARFUSE_ABORTED);
+  EXPECT_EQ(code, 3u);  // peer_abort
+}
+
+// ---- against real host engines ----
+
+EngineOptions Opts(int rank, int world) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.backend = "trtllm";
+  o.max_tokens = 16;
+  o.max_hidden = 256;
+  o.dtype = DType::kBF16;
+  o.spin_timeout = absl::Seconds(20);
+  return o;
+}
+
+struct EngineGroup {
+  explicit EngineGroup(int world, absl::Duration spin_timeout = absl::Seconds(20)) {
+    ex = LocalExchangeGroup::Create(world);
+    for (int r = 0; r < world; ++r) {
+      EngineOptions o = Opts(r, world);
+      o.spin_timeout = spin_timeout;
+      auto e = MakeHostEngine(o);
+      EXPECT_TRUE(e.ok()) << e.status();
+      eng.push_back(std::move(*e));
+    }
+    Initialize();
+  }
+  void Initialize() {
+    std::vector<absl::Status> st(eng.size());
+    OnRanks(static_cast<int>(eng.size()),
+            [&](int r) { st[r] = eng[r]->Initialize(*ex[r], absl::Now() + absl::Seconds(30)); });
+    for (auto& s : st) EXPECT_TRUE(s.ok()) << s;
+  }
+  // Each rank's attach, exactly as the service does it: export, blob, descriptors.
+  AttachResult Attach(int r, const std::vector<uint32_t>& hiddens) {
+    absl::StatusOr<InStreamExport> e = eng[r]->instream_host()->ExportInStream(hiddens);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return {};
+    return AttachBlob(Blob(*e, 100 + r), AttachBlobFds(*e));
+  }
+  std::vector<std::unique_ptr<Exchange>> ex;
+  std::vector<std::unique_ptr<Engine>> eng;
+};
+
+OpArgs EngineArgs(RankTensors& t, uint32_t tokens, uint32_t hidden) {
+  OpArgs a;
+  a.pattern = Pattern::kAllReduceResidualRmsNorm;
+  a.dtype = DType::kBF16;
+  a.hidden = hidden;
+  a.num_tokens = tokens;
+  a.eps = 1e-5f;
+  a.input = t.input();
+  a.residual_in = t.residual_in();
+  a.residual_out = t.residual_out();
+  a.norm_out = t.norm_out();
+  a.gamma = t.gamma();
+  return a;
+}
+
+TEST(InStreamHostEngine, TheClientAndTheEngineTakeTurnsOnEveryRank) {
+  EngineGroup g(2);
+  Ctxs ctxs;
+  for (int r = 0; r < 2; ++r) {
+    AttachResult a = g.Attach(r, {32, 64, 96, 128, 160, 192, 224, 256});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  for (int call = 0; call < 12; ++call) {
+    const uint32_t tokens = 1 + call % 16, hidden = 32 * (1 + call % 8);
+    std::vector<RankTensors> t;
+    for (int r = 0; r < 2; ++r) t.emplace_back(DType::kBF16, r, call, tokens, hidden);
+    std::vector<absl::Status> st(2);
+    OnRanks(2, [&](int r) {
+      if (call % 3 == 2) {  // every third op on the eager plane, the others in-stream
+        ExecContext ec;
+        ec.deadline = absl::Now() + absl::Seconds(20);
+        ec.synchronous = true;
+        st[r] = g.eng[r]->Execute(EngineArgs(t[r], tokens, hidden), ec).status();
+      } else {
+        st[r] = ToStatus(RunOp(ctxs.ctx[r], Pattern::kAllReduceResidualRmsNorm, DType::kBF16,
+                               tokens, hidden, t[r]));
+      }
+    });
+    ASSERT_TRUE(st[0].ok()) << "call " << call << ": " << st[0];
+    ASSERT_TRUE(st[1].ok()) << "call " << call << ": " << st[1];
+    ExpectReference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, tokens, hidden, t, call);
+  }
+  absl::StatusOr<InStreamCounters> c = g.eng[1]->instream_host()->InStreamStatus();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->launches, 8u);
+  EXPECT_EQ(c->error, 0u);
+}
+
+TEST(InStreamHostEngine, AReinitializationMakesTheAttachmentStaleUntilItAttachesAgain) {
+  EngineGroup g(2);
+  AttachResult a0 = g.Attach(0, {64});
+  ASSERT_EQ(a0.rc, ARFUSE_OK) << a0.message;
+  Ctxs ctxs{{a0.ctx}};
+  uint32_t code = 0;
+  ASSERT_EQ(arfuse_check(a0.ctx, &code), ARFUSE_OK);
+  g.Initialize();  // the engines drop generation 1 and build generation 2
+
+  // Before any op: arfuse_check already sees the dropped workspace.
+  EXPECT_EQ(arfuse_check(a0.ctx, &code), ARFUSE_FAILED_PRECONDITION);
+  EXPECT_EQ(code, kErrorStaleGeneration);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("attach again"));
+  // An op fails fast without touching anything (no peer is waited for).
+  RankTensors t(DType::kBF16, 0, 0, 2, 64);
+  const absl::Time t0 = absl::Now();
+  EXPECT_EQ(RunOp(a0.ctx, Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 2, 64, t),
+            ARFUSE_FAILED_PRECONDITION);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("stale generation: attach again"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
+  EXPECT_EQ(t.bytes(2, t.tensor_bytes), std::vector<uint8_t>(t.tensor_bytes, 0xee));
+
+  // Attached again, both ranks run on the new generation.
+  for (int r = 0; r < 2; ++r) {
+    AttachResult a = g.Attach(r, {64});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+    arfuse_ctx_info info{};
+    info.struct_bytes = sizeof(info);
+    ASSERT_EQ(arfuse_ctx_get_info(a.ctx, &info), ARFUSE_OK);
+    EXPECT_EQ(info.generation, g.eng[r]->Status().generation);
+    EXPECT_EQ(info.attach_id, 100u + r);
+  }
+  std::vector<RankTensors> tt;
+  for (int r = 0; r < 2; ++r) tt.emplace_back(DType::kBF16, r, 1, 2, 64);
+  std::vector<int> rc(2);
+  OnRanks(2, [&](int r) {
+    rc[r] = RunOp(ctxs.ctx[1 + r], Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 2, 64, tt[r]);
+  });
+  ASSERT_EQ(rc[0], ARFUSE_OK);
+  ASSERT_EQ(rc[1], ARFUSE_OK);
+  ExpectReference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 2, 64, tt, 1);
+}
+
+TEST(InStreamHostEngine, TheSidecarsAbortEndsAClientsWait) {
+  EngineGroup g(2);
+  AttachResult a0 = g.Attach(0, {64});
+  ASSERT_EQ(a0.rc, ARFUSE_OK) << a0.message;
+  Ctxs ctxs{{a0.ctx}};
+  RankTensors t(DType::kBF16, 0, 0, 2, 64);
+  int rc = -1;
+  std::string message;  // arfuse_last_error() is the calling thread's
+  const absl::Time t0 = absl::Now();
+  std::thread waiter([&] {
+    rc = RunOp(a0.ctx, Pattern::kAllReduce, DType::kBF16, 2, 64, t);  // rank 1 never comes
+    message = arfuse_last_error();
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  g.eng[1]->instream_host()->AbortInStream();
+  waiter.join();
+  EXPECT_EQ(rc, ARFUSE_ABORTED);
+  EXPECT_THAT(message, HasSubstr("rank 1 gave up"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
+  absl::StatusOr<InStreamCounters> c = g.eng[0]->instream_host()->InStreamStatus();
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->error, 2u);  // host_abort
+  EXPECT_EQ(g.eng[1]->Status().state, WorkspaceState::kPoisoned);
+}
+
+}  // namespace
+}  // namespace arfuse::instream
