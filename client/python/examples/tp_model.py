@@ -492,7 +492,8 @@ def run_pass(ctx, model: TPModel, prompt, name: str, prefill_comm, decode_comm, 
     def collect(n):
         if taps is not None:
             for layer, t in enumerate(taps):
-                got_taps[layer].append(t[:n].float().cpu())
+                # A copy: on the CPU, fp32 .float().cpu() would be a view of the static tap.
+                got_taps[layer].append(t[:n].to(device="cpu", dtype=torch.float32, copy=True))
 
     prefill_comm.phase = "prefill"
     tok, logits = runner.prefill(prompt, prefill_comm)

@@ -129,21 +129,28 @@ def transformers_pass(ctx, prompt, forced: torch.Tensor) -> tm.PassResult:
     def hook(layer):
         def fn(module, inputs, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
-            captured[layer].append(out.reshape(-1, cfg.hidden).float().cpu())
+            captured[layer].append(out.reshape(-1, cfg.hidden).to(device="cpu",
+                                                                  dtype=torch.float32,
+                                                                  copy=True))
         return fn
 
     handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in range(cfg.layers)]
+    # The KV cache's argument: `cache` in newer transformers, `past_key_values` before.
+    import inspect
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
     logits = []
     try:
         with torch.no_grad():
             out = model(input_ids=prompt, use_cache=True)
             logits.append(out.logits[:, -1].float().cpu())
-            past = out.past_key_values
+            past = getattr(out, cache_kw)
             for s in range(1, cfg.steps):
-                out = model(input_ids=forced[s - 1].to(device)[:, None], past_key_values=past,
-                            use_cache=True)
+                out = model(input_ids=forced[s - 1].to(device)[:, None], use_cache=True,
+                            **{cache_kw: past})
                 logits.append(out.logits[:, -1].float().cpu())
-                past = out.past_key_values
+                past = getattr(out, cache_kw)
     finally:
         for h in handles:
             h.remove()
