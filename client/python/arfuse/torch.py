@@ -358,6 +358,8 @@ def agree(group=None, device=None) -> bool:
     import torch.distributed as dist
 
     ctx = get_context(device)
+    if ctx is not None:
+        ctx.poll()  # events the session thread recorded (a drain) count in the vote
     bad = 1 if ctx is None or ctx.disabled else 0
     on_cpu = dist.get_backend(group) != "nccl"
     flag = torch.tensor([bad], dtype=torch.int32,
