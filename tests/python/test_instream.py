@@ -11,7 +11,6 @@ What runs where:
 """
 import ctypes
 import ctypes.util
-import os
 import sys
 import threading
 import types

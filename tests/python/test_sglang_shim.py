@@ -92,7 +92,8 @@ def test_install_finds_sglangs_modules_by_name(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.layers.layernorm", None)  # not importable
     original = fusion.flashinfer_allreduce_residual_rmsnorm
     shim.install(patch_torch_ops=False)
-    assert fusion.flashinfer_allreduce_residual_rmsnorm is shim.flashinfer_allreduce_residual_rmsnorm
+    assert fusion.flashinfer_allreduce_residual_rmsnorm is \
+        shim.flashinfer_allreduce_residual_rmsnorm
     assert comm._is_flashinfer_available is True
     shim.uninstall()
     assert fusion.flashinfer_allreduce_residual_rmsnorm is original
@@ -101,7 +102,8 @@ def test_install_finds_sglangs_modules_by_name(monkeypatch):
 def test_install_adds_the_op_to_an_older_module_and_removes_it_again():
     fusion = types.ModuleType(shim.FUSION_MODULE)  # an upstream version without the op
     shim.install(fusion_module=fusion, caller_modules=[], patch_torch_ops=False)
-    assert fusion.flashinfer_allreduce_residual_rmsnorm is shim.flashinfer_allreduce_residual_rmsnorm
+    assert fusion.flashinfer_allreduce_residual_rmsnorm is \
+        shim.flashinfer_allreduce_residual_rmsnorm
     shim.uninstall()
     assert not hasattr(fusion, "flashinfer_allreduce_residual_rmsnorm")
 

@@ -17,7 +17,6 @@ torch = pytest.importorskip(
 
 import arfuse.torch as aft  # noqa: E402
 from arfuse import instream  # noqa: E402
-from arfuse.integrations import sglang as shim  # noqa: E402
 from instream_fakes import RecordingLib, unbound_context  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

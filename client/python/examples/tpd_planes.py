@@ -4,7 +4,6 @@ loud eager-decode check, and the setup-only rank (every site's fused op on known
 against a CPU reference, without torch).
 """
 import dataclasses
-import os
 from typing import List, Optional
 
 from tpd_common import PROG, ModelConfig, PoolLayout, SetupError, log, site_name
