@@ -459,6 +459,19 @@ class InStreamContext:
                               self._disabled or "disabled")
         raise InStreamError(rc, f"{what}: {msg}")
 
+    def _launch(self, what: str, fn, stream: Optional[int], tokens: int, *args):
+        """One library launch under the one-thread rule; counts it and remembers its stream
+        (what a drain's answer waits for)."""
+        self.poll()
+        with self._lock:
+            self._require()
+            rc = fn(self._handle, _ptr(stream), *args)
+            if rc != OK:
+                self._launch_failed(rc, what)
+            if tokens:
+                self._launches += 1
+                self._last_stream = _ptr(stream)
+
     def fused_allreduce_residual_rmsnorm(self, stream: Optional[int], input, residual_in,
                                          residual_out, norm_out, gamma, tokens: int,
                                          hidden: int, dtype, eps: float):
@@ -467,33 +480,16 @@ class InStreamContext:
         residual_out may be residual_in. One launch on `stream` (a CUstream as an int; None or 0:
         the legacy default stream; ignored in host mode). Raises Unavailable (nothing launched)
         or InStreamError (INVALID_ARGUMENT: nothing launched either)."""
-        self.poll()
-        with self._lock:
-            self._require()
-            rc = self._lib.arfuse_fused_allreduce_residual_rmsnorm(
-                self._handle, _ptr(stream), _ptr(input), _ptr(residual_in), _ptr(residual_out),
-                _ptr(norm_out), _ptr(gamma), int(tokens), int(hidden), _dtype_code(dtype),
-                float(eps))
-            if rc != OK:
-                self._launch_failed(rc, "fused allreduce + residual + RMSNorm")
-            if tokens:
-                self._launches += 1
-                self._last_stream = _ptr(stream)
+        self._launch("fused allreduce + residual + RMSNorm",
+                     self._lib.arfuse_fused_allreduce_residual_rmsnorm, stream, tokens,
+                     _ptr(input), _ptr(residual_in), _ptr(residual_out), _ptr(norm_out),
+                     _ptr(gamma), int(tokens), int(hidden), _dtype_code(dtype), float(eps))
 
     def fused_allreduce(self, stream: Optional[int], input, output, tokens: int, hidden: int,
                         dtype):
         """output = sum over ranks of input (output may be input). As above."""
-        self.poll()
-        with self._lock:
-            self._require()
-            rc = self._lib.arfuse_fused_allreduce(self._handle, _ptr(stream), _ptr(input),
-                                                  _ptr(output), int(tokens), int(hidden),
-                                                  _dtype_code(dtype))
-            if rc != OK:
-                self._launch_failed(rc, "fused allreduce")
-            if tokens:
-                self._launches += 1
-                self._last_stream = _ptr(stream)
+        self._launch("fused allreduce", self._lib.arfuse_fused_allreduce, stream, tokens,
+                     _ptr(input), _ptr(output), int(tokens), int(hidden), _dtype_code(dtype))
 
     def check(self):
         """Raises InStreamError when a launch failed: FAILED_PRECONDITION for a stale generation

@@ -35,7 +35,7 @@ import arfuse
 from arfuse.pool import TensorPool
 
 from tpd_common import PROG, SetupError, log, site_name
-from tpd_planes import (decide_execution, destroy_plans, eager_decode_check, try_doorbell,
+from tpd_planes import (decide_execution, destroy_plans, report_eager_decode, try_doorbell,
                         try_instream)
 from tpd_sidecars import negotiation_key
 from tpd_verdicts import print_perf
@@ -767,11 +767,7 @@ def run_rank(ctx) -> bool:
     args, cfg, rank = ctx.args, ctx.cfg, ctx.rank
     rs = setup_rank(ctx)
     ex, model, fw = rs.ex, rs.model, rs.fw
-    checks = []
-    eager = eager_decode_check(ex, ctx.allow_eager_decode)
-    if eager is not None:
-        log(eager["message"], rank, err=not eager["ok"])
-        checks.append(eager)
+    checks = report_eager_decode(ex, ctx.allow_eager_decode, rank)
     cuda = model.cuda
     prompt = make_prompt(cfg, rs.device)
     inject_step = ctx.inject[1] if ctx.inject and ctx.inject[0] == rank else None

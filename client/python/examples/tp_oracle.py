@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import tp_model as tm
 from tpd_common import log
-from tpd_planes import eager_decode_check
+from tpd_planes import report_eager_decode
 
 # (d) must match (c) this closely at the logits (fp32 both, different operation order).
 REFERENCE_REL_L2 = 1e-4
@@ -250,11 +250,7 @@ def run_rank(ctx) -> bool:
     args, cfg, rank = ctx.args, ctx.cfg, ctx.rank
     rs = tm.setup_rank(ctx)
     ex, model, fw = rs.ex, rs.model, rs.fw
-    checks = []
-    eager = eager_decode_check(ex, ctx.allow_eager_decode)
-    if eager is not None:
-        log(eager["message"], rank, err=not eager["ok"])
-        checks.append(eager)
+    checks = report_eager_decode(ex, ctx.allow_eager_decode, rank)
     prompt = tm.make_prompt(cfg, rs.device)
     # (c) first: its greedy tokens drive every other implementation (teacher forcing).
     ref = fp32_reference(ctx, prompt) if rank == 0 else None

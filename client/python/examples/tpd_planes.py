@@ -115,6 +115,15 @@ def eager_decode_check(ex: ExecPlan, allowed: bool) -> Optional[dict]:
     return {"name": "decode plane", "ok": bool(allowed), "message": msg}
 
 
+def report_eager_decode(ex: ExecPlan, allowed: bool, rank: int) -> List[dict]:
+    """eager_decode_check, logged loudly (to stderr when it fails): [] or [the check]."""
+    check = eager_decode_check(ex, allowed)
+    if check is None:
+        return []
+    log(check["message"], rank, err=not check["ok"])
+    return [check]
+
+
 def site_opspec(cfg: ModelConfig, layout: PoolLayout, region, site: int, max_tokens: int):
     import arfuse
 
@@ -324,10 +333,7 @@ def run_setup_only(ctx) -> dict:
                           else None, instream_reason=instream_reason)
     ctx.report_execution(ex)
     result["plane"] = ex.decode_plane
-    eager = eager_decode_check(ex, ctx.allow_eager_decode)
-    if eager is not None:
-        log(eager["message"], rank, err=not eager["ok"])
-        result["checks"].append(eager)
+    result["checks"] += report_eager_decode(ex, ctx.allow_eager_decode, rank)
     if instream_ctx is not None:
         return _setup_instream(ctx, instream_ctx, ex, result)
     # Every fused op of the forward as a plan: the sidecar validates each one's tensors once.
