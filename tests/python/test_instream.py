@@ -300,3 +300,126 @@ def test_attach_end_to_end_host_mode(arfused, real_lib):
         for c in clients:
             c.close()
         g.stop()
+
+
+# ---- validation rules of the binding ----
+
+LIB_STUB = r"""
+#include <stddef.h>
+#include <stdint.h>
+uint32_t arfuse_client_abi_version(void) { return 99; }
+uint32_t arfuse_launch_abi_version(void) { return 1; }
+uint32_t arfuse_launch_args_bytes(void) { return 344; }
+const char* arfuse_client_version(void) { return "stub"; }
+const char* arfuse_last_error(void) { return ""; }
+int arfuse_attach(const void* b, size_t n, const int* f, size_t m, void** o) { return 3; }
+int arfuse_detach(void* c) { return 0; }
+int arfuse_ctx_get_info(const void* c, void* i) { return 0; }
+int arfuse_supports(const void* c, int p, uint32_t t, uint32_t h, int d) { return 0; }
+int arfuse_fused_allreduce_residual_rmsnorm(void* c, void* s, const void* a, const void* b,
+    void* r, void* n, const void* g, uint32_t t, uint32_t h, int d, float e) { return 0; }
+int arfuse_fused_allreduce(void* c, void* s, const void* a, void* o, uint32_t t, uint32_t h,
+    int d) { return 0; }
+int arfuse_check(void* c, uint32_t* code) { return 0; }
+int arfuse_disable(void* c, const char* r) { return 0; }
+const char* arfuse_error_name(uint32_t c) { return "none"; }
+"""
+
+
+def test_a_library_of_another_abi_is_refused(tmp_path):
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a library of another ABI")
+    src, lib = tmp_path / "stub.c", tmp_path / "libarfuse_client.so"
+    src.write_text(LIB_STUB)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    with pytest.raises(instream.InStreamError) as e:
+        instream.load_library(str(lib))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "speaks client ABI 99" in e.value.message
+    assert f"binds ABI {instream.CLIENT_ABI_VERSION}" in e.value.message
+
+
+def test_fd_pickup_count_must_match(monkeypatch):
+    import os
+
+    picked = []
+
+    def pickup_fds(path, ticket, timeout):
+        fd = os.dup(0)
+        picked.append(fd)
+        return [fd]
+
+    monkeypatch.setitem(sys.modules, "arfuse.fdpass",
+                        types.SimpleNamespace(pickup_fds=pickup_fds))
+    resp = types.SimpleNamespace(fd_count=2, fd_socket="/x.fd", fd_ticket="t")
+    with pytest.raises(instream.InStreamError) as e:
+        instream.pick_up_fds(resp, 1.0)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "picked up 1 descriptors, the attach announced 2" in e.value.message
+    with pytest.raises(OSError):
+        os.fstat(picked[0])  # closed again
+
+
+def fake_attach_response(attach_id, fd_count=0):
+    return types.SimpleNamespace(attach_id=attach_id, generation=3, attach_blob=b"blob",
+                                 fd_count=fd_count, fd_ticket="t" if fd_count else "",
+                                 fd_socket="/x.fd" if fd_count else "", memory_kind="host_shm",
+                                 image_bytes=0)
+
+
+def test_attach_binds_the_context_and_detach_tells_the_sidecar(group2, monkeypatch):
+    """attach()'s orchestration with the RPC answered by the test (the sidecar's Fusion.Attach
+    is not what is under test here) and the library recorded."""
+    c = arfuse.Client(group2.socket(0))
+    lib = RecordingLib(attach_id=7)
+    lib.arfuse_attach = lambda blob, n, fds, nfds, out: (lib.calls.append(("attach", blob, nfds)),
+                                                         0)[1]
+    requests, detached, handed = [], [], []
+    monkeypatch.setattr(c, "attach_rpc",
+                        lambda req, timeout=None: (requests.append(req),
+                                                   fake_attach_response(7, fd_count=1))[1])
+    monkeypatch.setattr(c, "detach_rpc", lambda attach_id, timeout=None:
+                        detached.append(attach_id))
+    try:
+        import os
+        ctx = instream.attach(c, [256, 512], lib=lib,
+                              fd_pickup=lambda resp, t: (handed.append(os.dup(0)), handed)[1])
+        req = requests[0]
+        assert list(req.hidden) == [256, 512]
+        assert (req.attach_abi_version, req.launch_abi_version, req.launch_args_bytes) == \
+            (instream.CLIENT_ABI_VERSION, 1, 344)
+        assert lib.calls[0] == ("attach", b"blob", 1)
+        with pytest.raises(OSError):
+            os.fstat(handed[0])  # the caller's descriptors are closed after arfuse_attach
+        assert c.attachments() == [ctx] and ctx.attach_id == 7 and ctx.hiddens == [256, 512]
+        assert ctx.info.device == "host" and ctx.info.memory_kind == "host_shm"
+        ctx.detach()
+        assert detached == [7] and c.attachments() == [] and lib.detached
+        ctx.detach()  # idempotent
+        assert detached == [7]
+        with pytest.raises(instream.InStreamError, match="detached"):
+            ctx.check()
+    finally:
+        c.close()
+
+
+def test_attach_refuses_a_blob_of_another_attachment(group2, monkeypatch):
+    c = arfuse.Client(group2.socket(0))
+    lib = RecordingLib(attach_id=7)
+    lib.arfuse_attach = lambda *a: 0
+    detached = []
+    monkeypatch.setattr(c, "attach_rpc", lambda req, timeout=None: fake_attach_response(5))
+    monkeypatch.setattr(c, "detach_rpc", lambda attach_id, timeout=None:
+                        detached.append(attach_id))
+    try:
+        with pytest.raises(instream.InStreamError) as e:
+            instream.attach(c, [256], lib=lib)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "names attachment 7, the response 5" in e.value.message
+        assert lib.detached and detached == [5] and c.attachments() == []
+    finally:
+        c.close()

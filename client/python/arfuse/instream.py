@@ -282,7 +282,9 @@ class InStreamContext:
     """One attachment: this process's mappings of the group's workspace and the loaded kernels.
 
     One thread at a time may launch on it (the library's rule); the client's session thread only
-    records events, which take effect at the caller's next op or check()."""
+    records events, which take effect at the caller's next op or check(). Garbage collection does
+    not detach it: CUDA graphs that captured its launches can outlive the Python object, and
+    unmapping under them would fault; call detach() once they are destroyed."""
 
     # How long the drain's answer may wait for the last launch (bounded: the sidecar's own wait
     # for the answer is bounded too).
