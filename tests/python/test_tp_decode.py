@@ -25,6 +25,7 @@ SMALL = ["--hidden", "256", "--heads", "4", "--kv-heads", "2", "--intermediate",
 
 
 def neg(fused=True, mode="full", plane="doorbell", backend="mnnvl", device="cuda"):
+    # (a stand-in for Config.Negotiate's answer)
     return arfuse.Negotiation(backend=backend if fused else "none", fusion_enabled=fused,
                               cuda_graph_mode=mode, data_plane=plane, warnings=(),
                               reasons=("test",), device=device, rank=0, world_size=2,
@@ -156,6 +157,45 @@ def test_decide_execution(n, device, want, capt, db_ok, expect):
         assert "UNIMPLEMENTED" in ex.describe()
 
 
+@pytest.mark.parametrize("n, device, want, ok, expect", [
+    # attached on every rank: the torch op, inside the graph the negotiation allows
+    (neg(mode="full", plane="instream"), "cuda", "full", True, ("instream", "full", True)),
+    (neg(mode="piecewise", plane="instream"), "cuda", "full", True,
+     ("instream", "piecewise", True)),
+    (neg(mode="none", plane="instream"), "cuda", "full", True, ("instream", "none", False)),
+    (neg(mode="none", plane="instream", device="host"), "cpu", "none", True,
+     ("instream", "none", False)),
+    # a rank could not attach: the eager plane, between graph pieces, and it says why
+    (neg(mode="full", plane="instream"), "cuda", "full", False, ("eager", "piecewise", False)),
+    (neg(mode="none", plane="instream", device="host"), "cpu", "none", False,
+     ("eager", "none", False)),
+])
+def test_decide_execution_instream(n, device, want, ok, expect):
+    ex = td.decide_execution(n, device, want, framework_capturable=True, instream_ok=ok,
+                             instream_reason="" if ok else "UNAVAILABLE: no fd-socket client")
+    assert (ex.decode_plane, ex.decode_graph, ex.op_in_graph) == expect
+    assert ex.prefill_plane == ("instream" if ok else "eager")
+    assert ex.eager_decode == (not ok)
+    if not ok:
+        assert "no fd-socket client" in ex.describe()
+        check = td.eager_decode_check(ex, allowed=False)
+        assert not check["ok"] and td.EAGER_BANNER in check["message"]
+        assert "--allow-eager-decode" in check["message"]
+        assert td.eager_decode_check(ex, allowed=True)["ok"]
+    else:
+        assert td.eager_decode_check(ex, allowed=False) is None
+
+
+def test_capture_request_by_plane():
+    assert td.capture_request("instream", "full", True, "cuda") == {
+        "cuda_graph_mode": "full", "fused_op_in_graph": True, "client_loads_kernels": True}
+    assert td.capture_request("doorbell", "full", True, "cuda") == {
+        "cuda_graph_mode": "full", "fused_op_in_graph": True, "client_loads_kernels": False}
+    assert td.capture_request("eager", "full", True, "cuda") == {
+        "cuda_graph_mode": "full", "fused_op_in_graph": False, "client_loads_kernels": False}
+    assert td.capture_request("instream", "full", True, "cpu")["cuda_graph_mode"] == "none"
+
+
 # ---- against real host-mode sidecars ----
 
 @pytest.fixture
@@ -180,7 +220,7 @@ def test_negotiation_plans_and_doorbell_fallback(host_group):
     def rank(r):
         client, info = td.connect_sidecar(g.sockets()[r], r, 2, 10.0, 60.0)
         try:
-            n = td.negotiate(client, "full", True, "cuda", 30.0)
+            n = td.negotiate(client, "full", True, "cuda", 30.0, plane="doorbell")
             buf = arfuse.HostShmBuffer(layout.total)
             region = arfuse.FusionWorkspace(client).register(buf, "pool")
             plans = td.create_site_plans(client, cfg, layout, region, cfg.max_tokens, False)
@@ -218,10 +258,10 @@ def test_wrong_socket_order_is_named(host_group):
         td.connect_sidecar(g.sockets()[1], 0, 2, 5.0, 30.0)
 
 
-def run_launcher(arfused, *extra, timeout=120):
+def run_launcher(arfused, *extra, timeout=120, model=SMALL, plane="eager"):
     cmd = [sys.executable, str(EXAMPLES / "tp_decode.py"), "--device", "cpu", "--ranks", "2",
            "--setup-only", "--arfused", arfused, "--flashinfer-allreduce-fusion-backend", "auto",
-           "--spin-timeout", "1", *SMALL, *extra]
+           "--spin-timeout", "1", "--plane", plane, *model, *extra]
     env = dict(os.environ)
     env.pop("RANK", None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -232,13 +272,28 @@ def test_launcher_setup_only_runs_and_checks_every_fused_op(arfused, tmp_path):
     p = run_launcher(arfused, "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "scenario main: PASS" in p.stdout
-    assert "negotiated (asked cuda_graph_mode=none" in p.stdout
+    assert "negotiated (asked plane=eager, cuda_graph_mode=none" in p.stdout
     import json
     res = json.loads(out.read_text())
     r0 = res["scenarios"][0]["ranks"]["0"]
     assert r0["setup"]["plans"] == 4 and r0["setup"]["ops"] == 4 * 4
     assert r0["setup"]["checked_values"] == 4 * 2 * 2 * 256
     assert r0["negotiation"]["backend"] == "mnnvl" and r0["execution"]["decode_plane"] == "eager"
+    # --plane eager is the explicit allowance: still said loudly, and passed.
+    assert td.EAGER_BANNER in p.stdout
+    assert [c["ok"] for c in r0["setup"]["checks"]] == [True]
+
+
+def test_a_decode_that_falls_to_the_eager_plane_fails_loudly(arfused):
+    """Host mode has no doorbell: asking for it leaves decode on the eager plane, which fails
+    the run unless --allow-eager-decode."""
+    p = run_launcher(arfused, plane="doorbell")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "scenario main: FAIL" in p.stdout and td.EAGER_BANNER in p.stdout
+    assert "pass --allow-eager-decode to accept it" in p.stdout
+    p = run_launcher(arfused, "--allow-eager-decode", plane="doorbell")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "scenario main: PASS" in p.stdout and td.EAGER_BANNER in p.stdout
 
 
 def test_launcher_fusion_off_takes_the_framework_path(arfused):
@@ -300,10 +355,55 @@ def test_model_tp1_cpu():
         buf.close()
 
 
-def test_launcher_cpu_model_run(arfused):
-    pytest.importorskip("torch", reason="PyTorch is not installed (too big for CI)")
+def run_model(arfused, *extra, timeout=300):
     cmd = [sys.executable, str(EXAMPLES / "tp_decode.py"), "--device", "cpu", "--ranks", "2",
            "--arfused", arfused, "--flashinfer-allreduce-fusion-backend", "auto",
-           "--scenarios", "main,off,kill", "--spin-timeout", "1", "--op-timeout", "5", *SMALL]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "--spin-timeout", "1", "--op-timeout", "5", *SMALL, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_launcher_cpu_model_run(arfused):
+    pytest.importorskip("torch", reason="PyTorch is not installed (too big for CI)")
+    p = run_model(arfused, "--plane", "eager", "--scenarios", "main,off,kill")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+
+
+def test_launcher_cpu_model_run_instream(arfused, tmp_path):
+    """The model on the in-stream plane in host mode: arfuse.torch's op on CPU tensors."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (too big for CI)")
+    import json
+
+    out = tmp_path / "r.json"
+    p = run_model(arfused, "--scenarios", "main,kill", "--json", str(out))
+    res = json.loads(out.read_text())
+    r0 = res["scenarios"][0]["ranks"]["0"]
+    if (r0.get("negotiation") or {}).get("data_plane") != "instream":
+        pytest.skip("the host-mode sidecar does not negotiate the in-stream plane yet")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert r0["execution"]["decode_plane"] == "instream" and r0["ops"]["fused"] > 0
+
+
+def test_oracle_cpu(arfused, tmp_path):
+    """The oracle's pipeline end to end on CPU: (a) arfuse on host-mode sidecars, (b) gloo,
+    (c) fp32, (d) transformers when installed; the report's shape and its rule."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (too big for CI)")
+    import json
+
+    out = tmp_path / "oracle.json"
+    p = run_model(arfused, "--plane", "eager", "--oracle", str(out), "--oracle-slack", "1.0",
+                  "--steps", "3")
+    assert out.exists(), p.stdout[-4000:] + p.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert len(rep["layers"]) == 2 and rep["positions_per_layer"] == 2 * 4 + 2 * 2
+    for row in rep["layers"]:
+        assert row["ok"] == (row["arfuse"]["rel_l2"] <= 2.0 * row["framework"]["rel_l2"])
+        assert 0 < row["arfuse"]["rel_l2"] < 0.05 and 0 < row["framework"]["rel_l2"] < 0.05
+    t = rep["tokens"]["arfuse"]
+    assert t["positions"] == 3 * 2 and t["equal"] + t["ties"] + t["mismatches"] == 6
+    try:
+        import transformers  # noqa: F401
+        assert rep["reference_check"]["ok"] is True, rep["reference_check"]
+        assert rep["logits"]["transformers"]["rel_l2"] < 1e-4
+    except ImportError:
+        assert rep["reference_check"]["ok"] is None
+    assert (p.returncode == 0) == rep["ok"], p.stdout[-3000:]

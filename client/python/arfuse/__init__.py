@@ -2,8 +2,11 @@
 
     from arfuse import Client, FusionWorkspace, HostShmBuffer, allreduce_fusion
 
-arfuse.ring (ring a doorbell plan inside CUDA graph capture) and arfuse.pool (static tensors
-carved out of one registered buffer) are imported on demand.
+Imported on demand: arfuse.instream (the in-stream plane: libarfuse_client through ctypes;
+Client.attach() returns its context), arfuse.torch (the in-stream plane as torch ops),
+arfuse.integrations.sglang (in SGLang's place for FlashInfer's fused op), arfuse.ring (ring a
+doorbell plan inside CUDA graph capture) and arfuse.pool (static tensors carved out of one
+registered buffer). docs/integration.md walks through them.
 """
 from .client import (API_VERSION, ArfuseError, Client, Negotiation, OpSpec, Plan, Region,
                      SidecarLost, TensorLoc, common_pb2, config_pb2, fusion_pb2, fusion_pb2_grpc)

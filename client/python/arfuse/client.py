@@ -7,12 +7,17 @@ carries the API version and the session id in metadata, and a deadline.
 The session stream also tells the client when its sidecar is gone: a sidecar that dies (or is
 killed) ends the stream at once, and `session_lost` then says why. allreduce_fusion raises
 SidecarLost in that case instead of reporting "fusion unavailable".
+
+In-stream attachments (attach(); arfuse.instream) hear from the sidecar on the same stream: the
+session thread hands every AttachEvent (drain, re-initialization, poisoning) to its context, and
+the stream's end to every context ("sidecar gone"). A drained context's answer
+(SessionRequest.drained_attach_id) goes back on the request stream.
 """
 import dataclasses
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import grpc
 
@@ -38,7 +43,8 @@ GRAPH_MODE_NAMES = {v: k for k, v in GRAPH_MODES.items()}
 GRAPH_MODE_NAMES[common_pb2.CUDA_GRAPH_MODE_UNSPECIFIED] = "none"
 DATA_PLANE_NAMES = {common_pb2.DATA_PLANE_UNSPECIFIED: "eager",
                     common_pb2.DATA_PLANE_EAGER: "eager",
-                    common_pb2.DATA_PLANE_DOORBELL: "doorbell"}
+                    common_pb2.DATA_PLANE_DOORBELL: "doorbell",
+                    common_pb2.DATA_PLANE_INSTREAM: "instream"}
 DEVICE_NAMES = {common_pb2.DEVICE_KIND_UNSPECIFIED: "unknown",
                 common_pb2.DEVICE_KIND_CUDA: "cuda", common_pb2.DEVICE_KIND_HOST: "host"}
 
@@ -108,7 +114,9 @@ class Negotiation:
     backend: str               # "trtllm", "mnnvl" or "none"
     fusion_enabled: bool
     cuda_graph_mode: str       # the mode the client may use: "none", "piecewise", "full"
-    data_plane: str            # "eager" (Execute per op) or "doorbell" (ring kernel in graphs)
+    data_plane: str            # "instream" (the sidecar's kernel launched in the client's stream
+                               # after attach), "doorbell" (ring kernel in graphs) or "eager"
+                               # (Execute per op)
     warnings: tuple
     reasons: tuple
     device: str                # "cuda" or "host"
@@ -232,6 +240,11 @@ class Client:
         self.server_api = (resp.server_api.major, resp.server_api.minor)
         self.config_stub = config_pb2_grpc.ConfigStub(self._channel)
         self._closed = False
+        # In-stream attachments by attach id: their contexts, and events that came before the
+        # context was bound (between Fusion.Attach's answer and arfuse_attach).
+        self._att_lock = threading.Lock()
+        self._attachments: Dict[int, object] = {}
+        self._early_events: Dict[int, list] = {}
         # The stream stays open for the session's life; its end (other than by close()) means
         # the sidecar is gone.
         self._lost_reason: Optional[str] = None
@@ -242,8 +255,10 @@ class Client:
     # -- lifecycle --
     def _watch_session(self):
         try:
-            for _ in self._session_call:
-                pass
+            for resp in self._session_call:
+                if resp.HasField("event"):
+                    self._on_attach_event(resp.event.kind, resp.event.attach_id,
+                                          resp.event.reason)
             reason = "the sidecar ended the session"
         except grpc.RpcError as e:
             reason = f"session stream ended: {e.code().name}: {e.details()}"
@@ -252,6 +267,84 @@ class Client:
         if not self._closed:
             self._lost_reason = reason
         self._session_ended.set()
+        self._session_gone()
+
+    # -- in-stream attachments (arfuse.instream) --
+    def _on_attach_event(self, kind: int, attach_id: int, reason: str):
+        """An AttachEvent (session thread): to its context, or kept until it is bound."""
+        with self._att_lock:
+            ctx = self._attachments.get(attach_id)
+            if ctx is None:
+                early = self._early_events.get(attach_id)
+                if early is not None:
+                    early.append((kind, reason))
+                    return
+        if ctx is None:
+            # Not ours (any more): a drain of an attachment this client no longer holds is
+            # answered at once, so the sidecar does not wait for it.
+            if kind == fusion_pb2.AttachEvent.KIND_DRAIN:
+                self._answer_drain(attach_id)
+            return
+        ctx._event(kind, reason)
+
+    def _session_end_event(self):
+        """(kind, reason) for the contexts once the session ended: 0 = the sidecar is gone,
+        -1 = this client was closed (arfuse.instream.EVENT_SESSION_LOST / EVENT_CLIENT_CLOSED)."""
+        if self._lost_reason is not None:
+            return 0, self._lost_reason
+        return -1, "the arfuse client of this attachment was closed"
+
+    def _session_gone(self):
+        kind, reason = self._session_end_event()
+        with self._att_lock:
+            ctxs = list(self._attachments.values())
+        for ctx in ctxs:
+            ctx._event(kind, reason)
+
+    def _expect_attachment(self, attach_id: int):
+        with self._att_lock:
+            self._early_events.setdefault(attach_id, [])
+
+    def _bind_attachment(self, attach_id: int, ctx):
+        with self._att_lock:
+            early = self._early_events.pop(attach_id, [])
+            self._attachments[attach_id] = ctx
+        for kind, reason in early:
+            ctx._event(kind, reason)
+        if self._session_ended.is_set():
+            ctx._event(*self._session_end_event())
+
+    def _forget_attachment(self, attach_id: int):
+        with self._att_lock:
+            self._attachments.pop(attach_id, None)
+            self._early_events.pop(attach_id, None)
+
+    def _answer_drain(self, attach_id: int):
+        """SessionRequest.drained_attach_id on the request stream."""
+        if not self._closed and self._lost_reason is None:
+            self._outbox.put(fusion_pb2.SessionRequest(drained_attach_id=attach_id))
+
+    def attachments(self) -> list:
+        """The in-stream contexts attached through this client."""
+        with self._att_lock:
+            return list(self._attachments.values())
+
+    def attach_rpc(self, request, timeout: Optional[float] = None):
+        """Fusion.Attach (the raw AttachResponse); attach() does the rest."""
+        return self._call(self.stub.Attach, request, timeout)
+
+    def detach_rpc(self, attach_id: int, timeout: Optional[float] = None):
+        return self._call(self.stub.Detach, fusion_pb2.DetachRequest(attach_id=attach_id),
+                          timeout)
+
+    def attach(self, hiddens: Optional[Sequence[int]] = None, **kwargs):
+        """The in-stream plane: attaches to this sidecar's workspace for ops of these hidden
+        sizes and returns an arfuse.instream.InStreamContext (its arguments: instream.attach)."""
+        from . import instream
+        return instream.attach(self, hiddens, **kwargs)
+
+    def detach(self, ctx) -> None:
+        ctx.detach()
 
     @property
     def session_lost(self) -> Optional[str]:
@@ -364,11 +457,13 @@ class Client:
     # -- config --
     def negotiate(self, cuda_graph_mode: str = "full", fused_op_in_graph: Optional[bool] = None,
                   mnnvl_capture_safe: Optional[bool] = None,
-                  timeout: Optional[float] = None) -> Negotiation:
+                  timeout: Optional[float] = None,
+                  client_loads_kernels: bool = False) -> Negotiation:
         """Config.Negotiate: the group's decision and how the fused op may sit in this client's
         CUDA graphs. cuda_graph_mode: "none", "piecewise" or "full" (what the client wants);
-        fused_op_in_graph defaults to True unless the mode is "none". UNAVAILABLE (ArfuseError)
-        while the group has not decided yet."""
+        fused_op_in_graph defaults to True unless the mode is "none"; client_loads_kernels: this
+        client can attach (libarfuse_client), so the in-stream plane may be the answer.
+        UNAVAILABLE (ArfuseError) while the group has not decided yet."""
         if cuda_graph_mode not in GRAPH_MODES:
             raise ValueError(f"cuda_graph_mode must be one of {sorted(GRAPH_MODES)}")
         if fused_op_in_graph is None:
@@ -377,6 +472,8 @@ class Client:
                                             fused_op_in_graph=fused_op_in_graph)
         if mnnvl_capture_safe is not None:
             capture.mnnvl_capture_safe = mnnvl_capture_safe
+        if client_loads_kernels:
+            capture.client_loads_kernels = True
         resp = self._call(self.config_stub.Negotiate, config_pb2.NegotiateRequest(capture=capture),
                           timeout)
         return Negotiation.from_proto(resp)

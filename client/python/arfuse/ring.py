@@ -11,17 +11,16 @@
 
 The C ABI is client/ring/arfuse_ring.h (docs/doorbell.md). The library links the CUDA runtime
 statically and exports only arfuse_*, so it loads beside torch's libcudart. Which file:
-$ARFUSE_RING_LIB, else a libarfuse_ring.so built in this checkout (build*/client/ring/, newest),
-else .devstage/bin/, else the loader's search path. Loading it needs no GPU; opening a slot does
+$ARFUSE_RING_LIB, else one beside the package, else one built in this checkout
+(build/client/ring/, else the newest build*/client/ring/), else .devstage/bin/, else the loader's
+search path. Loading it needs no GPU; opening a slot does
 (the current CUDA device must be the client's GPU, e.g. after torch.cuda.set_device).
 """
 import ctypes
-import glob
-import os
-import pathlib
 from typing import Optional
 
-_REPO = pathlib.Path(__file__).resolve().parents[3]
+from ._native import find_native_library
+
 _LIBS = {}
 
 # Return codes of the library (arfuse_ring.h); positive values are cudaError_t.
@@ -48,19 +47,10 @@ class RingError(RuntimeError):
 
 
 def find_ring_library() -> Optional[str]:
-    """Path of libarfuse_ring.so as described above, or None when there is none on disk
-    (then the loader's search path is tried by name)."""
-    env = os.environ.get("ARFUSE_RING_LIB")
-    if env:
-        return env
-    found = [p for p in glob.glob(str(_REPO / "build*" / "client" / "ring" / "libarfuse_ring.so"))
-             if os.path.isfile(p)]
-    if found:
-        return max(found, key=os.path.getmtime)
-    staged = _REPO / ".devstage" / "bin" / "libarfuse_ring.so"
-    if staged.is_file():
-        return str(staged)
-    return None
+    """Path of libarfuse_ring.so ($ARFUSE_RING_LIB, beside the package, a build of this
+    checkout, .devstage/bin/: arfuse._native), or None when there is none on disk (then the
+    loader's search path is tried by name)."""
+    return find_native_library("libarfuse_ring.so", "ARFUSE_RING_LIB", "client/ring")
 
 
 def load_library(path: Optional[str] = None):

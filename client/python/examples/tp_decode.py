@@ -1,37 +1,42 @@
 #!/usr/bin/env python3
-"""tp_decode: tensor-parallel decoding of a small Llama-style model through arfuse.
+"""tp_decode: tensor-parallel decoding of a Llama-style model through arfuse.
 
-Every layer's allreduce + residual add + RMSNorm goes through this rank's arfused sidecar, called
-the way SGLang's communicator calls FlashInfer's fused op, and falls back to the framework's own
-path (torch.distributed all_reduce + RMSNorm) whenever the sidecar reports fusion unavailable.
-Prefill runs eagerly on the eager plane; decode runs in CUDA graphs with the ring kernel of the
-doorbell plane captured in them, when the config service's negotiation allows it (otherwise the
-fused op runs eagerly between graph pieces, or without graphs). docs/integration.md walks through
-it.
+Every layer's allreduce + residual add + RMSNorm goes through arfuse, called the way SGLang's
+communicator calls FlashInfer's fused op, and falls back to the framework's own path
+(torch.distributed all_reduce + RMSNorm) for any op that is not served fused. By default
+(--plane instream) the op is arfuse.torch's: the sidecar's kernel launched in this process's own
+stream, for prefill and for decode inside full CUDA graphs. --plane doorbell (a ring kernel in
+the graph) and --plane eager (one RPC per op, between graph pieces) are the other planes. The
+negotiation with the sidecars' config service decides what may run; a decode that ends up on the
+eager plane is printed loudly and fails the run unless --allow-eager-decode. docs/integration.md
+walks through it.
 
     # starts N arfused sidecars and N rank processes, checks tokens against in-process
     # torch.distributed, then times decode steps
     tp_decode.py --ranks 2 --gpus 1 --flashinfer-allreduce-fusion-backend auto --perf
+    tp_decode.py --ranks 2 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336 \
+        --vocab 32000 --layers 32 --batch 16 ...               # Llama-3-8B layer sizes
     tp_decode.py --ranks 2 --scenarios main,off,kill ...      # + fusion off, + a killed sidecar
     tp_decode.py --sockets /run/arfuse/r0.sock,/run/arfuse/r1.sock   # sidecars already running
     torchrun --nproc-per-node 2 tp_decode.py --sockets A,B            # one process per rank
-    tp_decode.py --device cpu --setup-only ...   # no torch: sidecars, negotiation, plans
+    tp_decode.py --device cpu --setup-only ...   # no torch: sidecars, negotiation, the plane,
+                                                 # every site's op on known data
+    tp_decode.py --oracle out.json ...           # the numerics oracle (oracle.py)
 
-This file holds everything that needs no torch (arguments, sidecars, negotiation, plans, the
-launcher, the verdicts); tp_model.py holds the model and is imported only by model ranks.
+The parts: tp_decode.py (arguments, the rank process, the launcher), tpd_common.py (geometry,
+pool layout, logging), tpd_sidecars.py (starting and reaching sidecars, negotiation),
+tpd_planes.py (what runs where, plans, rings, attach, setup-only), tpd_verdicts.py (judging and
+printing), tp_model.py (the torch model and the per-layer ops; imported only by model ranks),
+tp_oracle.py (the oracle's torch side). None imports tp_decode.py.
 Exit status: 0 when every scenario passed, 1 otherwise, 2 for bad arguments.
 """
 import argparse
 import dataclasses
-import datetime
-import glob
 import json
-import math
 import os
 import pathlib
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -39,29 +44,20 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-HERE = pathlib.Path(__file__).resolve().parent
-PKG_DIR = HERE.parent                       # client/python (the arfuse package)
-REPO = HERE.parents[2]
-for _p in (str(PKG_DIR), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-PROG = "tp_decode"
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from tpd_common import (DTYPE_BYTES, HERE, PKG_DIR, PROG, REPO, ModelConfig,  # noqa: E402,F401
+                        PoolLayout, SetupError, UsageError, gpu_count, log, model_config,
+                        pool_layout, site_name)
+from tpd_planes import (EAGER_BANNER, ExecPlan, create_site_plans,  # noqa: E402,F401
+                        decide_execution, destroy_plans, eager_decode_check, run_setup_only,
+                        site_opspec, try_doorbell, try_instream)
+from tpd_sidecars import (PLANES, SidecarGroup, Watchdog, arfused_lib_dir,  # noqa: E402,F401
+                          capture_request, connect_sidecar, describe_failure, find_arfused,
+                          fusion_flags, negotiate, negotiation_key, sidecar_argv, socket_path)
+from tpd_verdicts import judge_kill, judge_normal, print_perf, summarize  # noqa: E402,F401
+
 SCENARIOS = ("main", "off", "kill")
-
-
-def log(msg: str, rank: Optional[int] = None, err: bool = False):
-    prefix = f"{PROG}: rank {rank}: " if rank is not None else f"{PROG}: "
-    print(prefix + msg, file=sys.stderr if err else sys.stdout, flush=True)
-
-
-class UsageError(Exception):
-    pass
-
-
-class SetupError(Exception):
-    pass
 
 
 # =============================================================================================
@@ -79,12 +75,14 @@ def _bool(s: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tp_decode.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Tensor-parallel decode of a small Llama-style model through arfuse "
+        description="Tensor-parallel decode of a Llama-style model through arfuse "
                     "(docs/integration.md).",
         epilog="Paths: --arfused or $ARFUSE_ARFUSED, else the newest build*/server/daemon/arfused,"
                " else .devstage/bin/arfused; libraries it needs from --arfused-lib-dir or "
                "$ARFUSE_ARFUSED_LIBS, else <arfused's dir>/../devlibs when present (set for the "
-               "sidecars only). Ring library: --ring-lib or $ARFUSE_RING_LIB.")
+               "sidecars only). Ring library: --ring-lib or $ARFUSE_RING_LIB. Client library "
+               "(in-stream plane): --client-lib or $ARFUSE_CLIENT_LIB, else a build of this "
+               "checkout (build/client/instream/).")
     g = p.add_argument_group("processes")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cuda (default when a GPU is visible) or cpu (host-mode sidecars, gloo, "
@@ -127,11 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=int, default=16)
     g.add_argument("--steps", type=int, default=24, help="tokens generated per sequence")
 
-    g = p.add_argument_group("CUDA graphs (negotiated with the sidecar's config service)")
+    g = p.add_argument_group("data plane and CUDA graphs (negotiated with the sidecar's config "
+                             "service)")
+    g.add_argument("--plane", choices=list(PLANES), default="instream",
+                   help="instream (default): the sidecar's kernel launched in this process's "
+                        "stream through arfuse.torch, prefill and decode, decode inside the "
+                        "graphs; doorbell: a ring kernel in the graph and a serving launch in the "
+                        "sidecar; eager: one Fusion.Execute RPC per op, between graph pieces")
+    g.add_argument("--allow-eager-decode", action="store_true",
+                   help="accept a decode whose fused ops run on the eager plane (otherwise the "
+                        "run fails, loudly); --plane eager implies it")
+    g.add_argument("--client-lib", default=None,
+                   help="libarfuse_client.so for the in-stream plane (default: "
+                        "$ARFUSE_CLIENT_LIB, then a build of this checkout)")
     g.add_argument("--cuda-graph", choices=["none", "piecewise", "full"], default="full",
                    help="the mode this client wants; the sidecar answers the mode it may use")
     g.add_argument("--fused-op-in-graph", type=_bool, default=True,
-                   help="ask for the fused op inside the graphs (doorbell plane)")
+                   help="ask for the fused op inside the graphs (in-stream and doorbell planes)")
     g.add_argument("--framework-graph", choices=["auto", "none", "piecewise", "full"],
                    default="auto",
                    help="graph mode of the in-process reference: auto = --cuda-graph when its "
@@ -170,8 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pg-timeout", type=float, default=60.0,
                    help="torch.distributed timeout (bounds the framework path's collectives)")
     g.add_argument("--setup-only", action="store_true",
-                   help="no torch: connect, negotiate, register a pool, create every layer's "
-                        "plan, run the fused ops on known data (host mode) and check them")
+                   help="no torch: connect, negotiate, set up the plane (attach, or a plan per "
+                        "site), run every site's fused op on known data (host mode) and check "
+                        "the values")
+    g = p.add_argument_group("numerics oracle (issue 25; oracle.py is the one-command front end)")
+    g.add_argument("--oracle", default=None, metavar="JSON",
+                   help="instead of the check: run the same weights through arfuse, the "
+                        "framework path, fp32 on one GPU and Hugging Face transformers' "
+                        "LlamaForCausalLM, teacher-forced on the fp32 tokens; write per-layer and "
+                        "logit distances and the token comparison to JSON")
+    g.add_argument("--tie-tol", type=float, default=0.1,
+                   help="oracle: a token difference where the fp32 reference's top-2 logit gap "
+                        "is below this counts as a tie")
+    g.add_argument("--oracle-slack", type=float, default=0.0,
+                   help="oracle: arfuse passes a layer when its distance from fp32 is at most "
+                        "(1 + slack) x the framework path's")
+    g.add_argument("--oracle-hf", choices=["auto", "on", "off"], default="auto",
+                   help="oracle: run transformers' LlamaForCausalLM (auto: when importable)")
     # Internal (launcher -> rank).
     g.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -212,6 +237,10 @@ def validate_args(args):
         raise UsageError("the kill scenario needs sidecars this launcher starts (no --sockets)")
     if args.inject_kill is not None:
         parse_inject(args.inject_kill)
+    if args.oracle and args.setup_only:
+        raise UsageError("--oracle needs the model (torch): not with --setup-only")
+    if args.oracle and "main" not in scenario_list(args):
+        raise UsageError("--oracle runs in the main scenario")
 
 
 def scenario_list(args) -> List[str]:
@@ -234,582 +263,6 @@ def check_world(args, world: int):
             raise UsageError(f"--{name} {value} is not divisible by the {world} ranks")
 
 
-# =============================================================================================
-# Model geometry and the registered pool (no torch)
-# =============================================================================================
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    eps: float
-    dtype: str
-    seed: int
-    batch: int
-    prompt_len: int
-    steps: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def sites(self) -> int:
-        """Fused ops per forward: after attention and after the MLP of every layer."""
-        return 2 * self.layers
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.batch * self.prompt_len
-
-    @property
-    def max_seq(self) -> int:
-        return self.prompt_len + self.steps + 1
-
-    @property
-    def max_tokens(self) -> int:
-        """Rows the pool's tensors hold: the prefill's (decode uses the first `batch`)."""
-        return max(self.prefill_tokens, self.batch)
-
-
-def model_config(args) -> ModelConfig:
-    return ModelConfig(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                       kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                       eps=args.eps, dtype=args.dtype, seed=args.seed, batch=args.batch,
-                       prompt_len=args.prompt_len, steps=args.steps)
-
-
-def site_name(cfg: ModelConfig, site: int) -> str:
-    """What fused op `site` is: its allreduce input and the norm it fuses."""
-    layer = site // 2
-    if site % 2 == 0:
-        return f"layer {layer} attention o_proj + post_attention_layernorm"
-    nxt = "final norm" if layer == cfg.layers - 1 else f"layer {layer + 1} input_layernorm"
-    return f"layer {layer} mlp down_proj + {nxt}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolLayout:
-    """Byte offsets of the static tensors in the one registered buffer.
-
-    partial  [max_tokens, hidden]  the row-parallel layer output (the allreduce input)
-    residual [max_tokens, hidden]  the residual stream (residual_in = residual_out, in place)
-    h        [max_tokens, hidden]  the norm output (next layer's input)
-    gamma    [2*layers+1, hidden]  norm weights: in_0, post_0, in_1, post_1, ..., final;
-                                   fused op `site` uses row site+1 (row 0 is local, no allreduce)
-    """
-    offsets: Dict[str, Tuple[int, int]]
-    total: int
-    hidden: int
-    elem: int
-    max_tokens: int
-
-    def offset(self, name: str) -> int:
-        return self.offsets[name][0]
-
-    def gamma_offset(self, row: int) -> int:
-        return self.offsets["gamma"][0] + row * self.hidden * self.elem
-
-
-def pool_layout(cfg: ModelConfig, max_tokens: Optional[int] = None) -> PoolLayout:
-    from arfuse.pool import align_up
-
-    max_tokens = max_tokens or cfg.max_tokens
-    elem = DTYPE_BYTES[cfg.dtype]
-    rows = max_tokens * cfg.hidden * elem
-    offsets, used = {}, 0
-    for name, nbytes in (("partial", rows), ("residual", rows), ("h", rows),
-                         ("gamma", (cfg.sites + 1) * cfg.hidden * elem)):
-        offsets[name] = (used, nbytes)
-        used += align_up(nbytes)
-    return PoolLayout(offsets, used, cfg.hidden, elem, max_tokens)
-
-
-# =============================================================================================
-# Sidecars
-# =============================================================================================
-
-def find_arfused(explicit: Optional[str] = None) -> Optional[str]:
-    for cand in (explicit, os.environ.get("ARFUSE_ARFUSED")):
-        if cand:
-            return cand if os.access(cand, os.X_OK) else None
-    found = [p for p in glob.glob(str(REPO / "build*" / "server" / "daemon" / "arfused"))
-             if os.access(p, os.X_OK)]
-    if found:
-        return max(found, key=os.path.getmtime)
-    staged = REPO / ".devstage" / "bin" / "arfused"
-    if os.access(staged, os.X_OK):
-        return str(staged)
-    return shutil.which("arfused")
-
-
-def arfused_lib_dir(binary: str, explicit: Optional[str] = None) -> Optional[str]:
-    d = explicit or os.environ.get("ARFUSE_ARFUSED_LIBS")
-    if d:
-        return d
-    devlibs = pathlib.Path(binary).resolve().parent.parent / "devlibs"
-    return str(devlibs) if devlibs.is_dir() else None
-
-
-def socket_path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"rank{rank}.sock")
-
-
-def fusion_flags(args, scenario: str = "main", device: str = "cuda") -> List[str]:
-    """SGLang's fusion flags, as the sidecars get them (the config service reads them there)."""
-    out = []
-    if args.flashinfer_allreduce_fusion_backend:
-        backend = args.flashinfer_allreduce_fusion_backend
-        out.append(f"--flashinfer-allreduce-fusion-backend={backend}")
-    if args.enable_flashinfer_allreduce_fusion:
-        out.append("--enable-flashinfer-allreduce-fusion")
-    if args.enforce_disable_flashinfer_allreduce_fusion or scenario == "off":
-        out.append("--enforce-disable-flashinfer-allreduce-fusion")
-    if args.enable_deterministic_inference:
-        out.append("--enable-deterministic-inference")
-    sm = args.sm if args.sm is not None else (90 if device == "cpu" else None)
-    if sm is not None:
-        out.append(f"--sm={sm}")
-    return out
-
-
-def sidecar_argv(binary: str, rank: int, world: int, folder: str, device: str,
-                 gpu: Optional[int], cfg: ModelConfig, flags: Sequence[str],
-                 spin_timeout: float = 5.0, extra: Sequence[str] = ()) -> List[str]:
-    argv = [binary, f"--device={'cuda' if device == 'cuda' else 'host'}", f"--rank={rank}",
-            f"--world-size={world}", f"--peer-dir={os.path.join(folder, 'peers')}",
-            f"--socket={socket_path(folder, rank)}", "--health-port=0",
-            f"--hidden={cfg.hidden}", f"--max-tokens={cfg.max_tokens}", f"--dtype={cfg.dtype}",
-            f"--spin-timeout={spin_timeout:g}", "--peer-timeout=60", "--log-level=info"]
-    if device == "cuda" and gpu is not None:
-        argv.append(f"--gpu={gpu}")
-    return argv + list(flags) + list(extra)
-
-
-class SidecarGroup:
-    """N arfused processes of one group (like client/demo/demo.cc starts them)."""
-
-    def __init__(self, binary: str, world: int, folder: str, device: str, gpus: int,
-                 cfg: ModelConfig, flags: Sequence[str], spin_timeout: float = 5.0,
-                 extra: Sequence[str] = (), lib_dir: Optional[str] = None):
-        self.binary, self.world, self.folder = binary, world, folder
-        self.device, self.gpus, self.cfg = device, max(gpus, 1), cfg
-        self.flags, self.spin_timeout, self.extra = list(flags), spin_timeout, list(extra)
-        self.lib_dir = lib_dir
-        self.procs: List[subprocess.Popen] = []
-        os.makedirs(os.path.join(folder, "peers"), exist_ok=True)
-
-    def argv(self, rank: int) -> List[str]:
-        return sidecar_argv(self.binary, rank, self.world, self.folder, self.device,
-                            rank % self.gpus, self.cfg, self.flags, self.spin_timeout, self.extra)
-
-    def log_path(self, rank: int) -> str:
-        return os.path.join(self.folder, f"arfused.{rank}.log")
-
-    def sockets(self) -> List[str]:
-        return [socket_path(self.folder, r) for r in range(self.world)]
-
-    def start(self):
-        env = dict(os.environ)
-        if self.lib_dir:
-            env["LD_LIBRARY_PATH"] = self.lib_dir + (":" + env["LD_LIBRARY_PATH"]
-                                                     if env.get("LD_LIBRARY_PATH") else "")
-        for r in range(self.world):
-            with open(self.log_path(r), "w") as logf:
-                self.procs.append(subprocess.Popen(self.argv(r), stdout=logf,
-                                                   stderr=subprocess.STDOUT, env=env))
-
-    def wait_sockets(self, timeout: float = 60.0):
-        until = time.monotonic() + timeout
-        for r in range(self.world):
-            while not os.path.exists(socket_path(self.folder, r)):
-                for i, p in enumerate(self.procs):
-                    if p.poll() is not None:
-                        raise SetupError(f"arfused rank {i} exited with {p.returncode} before "
-                                         f"serving:\n{self.tail(i)}")
-                if time.monotonic() > until:
-                    raise SetupError(f"arfused rank {r} did not create its socket within "
-                                     f"{timeout:g} s:\n{self.tail(r)}")
-                time.sleep(0.05)
-
-    def pids(self) -> List[int]:
-        return [p.pid for p in self.procs]
-
-    def tail(self, rank: int, lines: int = 8) -> str:
-        try:
-            with open(self.log_path(rank), errors="replace") as f:
-                got = f.read().splitlines()[-lines:]
-        except OSError:
-            return "(no log)"
-        return "\n".join(f"  arfused.{rank}: {line[:300]}" for line in got)
-
-    def stop(self, grace: float = 15.0):
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        until = time.monotonic() + grace
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-
-
-# =============================================================================================
-# Rank side, no torch: connect, negotiate, decide, plans
-# =============================================================================================
-
-def connect_sidecar(socket: str, rank: int, world: int, op_timeout: float,
-                    ready_timeout: float):
-    """Opens the session with this rank's sidecar and waits for its workspace."""
-    import arfuse
-
-    client = arfuse.Client(socket, client_name=f"{PROG}-rank{rank}", timeout=op_timeout,
-                           connect_timeout=ready_timeout)
-    if client.rank != rank or client.world_size != world:
-        client.close()
-        raise SetupError(f"the sidecar at {socket} is rank {client.rank} of {client.world_size}, "
-                         f"not rank {rank} of {world} (sockets out of order?)")
-    info = client.wait_ready(ready_timeout)
-    return client, info
-
-
-def negotiate(client, want_mode: str, in_graph: bool, device: str, timeout: float):
-    """Config.Negotiate (retried while the group has not decided)."""
-    import grpc
-    import arfuse
-
-    mode = want_mode if device == "cuda" else "none"
-    until = time.monotonic() + timeout
-    while True:
-        try:
-            return client.negotiate(mode, fused_op_in_graph=in_graph and mode != "none")
-        except arfuse.ArfuseError as e:
-            if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > until:
-                raise
-            time.sleep(0.1)
-
-
-def negotiation_key(neg) -> Tuple:
-    """What every rank must agree on."""
-    return (neg.backend, neg.fusion_enabled, neg.cuda_graph_mode, neg.data_plane)
-
-
-@dataclasses.dataclass
-class ExecPlan:
-    """How this rank runs the per-layer op, after negotiation (same on every rank)."""
-    fused: bool                 # through the sidecar at all
-    prefill_plane: str          # "eager" (allreduce_fusion) or "framework"
-    decode_graph: str           # "none", "piecewise" or "full"
-    decode_plane: str           # "doorbell", "eager" or "framework"
-    op_in_graph: bool           # the per-layer op is captured in the decode graph(s)
-    notes: List[str] = dataclasses.field(default_factory=list)
-
-    def describe(self) -> str:
-        where = "inside the graph" if self.op_in_graph else (
-            "between graph pieces" if self.decode_graph != "none" else "eagerly")
-        plane = {"doorbell": "doorbell plane (ring kernel)", "eager": "eager plane (Execute RPC)",
-                 "framework": "framework path (torch.distributed + RMSNorm)"}[self.decode_plane]
-        graph = {"none": "no CUDA graph", "piecewise": "piecewise CUDA graphs",
-                 "full": "one full CUDA graph"}[self.decode_graph]
-        pre = ("eager plane (allreduce_fusion)" if self.prefill_plane == "eager"
-               else "framework path")
-        s = f"prefill: {pre}; decode: {graph}, per-layer op on the {plane} {where}"
-        return s + "".join(f"\n    note: {n}" for n in self.notes)
-
-
-def decide_execution(neg, device: str, want_mode: str, framework_capturable: bool,
-                     doorbell_ok: Optional[bool] = None,
-                     doorbell_reason: str = "") -> ExecPlan:
-    """Honours the negotiation: the graph mode it allows and the data plane it names.
-
-    neg: arfuse.Negotiation (group decision). framework_capturable: the framework's own
-    collective can sit in a CUDA graph (NCCL; gloo cannot). doorbell_ok: whether every rank got
-    its doorbell plans and rings (None: not tried)."""
-    notes = []
-    if device != "cuda":
-        if neg.fusion_enabled:
-            return ExecPlan(True, "eager", "none", "eager", False,
-                            ["cpu: host-mode sidecars, no CUDA graphs"])
-        return ExecPlan(False, "framework", "none", "framework", False,
-                        [f"fusion off ({'; '.join(neg.reasons) or neg.backend}): framework path"])
-    allowed = neg.cuda_graph_mode
-    if not neg.fusion_enabled:
-        notes.append("fusion off (" + ("; ".join(neg.reasons) or f"backend {neg.backend}") +
-                     "): the framework path runs every op")
-        if allowed == "none":
-            return ExecPlan(False, "framework", "none", "framework", False, notes)
-        if framework_capturable:
-            return ExecPlan(False, "framework", allowed, "framework", True, notes)
-        notes.append("the framework collective (gloo) cannot be captured: it runs between "
-                     "graph pieces")
-        return ExecPlan(False, "framework", "piecewise", "framework", False, notes)
-    if allowed == "none":
-        if want_mode != "none":
-            notes.append(f"negotiation allows no CUDA graphs (asked for {want_mode})")
-        return ExecPlan(True, "eager", "none", "eager", False, notes)
-    if neg.data_plane == "doorbell":
-        if doorbell_ok:
-            return ExecPlan(True, "eager", allowed, "doorbell", True, notes)
-        notes.append("doorbell plane negotiated but unavailable (" +
-                     (doorbell_reason or "not set up") +
-                     "): the fused op runs on the eager plane between graph pieces")
-        return ExecPlan(True, "eager", "piecewise", "eager", False, notes)
-    # Eager plane with graphs: a split op between graph pieces (never inside a graph).
-    if allowed == "full":
-        notes.append("eager plane: the full graph is split into pieces around the fused op")
-    return ExecPlan(True, "eager", "piecewise", "eager", False, notes)
-
-
-def site_opspec(cfg: ModelConfig, layout: PoolLayout, region, site: int, max_tokens: int):
-    import arfuse
-
-    def at(off):
-        return arfuse.TensorLoc(region, off)
-
-    return arfuse.OpSpec(pattern="allreduce_residual_rmsnorm", dtype=cfg.dtype,
-                         hidden=cfg.hidden, max_tokens=max_tokens, eps=cfg.eps,
-                         input=at(layout.offset("partial")),
-                         residual_in=at(layout.offset("residual")),
-                         residual_out=at(layout.offset("residual")),
-                         norm_out=at(layout.offset("h")),
-                         gamma=at(layout.gamma_offset(site + 1)))
-
-
-def create_site_plans(client, cfg: ModelConfig, layout: PoolLayout, region, max_tokens: int,
-                      doorbell: bool) -> list:
-    """One plan per fused op of the forward (2 per layer), all over the same static tensors
-    except the norm weight. On any failure the plans made so far are destroyed."""
-    plans = []
-    try:
-        for site in range(cfg.sites):
-            plan = client.create_plan(site_opspec(cfg, layout, region, site, max_tokens),
-                                      doorbell=doorbell)
-            plans.append(plan)
-            if doorbell and plan.doorbell is None:
-                raise SetupError("the sidecar made the plan but returned no doorbell")
-    except BaseException:
-        destroy_plans(client, plans)
-        raise
-    return plans
-
-
-def destroy_plans(client, plans):
-    for plan in plans:
-        try:
-            client.destroy_plan(plan)
-        except Exception:
-            pass
-
-
-def try_doorbell(client, cfg: ModelConfig, layout: PoolLayout, region, ring_lib: Optional[str]):
-    """Doorbell plans for the decode batch and their opened rings. Returns (plans, rings, None)
-    or ([], [], reason) without raising: a missing doorbell plane is a fallback, not an error."""
-    import arfuse
-    from arfuse import ring as ringmod
-
-    plans, rings = [], []
-    try:
-        lib = ringmod.load_library(ring_lib)
-    except OSError as e:
-        return [], [], f"libarfuse_ring.so did not load ({e}); set --ring-lib or ARFUSE_RING_LIB"
-    try:
-        plans = create_site_plans(client, cfg, layout, region, cfg.batch, doorbell=True)
-        for i, plan in enumerate(plans):
-            rings.append(ringmod.DoorbellRing.open(plan.doorbell, lib=lib, name=f"site{i}"))
-        return plans, rings, None
-    except (arfuse.ArfuseError, ringmod.RingError, SetupError) as e:
-        if isinstance(e, arfuse.SidecarLost):
-            raise
-        for r in rings:
-            try:
-                r.close()
-            except Exception:
-                pass
-        destroy_plans(client, plans)
-        return [], [], f"{type(e).__name__}: {e}"
-
-
-def describe_failure(e: BaseException, rank: int, socket: str, client=None) -> str:
-    """One line naming the rank and what failed."""
-    import arfuse
-
-    lost = client.session_lost if client is not None else None
-    if isinstance(e, arfuse.SidecarLost) or lost:
-        reason = e.reason if isinstance(e, arfuse.SidecarLost) else lost
-        return f"rank {rank}: its arfused sidecar ({socket}) is gone: {reason}"
-    msg = f"rank {rank}: {type(e).__name__}: {e}" if not isinstance(e, arfuse.ArfuseError) \
-        else f"rank {rank}: fused op failed: {e}"
-    if client is not None and isinstance(e, (arfuse.ArfuseError, RuntimeError)):
-        try:
-            info = client.workspace_info(timeout=2.0)
-            from arfuse import common_pb2
-            state = common_pb2.WorkspaceState.Name(info.state).replace("WORKSPACE_STATE_", "")
-            msg += f" [sidecar rank {rank}: workspace {state}: {info.reason}]"
-        except Exception:
-            pass
-    return msg
-
-
-class Watchdog:
-    """Stops this rank at once, naming it, when its sidecar's session ends (killed, crashed)."""
-
-    def __init__(self, client, rank: int, socket: str, on_fatal):
-        self.client, self.rank, self.socket, self.on_fatal = client, rank, socket, on_fatal
-        self.stopping = False
-        threading.Thread(target=self._run, daemon=True, name="tp_decode-watchdog").start()
-
-    def _run(self):
-        reason = self.client.wait_session_lost(None)
-        if reason and not self.stopping:
-            self.on_fatal(f"rank {self.rank}: its arfused sidecar ({self.socket}) is gone: "
-                          f"{reason}; stopping")
-
-
-# =============================================================================================
-# Setup-only rank (no torch): negotiation, pool, plans, eager ops on known data (host mode)
-# =============================================================================================
-
-def f32_to_bf16(x: float) -> int:
-    b = struct.unpack("<I", struct.pack("<f", x))[0]
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def bf16_to_f32(u: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (u & 0xFFFF) << 16))[0]
-
-
-def setup_value(rank: int, i: int, site: int) -> float:
-    """Inputs exact in bf16 (multiples of 1/8 in [-1, 1])."""
-    return float((i * 7 + rank * 13 + site * 5) % 17 - 8) / 8.0
-
-
-def setup_residual(i: int) -> float:
-    return float(i % 5 - 2) / 4.0
-
-
-def setup_gamma(k: int, site: int) -> float:
-    return 0.5 + float((k + site) % 9) / 8.0
-
-
-def _write(view, dtype: str, i: int, v: float):
-    view[i] = f32_to_bf16(v) if dtype == "bf16" else v
-
-
-def _read(view, dtype: str, i: int) -> float:
-    return bf16_to_f32(view[i]) if dtype == "bf16" else float(view[i])
-
-
-def run_setup_only(ctx) -> dict:
-    """ctx: RankContext. Returns the checks dict; raises on failure."""
-    import arfuse
-
-    cfg, layout, rank, world = ctx.cfg, ctx.layout, ctx.rank, ctx.world
-    client = ctx.client
-    result = {"plans": 0, "ops": 0, "checked_values": 0}
-    if ctx.device == "cuda":
-        buf = arfuse.CudaBuffer(layout.total, ctx.gpu)
-    else:
-        buf = arfuse.HostShmBuffer(layout.total)
-    ctx.buffers.append(buf)
-    ws = arfuse.FusionWorkspace(client)
-    region = ws.register(buf, f"{PROG}-pool")
-    doorbell_ok, doorbell_reason = None, ""
-    neg = ctx.neg
-    if neg.fusion_enabled and neg.data_plane == "doorbell" and ctx.device == "cuda":
-        plans, rings, doorbell_reason = try_doorbell(client, cfg, layout, region, ctx.ring_lib)
-        doorbell_ok = doorbell_reason is None
-        for r in rings:
-            r.close()
-        destroy_plans(client, plans)
-    ex = decide_execution(neg, ctx.device, ctx.want_mode, framework_capturable=False,
-                          doorbell_ok=doorbell_ok, doorbell_reason=doorbell_reason or "")
-    ctx.report_execution(ex)
-    # Every fused op of the forward as a plan: the sidecar validates each one's tensors once.
-    plans = create_site_plans(client, cfg, layout, region, cfg.max_tokens, doorbell=False)
-    result["plans"] = len(plans)
-    log(f"{len(plans)} plans validated (path: {plans[0].reason})", rank)
-    destroy_plans(client, plans)
-    if not ex.fused:
-        log("fusion off: the framework path would run every op (needs torch; not exercised in "
-            "--setup-only)", rank)
-        return result
-    if ctx.device == "cuda":
-        log("cuda --setup-only stops here (filling device memory needs torch)", rank)
-        return result
-    H, n, dt = cfg.hidden, cfg.batch, cfg.dtype
-    fmt = dt if dt in ("bf16", "fp32") else None
-    if fmt is None:
-        log("--setup-only checks values for bf16 and fp32 only", rank)
-        return result
-    x = buf.view(dt, n * H, layout.offset("partial"))
-    res = buf.view(dt, n * H, layout.offset("residual"))
-    y = buf.view(dt, n * H, layout.offset("h"))
-    views = [x, res, y]
-    try:
-        kill = ctx.inject
-        for step in range(cfg.steps):
-            if kill is not None and kill[0] == rank and step == kill[1]:
-                ctx.kill_own_sidecar(step)
-            for site in range(cfg.sites):
-                verify = step == 0
-                g = buf.view(dt, H, layout.gamma_offset(site + 1))
-                views.append(g)
-                if verify:
-                    for i in range(n * H):
-                        _write(x, dt, i, setup_value(rank, i, site))
-                        _write(res, dt, i, setup_residual(i))
-                    for k in range(H):
-                        _write(g, dt, k, setup_gamma(k, site))
-                out = arfuse.allreduce_fusion(input=x.reshape(n, H), workspace=ws,
-                                              residual_in=res, residual_out=res, norm_out=y,
-                                              rms_gamma=g, rms_eps=cfg.eps,
-                                              timeout=ctx.op_timeout)
-                if out is None:
-                    raise SetupError(f"allreduce_fusion returned None (fusion unavailable) at "
-                                     f"step {step}, {site_name(cfg, site)}")
-                result["ops"] += 1
-                if verify:
-                    result["checked_values"] += check_setup_values(cfg, world, site, res, y, g)
-    finally:
-        for v in views:
-            v.release()
-    log(f"{result['ops']} fused ops ran; {result['checked_values']} values checked against the "
-        "CPU reference", rank)
-    return result
-
-
-def check_setup_values(cfg, world, site, res, y, g) -> int:
-    H, n, dt = cfg.hidden, cfg.batch, cfg.dtype
-    tol = 2.0 ** -6 if dt == "bf16" else 1e-5
-    for t in range(n):
-        s = []
-        for k in range(H):
-            i = t * H + k
-            v = sum(setup_value(r, i, site) for r in range(world)) + setup_residual(i)
-            got = _read(res, dt, i)
-            if got != v:
-                raise SetupError(f"{site_name(cfg, site)}: residual_out[{t},{k}] = {got}, "
-                                 f"expected {v}")
-            s.append(v)
-        inv = 1.0 / math.sqrt(sum(v * v for v in s) / H + cfg.eps)
-        for k in range(H):
-            want = s[k] * inv * _read(g, dt, k)
-            got = _read(y, dt, t * H + k)
-            if abs(got - want) > tol * max(1.0, abs(want)):
-                raise SetupError(f"{site_name(cfg, site)}: norm_out[{t},{k}] = {got}, expected "
-                                 f"{want}")
-    return 2 * n * H
-
-
-# =============================================================================================
-# Rank process
-# =============================================================================================
 
 class RankContext:
     """What a rank process knows; shared by the setup-only and the model path."""
@@ -830,12 +283,16 @@ class RankContext:
         self.want_mode = args.cuda_graph if self.device == "cuda" else "none"
         self.op_timeout = args.op_timeout
         self.ring_lib = args.ring_lib or os.environ.get("ARFUSE_RING_LIB")
+        self.client_lib = args.client_lib or os.environ.get("ARFUSE_CLIENT_LIB")
+        self.plane = args.plane
+        self.allow_eager_decode = args.allow_eager_decode or args.plane == "eager"
         self.workdir = args.workdir
         self.inject = parse_inject(args.inject_kill) if args.inject_kill else None
         self.sidecar_pids = ([int(p) for p in args.sidecar_pids.split(",")]
                              if args.sidecar_pids else [])
         self.client = None
         self.neg = None
+        self.instream = None  # the in-stream context, once attached
         self.buffers = []
         self.result = {"rank": rank, "world": world, "scenario": args.scenario,
                        "status": "running", "device": self.device, "gpu": self.gpu}
@@ -900,17 +357,6 @@ class RankContext:
         os.kill(pid, signal.SIGKILL)
 
 
-def gpu_count() -> int:
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        return len([v for v in vis.split(",") if v.strip() and v.strip() != "-1"])
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        return len([line for line in out.stdout.splitlines() if line.startswith("GPU ")])
-    except (OSError, subprocess.SubprocessError):
-        return 0
-
-
 def rank_main(args, rank: int, world: int, sockets: List[str]):
     ctx = RankContext(args, rank, world, sockets)
     try:
@@ -920,11 +366,16 @@ def rank_main(args, rank: int, world: int, sockets: List[str]):
         ctx.client = client
         ctx.watchdog = Watchdog(client, rank, ctx.socket, lambda m: ctx.finish(3, m))
         neg = negotiate(client, ctx.want_mode, args.fused_op_in_graph, ctx.device,
-                        args.ready_timeout)
+                        args.ready_timeout, args.plane)
         ctx.neg = neg
         ctx.result["negotiation"] = dataclasses.asdict(neg)
-        log(f"negotiated (asked cuda_graph_mode={ctx.want_mode}, fused op in graph="
-            f"{args.fused_op_in_graph and ctx.want_mode != 'none'}): {neg.summary()}", rank)
+        asked = capture_request(args.plane, ctx.want_mode, args.fused_op_in_graph, ctx.device)
+        log(f"negotiated (asked plane={args.plane}, cuda_graph_mode={asked['cuda_graph_mode']}, "
+            f"fused op in graph={asked['fused_op_in_graph']}, client loads kernels="
+            f"{asked['client_loads_kernels']}): {neg.summary()}", rank)
+        if neg.fusion_enabled and neg.data_plane != args.plane:
+            log(f"  note: asked for the {args.plane} plane, the sidecars answered "
+                f"{neg.data_plane}", rank)
         for w in neg.warnings:
             log(f"  warning: {w}", rank)
         for r in neg.reasons:
@@ -933,13 +384,19 @@ def rank_main(args, rank: int, world: int, sockets: List[str]):
             log("  warning: the sidecar does not see MPS: every hop between this process and "
                 "its sidecar costs a GPU context switch (docs/mps.md)", rank)
         if args.setup_only:
-            ctx.result["setup"] = run_setup_only(ctx)
-            ctx.result["status"] = "pass"
-            log("PASS (setup-only)", rank)
-            ctx.finish(0)
-        import tp_model  # torch from here on
+            setup = ctx.result["setup"] = run_setup_only(ctx)
+            ok = all(c["ok"] for c in setup["checks"])
+            ctx.result["status"] = "pass" if ok else "fail"
+            log(("PASS" if ok else "FAIL") + " (setup-only)", rank)
+            ctx.finish(0 if ok else 1)
+        if args.oracle:
+            import tp_oracle  # torch from here on
 
-        ok = tp_model.run_rank(ctx)
+            ok = tp_oracle.run_rank(ctx)
+        else:
+            import tp_model  # torch from here on
+
+            ok = tp_model.run_rank(ctx)
         ctx.finish(0 if ok else 1)
     except SystemExit:
         raise
@@ -955,10 +412,11 @@ def rank_main(args, rank: int, world: int, sockets: List[str]):
 # =============================================================================================
 
 FORWARD_OPTS = ("device", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "eps",
-                "dtype", "seed", "batch", "prompt_len", "steps", "cuda_graph",
+                "dtype", "seed", "batch", "prompt_len", "steps", "plane", "cuda_graph",
                 "fused_op_in_graph", "framework_graph", "check", "perf_iters", "perf_warmup",
-                "op_timeout", "ready_timeout", "pg_timeout", "ring_lib", "gpu_count")
-FORWARD_FLAGS = ("strict_tokens", "perf", "setup_only")
+                "op_timeout", "ready_timeout", "pg_timeout", "ring_lib", "client_lib",
+                "gpu_count", "oracle", "tie_tol", "oracle_slack", "oracle_hf")
+FORWARD_FLAGS = ("strict_tokens", "perf", "setup_only", "allow_eager_decode")
 
 
 def rank_argv(args, rank: int, world: int, sockets: Sequence[str], workdir: str, scenario: str,
@@ -1138,120 +596,6 @@ def run_scenario(args, scenario: str, folder: str, device: str, gpus: int) -> di
     return verdict
 
 
-def judge_normal(args, scenario: str, results: Dict[int, dict], verdict: dict):
-    problems = verdict["problems"]
-    for r, res in results.items():
-        if res.get("exit_code") != 0 or res.get("status") != "pass":
-            problems.append(f"rank {r}: {res.get('status')} (exit {res.get('exit_code')})"
-                            + (f": {res['error']}" if res.get("error") else ""))
-            for c in res.get("checks", []):
-                if not c.get("ok"):
-                    problems.append(f"rank {r}: check {c.get('name')}: {c.get('message')}")
-    toks = {r: res.get("tokens") for r, res in results.items() if res.get("tokens") is not None}
-    if len(toks) > 1 and len({json.dumps(t) for t in toks.values()}) != 1:
-        problems.append("ranks decoded different tokens")
-    if scenario == "off":
-        for r, res in results.items():
-            ex = res.get("execution") or {}
-            if ex.get("fused"):
-                problems.append(f"rank {r}: fusion still on with "
-                                "--enforce-disable-flashinfer-allreduce-fusion")
-    verdict["ok"] = not problems
-
-
-def judge_kill(args, folder: str, results: Dict[int, dict], procs: RankProcs, verdict: dict):
-    problems = verdict["problems"]
-    try:
-        with open(os.path.join(folder, "kill.json")) as f:
-            kill = json.load(f)
-    except (OSError, ValueError):
-        problems.append("the fault was never injected (the run failed or ended before it)")
-        for r, res in results.items():
-            if res.get("error"):
-                problems.append(f"rank {r}: {res['error']}")
-        verdict["ok"] = False
-        return
-    verdict["kill"] = kill
-    killed = kill["rank"]
-    bound = args.op_timeout + 10.0
-    stops = {}
-    for r, res in results.items():
-        code = res.get("exit_code")
-        at = procs.exit_at.get(r)
-        stops[r] = round(at - kill["time"], 2) if at else None
-        if code == 0:
-            problems.append(f"rank {r} exited 0 although rank {killed}'s sidecar was killed")
-        elif code is None or code < 0:
-            problems.append(f"rank {r} was killed by the launcher (did not stop by itself)")
-        if not res.get("error"):
-            problems.append(f"rank {r} stopped without an error message")
-        if stops[r] is None or stops[r] > bound:
-            problems.append(f"rank {r} stopped {stops[r]} s after the kill (bound: op deadline "
-                            f"{args.op_timeout:g} s + 10 s)")
-    named = [r for r, res in results.items() if f"rank {killed}" in (res.get("error") or "")]
-    if killed not in named:
-        problems.append(f"rank {killed}'s own error does not name it")
-    verdict["stop_seconds"] = stops
-    verdict["ok"] = not problems
-
-
-def print_perf(perf: dict, cfg_line: str):
-    if not perf or not perf.get("rows"):
-        return
-    print(f"\n{PROG}: decode step ({cfg_line})")
-    print(f"  {'path':<34} {'graph':<10} {'plane':<10} {'p50 ms':>8} {'p90 ms':>8} "
-          f"{'tok/s':>9}")
-    for row in perf["rows"]:
-        print(f"  {row['name']:<34} {row['graph']:<10} {row['plane']:<10} {row['p50_ms']:>8.3f} "
-              f"{row['p90_ms']:>8.3f} {row['tokens_per_s']:>9.0f}")
-    for line in perf.get("summary", []):
-        print(f"  {line}")
-    print()
-
-
-def summarize(args, verdicts: List[dict], device: str, gpus: int) -> bool:
-    all_ok = True
-    cfg = model_config(args)
-    for v in verdicts:
-        ok = v["ok"]
-        all_ok &= ok
-        detail = ""
-        r0 = v["ranks"].get(0, {})
-        if v["scenario"] == "kill" and "kill" in v:
-            errs = " | ".join((res.get("error") or f"rank {r}: no error")[:240]
-                              for r, res in v["ranks"].items())
-            detail = (f"rank {v['kill']['rank']}'s sidecar killed before step "
-                      f"{v['kill']['step']}; ranks stopped after {v.get('stop_seconds')} s "
-                      f"(op deadline {args.op_timeout:g} s); {errs}")
-        elif ok:
-            checks = r0.get("checks", [])
-            detail = "; ".join(f"{c['name']}: {c['message']}" for c in checks)
-            if not detail and r0.get("setup"):
-                detail = f"setup-only: {r0['setup']}"
-        print(f"{PROG}: scenario {v['scenario']}: {'PASS' if ok else 'FAIL'} "
-              f"({v.get('seconds')} s){': ' + detail if detail else ''}")
-        for p in v["problems"]:
-            print(f"{PROG}:   problem: {p}")
-        for r, tail in (v.get("sidecar_logs") or {}).items():
-            print(tail)
-        ex = r0.get("execution")
-        neg = r0.get("negotiation")
-        if neg:
-            print(f"{PROG}:   negotiated: backend={neg['backend']} fusion="
-                  f"{'on' if neg['fusion_enabled'] else 'off'} cuda_graph_mode="
-                  f"{neg['cuda_graph_mode']} data_plane={neg['data_plane']} "
-                  f"mps={neg.get('mps_detected')}")
-        if ex:
-            print(f"{PROG}:   ran: decode graph={ex['decode_graph']} plane={ex['decode_plane']} "
-                  f"op_in_graph={ex['op_in_graph']}")
-        if r0.get("perf"):
-            print_perf(r0["perf"], f"batch {cfg.batch}, {cfg.layers} layers, hidden "
-                                   f"{cfg.hidden}, tp {args.ranks}, {device}"
-                                   + (f" x{gpus}" if device == "cuda" else ""))
-    print(f"{PROG}: {'PASS' if all_ok else 'FAIL'}")
-    return all_ok
-
-
 class Interrupted(Exception):
     pass
 
@@ -1275,6 +619,8 @@ def launch(args) -> int:
     args.device = device
     args.gpu_count = gpus
     check_world(args, args.ranks)
+    if args.oracle:
+        args.oracle = os.path.abspath(args.oracle)  # the ranks write it
     base = tempfile.mkdtemp(prefix=f"{PROG}-")
     verdicts = []
     completed = False
@@ -1332,5 +678,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("tp_decode", sys.modules["__main__"])  # tp_model imports it by name
     sys.exit(main())

@@ -1,11 +1,13 @@
 """The torch half of tp_decode: a compact Llama-style decoder with tensor parallelism whose
 allreduce + residual add + RMSNorm goes through arfuse (imported only by model ranks).
+It imports tp_decode's torch-free modules (tpd_*), never tp_decode.py itself.
 
 Model: replicated embedding and lm_head; per layer RMSNorm -> attention (column-parallel fused
 QKV, rotary embedding, grouped-query attention over a KV cache, row-parallel o_proj) -> RMSNorm
--> SwiGLU MLP (column-parallel gate/up, row-parallel down_proj), residuals. Weights are random
-from --seed, generated whole on every rank and sliced, so every world size computes the same
-model.
+-> SwiGLU MLP (column-parallel gate/up, row-parallel down_proj), residuals: Hugging Face's
+LlamaForCausalLM, layer for layer (tp_oracle.py checks that). Weights are random from --seed,
+generated whole on every rank (one layer at a time, on the GPU when there is one) and sliced, so
+every world size computes the same model.
 
 The row-parallel outputs are partial sums. As in SGLang's LayerCommunicator, each one's
 allreduce is fused with the residual add and the *next* RMSNorm (post_attention_layernorm after
@@ -13,15 +15,17 @@ attention; the next layer's input_layernorm, or the final norm, after the MLP): 
 layer, "sites" 0 .. 2*layers-1. The forward is pieces 0 .. 2*layers with site i between piece i
 and piece i+1; the pieces are what piecewise CUDA graphs capture.
 
-Every tensor a fused op touches lives at a fixed address in one plain-cudaMalloc buffer
-registered with the sidecar once (arfuse.CudaBuffer; a HostShmBuffer on --device cpu):
-partial (the allreduce input), residual (in place), h (the norm output), the norm weights.
+The tensors a fused op touches (partial: the allreduce input; residual, in place; h: the norm
+output; the norm weights) have fixed addresses, which CUDA graphs need. On the in-stream plane
+they are ordinary torch tensors (the op takes memory from any allocator); on the eager and
+doorbell planes they live in one plain-cudaMalloc buffer registered with the sidecar once
+(arfuse.CudaBuffer; a HostShmBuffer on --device cpu).
 """
 import dataclasses
 import statistics
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,11 @@ import torch.nn.functional as F
 import arfuse
 from arfuse.pool import TensorPool
 
-import tp_decode as td
+from tpd_common import PROG, SetupError, log, site_name
+from tpd_planes import (decide_execution, destroy_plans, report_eager_decode, try_doorbell,
+                        try_instream)
+from tpd_sidecars import negotiation_key
+from tpd_verdicts import print_perf
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # bf16 tolerance for logits: |a - r| <= RTOL * |r| + ATOL_REL * max|r| (per row).
@@ -69,46 +77,71 @@ class LayerWeights:
     wd_t: torch.Tensor     # [inter_local, hidden]                              row-parallel
 
 
+def generate_weights(cfg, device):
+    """The model's weights from the seed, in a fixed order, one layer at a time, fp32 on
+    `device` (a generator of its own: the same numbers on every rank and in every process on the
+    same kind of device). Yields ("embed", [V, H]), then per layer ("layer", l, {q, k, v, o,
+    gate, up, down: [out, in]; input_norm, post_norm: [H]}), then ("final_norm", [H]) and
+    ("lm_head", [V, H]): Hugging Face's Llama layout."""
+    gdev = device if device.type == "cuda" else torch.device("cpu")
+    g = torch.Generator(device=gdev).manual_seed(cfg.seed)
+    H, V, hd = cfg.hidden, cfg.vocab, cfg.head_dim
+    nh, nkv, inter = cfg.heads, cfg.kv_heads, cfg.intermediate
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=gdev) * std
+
+    yield ("embed", randn(V, H))
+    for layer in range(cfg.layers):
+        w = {"q": randn(nh * hd, H, std=H ** -0.5), "k": randn(nkv * hd, H, std=H ** -0.5),
+             "v": randn(nkv * hd, H, std=H ** -0.5), "o": randn(H, nh * hd, std=(nh * hd) ** -0.5),
+             "gate": randn(inter, H, std=H ** -0.5), "up": randn(inter, H, std=H ** -0.5),
+             "down": randn(H, inter, std=inter ** -0.5)}
+        w["input_norm"] = 1.0 + 0.1 * randn(H)
+        w["post_norm"] = 1.0 + 0.1 * randn(H)
+        yield ("layer", layer, w)
+    yield ("final_norm", 1.0 + 0.1 * randn(H))
+    yield ("lm_head", randn(V, H, std=H ** -0.5))
+
+
 class Weights:
-    """The whole model generated from the seed on every rank (CPU, fp32), then this rank's shard."""
+    """This rank's shard of the model generate_weights() makes (world=1 and dtype float32: the
+    fp32 reference, tp_oracle.py). An 80-layer model at 8B sizes never sits whole in memory."""
 
     def __init__(self, cfg, rank: int, world: int, device, dtype):
-        g = torch.Generator().manual_seed(cfg.seed)
-        H, V, hd = cfg.hidden, cfg.vocab, cfg.head_dim
-        nh, nkv, inter = cfg.heads, cfg.kv_heads, cfg.intermediate
-        hl, kvl, il = nh // world, nkv // world, inter // world
-
-        def randn(*shape, std=1.0):
-            return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+        hd = cfg.head_dim
+        hl, kvl, il = cfg.heads // world, cfg.kv_heads // world, cfg.intermediate // world
+        q = slice(rank * hl * hd, (rank + 1) * hl * hd)
+        kv = slice(rank * kvl * hd, (rank + 1) * kvl * hd)
+        mi = slice(rank * il, (rank + 1) * il)
 
         def put(t):
             return t.to(device=device, dtype=dtype).contiguous()
 
-        self.embed = put(randn(V, H))
         self.layers: List[LayerWeights] = []
         self.norms: List[torch.Tensor] = []  # in_0, post_0, in_1, post_1, ..., final
-        q = slice(rank * hl * hd, (rank + 1) * hl * hd)
-        kv = slice(rank * kvl * hd, (rank + 1) * kvl * hd)
-        mi = slice(rank * il, (rank + 1) * il)
-        for _ in range(cfg.layers):
-            wq = randn(nh * hd, H, std=H ** -0.5)
-            wk = randn(nkv * hd, H, std=H ** -0.5)
-            wv = randn(nkv * hd, H, std=H ** -0.5)
-            wo = randn(H, nh * hd, std=(nh * hd) ** -0.5)
-            wg = randn(inter, H, std=H ** -0.5)
-            wu = randn(inter, H, std=H ** -0.5)
-            wd = randn(H, inter, std=inter ** -0.5)
-            self.norms += [1.0 + 0.1 * randn(H), 1.0 + 0.1 * randn(H)]
-            self.layers.append(LayerWeights(
-                wqkv_t=put(torch.cat([wq[q], wk[kv], wv[kv]], 0).t()),
-                wo_t=put(wo[:, q].t()),
-                wgu_t=put(torch.cat([wg[mi], wu[mi]], 0).t()),
-                wd_t=put(wd[:, mi].t())))
-        self.norms.append(1.0 + 0.1 * randn(H))
-        self.lm_head_t = randn(V, H, std=H ** -0.5).t().contiguous().to(device)  # fp32 logits
+        for item in generate_weights(cfg, device):
+            if item[0] == "embed":
+                self.embed = put(item[1])
+            elif item[0] == "layer":
+                w = item[2]
+                self.norms += [put(w["input_norm"]), put(w["post_norm"])]
+                self.layers.append(LayerWeights(
+                    wqkv_t=put(torch.cat([w["q"][q], w["k"][kv], w["v"][kv]], 0).t()),
+                    wo_t=put(w["o"][:, q].t()),
+                    wgu_t=put(torch.cat([w["gate"][mi], w["up"][mi]], 0).t()),
+                    wd_t=put(w["down"][:, mi].t())))
+            elif item[0] == "final_norm":
+                self.norms.append(put(item[1]))
+            else:
+                self.lm_head_t = item[1].t().contiguous().to(device)  # [H, V] fp32 logits
 
 
 class TPModel:
+    """pool_buffer: the registered buffer the fused op's tensors are carved from (eager and
+    doorbell planes), or None for ordinary torch tensors (the in-stream plane, the references).
+    """
+
     def __init__(self, cfg, weights: Weights, pool_buffer, layout, rank: int, world: int,
                  device, dtype):
         self.cfg, self.w, self.rank, self.world = cfg, weights, rank, world
@@ -119,12 +152,17 @@ class TPModel:
         self.il = cfg.intermediate // world
         self.sites = cfg.sites
         self.pieces = cfg.sites + 1
-        # The fused op's tensors: static, in the registered pool.
-        pool = TensorPool(pool_buffer)
-        self.partial = pool.view(dtype, (M, H), layout.offset("partial"))
-        self.residual = pool.view(dtype, (M, H), layout.offset("residual"))
-        self.h = pool.view(dtype, (M, H), layout.offset("h"))
-        self.gammas = pool.view(dtype, (cfg.sites + 1, H), layout.offset("gamma"))
+        # The fused op's tensors: static, in the registered pool or torch's allocator.
+        if pool_buffer is not None:
+            pool = TensorPool(pool_buffer)
+            self.partial = pool.view(dtype, (M, H), layout.offset("partial"))
+            self.residual = pool.view(dtype, (M, H), layout.offset("residual"))
+            self.h = pool.view(dtype, (M, H), layout.offset("h"))
+            self.gammas = pool.view(dtype, (cfg.sites + 1, H), layout.offset("gamma"))
+        else:
+            self.partial, self.residual, self.h = (torch.zeros(M, H, device=device, dtype=dtype)
+                                                   for _ in range(3))
+            self.gammas = torch.zeros(cfg.sites + 1, H, device=device, dtype=dtype)
         self.gammas.copy_(torch.stack(weights.norms).to(device=device, dtype=dtype))
         # Everything else: ordinary torch memory, allocated before any capture.
         self.k_cache = [torch.zeros(B, self.kvl, S, hd, device=device, dtype=dtype)
@@ -246,7 +284,7 @@ class ArfuseEagerComm:
             except arfuse.SidecarLost:
                 raise
             except arfuse.ArfuseError as e:
-                raise OpFailed(f"fused op failed ({self.phase}, {td.site_name(m.cfg, i)}): "
+                raise OpFailed(f"fused op failed ({self.phase}, {site_name(m.cfg, i)}): "
                                f"{e}") from e
         if out is None:
             self.fallbacks += 1
@@ -273,8 +311,71 @@ class DoorbellComm:
             code = ring.error()
             if code:
                 from arfuse import ring as ringmod
-                raise OpFailed(f"doorbell op failed ({phase}, {td.site_name(self.m.cfg, i)}): "
+                raise OpFailed(f"doorbell op failed ({phase}, {site_name(self.m.cfg, i)}): "
                                f"slot error {code:#x}: {ringmod.slot_error_name(code)}")
+
+
+class InStreamComm:
+    """The in-stream plane: arfuse.torch's op, the sidecar's kernel launched on the current
+    stream (captured in the decode graph like any kernel). An op it does not serve fused (a
+    prefill above the fused range, say) takes the framework's path: decided alike on every
+    rank, from the shapes and the sidecars' shared tables."""
+    plane = "instream"
+
+    def __init__(self, model: TPModel, ictx, fallback: FrameworkComm):
+        import arfuse.torch as aft
+
+        self.m, self.ctx, self.fallback, self.aft = model, ictx, fallback, aft
+        self.capturable = model.cuda
+        self.fused = 0
+        self.fallbacks = 0
+        self.phase = ""
+
+    def site(self, i: int, n: int):
+        m = self.m
+        try:
+            ok = self.aft.fused_allreduce_residual_rmsnorm_(m.partial[:n], m.residual[:n],
+                                                            m.gammas[i + 1], m.cfg.eps,
+                                                            m.h[:n])
+        except arfuse.ArfuseError as e:
+            raise OpFailed(f"fused op failed ({self.phase}, {site_name(m.cfg, i)}): {e}") from e
+        if ok:
+            self.fused += 1
+        else:
+            self.fallbacks += 1
+            self.fallback.site(i, n)
+
+    def check(self, phase: str):
+        """After a replay or a pass (outside capture): a failed launch's outputs are stale."""
+        try:
+            self.ctx.check()
+        except arfuse.ArfuseError as e:
+            raise OpFailed(f"in-stream op failed ({phase}): {e}") from e
+
+
+class TapComm:
+    """Wraps a comm: after every MLP site (the end of a layer) copies the residual stream into
+    taps[layer] (the oracle's per-layer hidden states; in the graph when the op is)."""
+
+    def __init__(self, inner, taps: list):
+        self.inner, self.taps = inner, taps
+        self.plane, self.capturable = inner.plane, inner.capturable
+
+    @property
+    def phase(self):
+        return self.inner.phase
+
+    @phase.setter
+    def phase(self, v):
+        self.inner.phase = v
+
+    def site(self, i: int, n: int):
+        self.inner.site(i, n)
+        if i % 2 == 1:
+            self.taps[i // 2][:n].copy_(self.inner.m.residual[:n])
+
+    def __getattr__(self, name):  # check(), fused, fallbacks, m ...
+        return getattr(self.inner, name)
 
 
 # =============================================================================================
@@ -351,8 +452,10 @@ class Runner:
                 if i < self.m.sites and not self.comm.capturable:
                     self.comm.site(i, B)  # the split op, eager, between graph pieces
 
-    def advance(self):
-        self.m.dec_tok.copy_(self.m.next_tok)
+    def advance(self, forced: Optional[torch.Tensor] = None):
+        """The next decode step's input: this step's greedy tokens, or `forced` (teacher
+        forcing: every implementation then sees the same sequence)."""
+        self.m.dec_tok.copy_(self.m.next_tok if forced is None else forced)
         self.m.dec_pos.add_(1)
 
     def release(self):
@@ -369,19 +472,38 @@ class PassResult:
     tokens: torch.Tensor   # [steps, batch]
     logits: torch.Tensor   # [steps, batch, vocab] fp32
     seconds: float
+    # With taps: per layer, the residual stream after it at every position run (the prefill's
+    # batch x prompt rows, then batch rows per decode step), fp32 on the CPU.
+    taps: Optional[List[torch.Tensor]] = None
 
 
 def run_pass(ctx, model: TPModel, prompt, name: str, prefill_comm, decode_comm, mode: str,
-             inject_step: Optional[int] = None) -> PassResult:
+             inject_step: Optional[int] = None, forced: Optional[torch.Tensor] = None,
+             taps: Optional[List[torch.Tensor]] = None) -> PassResult:
+    """Prefill, then steps-1 decode steps. forced [steps, batch]: teacher forcing (decode step
+    s reads forced[s-1] instead of its own last token). taps: static [max_tokens, hidden]
+    tensors per layer that the comms (TapComm) fill; collected after every step."""
     cfg = model.cfg
     model.reset()
     t0 = time.perf_counter()
     runner = Runner(model, decode_comm, mode)
+    got_taps = [[] for _ in taps] if taps is not None else None
+
+    def collect(n):
+        if taps is not None:
+            for layer, t in enumerate(taps):
+                # A copy: on the CPU, fp32 .float().cpu() would be a view of the static tap.
+                got_taps[layer].append(t[:n].to(device="cpu", dtype=torch.float32, copy=True))
+
     prefill_comm.phase = "prefill"
     tok, logits = runner.prefill(prompt, prefill_comm)
+    collect(cfg.batch * cfg.prompt_len)
     toks, logs = [tok.to("cpu", copy=True)], [logits.to("cpu", copy=True)]
+    if hasattr(prefill_comm, "check"):
+        prefill_comm.check("prefill")
     decode_comm.phase = "decode warm-up and capture"
-    runner.prepare_decode(tok, cfg.prompt_len)
+    first = forced[0].to(model.device) if forced is not None else tok
+    runner.prepare_decode(first, cfg.prompt_len)
     if hasattr(decode_comm, "check"):
         decode_comm.check("decode warm-up")
     for s in range(1, cfg.steps):
@@ -392,14 +514,17 @@ def run_pass(ctx, model: TPModel, prompt, name: str, prefill_comm, decode_comm, 
         t = model.next_tok.to("cpu", copy=True)  # synchronizes, as a server reading tokens does
         if hasattr(decode_comm, "check"):
             decode_comm.check(f"decode step {s}")
+        collect(cfg.batch)
         toks.append(t)
         logs.append(model.logits_out.to("cpu", copy=True))
-        runner.advance()
+        runner.advance(forced[s].to(model.device) if forced is not None and s < cfg.steps
+                       else None)
     runner.release()
     r = PassResult(name, runner.mode, decode_comm.plane, torch.stack(toks), torch.stack(logs),
-                   time.perf_counter() - t0)
-    td.log(f"pass {name}: {cfg.steps} tokens x {cfg.batch} sequences in {r.seconds:.2f} s "
-           f"(decode graph {r.graph}, {r.plane})", ctx.rank)
+                   time.perf_counter() - t0,
+                   [torch.cat(chunks) for chunks in got_taps] if got_taps is not None else None)
+    log(f"pass {name}: {cfg.steps} tokens x {cfg.batch} sequences in {r.seconds:.2f} s "
+        f"(decode graph {r.graph}, {r.plane})", ctx.rank)
     return r
 
 
@@ -496,12 +621,53 @@ def framework_mode(want: str, capturable: bool, cuda: bool, override: str = "aut
     return want if capturable else "piecewise"
 
 
-def run_rank(ctx) -> bool:
+@dataclasses.dataclass
+class RankSetup:
+    """A model rank after setup: the process group, the negotiated plane set up, the model."""
+    device: object
+    backend: str               # the framework path's collective: "nccl" or "gloo"
+    neg: object
+    ex: object                 # tpd_planes.ExecPlan
+    model: TPModel
+    fw: FrameworkComm
+    prefill_comm: object
+    decode_comm: object
+    ref_mode: str              # the framework reference's graph mode
+    ws: object = None
+    plans: list = dataclasses.field(default_factory=list)
+    rings: list = dataclasses.field(default_factory=list)
+    instream: object = None
+
+    def release(self, client):
+        for ring in self.rings:
+            ring.close()
+        destroy_plans(client, self.plans)
+        if self.instream is not None:
+            import arfuse.torch as aft
+
+            aft.set_context(None, self.device)
+            try:
+                self.instream.detach()
+            except arfuse.ArfuseError as e:
+                log(f"detach: {e}", self.model.rank)
+
+
+def _vote(what: str, rank: int, ok: bool, why: Optional[str]) -> Tuple[bool, str]:
+    """Every rank's outcome: all ok, or the reasons of those that were not."""
+    oks = gather((ok, why or ""))
+    if all(o for o, _ in oks):
+        return True, ""
+    reason = "; ".join(f"rank {r}: {w}" for r, (o, w) in enumerate(oks) if not o)
+    log(f"{what} not set up on every rank ({reason})", rank)
+    return False, reason
+
+
+def setup_rank(ctx) -> RankSetup:
     args, cfg, rank, world = ctx.args, ctx.cfg, ctx.rank, ctx.world
     cuda = ctx.device == "cuda"
     if cuda:
         if not torch.cuda.is_available():
-            raise td.SetupError("--device cuda but torch sees no GPU")
+            raise SetupError("--device cuda but torch sees no GPU")
         torch.cuda.set_device(ctx.gpu)
         device = torch.device("cuda", ctx.gpu)
     else:
@@ -509,93 +675,133 @@ def run_rank(ctx) -> bool:
     backend = "nccl" if cuda and ctx.one_gpu_per_rank else "gloo"
     dist.init_process_group(backend, init_method=args.dist_init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.pg_timeout))
-    td.log(f"torch {torch.__version__}, torch.distributed {backend}, device {device}", rank)
+    log(f"torch {torch.__version__}, torch.distributed {backend}, device {device}", rank)
 
     # Every rank must run the same path (design §4.6): check the group decision is the same.
     neg = ctx.neg
-    keys = gather(td.negotiation_key(neg))
+    keys = gather(negotiation_key(neg))
     if any(k != keys[0] for k in keys):
         why = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-        td.log(f"ranks negotiated differently ({why}): fusion off on every rank", rank)
+        log(f"ranks negotiated differently ({why}): fusion off on every rank", rank)
         neg = dataclasses.replace(neg, fusion_enabled=False,
                                   reasons=neg.reasons + (f"ranks disagree: {why}",))
 
     dtype = TORCH_DTYPES[cfg.dtype]
     weights = Weights(cfg, rank, world, device, dtype)
     layout = ctx.layout
-    # One plain-cudaMalloc buffer for every tensor the fused op touches, registered once.
-    buf = arfuse.CudaBuffer(layout.total, ctx.gpu) if cuda else arfuse.HostShmBuffer(layout.total)
-    ctx.buffers.append(buf)
+
+    # The in-stream plane: one attachment for every site, agreed by every rank.
+    ictx, iok, ireason = None, None, ""
+    if neg.fusion_enabled and neg.data_plane == "instream":
+        import arfuse.torch as aft
+
+        ictx, why = try_instream(ctx.client, [cfg.hidden], ctx.client_lib)
+        if ictx is not None:
+            aft.set_context(ictx, device)
+            not_fused = ictx.why_not(cfg.batch, cfg.hidden, cfg.dtype)
+            if not_fused is not None:
+                why = (f"the decode batch ({cfg.batch} x {cfg.hidden} {cfg.dtype}) is not "
+                       f"served fused: {not_fused}")
+            else:
+                log(f"attached: {ictx!r}; fused up to "
+                    f"{ictx.max_fused_tokens(cfg.hidden, cfg.dtype)} tokens", rank)
+        iok, ireason = _vote("the in-stream plane", rank, why is None, why)
+        if not iok and ictx is not None:
+            aft.set_context(None, device)
+            ictx.detach()
+            ictx = None
+        ctx.instream = ictx
+
+    buf = None
+    if ictx is None:
+        # One plain-cudaMalloc buffer for every tensor the fused op touches, registered once.
+        buf = arfuse.CudaBuffer(layout.total, ctx.gpu) if cuda else \
+            arfuse.HostShmBuffer(layout.total)
+        ctx.buffers.append(buf)
     model = TPModel(cfg, weights, buf, layout, rank, world, device, dtype)
     ws = region = None
-    if neg.fusion_enabled:
+    if neg.fusion_enabled and ictx is None:
         ws = arfuse.FusionWorkspace(ctx.client)
-        region = ws.register(buf, f"{td.PROG}-pool")
+        region = ws.register(buf, f"{PROG}-pool")
 
     # Doorbell plans (one per fused op of a decode step) and their rings, when negotiated.
     plans, rings, dok, dreason = [], [], None, ""
     if neg.fusion_enabled and neg.data_plane == "doorbell" and cuda and \
             neg.cuda_graph_mode != "none":
-        plans, rings, why = td.try_doorbell(ctx.client, cfg, layout, region, ctx.ring_lib)
-        oks = gather((why is None, why or ""))
-        dok = all(ok for ok, _ in oks)
+        plans, rings, why = try_doorbell(ctx.client, cfg, layout, region, ctx.ring_lib)
+        dok, dreason = _vote("the doorbell plane", rank, why is None, why)
         if not dok:
-            dreason = "; ".join(f"rank {r}: {w}" for r, (ok, w) in enumerate(oks) if not ok)
             for ring in rings:
                 ring.close()
-            td.destroy_plans(ctx.client, plans)
+            destroy_plans(ctx.client, plans)
             plans, rings = [], []
         else:
-            td.log(f"{len(plans)} doorbell plans, rings opened (lib "
-                   f"{getattr(rings[0]._lib, '_arfuse_path', '?')})", rank)
-    ex = td.decide_execution(neg, ctx.device, ctx.want_mode,
-                             framework_capturable=cuda and backend == "nccl",
-                             doorbell_ok=dok, doorbell_reason=dreason)
+            log(f"{len(plans)} doorbell plans, rings opened (lib "
+                f"{getattr(rings[0]._lib, '_arfuse_path', '?')})", rank)
+    ex = decide_execution(neg, ctx.device, ctx.want_mode,
+                          framework_capturable=cuda and backend == "nccl",
+                          doorbell_ok=dok, doorbell_reason=dreason,
+                          instream_ok=iok, instream_reason=ireason)
     ctx.report_execution(ex)
 
     fw = FrameworkComm(model, backend)
     ref_mode = framework_mode(ctx.want_mode, fw.capturable, cuda, args.framework_graph)
-    if ex.fused:
+    if not ex.fused:
+        prefill_comm = decode_comm = fw
+    elif ex.decode_plane == "instream":
+        prefill_comm = decode_comm = InStreamComm(model, ictx, fw)
+    else:
         prefill_comm = ArfuseEagerComm(model, ws, fw, args.op_timeout)
         decode_comm = (DoorbellComm(model, rings, int(args.op_timeout * 1e9))
                        if ex.decode_plane == "doorbell" else prefill_comm)
-    else:
-        prefill_comm = decode_comm = fw
+    return RankSetup(device, backend, neg, ex, model, fw, prefill_comm, decode_comm, ref_mode,
+                     ws, plans, rings, ictx)
 
-    prompt = torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt_len),
-                           generator=torch.Generator().manual_seed(cfg.seed + 1)).to(device)
-    checks = []
+
+def make_prompt(cfg, device) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt_len),
+                         generator=torch.Generator().manual_seed(cfg.seed + 1)).to(device)
+
+
+def run_rank(ctx) -> bool:
+    args, cfg, rank = ctx.args, ctx.cfg, ctx.rank
+    rs = setup_rank(ctx)
+    ex, model, fw = rs.ex, rs.model, rs.fw
+    checks = report_eager_decode(ex, ctx.allow_eager_decode, rank)
+    cuda = model.cuda
+    prompt = make_prompt(cfg, rs.device)
     inject_step = ctx.inject[1] if ctx.inject and ctx.inject[0] == rank else None
     ref = None
     if args.check:
-        ref = run_pass(ctx, model, prompt, f"framework ({backend})", fw, fw, ref_mode)
+        ref = run_pass(ctx, model, prompt, f"framework ({rs.backend})", fw, fw, rs.ref_mode)
     arf = run_pass(ctx, model, prompt, "arfuse" if ex.fused else "arfuse (fusion off)",
-                   prefill_comm, decode_comm, ex.decode_graph, inject_step)
+                   rs.prefill_comm, rs.decode_comm, ex.decode_graph, inject_step)
     ctx.result["tokens"] = arf.tokens.tolist()
-    if ex.fused:
-        ctx.result["ops"] = {"eager_fused": prefill_comm.fused,
-                             "eager_fallbacks": prefill_comm.fallbacks}
+    if ex.fused and hasattr(rs.prefill_comm, "fused"):
+        ctx.result["ops"] = {"plane": rs.prefill_comm.plane, "fused": rs.prefill_comm.fused,
+                             "fallbacks": rs.prefill_comm.fallbacks}
+        log(f"{rs.prefill_comm.plane} plane: {rs.prefill_comm.fused} ops fused, "
+            f"{rs.prefill_comm.fallbacks} on the framework path (outside graphs: counted as "
+            "called, a captured op once)", rank)
     if ref is not None:
         checks.append(compare(ref, arf, exact=not ex.fused, strict=args.strict_tokens))
         if ex.fused and ctx.args.scenario == "main":
-            # The fallback branch itself: allreduce_fusion reporting None on every op.
-            forced = ArfuseEagerComm(model, ws, fw, args.op_timeout, force_none=True)
-            fb = run_pass(ctx, model, prompt, "fallback (allreduce_fusion -> None)", forced,
+            # The fallback branch itself: every op reported unavailable.
+            forced = ArfuseEagerComm(model, rs.ws, fw, args.op_timeout, force_none=True)
+            fb = run_pass(ctx, model, prompt, "fallback (every op unavailable)", forced,
                           forced, "piecewise" if cuda and ctx.want_mode != "none" else "none")
             checks.append(compare(ref, fb, exact=True, strict=True))
     ctx.result["checks"] = checks
     for c in checks:
-        td.log(f"check {c['name']}: {'PASS' if c['ok'] else 'FAIL'}: {c['message']}", rank)
+        log(f"check {c['name']}: {'PASS' if c['ok'] else 'FAIL'}: {c['message']}", rank)
 
     if args.perf and ctx.args.scenario == "main":
-        ctx.result["perf"] = run_perf(ctx, model, fw, decode_comm if ex.fused else None, ex,
-                                      ref_mode, backend)
-    for ring in rings:
-        ring.close()
-    td.destroy_plans(ctx.client, plans)
+        ctx.result["perf"] = run_perf(ctx, model, fw, rs.decode_comm if ex.fused else None, ex,
+                                      rs.ref_mode, rs.backend)
+    rs.release(ctx.client)
     dist.barrier()
     ok = all(c["ok"] for c in checks)
-    td.log("PASS" if ok else "FAIL", rank)
+    log("PASS" if ok else "FAIL", rank)
     return ok
 
 
@@ -630,7 +836,7 @@ def run_perf(ctx, model, fw, arfuse_comm, ex, ref_mode, backend) -> dict:
                        "(a host round trip per op); compare arfuse with the floor here, and with "
                        "NCCL on the two-GPU run")
     if rows and ctx.rank == 0 and not ctx.workdir:  # the launcher prints it in its summary
-        td.print_perf({"rows": rows, "summary": summary},
+        print_perf({"rows": rows, "summary": summary},
                       f"rank 0: batch {cfg.batch}, {cfg.layers} layers, hidden {cfg.hidden}, "
                       f"tp {ctx.world}")
     return {"rows": rows, "summary": summary, "layers": L, "batch": cfg.batch}

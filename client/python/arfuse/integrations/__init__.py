@@ -1,0 +1,1 @@
+"""Serving-framework integrations of arfuse: arfuse.integrations.sglang."""

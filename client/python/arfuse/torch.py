@@ -1,0 +1,371 @@
+"""arfuse.torch: the in-stream plane as torch ops, on the current stream.
+
+    import arfuse, arfuse.torch as aft
+    client = arfuse.Client("/run/arfuse/rank0.sock")
+    aft.attach(client, [hidden])                  # once per process and GPU, before capture
+    norm, res = aft.fused_allreduce_residual_rmsnorm(x, residual, weight, eps)
+    if norm is None:                              # not served fused: the framework's own path
+        x = tensor_model_parallel_all_reduce(x); norm, res = fused_add_rmsnorm(x, residual, ...)
+
+fused_allreduce_residual_rmsnorm returns (norm_out, residual_out) like SGLang's
+flashinfer_allreduce_residual_rmsnorm, or (None, None) when this op is not served fused: no
+context attached for the tensor's device, a shape / hidden / dtype outside what the sidecar
+serves fused, non-contiguous tensors, a weight of another dtype, or a context drained by its
+sidecar. Each of these is decided alike on every rank (the same shapes, the same sidecar
+decisions), so every rank takes the same path. A context whose workspace failed (poisoned,
+re-initialized, its sidecar gone) raises arfuse.instream.Unavailable instead: falling back on
+one rank while its peers' kernels wait for it is the hang this project exists to avoid; re-attach
+(reattach()) and capture graphs again.
+
+The ops underneath are registered with torch.library, so torch.compile traces them (fake
+implementations) and CUDA graphs capture them (one kernel launch each, on
+torch.cuda.current_stream()):
+
+    torch.ops.arfuse.fused_allreduce_residual_rmsnorm(input, residual, weight, eps)
+        -> (norm_out, residual_out)                     mutates nothing; fresh outputs
+    torch.ops.arfuse.fused_allreduce_residual_rmsnorm_(input, residual, weight, eps, norm_out)
+        -> ()                                           residual updated in place, norm_out set
+    torch.ops.arfuse.fused_allreduce(input) -> output   mutates nothing
+
+Called directly they raise Unavailable for an op not served fused: under torch.compile decide
+eligibility before compiling (max_fused_tokens() for the token range, as vLLM's fusion pass
+gates on its range), so nothing is decided inside the compiled graph. In host mode (a sidecar
+with --device=host) the tensors are CPU tensors and the ops run the CPU implementation.
+
+torch is imported when a function of this module is first called, not at import.
+"""
+import threading
+from typing import Optional, Tuple
+
+from . import instream
+
+_contexts = {}
+_lock = threading.Lock()
+_ops_registered = False
+_library = None  # the torch.library.Library of older torch (kept alive)
+
+# Unavailable states that mean the workspace failed, not "not served": raise.
+FAULTS = ("sidecar gone", "poisoned", "reinitialized", "client closed")
+
+
+def _torch():
+    import torch
+    return torch
+
+
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype) -> Optional[str]:
+    """"bf16", "fp16", "fp32" for a torch dtype; None for any other."""
+    if not _DTYPE_NAMES:
+        torch = _torch()
+        _DTYPE_NAMES.update({torch.bfloat16: "bf16", torch.float16: "fp16",
+                             torch.float32: "fp32"})
+    return _DTYPE_NAMES.get(dtype)
+
+
+def _key(device) -> object:
+    """Context registry key of a torch device: "cpu" (host mode) or a CUDA device index."""
+    torch = _torch()
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return str(device)
+
+
+# ---- contexts ----
+
+def set_context(ctx: Optional["instream.InStreamContext"], device=None):
+    """Serves ops on `device`'s tensors with `ctx` (None: stop). Default device: "cpu" for a
+    host-mode context, else the current CUDA device."""
+    if device is None:
+        device = "cpu" if ctx is not None and ctx.device == "host" else _default_cuda()
+    with _lock:
+        if ctx is None:
+            _contexts.pop(_key(device), None)
+        else:
+            _contexts[_key(device)] = ctx
+    register_ops()
+
+
+def _default_cuda():
+    torch = _torch()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def get_context(device=None) -> Optional["instream.InStreamContext"]:
+    if device is None:
+        with _lock:
+            if len(_contexts) == 1:
+                return next(iter(_contexts.values()))
+        device = _default_cuda()
+    with _lock:
+        return _contexts.get(_key(device))
+
+
+def attach(client, hiddens=None, device=None, **kwargs) -> "instream.InStreamContext":
+    """client.attach(hiddens) and set_context() for `device`: ops on its tensors go through it."""
+    ctx = client.attach(hiddens, **kwargs)
+    set_context(ctx, device)
+    return ctx
+
+
+def reattach(device=None, **kwargs) -> "instream.InStreamContext":
+    """instream.reattach() of `device`'s context, served from then on (destroy graphs that
+    captured the old context's launches first)."""
+    ctx = get_context(device)
+    if ctx is None:
+        raise instream.InStreamError(instream.FAILED_PRECONDITION,
+                                     "no in-stream context to re-attach")
+    new = instream.reattach(ctx, **kwargs)
+    set_context(new, device if device is not None else
+                ("cpu" if new.device == "host" else None))
+    return new
+
+
+def detach(device=None):
+    ctx = get_context(device)
+    if ctx is not None:
+        set_context(None, device if device is not None else
+                    ("cpu" if ctx.device == "host" else None))
+        ctx.detach()
+
+
+def max_fused_tokens(hidden: int, dtype, device=None) -> int:
+    """Largest token count served fused for this hidden size and torch dtype (0: none)."""
+    ctx = get_context(device)
+    name = dtype_name(dtype) if not isinstance(dtype, str) else dtype
+    if ctx is None or name is None:
+        return 0
+    return ctx.max_fused_tokens(hidden, name)
+
+
+# ---- eligibility ----
+
+def why_not(input, residual=None, weight=None) -> Optional[str]:
+    """None when fused_allreduce_residual_rmsnorm(input, residual, weight) would run fused;
+    else why not (the same answer on every rank for the same shapes and sidecar state). With
+    residual and weight None: the allreduce-only op."""
+    try:
+        return _why_not(input, residual, weight)
+    except instream.Unavailable as e:
+        return e.message
+
+
+def _why_not(input, residual, weight) -> Optional[str]:
+    """As why_not, but raises Unavailable when the context's workspace failed (FAULTS)."""
+    ctx = get_context(input.device)
+    if ctx is None:
+        return f"no in-stream context attached for {input.device}"
+    ctx.poll()
+    if ctx.disabled in FAULTS:
+        raise instream.Unavailable(instream.UNAVAILABLE, ctx.disabled_reason, ctx.disabled)
+    if ctx.disabled:
+        return ctx.disabled_reason
+    name = dtype_name(input.dtype)
+    if name is None:
+        return f"dtype {input.dtype} is not served (bf16, fp16, fp32)"
+    if input.dim() < 2:
+        return "input must be [tokens, hidden]"
+    hidden = int(input.shape[-1])
+    tensors = [("input", input)]
+    if residual is not None:
+        if tuple(residual.shape) != tuple(input.shape):
+            return f"residual {tuple(residual.shape)} differs from input {tuple(input.shape)}"
+        if weight is None or tuple(weight.shape) != (hidden,):
+            return f"weight must be [{hidden}]"
+        if residual.dtype != input.dtype or weight.dtype != input.dtype:
+            return (f"dtypes differ (input {input.dtype}, residual {residual.dtype}, weight "
+                    f"{weight.dtype})")
+        tensors += [("residual", residual), ("weight", weight)]
+    for label, t in tensors:
+        if t.device != input.device:
+            return f"{label} is on {t.device}, input on {input.device}"
+        if not t.is_contiguous():
+            return f"{label} is not contiguous"
+    tokens = input.numel() // hidden if hidden else 0
+    pattern = (instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM if residual is not None
+               else instream.PATTERN_ALLREDUCE)
+    return ctx.why_not(tokens, hidden, name, pattern)
+
+
+# ---- the ops ----
+
+def _launch(input, residual_in, residual_out, norm_out, weight, eps: float):
+    torch = _torch()
+    ctx = get_context(input.device)
+    if ctx is None:
+        raise instream.Unavailable(instream.UNAVAILABLE,
+                                   f"no in-stream context attached for {input.device}")
+    stream = None if input.device.type == "cpu" else \
+        torch.cuda.current_stream(input.device).cuda_stream
+    hidden = int(input.shape[-1])
+    tokens = input.numel() // hidden if hidden else 0
+    name = dtype_name(input.dtype)
+    if name is None:
+        raise instream.Unavailable(instream.OUT_OF_RANGE, f"dtype {input.dtype} is not served")
+    if residual_in is None:
+        ctx.fused_allreduce(stream, input.data_ptr(), norm_out.data_ptr(), tokens, hidden, name)
+    else:
+        ctx.fused_allreduce_residual_rmsnorm(stream, input.data_ptr(), residual_in.data_ptr(),
+                                             residual_out.data_ptr(), norm_out.data_ptr(),
+                                             weight.data_ptr(), tokens, hidden, name, eps)
+
+
+def _functional(input, residual, weight, eps):
+    torch = _torch()
+    norm_out = torch.empty_like(input)
+    residual_out = torch.empty_like(residual)
+    _launch(input, residual, residual_out, norm_out, weight, float(eps))
+    return norm_out, residual_out
+
+
+def _in_place(input, residual, weight, eps, norm_out):
+    _launch(input, residual, residual, norm_out, weight, float(eps))
+
+
+def _allreduce(input):
+    torch = _torch()
+    out = torch.empty_like(input)
+    _launch(input, None, None, out, None, 0.0)
+    return out
+
+
+_SCHEMAS = {
+    "fused_allreduce_residual_rmsnorm":
+        ("(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+         (), _functional),
+    "fused_allreduce_residual_rmsnorm_":
+        ("(Tensor input, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) norm_out) "
+         "-> ()", ("residual", "norm_out"), _in_place),
+    "fused_allreduce": ("(Tensor input) -> Tensor", (), _allreduce),
+}
+
+
+def _fake(name):
+    def fake_functional(input, residual, weight, eps):
+        return input.new_empty(input.shape), residual.new_empty(residual.shape)
+
+    def fake_in_place(input, residual, weight, eps, norm_out):
+        return None
+
+    def fake_allreduce(input):
+        return input.new_empty(input.shape)
+
+    return {"fused_allreduce_residual_rmsnorm": fake_functional,
+            "fused_allreduce_residual_rmsnorm_": fake_in_place,
+            "fused_allreduce": fake_allreduce}[name]
+
+
+def register_ops():
+    """Registers the torch.ops.arfuse ops (once; set_context() calls it)."""
+    global _ops_registered, _library
+    with _lock:
+        if _ops_registered:
+            return
+        torch = _torch()
+        if hasattr(torch.library, "custom_op"):  # torch >= 2.4
+            for name, (schema, mutates, fn) in _SCHEMAS.items():
+                op = torch.library.custom_op(f"arfuse::{name}", fn, mutates_args=mutates,
+                                             schema=schema)
+                op.register_fake(_fake(name))
+        else:
+            lib = torch.library.Library("arfuse", "DEF")
+            register_fake = getattr(torch.library, "register_fake", None) or \
+                torch.library.impl_abstract
+            for name, (schema, _, fn) in _SCHEMAS.items():
+                lib.define(name + schema)
+                lib.impl(name, fn, "CompositeExplicitAutograd")
+                register_fake(f"arfuse::{name}", _fake(name), lib=lib)
+            _library = lib
+        _ops_registered = True
+
+
+def _fault(e: "instream.Unavailable") -> bool:
+    return e.disabled in FAULTS
+
+
+def fused_allreduce_residual_rmsnorm(input, residual, weight, eps: float = 1e-6
+                                     ) -> Tuple[Optional[object], Optional[object]]:
+    """(norm_out, residual_out): residual_out = allreduce(input) + residual, norm_out =
+    rmsnorm(residual_out) * weight; fresh tensors, nothing mutated. (None, None) when this op
+    is not served fused (the module docstring says when); raises Unavailable for a failed
+    workspace and InStreamError for bad arguments."""
+    if _why_not(input, residual, weight) is not None:
+        return None, None
+    torch = _torch()
+    register_ops()
+    try:
+        return torch.ops.arfuse.fused_allreduce_residual_rmsnorm(input, residual, weight,
+                                                                 float(eps))
+    except instream.Unavailable as e:
+        if _fault(e):
+            raise
+        return None, None
+
+
+def fused_allreduce_residual_rmsnorm_(input, residual, weight, eps: float, norm_out) -> bool:
+    """In place: residual += allreduce(input), norm_out = rmsnorm(residual) * weight. False
+    (nothing written) when this op is not served fused."""
+    if _why_not(input, residual, weight) is not None:
+        return False
+    if tuple(norm_out.shape) != tuple(input.shape) or norm_out.dtype != input.dtype or \
+            not norm_out.is_contiguous() or norm_out.device != input.device:
+        return False
+    torch = _torch()
+    register_ops()
+    try:
+        torch.ops.arfuse.fused_allreduce_residual_rmsnorm_(input, residual, weight, float(eps),
+                                                           norm_out)
+        return True
+    except instream.Unavailable as e:
+        if _fault(e):
+            raise
+        return False
+
+
+def fused_allreduce(input):
+    """allreduce(input) as a fresh tensor, or None when not served fused."""
+    if _why_not(input, None, None) is not None:
+        return None
+    torch = _torch()
+    register_ops()
+    try:
+        return torch.ops.arfuse.fused_allreduce(input)
+    except instream.Unavailable as e:
+        if _fault(e):
+            raise
+        return None
+
+
+def check(device=None):
+    """The context's check() (raises when a launch failed; answers a pending drain)."""
+    ctx = get_context(device)
+    if ctx is not None:
+        ctx.check()
+
+
+def agree(group=None, device=None) -> bool:
+    """All ranks of `group` (a torch.distributed group; None: the default) agree whether the
+    fused ops are served: if any rank has no usable context, every rank disables its own, so
+    that none fuses while a peer runs its own path. A MAX all-reduce of an "unavailable" flag
+    (as SGLang does for FlashInfer), on the CPU when the group can (gloo). Call it at the same
+    point on every rank, outside capture. Returns whether the fused ops are served."""
+    torch = _torch()
+    import torch.distributed as dist
+
+    ctx = get_context(device)
+    if ctx is not None:
+        ctx.poll()  # events the session thread recorded (a drain) count in the vote
+    bad = 1 if ctx is None or ctx.disabled else 0
+    on_cpu = dist.get_backend(group) != "nccl"
+    flag = torch.tensor([bad], dtype=torch.int32,
+                        device="cpu" if on_cpu else torch.device("cuda",
+                                                                 torch.cuda.current_device()))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) and ctx is not None and not ctx.disabled:
+        ctx.disable("another rank of the group cannot use the in-stream plane")
+    return not int(flag.item())

@@ -1,0 +1,173 @@
+"""arfuse.torch (the torch ops) and the SGLang shim's torch side. PyTorch is not installed in CI:
+these skip there and run on the GPU machine (CPU tensors suffice; docs/integration.md).
+
+The ops' launches go to RecordingLib (instream_fakes.py), so what is tested here is the torch
+layer: registration, fake implementations under tracing, eligibility and the (None, None)
+rules, the ranks' vote. The fused op on real data runs in test_instream.py (host mode, when the
+sidecar serves Fusion.Attach) and in tp_decode on the GPU."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (too big for CI): these run on the GPU machine")
+
+import arfuse.torch as aft  # noqa: E402
+from arfuse import instream  # noqa: E402
+from instream_fakes import RecordingLib, unbound_context  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def host_ctx():
+    lib = RecordingLib(device_kind=2)
+    ctx = unbound_context(lib)
+    aft.set_context(ctx, "cpu")
+    yield ctx, lib
+    aft.set_context(None, "cpu")
+
+
+def tensors(tokens=8, hidden=256, dtype=torch.float32):
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    r = torch.randn(tokens, hidden, dtype=dtype)
+    w = torch.randn(hidden, dtype=dtype)
+    return x, r, w
+
+
+def test_ops_are_registered_with_fake_implementations(host_ctx):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aft.register_ops()
+    x, r, w = tensors()
+
+    def f(x, r, w):
+        n, res = torch.ops.arfuse.fused_allreduce_residual_rmsnorm(x, r, w, 1e-6)
+        return n + res
+
+    gm = make_fx(f, tracing_mode="fake")(x, r, w)
+    assert "arfuse.fused_allreduce_residual_rmsnorm" in str(gm.graph)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx_, fr, fw = (mode.from_tensor(t) for t in (x, r, w))
+        n, res = torch.ops.arfuse.fused_allreduce_residual_rmsnorm(fx_, fr, fw, 1e-6)
+        assert n.shape == x.shape and res.shape == r.shape and n.dtype == x.dtype
+        out = torch.ops.arfuse.fused_allreduce(fx_)
+        assert out.shape == x.shape
+    # The functional op declares no mutation; the in-place one its two outputs.
+    schema = torch.ops.arfuse.fused_allreduce_residual_rmsnorm.default._schema
+    assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
+    schema_ = torch.ops.arfuse.fused_allreduce_residual_rmsnorm_.default._schema
+    written = [a.name for a in schema_.arguments if a.alias_info and a.alias_info.is_write]
+    assert written == ["residual", "norm_out"]
+
+
+def test_torch_compile_traces_the_op(host_ctx):
+    ctx, lib = host_ctx
+    x, r, w = tensors()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x, r, w):
+        return torch.ops.arfuse.fused_allreduce_residual_rmsnorm(x, r, w, 1e-6)
+
+    n, res = f(x, r, w)
+    assert n.shape == x.shape and lib.calls[-1][:5] == ("launch", None, 8, 256, 3)
+
+
+def test_the_op_launches_on_fresh_outputs(host_ctx):
+    ctx, lib = host_ctx
+    x, r, w = tensors()
+    r0 = r.clone()
+    n, res = aft.fused_allreduce_residual_rmsnorm(x, r, w, 1e-5)
+    assert n.shape == x.shape and res.shape == r.shape
+    assert n.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    assert torch.equal(r, r0)  # nothing mutated
+    assert lib.calls[-1] == ("launch", None, 8, 256, 3, False)
+    # In place: residual is both residual_in and residual_out.
+    y = torch.empty_like(x)
+    assert aft.fused_allreduce_residual_rmsnorm_(x, r, w, 1e-5, y) is True
+    assert lib.calls[-1] == ("launch", None, 8, 256, 3, True)
+    assert aft.fused_allreduce(x) is not None and lib.calls[-1][0] == "allreduce"
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: (torch.randn(256, 8).t(), torch.randn(8, 256), torch.randn(256)), "not contiguous"),
+    (lambda: (torch.randn(8, 256), torch.randn(8, 256), torch.randn(256, dtype=torch.bfloat16)),
+     "dtypes differ"),
+    (lambda: (torch.randn(65, 256), torch.randn(65, 256), torch.randn(256)), "beyond"),
+    (lambda: (torch.randn(8, 256), torch.randn(4, 256), torch.randn(256)), "differs"),
+    (lambda: (torch.randn(8, 256, dtype=torch.float64),) * 2 + (torch.randn(256),), "dtype"),
+])
+def test_not_served_fused_is_none_none(host_ctx, make, words):
+    ctx, lib = host_ctx
+    x, r, w = make()
+    launches = len(lib.calls)
+    assert aft.fused_allreduce_residual_rmsnorm(x, r, w) == (None, None)
+    assert words in aft.why_not(x, r, w)
+    assert len(lib.calls) == launches
+    assert aft.fused_allreduce_residual_rmsnorm_(x, r, w, 1e-6, torch.empty_like(x)) is False
+
+
+def test_no_context_is_none_none_and_the_raw_op_raises():
+    aft.set_context(None, "cpu")
+    x, r, w = tensors()
+    assert aft.fused_allreduce_residual_rmsnorm(x, r, w) == (None, None)
+    assert "no in-stream context" in aft.why_not(x, r, w)
+    aft.register_ops()
+    with pytest.raises(instream.Unavailable, match="no in-stream context"):
+        torch.ops.arfuse.fused_allreduce_residual_rmsnorm(x, r, w, 1e-6)
+
+
+def test_drained_falls_back_but_a_failed_workspace_raises(host_ctx):
+    ctx, lib = host_ctx
+    x, r, w = tensors()
+    ctx._event(instream.EVENT_DRAIN, "switch")
+    assert aft.fused_allreduce_residual_rmsnorm(x, r, w) == (None, None)
+    lib2 = RecordingLib(device_kind=2)
+    ctx2 = unbound_context(lib2)
+    aft.set_context(ctx2, "cpu")
+    ctx2._event(instream.EVENT_POISONED, "op 3 timed out")
+    with pytest.raises(instream.Unavailable) as e:
+        aft.fused_allreduce_residual_rmsnorm(x, r, w)
+    assert e.value.disabled == "poisoned" and "op 3 timed out" in e.value.message
+    assert "op 3 timed out" in aft.why_not(x, r, w)
+
+
+def test_max_fused_tokens(host_ctx):
+    assert aft.max_fused_tokens(256, torch.float32) == 64  # RecordingLib: tokens <= 64
+
+
+def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
+    """Two gloo ranks: one without a context. Both end unavailable (MAX vote)."""
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        sys.path[:0] = [{HERE!r}, {os.path.join(HERE, '..', '..', 'client', 'python')!r}]
+        import arfuse.torch as aft
+        from arfuse.integrations import sglang as shim
+        from instream_fakes import RecordingLib, unbound_context
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=rank,
+                                world_size=2)
+        if rank == 0:
+            aft.set_context(unbound_context(RecordingLib(device_kind=2)), "cpu")
+        agreed = aft.agree(device="cpu")
+        ctx = aft.get_context("cpu")
+        vote = shim._vote_unavailable(rank == 1, None)
+        print("RESULT", rank, agreed, bool(ctx and ctx.disabled), vote)
+    """)
+    path = tmp_path / "vote.py"
+    path.write_text(script)
+    procs = [subprocess.Popen([sys.executable, str(path), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    results = {}
+    for out in outs:
+        for line in out.splitlines():
+            if line.startswith("RESULT"):
+                _, rank, agreed, disabled, vote = line.split()
+                results[int(rank)] = (agreed, disabled, vote)
+    assert results == {0: ("False", "True", "True"), 1: ("False", "False", "True")}, outs
