@@ -11,8 +11,8 @@
 
 The C ABI is client/ring/arfuse_ring.h (docs/doorbell.md). The library links the CUDA runtime
 statically and exports only arfuse_*, so it loads beside torch's libcudart. Which file:
-$ARFUSE_RING_LIB, else a libarfuse_ring.so built in this checkout (build*/client/ring/, newest),
-else .devstage/bin/, else the loader's search path. Loading it needs no GPU; opening a slot does
+$ARFUSE_RING_LIB, else the wheel's own (arfuse/_native/), else a libarfuse_ring.so built in this
+checkout (build*/client/ring/, newest), else .devstage/bin/, else the loader's search path. Loading it needs no GPU; opening a slot does
 (the current CUDA device must be the client's GPU, e.g. after torch.cuda.set_device).
 """
 import ctypes
@@ -53,6 +53,11 @@ def find_ring_library() -> Optional[str]:
     env = os.environ.get("ARFUSE_RING_LIB")
     if env:
         return env
+    # An installed wheel's own copy (client/python/setup.py ships it under its SONAME).
+    shipped = sorted(glob.glob(str(pathlib.Path(__file__).resolve().parent / "_native" /
+                                   "libarfuse_ring.so*")))
+    if shipped:
+        return shipped[0]
     found = [p for p in glob.glob(str(_REPO / "build*" / "client" / "ring" / "libarfuse_ring.so"))
              if os.path.isfile(p)]
     if found:
