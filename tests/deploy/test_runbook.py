@@ -55,7 +55,7 @@ def test_foreground_daemons_go_to_the_background():
     script = "build/server/daemon/arfused --rank=0 \\\n    --world-size=2\narfused --help\n" \
              "arfused --rank=1 &\narfusectl health\n"
     assert runbook.background_daemons(script).splitlines() == [
-        "runbook_daemon build/server/daemon/arfused --rank=0     --world-size=2",
+        "runbook_daemon build/server/daemon/arfused --rank=0      --world-size=2",
         "arfused --help", "arfused --rank=1 &", "arfusectl health"]
 
 
@@ -133,21 +133,69 @@ def test_a_failing_block_fails(unshare, pod_sidecars, kubectl, tmp_path):
 
 # ---- what the runbook names exists -----------------------------------------------------------
 
+def _one_op(socket):
+    """One eager op through the checkout's Python client, so that every op series exists."""
+    sys.path.insert(0, str(run.REPO / "client" / "python"))
+    try:
+        import arfuse
+    except ImportError as e:
+        run.missing("the Python client's dependencies", str(e))
+    hidden, tokens, f32 = 256, 4, 4
+    with arfuse.Client(f"unix:{socket}") as c:
+        ws = arfuse.FusionWorkspace(c)
+        buf = arfuse.HostShmBuffer(3 * tokens * hidden * f32 + hidden * f32)
+        ws.register(buf, "tensors")
+        x = buf.view("fp32", tokens * hidden, 0)
+        res = buf.view("fp32", tokens * hidden, tokens * hidden * f32)
+        y = buf.view("fp32", tokens * hidden, 2 * tokens * hidden * f32)
+        g = buf.view("fp32", hidden, 3 * tokens * hidden * f32)
+        for i in range(hidden):
+            g[i] = 1.0
+        xi = x.reshape(tokens, hidden)
+        assert arfuse.allreduce_fusion(input=xi, workspace=ws, residual_in=res,
+                                       residual_out=res, norm_out=y, rms_gamma=g) is y
+        for v in (xi, x, res, y, g):
+            v.release()
+        buf.close()
+
+
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory):
-    """/metrics of a host-mode sidecar that ran one backend switch (world size 1)."""
+    """/metrics of rank 0 of two host-mode sidecars after one op on both."""
+    import threading
+
     arfused = run.binary("server/daemon/arfused")
-    arfusectl = run.binary("client/arfusectl/arfusectl")
     d = tmp_path_factory.mktemp("metrics")
-    sock = d / "arfused.sock"
-    with run.Sidecar([str(arfused), "--device=host", "--sm=90", f"--socket={sock}",
-                      "--health-port=0", "--metrics-port=0", "--world-size=1", "--max-tokens=16",
-                      "--hidden=256", "--flashinfer-allreduce-fusion-backend=trtllm"],
-                     d / "arfused.log") as s:
-        s.wait_for("event=ready")
-        port = re.search(r"metrics_port=(\d+)", s.text()).group(1)
+    socks = [d / "arfused.sock", d / "arfused.sock.rank1"]
+    sidecars = [run.Sidecar([str(arfused), "--device=host", "--sm=90", f"--socket={socks[r]}",
+                             f"--rank={r}", "--world-size=2", f"--peer-dir={d}",
+                             "--health-port=0", "--metrics-port=0", "--max-tokens=16",
+                             "--hidden=256", "--dtype=fp32",
+                             "--flashinfer-allreduce-fusion-backend=trtllm"], d / f"arfused.{r}.log")
+                for r in range(2)]
+    try:
+        for s in sidecars:
+            s.wait_for("event=ready")
+        errors = []
+
+        def rank(r):
+            try:
+                _one_op(socks[r])
+            except BaseException as e:  # noqa: B902 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        port = re.search(r"event=listening .*metrics_port=(\d+)", sidecars[0].text()).group(1)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             return r.read().decode()
+    finally:
+        for s in sidecars:
+            s.stop()
 
 
 def _families(text):
@@ -176,9 +224,9 @@ def test_metric_labels_in_the_table_exist(scrape):
     rows = re.findall(r"^\| `(arfuse_\w+)\{([a-z_,]+)\}`", runbook.OPERATIONS.read_text(), re.M)
     assert rows, "the metrics table lists no labels"
     for name, labels in rows:
-        # Labels that appear once an op ran (plane, path, ...) are checked where a series exists.
-        if fam.get(name):
-            assert set(labels.split(",")) <= fam[name], (name, labels, fam[name])
+        assert name in fam, name
+        # Every series has rank; histogram buckets have le.
+        assert set(labels.split(",")) | {"rank"} == fam[name] - {"le"}, (name, labels, fam[name])
     info = dict(rows)["arfuse_build_info"].split(",")
     assert set(info) <= fam["arfuse_build_info"], fam["arfuse_build_info"]
 
@@ -197,3 +245,20 @@ def test_yaml_blocks_parse():
     for b in runbook.blocks(runbook.OPERATIONS):
         if b.lang == "yaml":
             assert yaml.safe_load(b.text) is not None, b.where
+
+
+# ---- the device-plugin overlay's launcher, run as its container would --------------------------
+
+LAUNCH = "deploy/k8s/overlays/device-plugin-tp2/launch.sh"
+
+
+def test_device_plugin_launcher_starts_the_group_then_the_server(unshare, kubectl, tmp_path):
+    env = " ".join(f"{k}={v}" for k, v in {**HOST_MODE, "ARFUSE_WORLD_SIZE": "2"}.items())
+    script = (f"{env} bash {LAUNCH} arfusectl health --all --service arfuse.v1.Fusion\n"
+              f"! {env} bash {LAUNCH} sh -c 'exit 7'\n"
+              f"set +e; {env} bash {LAUNCH} sh -c 'exit 7'; test $? -eq 7\n")
+    out = _run_block(runbook.Block("launch.sh", 1, "sh", script, "fresh"), unshare, [], kubectl,
+                     tmp_path)
+    assert "the group of 2 ranks is ready" in out, out
+    assert out.count("SERVING") >= 2, out
+    assert "a process of the group exited with 7" in out, out
