@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+VERSION = (REPO / "VERSION").read_text().strip()
 READY_LINE = "arfused ready to accept"
+
+
+def sh(argv, **kw) -> subprocess.CompletedProcess:
+    """Runs argv (paths allowed) to completion; fails the test, with its output, unless it exits 0."""
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kw)
+    assert out.returncode == 0, f"{' '.join(map(str, argv))} exited {out.returncode}:\n" \
+                                f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
 
 
 def build_dir() -> Path:
@@ -79,3 +88,11 @@ class Sidecar:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def host_sidecar(directory: Path, *extra: str) -> Sidecar:
+    """One host-mode arfused of a group of one, its socket directory/arfused.sock, its log
+    directory/arfused.log; wait_for() what the test needs."""
+    return Sidecar([str(binary("server/daemon/arfused")), "--device=host",
+                    f"--socket={directory / 'arfused.sock'}", "--health-port=0", "--world-size=1",
+                    "--max-tokens=16", "--hidden=256", *extra], directory / "arfused.log")

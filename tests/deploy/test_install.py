@@ -16,14 +16,9 @@ import pytest
 import arfuse_run as run
 
 DOWNSTREAM = Path(__file__).resolve().parent / "downstream"
-VERSION = (run.REPO / "VERSION").read_text().strip()
+VERSION = run.VERSION
 
 
-def _sh(argv, **kw):
-    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kw)
-    assert out.returncode == 0, f"{' '.join(map(str, argv))} exited {out.returncode}:\n" \
-                                f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out
 
 
 def _generator():
@@ -43,11 +38,11 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("install")
     build, prefix = root / "build", root / "prefix"
     # -O0 without debug info: this build is compiled to be linked against, not run for speed.
-    _sh(["cmake", "-S", run.REPO, "-B", build, *_generator(), *_launcher(),
+    run.sh(["cmake", "-S", run.REPO, "-B", build, *_generator(), *_launcher(),
          "-DARFUSE_BUILD_SERVER=OFF", "-DARFUSE_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Debug",
          "-DCMAKE_CXX_FLAGS_DEBUG=-O0", "-DCMAKE_C_FLAGS_DEBUG=-O0"])
-    _sh(["cmake", "--build", build, "-j", str(os.cpu_count() or 2)])
-    _sh(["cmake", "--install", build, "--prefix", prefix])
+    run.sh(["cmake", "--build", build, "-j", str(os.cpu_count() or 2)])
+    run.sh(["cmake", "--install", build, "--prefix", prefix])
     return build, prefix
 
 
@@ -81,32 +76,29 @@ def test_install_tree(installed):
     assert "Apache License" in (prefix / "share" / "doc" / "arfuse" / "LICENSE").read_text()
     pc = (libdir / "pkgconfig" / "arfuse.pc").read_text()
     assert f"Version: {VERSION}" in pc
-    ctl = _sh([prefix / "bin" / "arfusectl", "--version"]).stdout
+    ctl = run.sh([prefix / "bin" / "arfusectl", "--version"]).stdout
     assert ctl.startswith(f"arfusectl {VERSION} "), ctl
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
-    arfused = run.binary("server/daemon/arfused")
     d = tmp_path_factory.mktemp("sidecar")
-    sock = d / "arfused.sock"
-    with run.Sidecar([str(arfused), "--device=host", f"--socket={sock}", "--health-port=0",
-                      "--world-size=1", "--max-tokens=16", "--hidden=256"], d / "arfused.log") as s:
+    with run.host_sidecar(d) as s:
         s.wait_for(run.READY_LINE)
-        yield f"unix:{sock}"
+        yield f"unix:{d / 'arfused.sock'}"
 
 
 def _run_downstream(exe, sidecar):
-    out = _sh([exe, sidecar], timeout=60).stdout
+    out = run.sh([exe, sidecar], timeout=60).stdout
     assert re.search(r"connected: rank 0 of 1, device DEVICE_KIND_HOST, server API 1\.\d+", out), out
 
 
 def test_find_package_gives_arfuse_client(installed, sidecar, tmp_path):
     _, prefix = installed
     build = tmp_path / "downstream"
-    _sh(["cmake", "-S", DOWNSTREAM, "-B", build, *_generator(), f"-DCMAKE_PREFIX_PATH={prefix}",
+    run.sh(["cmake", "-S", DOWNSTREAM, "-B", build, *_generator(), f"-DCMAKE_PREFIX_PATH={prefix}",
          "-DCMAKE_BUILD_TYPE=Debug", "-DCMAKE_CXX_FLAGS_DEBUG=-O0"])
-    _sh(["cmake", "--build", build])
+    run.sh(["cmake", "--build", build])
     _run_downstream(build / "arfuse-downstream", sidecar)
 
 
@@ -129,10 +121,10 @@ def test_pkg_config_builds_the_same_program(installed, sidecar, tmp_path):
     pkg_config = run.tool("pkg-config", "apt-get install pkg-config")
     libdir = next(p for p in (prefix / "lib", prefix / "lib64") if p.is_dir())
     env = dict(os.environ, PKG_CONFIG_PATH=str(libdir / "pkgconfig"))
-    assert _sh([pkg_config, "--modversion", "arfuse"], env=env).stdout.strip() == VERSION
-    flags = _sh([pkg_config, "--cflags", "--libs", "arfuse"], env=env).stdout.split()
+    assert run.sh([pkg_config, "--modversion", "arfuse"], env=env).stdout.strip() == VERSION
+    flags = run.sh([pkg_config, "--cflags", "--libs", "arfuse"], env=env).stdout.split()
     includes = {Path(f[2:]).resolve() for f in flags if f.startswith("-I")}
     assert (prefix / "include" / "arfuse").resolve() in includes, flags
     exe = tmp_path / "arfuse-downstream"
-    _sh(["c++", "-std=c++20", "-O0", DOWNSTREAM / "main.cc", "-o", exe, *flags])
+    run.sh(["c++", "-std=c++20", "-O0", DOWNSTREAM / "main.cc", "-o", exe, *flags])
     _run_downstream(exe, sidecar)

@@ -77,9 +77,7 @@ def _ask(target, *requests):
 def sidecar(tmp_path_factory):
     d = tmp_path_factory.mktemp("reflection")
     sock = d / "arfused.sock"
-    with run.Sidecar([str(run.binary("server/daemon/arfused")), "--device=host",
-                      f"--socket={sock}", "--health-port=0", "--world-size=1", "--max-tokens=16",
-                      "--hidden=256"], d / "arfused.log") as s:
+    with run.host_sidecar(d) as s:
         s.wait_for(run.READY_LINE)
         port = re.search(r"ready to accept: .*health_port=(\d+)", s.text()).group(1)
         yield f"unix:{sock}", f"127.0.0.1:{port}"

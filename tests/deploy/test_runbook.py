@@ -5,7 +5,6 @@ markdown, with its reason, and counted below."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request

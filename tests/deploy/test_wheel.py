@@ -18,14 +18,9 @@ import pytest
 
 import arfuse_run as run
 
-VERSION = (run.REPO / "VERSION").read_text().strip()
+VERSION = run.VERSION
 
 
-def _sh(argv, **kw):
-    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kw)
-    assert out.returncode == 0, f"{' '.join(map(str, argv))} exited {out.returncode}:\n" \
-                                f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out
 
 
 def _native_in_build():
@@ -42,7 +37,7 @@ def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     env = dict(os.environ, ARFUSE_BUILD_DIR=str(run.build_dir()))
     # pip builds in client/python; its scratch build/ and egg-info stay there (git-ignored).
-    _sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    run.sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "--disable-pip-version-check", "-w", out, run.REPO / "client" / "python"], env=env,
         timeout=300)
     (whl,) = out.glob("arfuse-*.whl")
@@ -56,11 +51,11 @@ def venv(wheel, tmp_path_factory):
     if made.returncode != 0:
         run.missing("python3 -m venv", f"Debian: apt-get install python3-venv ({made.stderr[-300:]})")
     python = d / "bin" / "python"
-    site = Path(_sh([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    site = Path(run.sh([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                 .stdout.strip())
     deps = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     (site / "arfuse_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
-    _sh([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+    run.sh([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
          "--disable-pip-version-check", wheel], timeout=120)
     return python, site
 
@@ -88,7 +83,7 @@ def test_import_is_quiet_and_knows_its_version(venv, tmp_path):
     python, site = venv
     code = ("import arfuse, arfuse._proto as p; arfuse.Client; print(arfuse.__version__); "
             "print(p.mode()); print(arfuse.__file__)")
-    out = _sh([python, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
+    out = run.sh([python, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
     version, mode, where = out.stdout.split()
     assert out.stderr == "", out.stderr  # no "generated stubs unusable"
     assert version == VERSION
@@ -103,7 +98,7 @@ def test_native_library_loads_from_the_wheel(venv, tmp_path):
     code = ("import arfuse.ring as r; p = r.find_ring_library(); lib = r.load_library(p); "
             "print(p); print(lib.arfuse_ring_strerror(-1).decode())")
     env = {k: v for k, v in os.environ.items() if k != "ARFUSE_RING_LIB"}
-    out = _sh([python, "-c", code], cwd=tmp_path, env=env)
+    out = run.sh([python, "-c", code], cwd=tmp_path, env=env)
     path, message = out.stdout.splitlines()
     assert Path(path).is_relative_to(site / "arfuse" / "_native"), path
     assert message, out.stdout
@@ -112,11 +107,9 @@ def test_native_library_loads_from_the_wheel(venv, tmp_path):
 def test_installed_stubs_talk_to_a_sidecar(venv, tmp_path):
     python, _ = venv
     sock = tmp_path / "arfused.sock"
-    with run.Sidecar([str(run.binary("server/daemon/arfused")), "--device=host",
-                      f"--socket={sock}", "--health-port=0", "--world-size=1", "--max-tokens=16",
-                      "--hidden=256"], tmp_path / "arfused.log") as s:
+    with run.host_sidecar(tmp_path) as s:
         s.wait_for("event=ready")
         code = ("import arfuse; c = arfuse.Client('unix:%s'); w = c.workspace_info(); "
                 "print(w.world_size, w.max_tokens, w.hidden); c.close()" % sock)
-        out = _sh([python, "-c", code], cwd=tmp_path, timeout=60)
+        out = run.sh([python, "-c", code], cwd=tmp_path, timeout=60)
     assert out.stdout.split() == ["1", "16", "256"], out.stdout + out.stderr
