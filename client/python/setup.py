@@ -17,7 +17,6 @@ native libraries of this checkout's build.
 Wheels are built from a checkout (the protos and VERSION live beside client/python); an sdist is
 not offered.
 """
-import glob
 import os
 import pathlib
 import re
@@ -31,6 +30,9 @@ from setuptools.dist import Distribution
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 NAMES = ("common", "config", "fusion", "admin", "peer")
+# The native libraries a wheel carries, by their link name in the build directory: the ones built
+# there are shipped (a build without CUDA has none). A new library is one more entry here.
+NATIVE = ("client/ring/libarfuse_ring.so",)
 
 
 def version() -> str:
@@ -49,8 +51,7 @@ def native_libraries() -> list:
         paths = [REPO / p for p in named.split(":") if p]
     else:
         build = REPO / os.environ.get("ARFUSE_BUILD_DIR", "build")
-        paths = [pathlib.Path(p) for p in glob.glob(str(build / "client" / "ring" /
-                                                         "libarfuse_ring.so"))]
+        paths = [build / n for n in NATIVE if (build / n).exists()]
     out = []
     for p in paths:
         if not p.exists():
