@@ -53,7 +53,18 @@ def venv(wheel, tmp_path_factory):
     python = d / "bin" / "python"
     site = Path(run.sh([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                 .stdout.strip())
+    # Where this Python finds the client's dependencies (Debian's python3-* packages live outside
+    # sysconfig's paths, in /usr/lib/python3/dist-packages).
+    try:
+        import google.protobuf
+        import grpc
+        import numpy
+    except ImportError as e:
+        run.missing(f"the client's dependencies ({e.name})", "scripts/setup installs them")
+
     deps = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    deps |= {str(Path(m.__file__).resolve().parents[n]) for m, n in
+             ((grpc, 1), (numpy, 1), (google.protobuf, 2))}
     (site / "arfuse_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
     run.sh([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
          "--disable-pip-version-check", wheel], timeout=120)
