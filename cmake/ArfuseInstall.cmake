@@ -24,6 +24,9 @@ if(PROJECT_VERSION_MAJOR EQUAL 0)
 else()
   set(ARFUSE_SOVERSION "${PROJECT_VERSION_MAJOR}")
 endif()
+# Installed binaries keep the run paths of libraries outside the system's (the CUDA toolkit's
+# libcudart), so arfused runs from the prefix as it does from the build tree.
+set(CMAKE_INSTALL_RPATH_USE_LINK_PATH ON)
 set(ARFUSE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/arfuse)
 set(ARFUSE_INSTALL_INCLUDEDIR ${CMAKE_INSTALL_INCLUDEDIR}/arfuse)
 

@@ -128,3 +128,24 @@ def test_pkg_config_builds_the_same_program(installed, sidecar, tmp_path):
     exe = tmp_path / "arfuse-downstream"
     run.sh(["c++", "-std=c++20", "-O0", DOWNSTREAM / "main.cc", "-o", exe, *flags])
     _run_downstream(exe, sidecar)
+
+
+def test_the_main_build_installs_the_daemon_too(tmp_path):
+    # The build CI already has (scripts/setup's build/): installing it compiles nothing.
+    build = run.build_dir()
+    run.binary("server/daemon/arfused")
+    prefix = tmp_path / "prefix"
+    run.sh(["cmake", "--install", build, "--prefix", prefix])
+    out = run.sh([prefix / "bin" / "arfused", "--version"]).stdout
+    assert out.startswith(f"arfused {VERSION} "), out
+    assert (prefix / "bin" / "arfusectl").is_file()
+    libdir = next(p for p in (prefix / "lib", prefix / "lib64") if p.is_dir())
+    rings = sorted(libdir.glob("libarfuse_ring.so*"))
+    if (build / "client" / "ring" / "libarfuse_ring.so").exists():
+        # The versioned file, its SONAME link and the development link.
+        names = [p.name for p in rings]
+        assert len(names) == 3 and names[0] == "libarfuse_ring.so", names
+        assert (libdir / "pkgconfig" / "arfuse-ring.pc").is_file()
+        assert (prefix / "include" / "arfuse" / "client" / "ring" / "arfuse_ring.h").is_file()
+    else:
+        assert rings == []
