@@ -16,7 +16,8 @@
 #
 # Runtime package names are Ubuntu 24.04's (noble), which carry the 64-bit time_t "t64" suffix where
 # Debian 12 does not (libgrpc++1.51 -> libgrpc++1.51t64, libprotobuf32 -> libprotobuf32t64,
-# libabsl20220623 -> libabsl20220623t64); spdlog is 1.12 there (libspdlog1.12, which pulls libfmt9).
+# libabsl20220623 -> libabsl20220623t64); spdlog is 1.12 there (libspdlog1.12, which pulls libfmt9),
+# yaml-cpp 0.8 (libyaml-cpp0.8; Debian 12 has 0.7). gRPC's reflection library comes with libgrpc++.
 # The last RUN of the runtime stage fails the build if `ldd` finds any library missing, so a new
 # link dependency cannot slip through unnoticed.
 
@@ -51,7 +52,7 @@ RUN install -d /out /tmp/cuda-stub \
  && strip --strip-unneeded /out/arfused /out/arfusectl \
  && ln -s /usr/local/cuda/lib64/stubs/libcuda.so /tmp/cuda-stub/libcuda.so.1 \
  && LD_LIBRARY_PATH=/tmp/cuda-stub /out/arfused --version \
- && LD_LIBRARY_PATH=/tmp/cuda-stub /out/arfusectl version
+ && LD_LIBRARY_PATH=/tmp/cuda-stub /out/arfusectl --version
 
 # ---------------------------------------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_TAG} AS runtime
@@ -75,6 +76,7 @@ RUN apt-get update \
       libfmt9 \
       libprometheus-cpp-core1.0 \
       libprometheus-cpp-pull1.0 \
+      libyaml-cpp0.8 \
  && rm -rf /var/lib/apt/lists/*
 
 # A fixed numeric uid/gid so Kubernetes can verify runAsNonRoot, and so the model server's container

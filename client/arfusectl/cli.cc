@@ -6,14 +6,19 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/config.grpc.pb.h"
@@ -21,6 +26,7 @@
 #include "client/arfusectl/args.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/config/fusion_config.h"
+#include "server/core/json.h"
 #include "server/core/version.h"
 #include "server/services/config/config_convert.h"
 
@@ -42,6 +48,8 @@ struct Command {
   std::string synopsis;
   std::vector<OptionSpec> options;
   std::function<int(const ParsedArgs&, Io&)> run;
+  // An option that may also be given as the first argument ("set-backend mnnvl").
+  std::string positional;
 };
 
 int Usage(Io& io, const std::string& message) {
@@ -49,22 +57,10 @@ int Usage(Io& io, const std::string& message) {
   return kExitUsage;
 }
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
-
 // ---- Talking to arfused. ----
+
+// The status message gRPC's client sets when a call's own deadline passes.
+constexpr char kGrpcDeadlineMessage[] = "Deadline Exceeded";
 
 struct Remote {
   std::string addr;
@@ -87,9 +83,17 @@ struct Remote {
                << "\n";
         return kExitUnreachable;
       case grpc::StatusCode::DEADLINE_EXCEEDED:
-        io.err << "arfusectl: no answer from arfused at " << addr << " within " << timeout_ms
-               << " ms (" << what << ")\n";
-        return kExitUnreachable;
+        // gRPC's own words when this call's deadline passed; any other text is the sidecar's
+        // answer (a collective that timed out waiting for other ranks, say), which it sent
+        // before our deadline and which names what went wrong.
+        if (status.error_message() == kGrpcDeadlineMessage) {
+          io.err << "arfusectl: no answer from arfused at " << addr << " within " << timeout_ms
+                 << " ms (" << what << ")\n";
+          return kExitUnreachable;
+        }
+        io.err << "arfusectl: " << what << " at " << addr
+               << " failed: DEADLINE_EXCEEDED: " << status.error_message() << "\n";
+        return kExitFailure;
       case grpc::StatusCode::INVALID_ARGUMENT:
         io.err << "arfusectl: " << status.error_message() << " (from " << addr << ")\n";
         return kExitUsage;
@@ -249,9 +253,8 @@ int RunResolve(const ParsedArgs& args, Io& io) {
 
 // ---- health ----
 
-int RunHealth(const ParsedArgs& args, Io& io) {
-  absl::StatusOr<Remote> server = OpenRemote(args);
-  if (!server.ok()) return Usage(io, std::string(server.status().message()));
+int RunHealthOne(const Remote& remote, const ParsedArgs& args, Io& io) {
+  const Remote* server = &remote;
   const std::string service = args.Get("service").value_or("");
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
@@ -271,8 +274,8 @@ int RunHealth(const ParsedArgs& args, Io& io) {
     return server->Fail(io, "grpc.health.v1.Health.Check", status);
   }
   if (args.Switch("json")) {
-    io.out << "{\"addr\":" << JsonString(server->addr) << ",\"service\":" << JsonString(service)
-           << ",\"status\":" << JsonString(state) << "}\n";
+    io.out << "{\"addr\":" << JsonQuote(server->addr) << ",\"service\":" << JsonQuote(service)
+           << ",\"status\":" << JsonQuote(state) << "}\n";
   } else {
     io.out << state << "\n";
   }
@@ -319,9 +322,8 @@ std::string StateText(v1::WorkspaceState state) {
   return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
 }
 
-int RunInfo(const ParsedArgs& args, Io& io) {
-  absl::StatusOr<Remote> server = OpenRemote(args);
-  if (!server.ok()) return Usage(io, std::string(server.status().message()));
+int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
+  const Remote* server = &remote;
   v1::NegotiateRequest negotiate;
   if (args.Has("cuda-graph-mode") || args.Has("fused-op-in-graph") ||
       args.Has("mnnvl-capture-safe")) {
@@ -355,25 +357,25 @@ int RunInfo(const ParsedArgs& args, Io& io) {
   }
 
   if (args.Switch("json")) {
-    io.out << "{\"addr\":" << JsonString(server->addr) << ",\"workspace\":{"
-           << "\"backend\":" << JsonString(ws.backend())
+    io.out << "{\"addr\":" << JsonQuote(server->addr) << ",\"workspace\":{"
+           << "\"backend\":" << JsonQuote(ws.backend())
            << ",\"fusion_enabled\":" << (ws.fusion_enabled() ? "true" : "false")
-           << ",\"reason\":" << JsonString(ws.reason())
-           << ",\"state\":" << JsonString(StateText(ws.state()))
+           << ",\"reason\":" << JsonQuote(ws.reason())
+           << ",\"state\":" << JsonQuote(StateText(ws.state()))
            << ",\"generation\":" << ws.generation() << ",\"rank\":" << ws.rank()
            << ",\"world_size\":" << ws.world_size() << ",\"nnodes\":" << ws.nnodes()
            << ",\"sm\":" << ws.sm() << ",\"max_tokens\":" << ws.max_tokens()
-           << ",\"hidden\":" << ws.hidden() << ",\"dtype\":" << JsonString(DTypeText(ws.dtype()))
+           << ",\"hidden\":" << ws.hidden() << ",\"dtype\":" << JsonQuote(DTypeText(ws.dtype()))
            << ",\"workspace_bytes\":" << ws.workspace_bytes()
-           << ",\"device\":" << JsonString(DeviceName(ws.device()))
+           << ",\"device\":" << JsonQuote(DeviceName(ws.device()))
            << ",\"mps_detected\":" << (ws.mps_detected() ? "true" : "false")
            << ",\"doorbell_hop_us\":" << ws.doorbell_hop_us()
            << "},\"negotiation\":" << (decision ? config::DecisionToJson(*decision) : "null");
     if (decision) {
       io.out << ",\"server_api\":"
-             << JsonString(absl::StrCat(neg.server_api().major(), ".", neg.server_api().minor()));
+             << JsonQuote(absl::StrCat(neg.server_api().major(), ".", neg.server_api().minor()));
     } else {
-      io.out << ",\"negotiation_error\":" << JsonString(negotiation_error);
+      io.out << ",\"negotiation_error\":" << JsonQuote(negotiation_error);
     }
     io.out << "}\n";
   } else {
@@ -412,27 +414,119 @@ int RunInfo(const ParsedArgs& args, Io& io) {
   return kExitOk;
 }
 
-// ---- admin: stats, drain, set-backend, reinitialize ----
+// ---- addressing ranks ----
+//
+// A group's sidecars on one node have sockets named after rank 0's (arfused's default names, as
+// the Kubernetes manifests use them): <socket> for rank 0 and <socket>.rank<r> for rank r. So
+// --rank N / --ranks 0,1 / --all name ranks next to --addr (rank 0's socket, by default
+// DefaultAddress()), and --addr A,B,... names every address explicitly.
 
-constexpr int kCollectiveTimeoutMs = 30000;
+const OptionSpec kRankOption{"rank", Kind::kValue, "N",
+                             "the sidecar of rank N (its socket next to --addr's)"};
+const OptionSpec kRanksOption{"ranks", Kind::kValue, "N,M,...",
+                              "the sidecars of these ranks (sockets next to --addr's)"};
+const OptionSpec kAllOption{"all", Kind::kSwitch, "",
+                            "every rank whose socket is next to --addr's (on this node)"};
+const OptionSpec kAddrListOption{"addr", Kind::kValue, "ADDR[,ADDR...]",
+                                 "arfused address(es): unix:/path or host:port (default " +
+                                     DefaultAddress() +
+                                     "; with --rank/--ranks/--all: rank 0's socket)"};
 
-// set-backend and reinitialize are collective: every rank's sidecar must be asked, at about the
-// same time. --addr takes a comma-separated list and the calls run concurrently.
-absl::StatusOr<std::vector<Remote>> OpenRemotes(const ParsedArgs& args,
-                                                int default_timeout_ms = kDefaultTimeoutMs) {
+// unix:/run/arfuse/arfused.sock -> /run/arfuse/arfused.sock; other targets have no path.
+std::optional<std::string> UnixPath(const std::string& addr) {
+  if (addr.rfind("unix:", 0) == 0) return addr.substr(5);
+  if (!addr.empty() && addr[0] == '/') return addr;
+  return std::nullopt;
+}
+
+std::string RankAddress(const std::string& base_path, int rank) {
+  return absl::StrCat("unix:", base_path, rank > 0 ? absl::StrCat(".rank", rank) : "");
+}
+
+// The ranks whose sockets exist next to `base_path` (rank 0's name), in rank order.
+std::vector<int> LocalRanks(const std::string& base_path) {
+  std::vector<int> ranks;
+  std::error_code ec;
+  const std::filesystem::path base(base_path);
+  if (std::filesystem::exists(base, ec)) ranks.push_back(0);
+  const std::string prefix = base.filename().string() + ".rank";
+  for (const auto& entry : std::filesystem::directory_iterator(base.parent_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    int rank = 0;
+    if (name.rfind(prefix, 0) == 0 && absl::SimpleAtoi(name.substr(prefix.size()), &rank) &&
+        rank > 0 && name == prefix + std::to_string(rank)) {
+      ranks.push_back(rank);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+struct Addressed {
+  std::vector<Remote> remotes;
+  bool by_rank = false;  // --rank/--ranks/--all (else --addr, or the default address)
+};
+
+// Reads --addr, --rank, --ranks, --all and --timeout-ms. `collective_default`: with none of
+// --rank/--ranks/--all and no --addr, address every local rank (--all).
+absl::StatusOr<Addressed> OpenRemotes(const ParsedArgs& args, int default_timeout_ms,
+                                      bool collective_default) {
   absl::StatusOr<Remote> first = OpenRemote(args);
   if (!first.ok()) return first.status();
-  // Collective calls wait for every rank and may rebuild workspaces: a longer default.
   if (!args.Has("timeout-ms")) first->timeout_ms = default_timeout_ms;
-  std::vector<Remote> remotes;
-  for (absl::string_view part : absl::StrSplit(first->addr, ',')) {
-    if (part.empty()) return absl::InvalidArgumentError("--addr has an empty address");
-    Remote r = *first;
-    r.addr = std::string(part);
-    r.channel = grpc::CreateChannel(r.addr, grpc::InsecureChannelCredentials());
-    remotes.push_back(std::move(r));
+  const int by_rank = args.Has("rank") + args.Has("ranks") + args.Switch("all");
+  if (by_rank > 1) return absl::InvalidArgumentError("give one of --rank, --ranks and --all");
+  const bool all = args.Switch("all") || (by_rank == 0 && collective_default && !args.Has("addr"));
+  Addressed out;
+  std::vector<std::string> addrs;
+  if (by_rank == 0 && !all) {
+    for (absl::string_view part : absl::StrSplit(first->addr, ',')) {
+      if (part.empty()) return absl::InvalidArgumentError("--addr has an empty address");
+      addrs.emplace_back(part);
+    }
+  } else {
+    out.by_rank = true;
+    std::optional<std::string> base = UnixPath(first->addr);
+    if (!base || first->addr.find(',') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rank, --ranks and --all name sockets next to rank 0's: --addr must be one Unix "
+          "socket (unix:/path), got \"",
+          first->addr.substr(0, 64), "\"; to name other addresses, list them: --addr A,B,..."));
+    }
+    std::vector<int> ranks;
+    if (all) {
+      ranks = LocalRanks(*base);
+      if (ranks.empty()) {
+        return absl::UnavailableError(absl::StrCat("no arfused socket at ", *base, " or ", *base,
+                                                   ".rank<N> (is the group running here?)"));
+      }
+    } else {
+      const std::string spec = *args.Get(args.Has("rank") ? "rank" : "ranks");
+      for (absl::string_view part : absl::StrSplit(spec, ',')) {
+        int rank = -1;
+        if (!absl::SimpleAtoi(part, &rank) || rank < 0 || rank >= 1024) {
+          return absl::InvalidArgumentError(absl::StrCat("--", args.Has("rank") ? "rank" : "ranks",
+                                                         ": \"", std::string(part).substr(0, 16),
+                                                         "\" is not a rank (0, 1, ...)"));
+        }
+        if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) {
+          return absl::InvalidArgumentError(absl::StrCat("--ranks names rank ", rank, " twice"));
+        }
+        ranks.push_back(rank);
+      }
+      if (args.Has("rank") && ranks.size() != 1) {
+        return absl::InvalidArgumentError("--rank takes one rank; use --ranks N,M,...");
+      }
+    }
+    for (int rank : ranks) addrs.push_back(RankAddress(*base, rank));
   }
-  return remotes;
+  for (const std::string& addr : addrs) {
+    Remote r = *first;
+    r.addr = addr;
+    r.channel = grpc::CreateChannel(r.addr, grpc::InsecureChannelCredentials());
+    out.remotes.push_back(std::move(r));
+  }
+  return out;
 }
 
 // Runs `call` on every remote concurrently; prints one line per address; exit status is the
@@ -457,18 +551,104 @@ int RunOnAll(const std::vector<Remote>& remotes, Io& io, const char* what,
   return worst;
 }
 
+// A collective call (set-backend, reinitialize) reaches every rank of the group at about the same
+// time, or none: a rank asked alone waits for the others until its deadline and leaves the switch
+// half done. Asks each addressed sidecar for its rank and group first, and refuses (exit 2, before
+// anything changes) when the addressed ranks are not the whole group, or (several nodes) not
+// every rank of one node. Returns the exit status on refusal, nullopt to go ahead.
+std::optional<int> CheckCollective(const std::vector<Remote>& remotes, Io& io, const char* verb) {
+  struct Seen {
+    uint32_t rank, world_size, nnodes;
+  };
+  std::vector<Seen> seen(remotes.size());
+  std::vector<grpc::Status> statuses(remotes.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < remotes.size(); ++i) {
+    threads.emplace_back([&, i] {
+      Remote quick = remotes[i];
+      quick.timeout_ms = std::min(quick.timeout_ms, kDefaultTimeoutMs);
+      v1::GetWorkspaceInfoResponse ws;
+      statuses[i] =
+          v1::Fusion::NewStub(quick.channel)->GetWorkspaceInfo(quick.Context().get(), {}, &ws);
+      seen[i] = {ws.rank(), ws.world_size(), ws.nnodes()};
+    });
+  }
+  for (auto& t : threads) t.join();
+  int worst = kExitOk;
+  for (size_t i = 0; i < remotes.size(); ++i) {
+    if (!statuses[i].ok())
+      worst = std::max(worst, remotes[i].Fail(io, "Fusion.GetWorkspaceInfo", statuses[i]));
+  }
+  if (worst != kExitOk) return worst;
+  std::vector<uint32_t> ranks;
+  for (size_t i = 0; i < remotes.size(); ++i) {
+    if (seen[i].world_size != seen[0].world_size || seen[i].nnodes != seen[0].nnodes) {
+      return Usage(
+          io, absl::StrCat(remotes[i].addr, " is rank ", seen[i].rank, " of ", seen[i].world_size,
+                           " but ", remotes[0].addr, " is rank ", seen[0].rank, " of ",
+                           seen[0].world_size, ": these sidecars are not one group"));
+    }
+    if (std::find(ranks.begin(), ranks.end(), seen[i].rank) != ranks.end()) {
+      return Usage(
+          io, absl::StrCat("rank ", seen[i].rank, " is addressed twice (", remotes[i].addr, ")"));
+    }
+    ranks.push_back(seen[i].rank);
+  }
+  std::sort(ranks.begin(), ranks.end());
+  const uint32_t world = seen[0].world_size, nnodes = std::max<uint32_t>(seen[0].nnodes, 1);
+  // Several nodes: each node's ranks are asked from that node; here, one node's share.
+  const uint32_t expected = nnodes > 1 ? world / nnodes : world;
+  if (ranks.size() < expected) {
+    std::vector<std::string> missing;
+    for (uint32_t r = 0; r < world && nnodes == 1; ++r) {
+      if (!std::binary_search(ranks.begin(), ranks.end(), r)) missing.push_back(std::to_string(r));
+    }
+    return Usage(io, absl::StrCat(verb,
+                                  " is collective: every rank of the group must be asked at once, "
+                                  "but ",
+                                  ranks.size(), " of ", nnodes > 1 ? expected : world, " ranks",
+                                  nnodes > 1 ? " of this node" : "", " were addressed",
+                                  missing.empty() ? ""
+                                                  : absl::StrCat(" (missing: rank ",
+                                                                 absl::StrJoin(missing, ", "), ")"),
+                                  "; nothing was changed. Address every rank: arfusectl ", verb,
+                                  " --all (sockets next to rank 0's) or --addr A,B,..."));
+  }
+  if (nnodes > 1) {
+    io.err << "arfusectl: the group spans " << nnodes << " nodes: run the same " << verb
+           << " on every node at about the same time (each node's ranks wait for the others)\n";
+  }
+  return std::nullopt;
+}
+
+// ---- admin: stats, drain, set-backend, reinitialize ----
+
+constexpr int kCollectiveTimeoutMs = 30000;
+
+// One id for the calls of one collective command on every rank: the sidecars match the calls by
+// it, so a call that failed earlier on one rank only cannot pair with a later one.
+std::string NewCollectiveId() {
+  std::random_device rd;
+  return absl::StrFormat("%08x%08x", rd(), rd());
+}
+
 int RunSetBackend(const ParsedArgs& args, Io& io) {
   std::optional<std::string> backend = args.Get("backend");
-  if (!backend) return Usage(io, "set-backend needs --backend auto|trtllm|mnnvl|none");
+  if (!backend)
+    return Usage(io, "set-backend needs a backend: arfusectl set-backend auto|trtllm|mnnvl|none");
   if (*backend != "auto" && *backend != "trtllm" && *backend != "mnnvl" && *backend != "none") {
-    return Usage(io, absl::StrCat("unknown backend \"", *backend,
-                                  "\" for --backend: expected auto, trtllm, mnnvl or none"));
+    return Usage(io, absl::StrCat("unknown backend \"", backend->substr(0, 64),
+                                  "\": expected auto, trtllm, mnnvl or none"));
   }
-  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args, kCollectiveTimeoutMs);
-  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
-  return RunOnAll(*remotes, io, "Admin.SetBackend", [&](const Remote& r, std::string* line) {
+  absl::StatusOr<Addressed> to =
+      OpenRemotes(args, kCollectiveTimeoutMs, /*collective_default=*/true);
+  if (!to.ok()) return Usage(io, std::string(to.status().message()));
+  if (std::optional<int> refused = CheckCollective(to->remotes, io, "set-backend")) return *refused;
+  const std::string id = NewCollectiveId();
+  return RunOnAll(to->remotes, io, "Admin.SetBackend", [&](const Remote& r, std::string* line) {
     v1::SetBackendRequest req;
     req.set_backend(*backend);
+    req.set_collective_id(id);
     v1::SetBackendResponse resp;
     grpc::Status st = v1::Admin::NewStub(r.channel)->SetBackend(r.Context().get(), req, &resp);
     if (st.ok()) {
@@ -481,9 +661,13 @@ int RunSetBackend(const ParsedArgs& args, Io& io) {
 }
 
 int RunReinitialize(const ParsedArgs& args, Io& io) {
-  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args, kCollectiveTimeoutMs);
-  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
-  return RunOnAll(*remotes, io, "Admin.Reinitialize", [&](const Remote& r, std::string* line) {
+  absl::StatusOr<Addressed> to =
+      OpenRemotes(args, kCollectiveTimeoutMs, /*collective_default=*/true);
+  if (!to.ok()) return Usage(io, std::string(to.status().message()));
+  if (std::optional<int> refused = CheckCollective(to->remotes, io, "reinitialize")) {
+    return *refused;
+  }
+  return RunOnAll(to->remotes, io, "Admin.Reinitialize", [&](const Remote& r, std::string* line) {
     v1::ReinitializeResponse resp;
     grpc::Status st = v1::Admin::NewStub(r.channel)->Reinitialize(r.Context().get(), {}, &resp);
     if (st.ok()) {
@@ -495,9 +679,9 @@ int RunReinitialize(const ParsedArgs& args, Io& io) {
 }
 
 int RunDrain(const ParsedArgs& args, Io& io) {
-  absl::StatusOr<std::vector<Remote>> remotes = OpenRemotes(args);
-  if (!remotes.ok()) return Usage(io, std::string(remotes.status().message()));
-  return RunOnAll(*remotes, io, "Admin.Drain", [&](const Remote& r, std::string* line) {
+  absl::StatusOr<Addressed> to = OpenRemotes(args, kDefaultTimeoutMs, /*collective_default=*/false);
+  if (!to.ok()) return Usage(io, std::string(to.status().message()));
+  return RunOnAll(to->remotes, io, "Admin.Drain", [&](const Remote& r, std::string* line) {
     v1::DrainRequest req;
     req.set_timeout_ms(static_cast<uint32_t>(r.timeout_ms));
     v1::DrainResponse resp;
@@ -507,15 +691,13 @@ int RunDrain(const ParsedArgs& args, Io& io) {
   });
 }
 
-int RunStats(const ParsedArgs& args, Io& io) {
-  absl::StatusOr<Remote> server = OpenRemote(args);
-  if (!server.ok()) return Usage(io, std::string(server.status().message()));
+int RunStatsOne(const Remote& server, const ParsedArgs& args, Io& io) {
   v1::GetStatsResponse s;
-  grpc::Status st = v1::Admin::NewStub(server->channel)->GetStats(server->Context().get(), {}, &s);
-  if (!st.ok()) return server->Fail(io, "Admin.GetStats", st);
+  grpc::Status st = v1::Admin::NewStub(server.channel)->GetStats(server.Context().get(), {}, &s);
+  if (!st.ok()) return server.Fail(io, "Admin.GetStats", st);
   if (args.Switch("json")) {
-    io.out << "{\"addr\":" << JsonString(server->addr) << ",\"backend\":" << JsonString(s.backend())
-           << ",\"state\":" << JsonString(StateText(s.state())) << ",\"sessions\":" << s.sessions()
+    io.out << "{\"addr\":" << JsonQuote(server.addr) << ",\"backend\":" << JsonQuote(s.backend())
+           << ",\"state\":" << JsonQuote(StateText(s.state())) << ",\"sessions\":" << s.sessions()
            << ",\"regions\":" << s.regions() << ",\"region_bytes\":" << s.region_bytes()
            << ",\"plans\":" << s.plans() << ",\"ops_ok\":" << s.ops_ok()
            << ",\"ops_failed\":" << s.ops_failed() << ",\"ops_fused\":" << s.ops_fused()
@@ -523,9 +705,9 @@ int RunStats(const ParsedArgs& args, Io& io) {
            << ",\"poisonings\":" << s.poisonings()
            << ",\"reinitializations\":" << s.reinitializations()
            << ",\"uptime_seconds\":" << s.uptime_seconds()
-           << ",\"version\":" << JsonString(s.version()) << "}\n";
+           << ",\"version\":" << JsonQuote(s.version()) << "}\n";
   } else {
-    io.out << "arfused at " << server->addr << " (version " << s.version() << ", up "
+    io.out << "arfused at " << server.addr << " (version " << s.version() << ", up "
            << s.uptime_seconds() << " s)\n  backend " << s.backend() << ", state "
            << StateText(s.state()) << "\n  sessions " << s.sessions() << ", regions " << s.regions()
            << " (" << s.region_bytes() << " bytes), plans " << s.plans() << "\n  ops ok "
@@ -537,67 +719,83 @@ int RunStats(const ParsedArgs& args, Io& io) {
   return kExitOk;
 }
 
-const OptionSpec kAddrListOption{
-    "addr", Kind::kValue, "ADDR[,ADDR...]",
-    "every rank's arfused (comma-separated), asked concurrently (default " + DefaultAddress() +
-        ")"};
+// A command of one sidecar (health, info, stats) run on every addressed one in turn; the exit
+// status is the worst.
+int RunEach(const ParsedArgs& args, Io& io,
+            const std::function<int(const Remote&, const ParsedArgs&, Io&)>& one) {
+  absl::StatusOr<Addressed> to = OpenRemotes(args, kDefaultTimeoutMs, /*collective_default=*/false);
+  if (!to.ok()) return Usage(io, std::string(to.status().message()));
+  int worst = kExitOk;
+  for (const Remote& r : to->remotes) worst = std::max(worst, one(r, args, io));
+  return worst;
+}
 
 // ---- the table ----
+
+std::vector<OptionSpec> WithRanks(std::vector<OptionSpec> options) {
+  options.insert(options.end(), {kRankOption, kRanksOption, kAllOption});
+  return options;
+}
+
+int PrintVersion(Io& io) {
+  io.out << "arfusectl " << kVersion << " (" << kGitRevision << "), API " << kApiMajor << "."
+         << kApiMinor << "\n";
+  return kExitOk;
+}
 
 const std::vector<Command>& Commands() {
   static const std::vector<Command> commands = {
       {"resolve", "compute the fusion decision (locally, or with --addr by a running arfused)",
        "arfusectl resolve --sm <major><minor> --nnodes N --tp N [options]", ResolveOptions(),
-       RunResolve},
-      {"health",
-       "grpc.health.v1 check: exit 0 SERVING, 1 not serving, 3 unreachable",
-       "arfusectl health [--addr ADDR] [--service NAME] [--json]",
-       {kAddrOption,
-        {"service", Kind::kValue, "NAME", "service name to check (default \"\": the server)"},
-        kJsonOption,
-        kTimeoutOption},
-       RunHealth},
-      {"info",
-       "workspace and negotiation of a running arfused",
-       "arfusectl info [--addr ADDR] [--json]",
-       {kAddrOption,
-        kJsonOption,
-        kTimeoutOption,
-        {"cuda-graph-mode", Kind::kValue, "none|piecewise|full", "negotiate for this mode"},
-        {"fused-op-in-graph", Kind::kValue, "true|false", "negotiate with the op in graphs"},
-        {"mnnvl-capture-safe", Kind::kValue, "true|false", "negotiate as if capture-(un)safe"}},
-       RunInfo},
-      {"stats",
-       "counters and state of a running arfused",
-       "arfusectl stats [--addr ADDR] [--json]",
-       {kAddrOption, kJsonOption, kTimeoutOption},
-       RunStats},
-      {"drain",
-       "stop accepting ops and wait for those in flight (readiness goes NOT_SERVING)",
-       "arfusectl drain [--addr ADDR[,ADDR...]] [--timeout-ms N]",
-       {kAddrListOption, kTimeoutOption},
-       RunDrain},
+       RunResolve, ""},
+      {"health", "grpc.health.v1 check: exit 0 SERVING, 1 not serving, 3 unreachable",
+       "arfusectl health [--addr ADDR | --rank N | --all] [--service NAME] [--json]",
+       WithRanks(
+           {kAddrListOption,
+            {"service", Kind::kValue, "NAME", "service name to check (default \"\": the server)"},
+            kJsonOption,
+            kTimeoutOption}),
+       [](const ParsedArgs& a, Io& io) { return RunEach(a, io, RunHealthOne); }, ""},
+      {"info", "workspace and negotiation of a running arfused",
+       "arfusectl info [--addr ADDR | --rank N | --all] [--json]",
+       WithRanks(
+           {kAddrListOption,
+            kJsonOption,
+            kTimeoutOption,
+            {"cuda-graph-mode", Kind::kValue, "none|piecewise|full", "negotiate for this mode"},
+            {"fused-op-in-graph", Kind::kValue, "true|false", "negotiate with the op in graphs"},
+            {"mnnvl-capture-safe", Kind::kValue, "true|false",
+             "negotiate as if capture-(un)safe"}}),
+       [](const ParsedArgs& a, Io& io) { return RunEach(a, io, RunInfoOne); }, ""},
+      {"stats", "counters and state of a running arfused",
+       "arfusectl stats [--addr ADDR | --rank N | --all] [--json]",
+       WithRanks({kAddrListOption, kJsonOption, kTimeoutOption}),
+       [](const ParsedArgs& a, Io& io) { return RunEach(a, io, RunStatsOne); }, ""},
+      {"drain", "stop accepting ops and wait for those in flight (readiness goes NOT_SERVING)",
+       "arfusectl drain [--addr ADDR[,ADDR...] | --rank N | --ranks N,M | --all] [--timeout-ms N]",
+       WithRanks({kAddrListOption, kTimeoutOption}), RunDrain, ""},
       {"set-backend",
-       "switch the backend live on every rank (drain, vote, rebuild; refused if infeasible)",
-       "arfusectl set-backend --backend auto|trtllm|mnnvl|none --addr ADDR,ADDR,...",
-       {kAddrListOption,
-        {"backend", Kind::kValue, "auto|trtllm|mnnvl|none", "the backend to switch to"},
-        kTimeoutOption},
-       RunSetBackend},
-      {"reinitialize",
-       "re-form the group and re-initialize its workspace (every rank)",
-       "arfusectl reinitialize --addr ADDR,ADDR,...",
-       {kAddrListOption, kTimeoutOption},
-       RunReinitialize},
+       "switch the backend live on every rank of the group (drain, vote, rebuild; refused if "
+       "infeasible)",
+       "arfusectl set-backend auto|trtllm|mnnvl|none [--addr ADDR[,ADDR...] | --ranks N,M | "
+       "--all]\n  (default: every rank whose socket is next to " +
+           DefaultAddress() + ")",
+       WithRanks({kAddrListOption,
+                  {"backend", Kind::kValue, "auto|trtllm|mnnvl|none",
+                   "the backend (or give it as the first argument)"},
+                  kTimeoutOption}),
+       RunSetBackend, "backend"},
+      {"reinitialize", "re-form the group and re-initialize its workspace (every rank)",
+       "arfusectl reinitialize [--addr ADDR[,ADDR...] | --ranks N,M | --all]\n  (default: every "
+       "rank whose socket is next to " +
+           DefaultAddress() + ")",
+       WithRanks({kAddrListOption, kTimeoutOption}), RunReinitialize, ""},
       {"version",
-       "print the version",
+       "print the version (also: arfusectl --version)",
        "arfusectl version",
        {},
-       [](const ParsedArgs&, Io& io) {
-         io.out << "arfusectl " << kVersion << " (" << kGitRevision << "), API " << kApiMajor << "."
-                << kApiMinor << "\n";
-         return kExitOk;
-       }},
+       [](const ParsedArgs&, Io& io) { return PrintVersion(io); },
+       ""},
   };
   return commands;
 }
@@ -633,6 +831,7 @@ int RunArfusectl(const std::vector<std::string>& args, std::ostream& out, std::o
     PrintUsage(out);
     return kExitOk;
   }
+  if (verb == "--version") return PrintVersion(io);
   for (const Command& command : Commands()) {
     if (command.name != verb) continue;
     std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -643,6 +842,9 @@ int RunArfusectl(const std::vector<std::string>& args, std::ostream& out, std::o
             << OptionsHelp(command.options);
         return kExitOk;
       }
+    }
+    if (!command.positional.empty() && !rest.empty() && !absl::StartsWith(rest[0], "-")) {
+      rest[0] = absl::StrCat("--", command.positional, "=", rest[0]);
     }
     absl::StatusOr<ParsedArgs> parsed = ParseArgs(command.name, command.options, rest);
     if (!parsed.ok()) return Usage(io, std::string(parsed.status().message()));

@@ -16,11 +16,17 @@
 namespace arfuse {
 
 // Sets up the process-wide logger on stderr with the given level ("trace", "debug", "info",
-// "warn", "error", "critical", "off"). Returns INVALID_ARGUMENT for an unknown level.
-absl::Status InitLogging(absl::string_view level);
+// "warn", "error", "critical", "off") and format: "text" (one line: time, level=, pid=, then the
+// key=value message) or "json" (one JSON object per line: "time" (RFC 3339, UTC, milliseconds),
+// "level", "pid", "event" when the message starts with event=..., and "msg", the whole message;
+// always valid JSON, whatever the message holds). INVALID_ARGUMENT for an unknown level or format.
+absl::Status InitLogging(absl::string_view level, absl::string_view format = "text");
 
 // True when `level` names a spdlog level.
 bool IsValidLogLevel(absl::string_view level);
+
+// True for "text" and "json".
+bool IsValidLogFormat(absl::string_view format);
 
 // Lets a repeated log line through at most once per `interval` for each key, and counts the
 // lines it held back: a client retrying a failing op in a tight loop must not flood the log, but

@@ -46,7 +46,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   arfuse::DaemonOptions options = std::move(parsed->options);
-  if (auto st = arfuse::InitLogging(options.log_level); !st.ok()) return Fail(st);
+  if (auto st = arfuse::InitLogging(options.log_level, options.log_format); !st.ok()) {
+    return Fail(st);
+  }
+  for (const std::string& w : options.warnings)
+    spdlog::warn("event=config_warning warning=\"{}\"", w);
   spdlog::info("event=start version={} git={} config=\"{}\"", arfuse::kVersion,
                arfuse::kGitRevision, arfuse::DescribeOptions(options));
 

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "server/config/fusion_config.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
+#include "yaml-cpp/yaml.h"
 
 ABSL_FLAG(std::string, socket, "",
           "Unix socket of the main gRPC server (Config, Fusion, Admin, Peer). Default: "
@@ -101,9 +103,17 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain for --listen.
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --listen.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle that client certificates on --listen must chain to.");
+// Operations: the config file's format and the logs' (issue 29). Keep additions of this kind in
+// this block.
 ABSL_FLAG(std::string, config, "",
-          "File of 'name=value' lines (same names as the flags); CLI and ARFUSE_* environment "
-          "variables take precedence.");
+          "YAML file of flags, as vLLM's and SGLang's --config take it: one key per flag, "
+          "named as on the command line (dashes or underscores, no leading --), each value a "
+          "scalar or, for list flags, a list (allowed-uids: [1000, 1001]). Files of "
+          "'name=value' lines (the older format) are still read, with a warning. The command "
+          "line and ARFUSE_* variables take precedence.");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (one line per event: time, level=, pid=, key=value fields) or json (one JSON "
+          "object per line: time, level, pid, event, msg).");
 ABSL_FLAG(bool, help, false, "Show this help and exit.");
 ABSL_FLAG(bool, version, false, "Print the version and exit.");
 
@@ -127,6 +137,7 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "peer_timeout",
                                                  "peer_heartbeat_timeout",
                                                  "log_level",
+                                                 "log_format",
                                                  "flashinfer_allreduce_fusion_backend",
                                                  "enable_flashinfer_allreduce_fusion",
                                                  "enforce_disable_flashinfer_allreduce_fusion",
@@ -183,28 +194,120 @@ absl::Status SetFlag(absl::string_view name, absl::string_view value, absl::stri
   return absl::OkStatus();
 }
 
-absl::Status ApplyConfigFile(const std::string& path, std::map<std::string, std::string>& sources) {
+absl::Status CheckFileKey(const std::string& name, absl::string_view where) {
+  if (name == "config" || name == "help" || name == "version") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": --", Hyphenated(name), " is not allowed in a file"));
+  }
+  return absl::OkStatus();
+}
+
+// The older format: "name=value" lines, '#' comments.
+absl::Status ApplyLineConfig(const std::string& path, const std::string& text,
+                             std::map<std::string, std::string>& sources) {
+  int lineno = 0;
+  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
+    ++lineno;
+    absl::string_view line = absl::StripAsciiWhitespace(raw);
+    if (line.empty() || line[0] == '#') continue;
+    absl::ConsumePrefix(&line, "--");
+    std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
+    std::string name = absl::StrReplaceAll(absl::StripAsciiWhitespace(kv.first), {{"-", "_"}});
+    std::string value(absl::StripAsciiWhitespace(kv.second));
+    const std::string where = absl::StrCat(path, ":", lineno);
+    ARFUSE_RETURN_IF_ERROR(CheckFileKey(name, where));
+    ARFUSE_RETURN_IF_ERROR(SetFlag(name, value, where, sources, "file"));
+  }
+  return absl::OkStatus();
+}
+
+// A file of "name=value" lines reads as one YAML scalar (or nothing); a YAML config is a map.
+bool LooksLikeLineConfig(const std::string& text) {
+  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
+    absl::string_view line = absl::StripAsciiWhitespace(raw);
+    if (line.empty() || line[0] == '#') continue;
+    return line.find('=') != absl::string_view::npos && line.find(':') == absl::string_view::npos;
+  }
+  return false;
+}
+
+// YAML: a map of flag name -> scalar, or a list for list flags (vLLM's and SGLang's --config).
+absl::Status ApplyYamlConfig(const std::string& path, const std::string& text,
+                             std::map<std::string, std::string>& sources) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ":", e.mark.line + 1, ": not valid YAML (", e.msg, ")"));
+  }
+  if (root.IsNull()) return absl::OkStatus();  // empty, or only comments
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path,
+        ": expected a YAML map of flag names to values (\"health-port: 9310\"), one per line"));
+  }
+  std::map<std::string, int> seen;  // normalized name -> line
+  for (const auto& entry : root) {
+    const int line = entry.first.Mark().line + 1;
+    const std::string where = absl::StrCat(path, ":", line);
+    if (!entry.first.IsScalar()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": a key must be a flag name"));
+    }
+    std::string key = entry.first.Scalar();
+    absl::string_view bare = key;
+    absl::ConsumePrefix(&bare, "--");
+    const std::string name = absl::StrReplaceAll(bare, {{"-", "_"}});
+    ARFUSE_RETURN_IF_ERROR(CheckFileKey(name, where));
+    if (auto [it, added] = seen.emplace(name, line); !added) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": --", Hyphenated(name), " is set twice (first on line ", it->second, ")"));
+    }
+    const YAML::Node& value = entry.second;
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    const bool list_flag = flag != nullptr && flag->IsOfType<std::vector<std::string>>();
+    std::string text_value;
+    if (value.IsScalar()) {
+      text_value = value.Scalar();
+    } else if (value.IsSequence() && list_flag) {
+      std::vector<std::string> items;
+      for (const auto& item : value) {
+        if (!item.IsScalar()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": --", Hyphenated(name), " takes a list of plain values"));
+        }
+        items.push_back(item.Scalar());
+      }
+      text_value = absl::StrJoin(items, ",");
+    } else if (value.IsNull()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": --", Hyphenated(name), " has no value (leave it out instead)"));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": --", Hyphenated(name), " takes ", list_flag ? "a value or a list" : "one value",
+          ", not a ", value.IsSequence() ? "list" : "map"));
+    }
+    ARFUSE_RETURN_IF_ERROR(SetFlag(name, text_value, where, sources, "file"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyConfigFile(const std::string& path, std::map<std::string, std::string>& sources,
+                             std::vector<std::string>& warnings) {
   std::ifstream in(path);
   if (!in) {
     return absl::InvalidArgumentError(absl::StrCat("--config: cannot read ", path));
   }
-  std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    absl::string_view text = absl::StripAsciiWhitespace(line);
-    if (text.empty() || text[0] == '#') continue;
-    absl::ConsumePrefix(&text, "--");
-    std::pair<std::string, std::string> kv = absl::StrSplit(text, absl::MaxSplits('=', 1));
-    std::string name = absl::StrReplaceAll(absl::StripAsciiWhitespace(kv.first), {{"-", "_"}});
-    std::string value(absl::StripAsciiWhitespace(kv.second));
-    if (name == "config" || name == "help" || name == "version") {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", lineno, ": --", Hyphenated(name), " is not allowed in a file"));
-    }
-    ARFUSE_RETURN_IF_ERROR(SetFlag(name, value, absl::StrCat(path, ":", lineno), sources, "file"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (LooksLikeLineConfig(text.str())) {
+    warnings.push_back(absl::StrCat(
+        "--config ", path,
+        ": 'name=value' lines are the older format; write YAML instead (\"name: value\" per line, "
+        "as vLLM's and SGLang's --config files)"));
+    return ApplyLineConfig(path, text.str(), sources);
   }
-  return absl::OkStatus();
+  return ApplyYamlConfig(path, text.str(), sources);
 }
 
 absl::Status ApplyEnvironment(std::map<std::string, std::string>& sources) {
@@ -301,6 +404,10 @@ absl::Status Validate(const DaemonOptions& o) {
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--metrics-port must be -1 (off) or between 0 and 65535, got ", o.metrics_port));
+  }
+  if (!IsValidLogFormat(o.log_format)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad value \"", o.log_format, "\" for --log-format: expected text or json"));
   }
   if (!IsValidLogLevel(o.log_level)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -399,7 +506,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
     }
   }
   if (!config_path.empty()) {
-    ARFUSE_RETURN_IF_ERROR(ApplyConfigFile(config_path, sources));
+    ARFUSE_RETURN_IF_ERROR(ApplyConfigFile(config_path, sources, parsed.options.warnings));
     sources["config"] = "cli";
   }
   ARFUSE_RETURN_IF_ERROR(ApplyEnvironment(sources));
@@ -422,6 +529,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.peer_timeout_s = absl::GetFlag(FLAGS_peer_timeout);
   o.peer_heartbeat_timeout_s = absl::GetFlag(FLAGS_peer_heartbeat_timeout);
   o.log_level = absl::GetFlag(FLAGS_log_level);
+  o.log_format = absl::GetFlag(FLAGS_log_format);
   o.fusion_backend = absl::GetFlag(FLAGS_flashinfer_allreduce_fusion_backend);
   o.enable_flashinfer_allreduce_fusion = absl::GetFlag(FLAGS_enable_flashinfer_allreduce_fusion);
   o.enforce_disable_fusion = absl::GetFlag(FLAGS_enforce_disable_flashinfer_allreduce_fusion);

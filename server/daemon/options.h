@@ -1,5 +1,6 @@
 // arfused's configuration: every flag, from the command line, an ARFUSE_* environment variable or
-// a config file (precedence CLI > environment > file > default), each value's source recorded.
+// a --config file in YAML (precedence CLI > environment > file > default), each value's source
+// recorded.
 // Flag names take SGLang's hyphenated spellings (--flashinfer-allreduce-fusion-backend); the
 // underscore form is accepted too.
 #pragma once
@@ -30,6 +31,7 @@ struct DaemonOptions {
   // Silence after which a peer counts as lost (heartbeats every fifth of it); 0: no heartbeats.
   double peer_heartbeat_timeout_s = 5;
   std::string log_level = "info";
+  std::string log_format = "text";  // "text" or "json"
   // Fusion flags as SGLang spells them.
   std::optional<std::string> fusion_backend;
   bool enable_flashinfer_allreduce_fusion = false;
@@ -56,6 +58,8 @@ struct DaemonOptions {
   std::string tls_client_ca;
   // name -> "cli", "env", "file" or "default", for the start-up log line.
   std::map<std::string, std::string> sources;
+  // Said once logging is set up (an older --config format, say).
+  std::vector<std::string> warnings;
 };
 
 // What to do after parsing.

@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
@@ -64,6 +66,27 @@ class UnaryCallCounterFactory final : public grpc::experimental::ServerIntercept
 
  private:
   std::atomic<int64_t>* const calls_;
+};
+
+// gRPC server reflection (grpc.reflection.v1alpha.ServerReflection), so that grpcurl and other
+// generic clients list and call the services without the .proto files. Linking the reflection
+// library registers it for every server of the process; this option decides per server: the
+// main socket serves it, the health port (grpc.health.v1 only, plaintext TCP) does not.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool serve) : serve_(serve) {}
+  void UpdateArguments(grpc::ChannelArguments* /*args*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [&](const auto& p) { return p->name() == name; }),
+                   plugins->end());
+    if (serve_)
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+  }
+
+ private:
+  const bool serve_;
 };
 
 }  // namespace
@@ -136,8 +159,9 @@ absl::Status Sidecar::Start() {
   for (const auto& w : migrated.warnings) spdlog::warn("event=flag_migration warning=\"{}\"", w);
   flags_ = migrated.flags;
 
-  metrics_ =
-      std::make_unique<Metrics>(options_.rank, options_.world_size, options_.device, kVersion);
+  metrics_ = std::make_unique<Metrics>(
+      options_.rank, options_.world_size, options_.device,
+      Metrics::BuildLabels{kVersion, kGitRevision, absl::StrCat(kApiMajor, ".", kApiMinor)});
   if (options_.metrics_port >= 0) ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_port));
 
   // MPS and the doorbell hop (docs/doorbell.md), once before the engine starts: negotiation
@@ -250,6 +274,7 @@ absl::Status Sidecar::Start() {
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort(absl::StrCat(options_.health_host, ":", options_.health_port),
                              grpc::InsecureServerCredentials(), &health_port_);
+    builder.SetOption(std::make_unique<ReflectionOption>(false));
     builder.RegisterService(health_probe_.get());
     health_server_ = builder.BuildAndStart();
     if (health_server_ == nullptr || health_port_ == 0) {
@@ -301,6 +326,7 @@ absl::Status Sidecar::Start() {
       counters.push_back(std::make_unique<UnaryCallCounterFactory>(&unary_calls_));
       builder.experimental().SetInterceptorCreators(std::move(counters));
     }
+    builder.SetOption(std::make_unique<ReflectionOption>(true));
     builder.RegisterService(health_main_.get());
     builder.RegisterService(fusion_.get());
     for (auto& service : services_) builder.RegisterService(service.get());

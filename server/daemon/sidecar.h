@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,6 +65,7 @@ class Sidecar final : public AdminControl {
   v1::GetStatsResponse Stats() override;
   absl::StatusOr<uint32_t> Drain(absl::Duration timeout) override;
   absl::StatusOr<v1::SetBackendResponse> SetBackend(const std::string& backend,
+                                                    const std::optional<std::string>& collective_id,
                                                     absl::Time deadline) override;
   absl::StatusOr<v1::ReinitializeResponse> Reinitialize(absl::Time deadline) override;
 
@@ -125,7 +127,8 @@ class Sidecar final : public AdminControl {
   // The highest workspace generation this process has served (what clients saw); carried into
   // every engine that replaces the current one, so generations never repeat within the group.
   uint64_t served_generation_ = 0;
-  // A collective admin call failed on this rank only: tag counts differ until the group re-forms.
+  // A collective admin call without a collective id failed on this rank only: the counted tags
+  // of such calls differ across ranks until the group re-forms.
   bool admin_exchange_diverged_ = false;
 
   // One admin operation (switch, re-init, drain) at a time.

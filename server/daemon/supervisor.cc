@@ -290,6 +290,8 @@ void Sidecar::SuperviseGroup() {
       spdlog::warn("event=group_reform reason=requested");
     }
     SetReadiness(false);
+    // The group is gone until it re-forms: no rank counts as joined meanwhile.
+    metrics_->SetPeersReady(0);
     gate_.Abort();
     (void)gate_.Drain(absl::Now() + absl::Seconds(options_.grace_period_s));
     // An op still in flight must end before its engine, and the exchange an unfused op agrees
@@ -369,8 +371,9 @@ absl::StatusOr<v1::ReinitializeResponse> Sidecar::Reinitialize(absl::Time deadli
       "re-initialization did not complete before the deadline (every rank must re-initialize)");
 }
 
-absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& backend,
-                                                           absl::Time deadline) {
+absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(
+    const std::string& backend, const std::optional<std::string>& collective_id,
+    absl::Time deadline) {
   std::lock_guard<std::mutex> admin(admin_mu_);
   config::Decision previous;
   {
@@ -381,7 +384,7 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
           absl::StrCat("the group is not serving; backend unchanged (", not_ready_reason_, ")"));
     }
     previous = decision_;
-    if (admin_exchange_diverged_) {
+    if (admin_exchange_diverged_ && !collective_id) {
       return absl::FailedPreconditionError(
           "an earlier collective admin call did not complete on every rank; run `arfusectl "
           "reinitialize` on every rank first; backend unchanged");
@@ -407,17 +410,22 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   } else {
     report.failure = std::string(local.status().message());
   }
-  // The k-th "set-backend" of every rank meet (the exchange matches calls by tag and count); a
-  // call that fails on one rank only leaves the counts apart until the group re-forms.
-  const std::string tag = "set-backend";
+  // The exchange matches calls by tag and count. With a collective id the tag is used once, so a
+  // call that failed on this rank alone leaves nothing a later switch could pair with. Without
+  // one, the k-th "set-backend" of every rank meet, and a call that fails on one rank only leaves
+  // the counts apart until the group re-forms.
+  const std::string tag =
+      collective_id ? absl::StrCat("set-backend/", *collective_id) : std::string("set-backend");
   absl::StatusOr<std::vector<std::string>> gathered =
       exchange_->Allgather(tag, config::EncodeRankReport(report), deadline);
   if (!gathered.ok()) {
     std::lock_guard<std::mutex> lock(state_mu_);
-    admin_exchange_diverged_ = true;
-    return absl::Status(
-        gathered.status().code(),
-        absl::StrCat("backend switch vote failed (every rank must be asked): ",
+    if (!collective_id) admin_exchange_diverged_ = true;
+    // ABORTED, not the exchange's DEADLINE_EXCEEDED: the sidecar answered, before the caller's
+    // deadline, that the switch did not happen because other ranks were not asked in time.
+    return absl::AbortedError(
+        absl::StrCat("backend switch vote failed (every rank of the group must be asked at once, "
+                     "e.g. arfusectl set-backend --all): ",
                      gathered.status().message(), "; backend unchanged: ", previous.backend));
   }
   std::vector<std::string> payloads = *std::move(gathered);
@@ -450,7 +458,7 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(const std::string& ba
   absl::StatusOr<VoteResult> voted = exchange_->Vote(tag + "-built", built.ok(), failure, deadline);
   if (!voted.ok()) {
     std::lock_guard<std::mutex> lock(state_mu_);
-    admin_exchange_diverged_ = true;
+    if (!collective_id) admin_exchange_diverged_ = true;
     return voted.status();
   }
   const VoteResult& vote = *voted;

@@ -60,7 +60,7 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
 
 }  // namespace
 
-Metrics::Metrics(int rank, int world_size, const std::string& device, const std::string& version)
+Metrics::Metrics(int rank, int world_size, const std::string& device, const BuildLabels& build)
     : registry_(std::make_shared<prometheus::Registry>()) {
   auto& r = *registry_;
   const std::map<std::string, std::string> constant = {{"rank", std::to_string(rank)}};
@@ -117,7 +117,7 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const std:
           .Add({}),
       prometheus::BuildGauge()
           .Name("arfuse_peers_ready")
-          .Help("Ranks of the group that have joined")
+          .Help("Ranks of the group that have joined, this one included (0 while the group forms)")
           .Labels(constant)
           .Register(r)
           .Add({}),
@@ -169,8 +169,21 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const std:
       .Help("Build and group information")
       .Labels(constant)
       .Register(r)
-      .Add({{"version", version}, {"device", device}, {"world_size", std::to_string(world_size)}})
+      .Add({{"version", build.version},
+            {"revision", build.revision},
+            {"api_version", build.api_version},
+            {"device", device},
+            {"world_size", std::to_string(world_size)}})
       .Set(1);
+  // The group's size as a number, so that an alert compares arfuse_peers_ready with it
+  // (`arfuse_peers_ready < arfuse_world_size`) whatever the tensor-parallel size.
+  prometheus::BuildGauge()
+      .Name("arfuse_world_size")
+      .Help("Ranks in this sidecar's group (--world-size)")
+      .Labels(constant)
+      .Register(r)
+      .Add({})
+      .Set(world_size);
 }
 
 Metrics::~Metrics() = default;

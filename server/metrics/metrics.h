@@ -42,7 +42,13 @@ struct OpTotals {
 
 class Metrics {
  public:
-  Metrics(int rank, int world_size, const std::string& device, const std::string& version);
+  // The labels of arfuse_build_info besides rank, device and world_size.
+  struct BuildLabels {
+    std::string version;      // "0.1.0" (the VERSION file)
+    std::string revision;     // the git revision the binary was built from
+    std::string api_version;  // "1.0": the arfuse.v1 API's MAJOR.MINOR
+  };
+  Metrics(int rank, int world_size, const std::string& device, const BuildLabels& build);
   ~Metrics();
 
   // Serves /metrics on 0.0.0.0:port (0 picks a free port). UNAVAILABLE when the port is taken.

@@ -24,9 +24,11 @@ extern char** environ;
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/cli.h"
 #include "server/config/fusion_config.h"
+#include "server/core/version.h"
 #include "server/services/config/config_service.h"
 
 namespace arfuse {
@@ -34,6 +36,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 struct Result {
@@ -295,6 +298,15 @@ TEST(ArfusectlResolve, InvalidInputExitsTwoWithOneClearLine) {
       {{"resolve", "--sm", "90", "--nnodes", "1", "--tp"}, "--tp needs a value"},
       {with({"--timeout-ms", "10"}), "--timeout-ms needs --addr"},
       {{"frobnicate"}, "unknown command \"frobnicate\""},
+      {{"set-backend"},
+       "set-backend needs a backend: arfusectl set-backend auto|trtllm|mnnvl|none"},
+      {{"set-backend", "nccl"}, "unknown backend \"nccl\": expected auto, trtllm, mnnvl or none"},
+      {{"set-backend", "mnnvl", "extra"}, "unexpected argument \"extra\""},
+      {{"set-backend", "mnnvl", "--backend=none"}, "--backend given more than once"},
+      {{"stats", "--rank", "x"}, "--rank: \"x\" is not a rank (0, 1, ...)"},
+      {{"stats", "--ranks", "0,1", "--all"}, "give one of --rank, --ranks and --all"},
+      {{"stats", "--rank", "0,1"}, "--rank takes one rank; use --ranks N,M,..."},
+      {{"info", "--rank", "1", "--addr", "127.0.0.1:9310"}, "--addr must be one Unix socket"},
   };
   for (const Case& c : cases) {
     Result r = RunBinary(c.args);
@@ -321,6 +333,11 @@ TEST(ArfusectlCli, HelpAndUsage) {
   Result version = RunBinary({"version"});
   EXPECT_EQ(version.code, 0);
   EXPECT_THAT(version.out, HasSubstr("API 1.0"));
+  // --version, as every binary answers it, says the same.
+  Result flag = RunBinary({"--version"});
+  EXPECT_EQ(flag.code, 0);
+  EXPECT_EQ(flag.out, version.out);
+  EXPECT_THAT(flag.out, StartsWith(absl::StrCat("arfusectl ", kVersion, " (")));
 }
 
 TEST(ArfusectlCli, DefaultAddress) {
@@ -565,6 +582,36 @@ TEST(ArfusectlInfo, UndecidedGroupShowsTheWorkspaceAndFails) {
   Result json = RunBinary({"info", "--addr", sidecar.addr(), "--json"});
   EXPECT_EQ(json.code, 1);
   EXPECT_THAT(json.out, HasSubstr("\"negotiation\":null,\"negotiation_error\":\"UNAVAILABLE: "));
+}
+
+// Answers GetStats with a status of its own, as a sidecar answers a collective that timed out.
+class DeadlineAdmin final : public v1::Admin::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest*, v1::GetStatsResponse*) override {
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                 "collective 'x' timed out: rank 1 did not call"));
+    return reactor;
+  }
+};
+
+// The sidecar's DEADLINE_EXCEEDED is its answer (exit 1, its message), not our own timeout.
+TEST(ArfusectlAdmin, AServersDeadlineExceededIsItsAnswer) {
+  TempDir dir;
+  const std::string addr = absl::StrCat("unix:", dir.path(), "/arfused.sock");
+  DeadlineAdmin admin;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
+  builder.RegisterService(&admin);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  Result r = RunBinary({"stats", "--addr", addr, "--timeout-ms", "30000"});
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("Admin.GetStats at " + addr +
+                               " failed: DEADLINE_EXCEEDED: collective 'x' timed out"));
+  EXPECT_THAT(r.err, Not(HasSubstr("within 30000 ms")));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 }  // namespace

@@ -584,6 +584,16 @@ def overlays() -> list[Path]:
     return sorted(p for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 
 
+def kustomizations() -> list[Path]:
+    """Every directory under deploy/k8s with a kustomization.yaml that renders on its own (not a
+    Component, which only an overlay can render)."""
+    out = []
+    for k in sorted(K8S.rglob("kustomization.yaml")):
+        if not re.search(r"^kind:\s*Component\s*$", k.read_text(), re.M):
+            out.append(k.parent)
+    return out
+
+
 @dataclass
 class PodTemplate:
     where: str  # "Deployment/llm"
@@ -1023,4 +1033,70 @@ def check_manifests(docs: list[dict], flags: dict[str, Flag], image: Image,
                         problems.append(f"{where} {s.container['name']}: no IMEX channel claim")
     if not found_any:
         problems.append("no workload runs arfused")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The device-plugin layout: the sidecars inside the model server's container (launch.sh)
+
+
+def is_device_plugin(docs: list[dict]) -> bool:
+    return any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})
+               for t in pod_templates(docs) for c in t.spec.get("containers") or [])
+
+
+def launch_script_flags(script: str) -> list[str]:
+    """The --flags of the arfused command line in a launch script."""
+    for line in script.splitlines():
+        words = line.split()
+        if words and words[0] == "arfused":
+            return [w[2:].split("=")[0] for w in words[1:] if w.startswith("--")]
+    return []
+
+
+def check_device_plugin(docs: list[dict], flags: dict[str, Flag]) -> list[str]:
+    problems = []
+    configmaps = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "ConfigMap"}
+    config = next((d for n, d in configmaps.items() if n.startswith("arfuse-config")), None)
+    world = int(((config or {}).get("data") or {}).get("ARFUSE_WORLD_SIZE", "0"))
+    scripts = [d for n, d in configmaps.items() if n.startswith("arfuse-launch")]
+    if not scripts or "launch.sh" not in (scripts[0].get("data") or {}):
+        return ["no arfuse-launch ConfigMap with launch.sh"]
+    script = scripts[0]["data"]["launch.sh"]
+    used = launch_script_flags(script)
+    if not used:
+        problems.append("launch.sh starts no arfused")
+    problems += [f"launch.sh: unknown flag --{f}" for f in used if f not in flags]
+    for t in pod_templates(docs):
+        if t.spec.get("resourceClaims"):
+            problems.append(f"{t.where}: the device-plugin layout claims no DRA devices")
+        if t.spec.get("enableServiceLinks", True) is not False:
+            problems.append(f"{t.where}: enableServiceLinks must be false")
+        gpu = [c for c in t.spec.get("containers") or []
+               if "nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})]
+        if len(gpu) != 1:
+            problems.append(f"{t.where}: exactly one container holds the GPUs, not {len(gpu)}")
+            continue
+        c = gpu[0]
+        count = int(c["resources"]["limits"]["nvidia.com/gpu"])
+        if count != world:
+            problems.append(f"{t.where} {c['name']}: nvidia.com/gpu {count} != ARFUSE_WORLD_SIZE {world}")
+        if (c.get("command") or [])[-1:] != ["/opt/arfuse/launch.sh"]:
+            problems.append(f"{t.where} {c['name']}: the command is not /opt/arfuse/launch.sh")
+        if "/opt/arfuse" not in _mounts(c):
+            problems.append(f"{t.where} {c['name']}: launch.sh is not mounted at /opt/arfuse")
+        ports = {p.get("containerPort") for p in c.get("ports") or []}
+        for r in range(world):
+            for base in (9310, 9330):
+                if base + r not in ports:
+                    problems.append(f"{t.where} {c['name']}: port {base + r} (rank {r}) is not a "
+                                    "containerPort")
+        env = container_env(c, configmaps)
+        if env.get("NCCL_NVLS_ENABLE", (None,))[0] != "0":
+            problems.append(f"{t.where} {c['name']}: NCCL_NVLS_ENABLE must be 0")
+        for probe in ("startupProbe", "livenessProbe"):
+            cmd = ((c.get(probe) or {}).get("exec") or {}).get("command") or []
+            if cmd[:3] != ["arfusectl", "health", "--all"]:
+                problems.append(f"{t.where} {c['name']}: {probe} does not check every rank "
+                                "(arfusectl health --all)")
     return problems

@@ -1,5 +1,7 @@
 """Fixtures for the deployment checks: arfused's flags, the image, the rendered overlays."""
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +33,16 @@ def kubectl():
         if os.environ.get("CI"):
             pytest.fail("kubectl not found: scripts/setup installs it (Debian: kubernetes-client)")
         pytest.skip("kubectl not found (Debian: kubernetes-client); run scripts/setup")
+    # The manifests use kustomize components and inline patches: kustomize v5 (kubectl >= 1.27).
+    # Debian 12's kubernetes-client (1.20, kustomize v2) cannot render them.
+    out = subprocess.run([path, "version", "--client"], capture_output=True, text=True)
+    m = re.search(r"Kustomize Version: v(\d+)", out.stdout + out.stderr)
+    if not m or int(m.group(1)) < 5:
+        msg = (f"{path} embeds no kustomize v5 ({(out.stdout + out.stderr).strip()[:200]}); "
+               "deploy/k8s needs kubectl >= 1.27 (set KUBECTL to one)")
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
     return path
 
 

@@ -1,23 +1,51 @@
 """deploy/k8s: every overlay renders with `kubectl kustomize` and agrees with arfused's flags."""
 import copy
+import re
 import subprocess
-import sys
 
 import pytest
 
 import arfuse_deploy_checks as checks
+import arfuse_run as run
 
-OVERLAYS = [p.name for p in checks.overlays()]
+OVERLAYS = [p.name for p in checks.overlays() if not p.name.startswith("device-plugin")]
+DEVICE_PLUGIN = [p.name for p in checks.overlays() if p.name.startswith("device-plugin")]
 
 
 def test_overlays_exist():
     assert {"single-node-tp2", "single-node-tp8", "multi-node-gb200"} <= set(OVERLAYS)
+    assert DEVICE_PLUGIN == ["device-plugin-tp2"]
 
 
-def test_generated_sidecars_are_current():
-    out = subprocess.run([sys.executable, str(checks.K8S / "gen_sidecars.py"), "--check"],
-                         capture_output=True, text=True)
+@pytest.mark.parametrize("overlay", DEVICE_PLUGIN)
+def test_device_plugin_overlay_passes(overlay, kubectl, flags):
+    docs = checks.kustomize(checks.K8S / "overlays" / overlay, kubectl)
+    assert checks.is_device_plugin(docs)
+    assert checks.check_device_plugin(docs, flags) == []
+
+
+def test_device_plugin_checker_catches(kubectl, flags):
+    docs = checks.kustomize(checks.K8S / "overlays" / "device-plugin-tp2", kubectl)
+    c = checks.pod_templates(docs)[0].spec["containers"][0]
+    c["resources"]["limits"]["nvidia.com/gpu"] = 4
+    c["livenessProbe"]["exec"]["command"] = ["arfusectl", "health"]
+    script = next(d for d in docs if d["metadata"]["name"].startswith("arfuse-launch"))
+    script["data"]["launch.sh"] = script["data"]["launch.sh"].replace("--gpu=", "--gpus=")
+    problems = checks.check_device_plugin(docs, flags)
+    assert any("nvidia.com/gpu 4 != ARFUSE_WORLD_SIZE 2" in p for p in problems), problems
+    assert any("livenessProbe does not check every rank" in p for p in problems), problems
+    assert any("launch.sh: unknown flag --gpus" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("directory", checks.kustomizations(), ids=lambda p: str(p.relative_to(checks.K8S)))
+def test_kustomize_prints_no_warning(directory, kubectl):
+    # Deprecated fields (bases, patchesJson6902, patchesStrategicMerge, ...) make kustomize warn.
+    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "", out.stderr
+    for name in ("bases", "patchesJson6902", "patchesStrategicMerge", "vars", "commonLabels"):
+        assert not re.search(rf"^{name}:", (directory / "kustomization.yaml").read_text(), re.M), name
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -45,7 +73,8 @@ def test_overlay_flags_exist_in_built_arfused(overlay, rendered, image, arfused_
 
 def test_monitoring_covers_every_metrics_port(kubectl, rendered):
     monitors = checks.kustomize(checks.K8S / "monitoring", kubectl)
-    scraped = {e["port"] for m in monitors for e in m["spec"]["podMetricsEndpoints"]}
+    scraped = {e["port"] for m in monitors if m["kind"] == "PodMonitor"
+               for e in m["spec"]["podMetricsEndpoints"]}
     for overlay, docs in rendered.items():
         for t in checks.pod_templates(docs):
             for c in t.spec.get("initContainers") or []:
@@ -271,3 +300,81 @@ def test_shell_words_keep_arithmetic_together():
     assert words == ["exec", "arfused", "--rank=$((LWS_WORKER_INDEX * 4 + 3))", "--gpu=3"]
     assert checks.expand(words[2], {"LWS_WORKER_INDEX": "1"}) == "--rank=7"
     assert checks.expand("${LWS_LEADER_ADDRESS}:9350", {}) is None
+
+
+# --- rendered manifests against the Kubernetes 1.34 schemas (offline, tests/deploy/schemas) ---
+
+@pytest.fixture(scope="session")
+def schema():
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        run.missing("python module jsonschema", "Debian: python3-jsonschema")
+    import k8s_schema
+
+    return k8s_schema
+
+
+@pytest.mark.parametrize("directory", checks.kustomizations(), ids=lambda p: str(p.relative_to(checks.K8S)))
+def test_rendered_manifests_match_the_schemas(directory, kubectl, schema):
+    docs = checks.kustomize(directory, kubectl)
+    assert docs
+    problems = [p for d in docs for p in schema.validate(d)]
+    assert problems == []
+
+
+def test_every_kind_rendered_has_a_schema_and_the_monitoring_kinds_are_there(kubectl, schema):
+    rendered = {f"{d['apiVersion']}/{d['kind']}" for k in checks.kustomizations()
+                for d in checks.kustomize(k, kubectl)}
+    assert rendered <= schema.kinds()
+    # What operators expect beside the workload.
+    assert {"networking.k8s.io/v1/NetworkPolicy", "policy/v1/PodDisruptionBudget",
+            "monitoring.coreos.com/v1/PrometheusRule", "monitoring.coreos.com/v1/PodMonitor"} <= rendered
+
+
+def test_schemas_catch_misspellings_types_and_unknown_kinds(rendered, schema):
+    docs = copy.deepcopy(rendered["single-node-tp2"])
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    probe = deploy["spec"]["template"]["spec"]["initContainers"][1]["readinessProbe"]
+    probe["periodSecond"] = probe.pop("periodSeconds")
+    probe["grpc"]["port"] = "9310"
+    problems = schema.validate(deploy)
+    assert any("readinessProbe" in p and "periodSecond" in p for p in problems), problems
+    assert any("grpc.port" in p for p in problems), problems
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    pdb["spec"]["minAvailable"] = 1
+    assert schema.validate(pdb), "minAvailable with maxUnavailable must be refused"
+    assert "no schema for batch/v1/Job" in schema.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}})[0]
+
+
+def test_prometheus_rule_and_dashboard_name_real_metrics(kubectl):
+    import json
+
+    docs = checks.kustomize(checks.K8S / "monitoring", kubectl)
+    served = set(re.findall(r'\.Name\("(arfuse_\w+)"\)',
+                            (checks.REPO / "server" / "metrics" / "metrics.cc").read_text()))
+    assert "arfuse_world_size" in served and "arfuse_build_info" in served
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    board = next(d for d in docs if d["kind"] == "ConfigMap"
+                 and d["metadata"]["name"] == "arfuse-grafana-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(board["data"]["arfuse.json"])
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for e in exprs:
+        names = {re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"\barfuse_\w+", e)}
+        assert names and names <= served, (e, names - served)
+    # The runbook's alerts are the rule's.
+    alerts = (checks.REPO / "docs" / "operations.md").read_text()
+    for r in rule["spec"]["groups"][0]["rules"]:
+        assert f"`{r['expr']}`" in alerts, f"docs/operations.md does not show {r['alert']}: {r['expr']}"
+
+
+def test_overlays_name_the_version_of_this_checkout(rendered):
+    version = (checks.REPO / "VERSION").read_text().strip()
+    for overlay, docs in rendered.items():
+        for t in checks.pod_templates(docs):
+            for c in (t.spec.get("initContainers") or []) + (t.spec.get("containers") or []):
+                if c["image"].split("@")[0].rsplit(":", 1)[0].endswith("/arfuse"):
+                    assert c["image"].endswith(f":{version}"), (overlay, c["name"], c["image"])

@@ -16,7 +16,7 @@ using ::arfuse::testing::HttpGet;
 using ::testing::HasSubstr;
 
 TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
-  Metrics metrics(1, 2, "host", "0.1.0");
+  Metrics metrics(1, 2, "host", {"0.1.0", "abc1234", "1.0"});
   ASSERT_TRUE(metrics.Serve(0).ok());
   ASSERT_GT(metrics.port(), 0);
   metrics.RecordOp({"eager", "trtllm", "oneshot", "dispatch", true, 12e-6, 4096});
@@ -51,12 +51,13 @@ TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
   EXPECT_THAT(body, HasSubstr("arfuse_peers_ready{rank=\"1\"} 2"));
   EXPECT_THAT(body, HasSubstr("arfuse_mps_detected{rank=\"1\"} 1"));
   EXPECT_THAT(body, HasSubstr("arfuse_ready{rank=\"1\"} 1"));
-  EXPECT_THAT(body, HasSubstr("arfuse_build_info{rank=\"1\",device=\"host\",version=\"0.1.0\","
-                              "world_size=\"2\"} 1"));
+  EXPECT_THAT(body, HasSubstr("arfuse_build_info{rank=\"1\",api_version=\"1.0\",device=\"host\","
+                              "revision=\"abc1234\",version=\"0.1.0\",world_size=\"2\"} 1"));
+  EXPECT_THAT(body, HasSubstr("arfuse_world_size{rank=\"1\"} 2"));
 }
 
 TEST(Metrics, OpTotalsCountResultsPathsAndBytes) {
-  Metrics metrics(0, 2, "host", "0.1.0");
+  Metrics metrics(0, 2, "host", {"0.1.0", "abc1234", "1.0"});
   EXPECT_EQ(metrics.op_totals().ok, 0u);
   metrics.RecordOp({"eager", "trtllm", "oneshot", "dispatch", true, 1e-5, 4096});
   metrics.RecordOp({"eager", "trtllm", "twoshot", "dispatch", true, 1e-5, 8192});
@@ -74,7 +75,7 @@ TEST(Metrics, OpTotalsCountResultsPathsAndBytes) {
 }
 
 TEST(Metrics, OpTotalsAreExactUnderConcurrentRecording) {
-  Metrics metrics(0, 1, "host", "0.1.0");
+  Metrics metrics(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&metrics, t] {
@@ -95,7 +96,7 @@ TEST(Metrics, OpTotalsAreExactUnderConcurrentRecording) {
 }
 
 TEST(Metrics, BackendSwitchLeavesOneCurrentBackend) {
-  Metrics metrics(0, 2, "host", "0.1.0");
+  Metrics metrics(0, 2, "host", {"0.1.0", "abc1234", "1.0"});
   metrics.SetBackend("trtllm", true);
   metrics.SetBackend("none", false);
   std::string text = metrics.Render();
@@ -104,9 +105,9 @@ TEST(Metrics, BackendSwitchLeavesOneCurrentBackend) {
 }
 
 TEST(Metrics, PortInUseIsUnavailable) {
-  Metrics first(0, 1, "host", "0.1.0");
+  Metrics first(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
   ASSERT_TRUE(first.Serve(0).ok());
-  Metrics second(0, 1, "host", "0.1.0");
+  Metrics second(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
   absl::Status st = second.Serve(first.port());
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(st.message()), HasSubstr("cannot serve metrics on port"));

@@ -8,12 +8,19 @@ arfuse.integrations.sglang (in SGLang's place for FlashInfer's fused op), arfuse
 doorbell plan inside CUDA graph capture) and arfuse.pool (static tensors carved out of one
 registered buffer). docs/integration.md walks through them.
 """
+try:
+    from ._version import __version__  # written into the wheel from the repository's VERSION
+except ImportError:  # a checkout used in place
+    import pathlib as _pathlib
+
+    __version__ = (_pathlib.Path(__file__).resolve().parents[3] / "VERSION").read_text().strip()
+
 from .client import (API_VERSION, ArfuseError, Client, Negotiation, OpSpec, Plan, Region,
                      SidecarLost, TensorLoc, common_pb2, config_pb2, fusion_pb2, fusion_pb2_grpc)
 from .fusion import AllReduceFusionPattern, FusionWorkspace, allreduce_fusion
 from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
 
-__all__ = ["API_VERSION", "ArfuseError", "AllReduceFusionPattern", "Client", "CudaBuffer",
+__all__ = ["__version__", "API_VERSION", "ArfuseError", "AllReduceFusionPattern", "Client", "CudaBuffer",
            "FusionWorkspace", "HostShmBuffer", "IpcEvent", "Negotiation", "OpSpec", "Plan",
            "Region", "SidecarLost", "TensorLoc", "TensorView", "allreduce_fusion", "common_pb2",
            "config_pb2", "fusion_pb2", "fusion_pb2_grpc"]

@@ -1,7 +1,7 @@
 """Where the client's native libraries are (libarfuse_ring.so, libarfuse_client.so).
 
-One rule for every library, in order: the environment variable naming it; a copy next to this
-package (a wheel ships it there); a build of this checkout (build/<subdir>/ first, the directory
+One rule for every library, in order: the environment variable naming it; a copy in the
+package's _native/ folder (a wheel ships it there, under its SONAME) or next to the package; a build of this checkout (build/<subdir>/ first, the directory
 that scripts/setup and CI build, else the newest build*/<subdir>/); .devstage/bin/ (what
 scripts/gpu-stage stages on the GPU machines). None when there is none on disk, and the caller
 then tries the loader's search path by name.
@@ -19,6 +19,10 @@ def find_native_library(filename: str, env_var: str, build_subdir: str) -> Optio
     env = os.environ.get(env_var)
     if env:
         return env
+    # An installed wheel's own copy (client/python/setup.py ships it under its SONAME).
+    wheel = sorted(glob.glob(str(PKG_DIR / "_native" / (filename + "*"))))
+    if wheel:
+        return wheel[0]
     shipped = PKG_DIR / filename
     if shipped.is_file():
         return str(shipped)

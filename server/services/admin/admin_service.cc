@@ -91,15 +91,23 @@ grpc::ServerUnaryReactor* AdminService::SetBackend(grpc::CallbackServerContext* 
                                                    const v1::SetBackendRequest* req,
                                                    v1::SetBackendResponse* resp) {
   const std::string backend = req->backend();
+  std::optional<std::string> id;
+  if (req->has_collective_id()) id = req->collective_id();
   absl::Time deadline = DeadlineOf(*ctx);
   // RunBlocking checks the API version first: a client of another major gets
   // FAILED_PRECONDITION whatever backend it named.
-  return RunBlocking(ctx, [this, backend, deadline, resp]() -> absl::Status {
+  return RunBlocking(ctx, [this, backend, id, deadline, resp]() -> absl::Status {
     if (backend != "auto" && backend != "trtllm" && backend != "mnnvl" && backend != "none") {
       return absl::InvalidArgumentError(absl::StrCat("unknown backend \"", backend.substr(0, 32),
                                                      "\": expected auto, trtllm, mnnvl or none"));
     }
-    auto result = control_->SetBackend(backend, deadline);
+    if (id && (id->empty() || id->size() > 64 ||
+               id->find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                     "0123456789_-") != std::string::npos)) {
+      return absl::InvalidArgumentError(
+          "collective_id must be 1-64 characters of A-Z, a-z, 0-9, '_' and '-'");
+    }
+    auto result = control_->SetBackend(backend, id, deadline);
     if (!result.ok()) return result.status();
     *resp = *std::move(result);
     return absl::OkStatus();

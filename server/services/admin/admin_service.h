@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,9 @@ class AdminControl {
   virtual absl::StatusOr<uint32_t> Drain(absl::Duration timeout) = 0;
   // Collective: every rank is asked for the same backend. Errors leave the previous backend
   // serving.
-  virtual absl::StatusOr<v1::SetBackendResponse> SetBackend(const std::string& backend,
-                                                            absl::Time deadline) = 0;
+  virtual absl::StatusOr<v1::SetBackendResponse> SetBackend(
+      const std::string& backend, const std::optional<std::string>& collective_id,
+      absl::Time deadline) = 0;
   virtual absl::StatusOr<v1::ReinitializeResponse> Reinitialize(absl::Time deadline) = 0;
 };
 

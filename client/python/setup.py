@@ -1,0 +1,129 @@
+"""Builds the arfuse wheel: the package, its generated arfuse.v1 stubs, its version, and the
+native libraries of this checkout's build.
+
+    python3 -m pip wheel --no-deps --no-build-isolation -w dist client/python
+        (ARFUSE_BUILD_DIR=build by default; ARFUSE_NATIVE_LIBS=path:path to name them instead;
+         relative paths are the repository's)
+
+- Stubs: grpc_tools.protoc over proto/arfuse/v1 (or $ARFUSE_PROTO_DIR), written into the wheel,
+  so an installed package never generates anything at import time.
+- Version: the repository's VERSION file (the one version of every artifact), as
+  arfuse/_version.py and the wheel's metadata.
+- Native libraries: libarfuse_ring.so (the ring kernel's C ABI, built with CUDA) from the build
+  directory, with its SONAME name, into arfuse/_native/; arfuse.ring loads it from there. A wheel
+  with a native library is tagged for this platform; without one (a build without CUDA) it is
+  pure Python.
+
+Wheels are built from a checkout (the protos and VERSION live beside client/python); an sdist is
+not offered.
+"""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+NAMES = ("common", "config", "fusion", "admin", "peer")
+# The native libraries a wheel carries, by their link name in the build directory: the ones built
+# there are shipped (a build without CUDA has none). A new library is one more entry here.
+NATIVE = ("client/ring/libarfuse_ring.so", "client/instream/libarfuse_client.so")
+
+
+def version() -> str:
+    text = (REPO / "VERSION").read_text().strip()
+    if not re.fullmatch(r"\d+\.\d+\.\d+([.-]?[A-Za-z0-9.]+)?", text):
+        raise SystemExit(f"VERSION holds no version: {text!r}")
+    return text
+
+
+def native_libraries() -> list:
+    """The native libraries to ship: $ARFUSE_NATIVE_LIBS, else those of $ARFUSE_BUILD_DIR
+    (default build/), as real files (the versioned name; the loader's names are links)."""
+    # Relative paths are the repository's: pip builds with client/python as its directory.
+    named = os.environ.get("ARFUSE_NATIVE_LIBS")
+    if named is not None:
+        paths = [REPO / p for p in named.split(":") if p]
+    else:
+        build = REPO / os.environ.get("ARFUSE_BUILD_DIR", "build")
+        paths = [build / n for n in NATIVE if (build / n).exists()]
+    out = []
+    for p in paths:
+        if not p.exists():
+            raise SystemExit(f"native library {p} does not exist")
+        out.append(p.resolve())
+    return out
+
+
+def soname(path: pathlib.Path) -> str:
+    """The SONAME the loader looks for (libarfuse_ring.so.0.1), from the ELF dynamic section."""
+    try:
+        dump = subprocess.run(["objdump", "-p", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+        m = re.search(r"^\s*SONAME\s+(\S+)", dump, re.M)
+        if m:
+            return m.group(1)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return path.name
+
+
+class BuildPy(build_py):
+    def run(self):
+        super().run()
+        out = pathlib.Path(self.build_lib)
+        (out / "arfuse" / "_version.py").write_text(
+            "# Written by client/python/setup.py from the repository's VERSION file.\n"
+            f'__version__ = "{version()}"\n')
+        self._stubs(out)
+        native = out / "arfuse" / "_native"
+        shutil.rmtree(native, ignore_errors=True)
+        libs = native_libraries()
+        if libs:
+            native.mkdir(parents=True)
+            (native / "__init__.py").write_text('"""Native libraries shipped in the wheel."""\n')
+            for lib in libs:
+                # One file under the name the loader wants; the wheel format keeps no links.
+                shutil.copy2(lib, native / soname(lib))
+
+    def _stubs(self, out):
+        from grpc_tools import protoc
+        import grpc_tools
+
+        root = pathlib.Path(os.environ.get("ARFUSE_PROTO_DIR", REPO / "proto"))
+        files = [str(root / "arfuse" / "v1" / f"{n}.proto") for n in NAMES]
+        well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+        rc = protoc.main(["grpc_tools.protoc", f"-I{root}", f"-I{well_known}",
+                          f"--python_out={out}", f"--grpc_python_out={out}", *files])
+        if rc != 0:
+            raise SystemExit(f"grpc_tools.protoc failed ({rc}) on {root}")
+
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class BdistWheel(bdist_wheel):
+    """py3-none-<platform>: the native library is no CPython extension, any Python 3 loads it."""
+
+    def get_tag(self):
+        python, abi, plat = super().get_tag()
+        return ("py3", "none", plat) if plat != "any" else (python, abi, plat)
+
+
+class PlatformWhenNative(Distribution):
+    """A wheel carrying a native library is for this platform only."""
+
+    def has_ext_modules(self):
+        return bool(native_libraries())
+
+
+setup(version=version(), cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel},
+      distclass=PlatformWhenNative)
