@@ -94,6 +94,8 @@
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/mps.h"
 #include "server/gpu/nccl_comm.h"
+#include "client/cpp/instream_attach.h"
+#include "server/gpu/doorbell_dispatch.h"
 #if __has_include("client/ring/arfuse_ring.h")
 #include "client/ring/arfuse_ring.h"
 #define ARFUSE_BENCH_HAVE_RING_HEADER 1
@@ -169,8 +171,9 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
 constexpr const char* kRows[] = {
     "echo",           "eager_refused", "eager",        "eager_rpc", "eager_client_cuda",
     "eager_nowait",   "eager_sync",    "inproc",       "busy",      "busy_sm",
-    "doorbell",       "busy_idle",     "busy_sm_idle", "compute",   "layer_inproc",
-    "layer_doorbell", "layer_nccl"};
+    "doorbell",       "busy_idle",     "busy_sm_idle", "instream",  "busy_instream",
+    "busy_sm_instream", "compute",     "layer_inproc", "layer_doorbell", "layer_instream",
+    "layer_nccl"};
 
 struct RowResult {
   std::string row;
@@ -951,6 +954,63 @@ struct ClientRun {
         AddGraphRow(row, tokens, hidden, TimeGraph(ex, s, f, enqueue_busy(k), tag + "/" + row), "-",
                     "the same kernel while the doorbell plane waits for the next ring");
       }
+    }
+#if defined(ARFUSE_BENCH_HAVE_RING_HEADER)
+    // The in-stream plane needs the workspace to itself: the doorbell plan goes first.
+    if (slot != nullptr) gpu->ring.close(slot);
+    slot = nullptr;
+#endif
+    if (dplan.has_value()) c.DestroyPlan(*dplan).IgnoreError();
+    dplan.reset();
+
+    // In-stream: the sidecar's kernel, from the image it handed over at attach, launched by this
+    // process in its own stream (nothing of the sidecar resident, no RPC per op).
+    std::optional<instream::InStreamContext> is;
+    uint64_t attach_id = 0;
+    std::string inote;
+    {
+      absl::StatusOr<instream::InStreamContext> a = client::AttachInStream(c, {hidden});
+      if (!a.ok()) {
+        inote = absl::StrCat("attach: ", a.status().ToString()).substr(0, 200);
+      } else {
+        is.emplace(*std::move(a));
+        absl::StatusOr<arfuse_ctx_info> info = is->Info();
+        if (info.ok()) attach_id = info->attach_id;
+        absl::Status sup =
+            is->Supports(Pattern::kAllReduceResidualRmsNorm, tokens, hidden, DType::kBF16);
+        if (!sup.ok()) inote = std::string(sup.message()).substr(0, 200);
+      }
+    }
+    const bool is_ok = all("instream", is.has_value() && inote.empty(), inote);
+    if (!is_ok && inote.empty()) inote = "another rank could not attach";
+    auto instream_op = [&]() -> absl::Status {
+      return is->FusedAllReduceResidualRmsNorm(s, op.input, op.residual_in, op.residual_out,
+                                               op.norm_out, op.gamma, tokens, hidden, DType::kBF16,
+                                               op.eps);
+    };
+    // A row whose graph launches in-stream: failed when the attachment's error word is set.
+    auto add_instream_row = [&](const std::string& row, const std::function<absl::Status()>& enq,
+                                const std::string& note) {
+      auto t = TimeGraph(ex, s, f, enq, tag + "/" + row);
+      uint32_t code = 0;
+      if (t.ok()) {
+        absl::Status checked = is->Check(&code);
+        if (!checked.ok()) t = checked;
+      }
+      AddGraphRow(row, tokens, hidden, t, algo_name, note);
+    };
+    if (is_ok) {
+      add_instream_row("instream", instream_op,
+                       "the sidecar's kernel launched in the client's stream (attached)");
+    } else {
+      AddSkippedRow("instream", tokens, hidden, inote);
+    }
+    for (BusyKernel& k : busy_kernels) {
+      if (k.ok && is_ok) {
+        const std::string row = k.row + "_instream";
+        AddGraphRow(row, tokens, hidden, TimeGraph(ex, s, f, enqueue_busy(k), tag + "/" + row), "-",
+                    "the same kernel while attached in-stream (nothing of the sidecar resident)");
+      }
       if (k.scratch != nullptr) cudaFree(k.scratch);
     }
 
@@ -978,6 +1038,15 @@ struct ClientRun {
     } else {
       AddSkippedRow("layer_doorbell", tokens, hidden, dnote);
     }
+    if (is_ok) {
+      auto layer = [&]() -> absl::Status {
+        ARFUSE_RETURN_IF_ERROR(standin());
+        return instream_op();
+      };
+      add_instream_row("layer_instream", layer, "stand-in + in-stream fused op, one graph");
+    } else {
+      AddSkippedRow("layer_instream", tokens, hidden, inote);
+    }
     const bool nccl_ok = all("nccl", gpu->nccl != nullptr, gpu->nccl_note);
     if (nccl_ok) {
       const absl::Time far = absl::Now() + absl::Minutes(10);
@@ -1004,10 +1073,12 @@ struct ClientRun {
                     gpu->nccl_note.empty() ? "a rank has no NCCL communicator" : gpu->nccl_note);
     }
 
-#if defined(ARFUSE_BENCH_HAVE_RING_HEADER)
-    if (slot != nullptr) gpu->ring.close(slot);
-#endif
-    if (dplan.has_value()) c.DestroyPlan(*dplan).IgnoreError();
+    // The attachment ends after its launches (WaitStream) and before the next shape's eager rows.
+    if (is.has_value()) {
+      static_cast<void>(WaitStream(s, absl::Now() + absl::Seconds(60)));
+      is.reset();
+      if (attach_id != 0) c.Detach(attach_id).IgnoreError();
+    }
     return absl::OkStatus();
   }
 #endif  // ARFUSE_BENCH_CUDA
@@ -1093,9 +1164,11 @@ int ClientMain(const Flags& f) {
       wo.dtype = DType::kBF16;
       // Ranks sharing a GPU split its SMs, leaving room for every rank's ring and waiter blocks
       // (docs/doorbell.md), so every rank's grid stays co-resident.
+      // The same budget as the sidecars' own workspaces with arfused's default serving blocks
+      // (SharedGpuSmBudget), so in-process and in-stream launches have the same grids.
       if (gpu->shared) {
-        const int budget = (gpu->sms - 2 * gpu->per_gpu - 2) / gpu->per_gpu;
-        wo.sm_budget = static_cast<uint32_t>(std::max(1, budget));
+        wo.sm_budget = SharedGpuSmBudget(gpu->sms, gpu->per_gpu, true,
+                                         DoorbellServeBlocksFor(kDefaultDoorbellServeBlocks, true));
       }
       auto ws = FusionWorkspace::Create(**ex, wo, gpu->stream, absl::Now() + absl::Seconds(120));
       if (ws.ok()) {

@@ -78,7 +78,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 0: {
       v1::ResolveRequest req;
       if (!req.ParseFromArray(body, len)) return 0;
-      FusionFlags flags = FlagsFromProto(req.flags());
+      absl::StatusOr<FusionFlags> parsed = FlagsFromProto(req.flags());
+      if (!parsed.ok()) return 0;
+      const FusionFlags flags = *parsed;
       Topology topology{90, 2, 1};
       if (req.has_topology()) {
         absl::StatusOr<Topology> t = TopologyFromProto(req.topology());
@@ -87,7 +89,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       absl::StatusOr<CaptureRequest> capture = CaptureFromProto(req.capture());
       if (!capture.ok()) return 0;
-      Check(FlagsFromProto(FlagsToProto(flags)) == flags);
+      Check(*FlagsFromProto(FlagsToProto(flags)) == flags);
       Rules(flags, topology, *capture);
       break;
     }

@@ -46,7 +46,7 @@ absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
                                                      " for 'arfusectl ", command,
                                                      "' (see arfusectl ", command, " --help)"));
     }
-    if (parsed.values_.count(name)) {
+    if (parsed.values_.count(name) && !spec->last_wins) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, " given more than once"));
     }
     if (spec->kind == OptionSpec::Kind::kSwitch) {
@@ -64,6 +64,10 @@ absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
             absl::StrCat("--", name, " needs a value (--", name, " ", spec->value_hint, ")"));
       }
       value = args[++i];
+    }
+    if (spec->check) {
+      absl::Status checked = spec->check(*value);
+      if (!checked.ok()) return checked;
     }
     parsed.values_[name] = *value;
   }

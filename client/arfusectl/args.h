@@ -1,8 +1,10 @@
 // A small argv parser for arfusectl: long options with hyphens, as the serving frameworks spell
 // them (abseil flags cannot), "--name value" or "--name=value", boolean switches "--name" or
-// "--name=true|false". No positional arguments; each option at most once.
+// "--name=true|false". No positional arguments. An option given twice is an error, except the
+// serving frameworks' fusion flags, which take the last value as argparse does.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -18,6 +20,12 @@ struct OptionSpec {
   Kind kind = Kind::kValue;
   std::string value_hint;  // "N", "B", "true|false"; empty for switches
   std::string help;
+  // Given twice: the last value wins (argparse's rule, for the frameworks' own flags) instead
+  // of an error.
+  bool last_wins = false;
+  // Checks every occurrence's value as it is parsed, as argparse checks each against its
+  // choices (so an earlier bad value is refused even when a later one is good). Optional.
+  std::function<absl::Status(const std::string&)> check = nullptr;
 };
 
 class ParsedArgs {
@@ -34,7 +42,8 @@ class ParsedArgs {
 };
 
 // `command` names the subcommand in messages. INVALID_ARGUMENT, one line, for an unknown option,
-// a missing value, a repeated option, a positional argument or a switch given a non-boolean value.
+// a missing value, a repeated option (unless last_wins), a positional argument, a switch given
+// a non-boolean value, or a value its spec's check refuses (that check's message).
 absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
                                      const std::vector<OptionSpec>& specs,
                                      const std::vector<std::string>& args);

@@ -130,23 +130,50 @@ absl::StatusOr<Remote> OpenRemote(const ParsedArgs& args) {
 
 // ---- resolve ----
 
+// Checks a value with one of the library's parsers (for OptionSpec::check).
+template <typename Parse>
+std::function<absl::Status(const std::string&)> Checked(Parse parse) {
+  return [parse](const std::string& text) { return parse(text).status(); };
+}
+
+// The serving frameworks' own flags take the last value when repeated, each value checked as it
+// comes (argparse); arfusectl's own options stay single.
 const std::vector<OptionSpec>& ResolveOptions() {
   static const std::vector<OptionSpec> options = {
       {"sm", Kind::kValue, "<major><minor>", "compute capability, e.g. 90 or 100"},
-      {"nnodes", Kind::kValue, "N", "nodes in the group"},
+      {"nnodes", Kind::kValue, "N", "nodes in the group (at most --tp)"},
       {"tp", Kind::kValue, "N", "tensor-parallel size"},
       {"flashinfer-allreduce-fusion-backend", Kind::kValue, "auto|trtllm|mnnvl",
-       "backend; unset means off (subject to auto-enable)"},
+       "backend; unset means off (subject to auto-enable)", true,
+       Checked(config::ParseBackendFlag)},
       {"enable-flashinfer-allreduce-fusion", Kind::kSwitch, "",
-       "deprecated: same as --flashinfer-allreduce-fusion-backend=auto"},
-      {"enforce-disable-flashinfer-allreduce-fusion", Kind::kSwitch, "", "fusion off, always"},
-      {"enable-deterministic-inference", Kind::kSwitch, "", "clears the backend"},
+       "deprecated: same as --flashinfer-allreduce-fusion-backend=auto", true},
+      {"enforce-disable-flashinfer-allreduce-fusion", Kind::kSwitch, "", "fusion off, always",
+       true},
+      {"enable-deterministic-inference", Kind::kSwitch, "", "clears the backend", true},
+      {"fusion-rules", Kind::kValue, "sglang-23402|sglang-29063",
+       "the upstream rules to follow (default sglang-23402; with --addr: the server's)", true,
+       Checked(config::ParseRuleSet)},
+      {"model-architecture", Kind::kValue, "NAME",
+       "the model's config.json architecture, e.g. DeepseekV3ForCausalLM (for auto-enable)", true,
+       Checked(config::ParseModelArchitecture)},
+      {"enable-dp-attention", Kind::kSwitch, "", "DP attention: no fusion, no auto-enable", true},
+      {"moe-a2a-backend", Kind::kValue, "none|deepep|...",
+       "MoE all-to-all backend (default none; auto-enable needs none)", true,
+       Checked(config::ParseMoeA2aBackend)},
       {"cuda-graph-mode", Kind::kValue, "none|piecewise|full",
-       "the CUDA-graph mode wanted (default none)"},
+       "the CUDA-graph mode wanted for every phase (default none)"},
+      {"prefill-cuda-graph-mode", Kind::kValue, "none|piecewise|full",
+       "the mode wanted for prefill/extend (default: --cuda-graph-mode)"},
+      {"decode-cuda-graph-mode", Kind::kValue, "none|piecewise|full",
+       "the mode wanted for decode (default: --cuda-graph-mode)"},
       {"fused-op-in-graph", Kind::kValue, "true|false",
-       "want the fused op inside the graphs (default: true unless the mode is none)"},
+       "want the fused op inside the graphs (default: true unless every mode is none)"},
       {"mnnvl-capture-safe", Kind::kValue, "true|false",
-       "whether mnnvl kernels are capture-safe (default true)"},
+       "whether mnnvl kernels are capture-safe (default true)", true,
+       [](const std::string& text) {
+         return config::ParseBool(config::kFlagMnnvlCaptureSafe, text).status();
+       }},
       kJsonOption,
       {"addr", Kind::kValue, "ADDR", "ask a running arfused instead of computing locally"},
       kTimeoutOption,
@@ -156,20 +183,41 @@ const std::vector<OptionSpec>& ResolveOptions() {
 
 struct ResolveInput {
   config::FusionFlags flags;
+  // --fusion-rules given; a remote Resolve without it takes the server's rule set.
+  bool rules_given = false;
   std::optional<config::Topology> topology;  // unset: the server's own (--addr only)
   config::CaptureRequest capture;
 };
 
+// Parses an option's value with one of the library's parsers when the option is given.
+template <typename T, typename Parse>
+absl::Status ReadOption(const ParsedArgs& args, const char* name, Parse parse, T* out) {
+  std::optional<std::string> text = args.Get(name);
+  if (!text) return absl::OkStatus();
+  auto value = parse(*text);
+  if (!value.ok()) return value.status();
+  *out = *std::move(value);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ResolveInput> ReadResolveInput(const ParsedArgs& args, bool remote) {
   ResolveInput in;
-  if (auto b = args.Get("flashinfer-allreduce-fusion-backend")) {
-    absl::StatusOr<std::string> backend = config::ParseBackendFlag(*b);
-    if (!backend.ok()) return backend.status();
-    in.flags.backend = *backend;
+  absl::Status st = ReadOption(args, "flashinfer-allreduce-fusion-backend",
+                               config::ParseBackendFlag, &in.flags.backend);
+  if (st.ok()) st = ReadOption(args, "fusion-rules", config::ParseRuleSet, &in.flags.rules);
+  if (st.ok()) {
+    st = ReadOption(args, "model-architecture", config::ParseModelArchitecture,
+                    &in.flags.model_architecture);
   }
+  if (st.ok()) {
+    st = ReadOption(args, "moe-a2a-backend", config::ParseMoeA2aBackend, &in.flags.moe_a2a_backend);
+  }
+  if (!st.ok()) return st;
+  in.rules_given = args.Has("fusion-rules");
   in.flags.enable_deprecated = args.Switch("enable-flashinfer-allreduce-fusion");
   in.flags.enforce_disable = args.Switch("enforce-disable-flashinfer-allreduce-fusion");
   in.flags.deterministic = args.Switch("enable-deterministic-inference");
+  in.flags.dp_attention = args.Switch("enable-dp-attention");
 
   const int given = args.Has("sm") + args.Has("tp") + args.Has("nnodes");
   if (given > 0 || !remote) {
@@ -195,13 +243,23 @@ absl::StatusOr<ResolveInput> ReadResolveInput(const ParsedArgs& args, bool remot
     in.topology = t;
   }
 
-  if (auto m = args.Get("cuda-graph-mode")) {
-    absl::StatusOr<config::CudaGraphMode> mode = config::ParseCudaGraphMode(*m);
-    if (!mode.ok()) return mode.status();
-    in.capture.mode = *mode;
+  auto mode_parser = [](const char* flag) {
+    return [flag](const std::string& text) { return config::ParseCudaGraphMode(text, flag); };
+  };
+  st = ReadOption(args, "cuda-graph-mode", mode_parser("--cuda-graph-mode"), &in.capture.mode);
+  if (st.ok()) {
+    st = ReadOption(args, "prefill-cuda-graph-mode", mode_parser("--prefill-cuda-graph-mode"),
+                    &in.capture.prefill_mode);
   }
+  if (st.ok()) {
+    st = ReadOption(args, "decode-cuda-graph-mode", mode_parser("--decode-cuda-graph-mode"),
+                    &in.capture.decode_mode);
+  }
+  if (!st.ok()) return st;
   // A client that captures graphs normally wants the fused op inside them (the doorbell plane).
-  in.capture.fused_op_in_graph = in.capture.mode != config::CudaGraphMode::kNone;
+  in.capture.fused_op_in_graph =
+      in.capture.ModeOf(config::Phase::kPrefill) != config::CudaGraphMode::kNone ||
+      in.capture.ModeOf(config::Phase::kDecode) != config::CudaGraphMode::kNone;
   if (auto v = args.Get("fused-op-in-graph")) {
     absl::StatusOr<bool> b = config::ParseBool("--fused-op-in-graph", *v);
     if (!b.ok()) return b.status();
@@ -233,6 +291,7 @@ int RunResolve(const ParsedArgs& args, Io& io) {
     // Flags and capture always travel as given (so remote and local answers agree); only the
     // topology may be left to the server.
     *request.mutable_flags() = config::FlagsToProto(in->flags);
+    if (!in->rules_given) request.mutable_flags()->clear_fusion_rules();
     *request.mutable_capture() = config::CaptureToProto(in->capture);
     if (in->topology) *request.mutable_topology() = config::TopologyToProto(*in->topology);
     v1::ResolveResponse response;
@@ -325,7 +384,8 @@ std::string StateText(v1::WorkspaceState state) {
 int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
   const Remote* server = &remote;
   v1::NegotiateRequest negotiate;
-  if (args.Has("cuda-graph-mode") || args.Has("fused-op-in-graph") ||
+  if (args.Has("cuda-graph-mode") || args.Has("prefill-cuda-graph-mode") ||
+      args.Has("decode-cuda-graph-mode") || args.Has("fused-op-in-graph") ||
       args.Has("mnnvl-capture-safe")) {
     absl::StatusOr<ResolveInput> in = ReadResolveInput(args, /*remote=*/true);
     if (!in.ok()) return Usage(io, std::string(in.status().message()));
@@ -399,8 +459,15 @@ int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
     o << "\n";
     if (decision) {
       o << "  negotiation: cuda_graph_mode " << config::CudaGraphModeName(decision->cuda_graph_mode)
-        << ", data plane " << config::DataPlaneName(decision->data_plane) << "\n";
+        << ", data plane " << config::DataPlaneName(decision->data_plane) << " (prefill "
+        << config::CudaGraphModeName(decision->prefill.mode) << "/"
+        << config::DataPlaneName(decision->prefill.data_plane) << ", decode "
+        << config::CudaGraphModeName(decision->decode.mode) << "/"
+        << config::DataPlaneName(decision->decode.data_plane) << "), rules "
+        << config::RuleSetName(decision->rules) << ", max " << decision->max_tokens_per_batch
+        << " tokens per batch\n";
       for (const std::string& w : decision->warnings) o << "    warning: " << w << "\n";
+      for (const std::string& n : decision->notices) o << "    notice: " << n << "\n";
       for (const std::string& r : decision->reasons) o << "    reason: " << r << "\n";
     } else {
       o << "  negotiation: not available\n";
@@ -763,6 +830,10 @@ const std::vector<Command>& Commands() {
             kJsonOption,
             kTimeoutOption,
             {"cuda-graph-mode", Kind::kValue, "none|piecewise|full", "negotiate for this mode"},
+            {"prefill-cuda-graph-mode", Kind::kValue, "none|piecewise|full",
+             "negotiate for this prefill/extend mode"},
+            {"decode-cuda-graph-mode", Kind::kValue, "none|piecewise|full",
+             "negotiate for this decode mode"},
             {"fused-op-in-graph", Kind::kValue, "true|false", "negotiate with the op in graphs"},
             {"mnnvl-capture-safe", Kind::kValue, "true|false",
              "negotiate as if capture-(un)safe"}}),

@@ -241,6 +241,31 @@ absl::StatusOr<ExecResult> Client::ExecuteOp(const OpDesc& op, uint32_t num_toke
   return DoExecute(req, options);
 }
 
+bool IsFusionUnavailableForOp(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kOutOfRange;
+}
+
+namespace {
+
+absl::StatusOr<std::optional<ExecResult>> UnlessUnavailable(absl::StatusOr<ExecResult> result) {
+  if (result.ok()) return std::optional<ExecResult>(*std::move(result));
+  if (IsFusionUnavailableForOp(result.status())) return std::optional<ExecResult>();
+  return result.status();
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<ExecResult>> Client::TryExecute(const Plan& plan, uint32_t num_tokens,
+                                                             const ExecOptions& options) {
+  return UnlessUnavailable(Execute(plan, num_tokens, options));
+}
+
+absl::StatusOr<std::optional<ExecResult>> Client::TryExecuteOp(const OpDesc& op,
+                                                               uint32_t num_tokens,
+                                                               const ExecOptions& options) {
+  return UnlessUnavailable(ExecuteOp(op, num_tokens, options));
+}
+
 absl::StatusOr<v1::GetWorkspaceInfoResponse> Client::GetWorkspaceInfo() {
   v1::GetWorkspaceInfoRequest req;
   v1::GetWorkspaceInfoResponse resp;

@@ -105,6 +105,12 @@ struct ExecResult {
   uint64_t workspace_generation = 0;
 };
 
+// True when the sidecar refused an op because the fused path cannot run it (larger than the
+// workspace, another dtype): OUT_OF_RANGE, with a message starting "fusion unavailable for this
+// op: ". Nothing ran on any rank; the framework's own path takes the op, as FlashInfer's callers
+// fall back when its fused op returns nothing (docs/config.md, "Fallback honesty").
+bool IsFusionUnavailableForOp(const absl::Status& status);
+
 class Client {
  public:
   // Connects and opens the session. UNAVAILABLE when nothing answers within connect_timeout.
@@ -131,6 +137,12 @@ class Client {
                                      const ExecOptions& options = {});
   absl::StatusOr<ExecResult> ExecuteOp(const OpDesc& op, uint32_t num_tokens,
                                        const ExecOptions& options = {});
+  // Execute / ExecuteOp for callers with a path of their own: nullopt when the fused path is
+  // unavailable for this op (IsFusionUnavailableForOp), other errors as they came.
+  absl::StatusOr<std::optional<ExecResult>> TryExecute(const Plan& plan, uint32_t num_tokens,
+                                                       const ExecOptions& options = {});
+  absl::StatusOr<std::optional<ExecResult>> TryExecuteOp(const OpDesc& op, uint32_t num_tokens,
+                                                         const ExecOptions& options = {});
 
   absl::StatusOr<v1::GetWorkspaceInfoResponse> GetWorkspaceInfo();
 

@@ -1,10 +1,12 @@
-// The config rules (design.md §4, issue 3): deprecated-flag migration, backend resolution,
-// feasibility, capture-mode negotiation and the cross-rank consensus. Plain structs and pure,
-// deterministic functions: no gRPC, no CUDA, no protobuf. Every rank runs the same code on the
-// same inputs and must reach the same answer, so nothing here reads the clock, the environment
-// or the GPU.
+// The config rules (design.md §4, issues 3 and 27): deprecated-flag migration, auto-enable,
+// backend resolution under a named upstream rule set, the serving framework's runtime gate,
+// feasibility, per-phase capture-mode negotiation and the cross-rank consensus. Plain structs and
+// pure, deterministic functions: no gRPC, no CUDA, no protobuf, no logging. Every rank runs the
+// same code on the same inputs and must reach the same answer, so nothing here reads the clock,
+// the environment or the GPU. docs/config.md has the table of inputs and outcomes.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,12 +16,12 @@
 
 namespace arfuse::config {
 
-// Requested backend values (the flag's choices) and resolved backend names.
 // Bounds of an SM version (major * 10 + minor) that catch typos ("9" for 90, "1000") without
 // rejecting future architectures; the daemon's --sm and the config rules use both.
 inline constexpr int kMinSm = 10;
 inline constexpr int kMaxSm = 999;
 
+// Requested backend values (the flag's choices) and resolved backend names.
 inline constexpr char kBackendAuto[] = "auto";
 inline constexpr char kBackendTrtllm[] = "trtllm";
 inline constexpr char kBackendMnnvl[] = "mnnvl";
@@ -30,7 +32,35 @@ inline constexpr char kFlagBackend[] = "--flashinfer-allreduce-fusion-backend";
 inline constexpr char kFlagDeprecatedEnable[] = "--enable-flashinfer-allreduce-fusion";
 inline constexpr char kFlagEnforceDisable[] = "--enforce-disable-flashinfer-allreduce-fusion";
 inline constexpr char kFlagDeterministic[] = "--enable-deterministic-inference";
+inline constexpr char kFlagDpAttention[] = "--enable-dp-attention";
+inline constexpr char kFlagMoeA2aBackend[] = "--moe-a2a-backend";
+// arfuse's own (SGLang reads the architecture from the model's config.json).
+inline constexpr char kFlagModelArchitecture[] = "--model-architecture";
+inline constexpr char kFlagFusionRules[] = "--fusion-rules";
 inline constexpr char kFlagMnnvlCaptureSafe[] = "--mnnvl-capture-safe";
+
+// Upstream's per-batch limit of the fused path: the communicator's runtime gate
+// (apply_flashinfer_allreduce_fusion) fuses only batches of 1..FUSE_ALLREDUCE_MAX_BATCH_SIZE
+// tokens; larger batches run the framework's own allreduce and norm.
+inline constexpr uint32_t kFuseAllreduceMaxBatchSize = 2048;
+
+// Which upstream rules the decision follows (--fusion-rules).
+enum class RuleSet {
+  // SGLang PR #23402 (merged 2026-06-15): auto is mnnvl wherever mnnvl is supported, else trtllm;
+  // an unsupported explicit mnnvl falls back to trtllm; auto-enable only on the SM100 family.
+  kSglang23402,
+  // SGLang #28789 and #29063 (eight days later): SM90 one node resolves auto to trtllm and is
+  // auto-enabled again; five configurations stop the server with a ValueError.
+  kSglang29063,
+};
+inline constexpr RuleSet kDefaultRuleSet = RuleSet::kSglang23402;
+const char* RuleSetName(RuleSet rules);  // "sglang-23402", "sglang-29063"
+absl::StatusOr<RuleSet> ParseRuleSet(const std::string& text);
+
+// --moe-a2a-backend's choices, as SGLang's MOE_A2A_BACKEND_CHOICES lists them.
+const std::vector<std::string>& MoeA2aBackendChoices();
+// The model architectures upstream auto-enables fusion for (hf_config.architectures[0]).
+const std::vector<std::string>& AutoEnableArchitectures(RuleSet rules);
 
 struct FusionFlags {
   // --flashinfer-allreduce-fusion-backend: "auto", "trtllm" or "mnnvl"; unset means off
@@ -42,6 +72,15 @@ struct FusionFlags {
   bool enforce_disable = false;
   // --enable-deterministic-inference.
   bool deterministic = false;
+  // --fusion-rules.
+  RuleSet rules = kDefaultRuleSet;
+  // --model-architecture: the model's hf_config.architectures[0]; empty: not known (then nothing
+  // is auto-enabled, as no architecture is on the allowlist).
+  std::string model_architecture;
+  // --enable-dp-attention.
+  bool dp_attention = false;
+  // --moe-a2a-backend: one of MoeA2aBackendChoices().
+  std::string moe_a2a_backend = "none";
 
   bool operator==(const FusionFlags&) const = default;
 };
@@ -51,6 +90,7 @@ struct Topology {
   int sm = 0;
   // Tensor-parallel size: ranks in the group.
   int tp = 0;
+  // Nodes the group spans; at most tp.
   int nnodes = 0;
 
   bool operator==(const Topology&) const = default;
@@ -59,7 +99,13 @@ struct Topology {
 enum class CudaGraphMode { kNone, kPiecewise, kFull };
 enum class DataPlane { kEager, kDoorbell, kInStream };
 
+// The serving frameworks capture two kinds of CUDA graphs: piecewise graphs of the prefill/extend
+// forward (SGLang's --enable-piecewise-cuda-graph) and graphs of the decode forward.
+enum class Phase { kPrefill, kDecode };
+const char* PhaseName(Phase phase);  // "prefill", "decode"
+
 struct CaptureRequest {
+  // The mode for every phase (the field old clients send).
   CudaGraphMode mode = CudaGraphMode::kNone;
   // Whether the client wants the fused op inside its CUDA graphs.
   bool fused_op_in_graph = false;
@@ -69,19 +115,42 @@ struct CaptureRequest {
   bool client_loads_kernels = false;
   // Fused-op call sites the client will plan; 0 = not said.
   uint32_t call_sites = 0;
+  // Per phase; unset: `mode`.
+  std::optional<CudaGraphMode> prefill_mode = std::nullopt;
+  std::optional<CudaGraphMode> decode_mode = std::nullopt;
 
   bool operator==(const CaptureRequest&) const = default;
+  CudaGraphMode ModeOf(Phase phase) const;
+};
+
+struct PhaseCapture {
+  CudaGraphMode mode = CudaGraphMode::kNone;
+  DataPlane data_plane = DataPlane::kEager;
+
+  bool operator==(const PhaseCapture&) const = default;
 };
 
 struct Decision {
-  // "trtllm", "mnnvl" or "none". Feasibility never renames it (trtllm across nodes stays
-  // "trtllm" with fusion_enabled false); the consensus turns a disagreeing group to "none".
+  // "trtllm", "mnnvl" or "none". Neither feasibility nor the runtime gate renames it (trtllm
+  // across nodes stays "trtllm" with fusion_enabled false, as the frameworks' tests check the
+  // name); the consensus turns a disagreeing group to "none".
   std::string backend = kBackendNone;
   bool fusion_enabled = false;
-  // The CUDA-graph mode the client may use (filled by Negotiate).
+  // The rule set the decision was made under.
+  RuleSet rules = kDefaultRuleSet;
+  // The largest batch (tokens) the fused path takes; larger batches run the framework's own
+  // path. 0 when fusion is off.
+  uint32_t max_tokens_per_batch = 0;
+  // The CUDA-graph mode and data plane per phase (filled by Negotiate).
+  PhaseCapture prefill;
+  PhaseCapture decode;
+  // For clients that know one mode: the phase with the lower mode (prefill on a tie), so that
+  // the answer is safe for every phase.
   CudaGraphMode cuda_graph_mode = CudaGraphMode::kNone;
   DataPlane data_plane = DataPlane::kEager;
   std::vector<std::string> warnings;
+  // Lines a framework logs at INFO once per process (upstream's mnnvl-to-trtllm fallback).
+  std::vector<std::string> notices;
   std::vector<std::string> reasons;
 
   bool operator==(const Decision&) const = default;
@@ -102,15 +171,22 @@ struct NegotiationEnvironment {
   // Whether a client that loads kernels can attach (the engine can hand out its workspace).
   bool instream_available = true;
   std::string instream_unavailable_reason;
+  // The workspace's capacity in tokens; 0: not known. Caps max_tokens_per_batch.
+  uint32_t workspace_max_tokens = 0;
 };
 
 // ---- Names and parsing (INVALID_ARGUMENT with a message naming the flag and the bad value). ----
 
 const char* CudaGraphModeName(CudaGraphMode mode);  // "none", "piecewise", "full"
 const char* DataPlaneName(DataPlane plane);         // "eager", "doorbell", "instream"
-absl::StatusOr<CudaGraphMode> ParseCudaGraphMode(const std::string& text);
+absl::StatusOr<CudaGraphMode> ParseCudaGraphMode(const std::string& text,
+                                                 const std::string& flag = "--cuda-graph-mode");
 // "auto", "trtllm" or "mnnvl", exactly (the frameworks' choices are case-sensitive).
 absl::StatusOr<std::string> ParseBackendFlag(const std::string& text);
+// One of MoeA2aBackendChoices(), exactly.
+absl::StatusOr<std::string> ParseMoeA2aBackend(const std::string& text);
+// A Python class name (letters, digits, '_', not starting with a digit), 1..128 characters.
+absl::StatusOr<std::string> ParseModelArchitecture(const std::string& text);
 // Compute capability as <major><minor> digits ("90", "100", "103").
 absl::StatusOr<int> ParseSm(const std::string& text);
 // A decimal integer >= 1; `flag` names it in the message ("--tp").
@@ -118,15 +194,17 @@ absl::StatusOr<int> ParsePositiveInt(const std::string& flag, const std::string&
 // "true"/"false" (also "1"/"0").
 absl::StatusOr<bool> ParseBool(const std::string& flag, const std::string& text);
 
+// INVALID_ARGUMENT for an sm outside kMinSm..kMaxSm, tp or nnodes below 1, or more nodes than
+// ranks (the message names both numbers).
 absl::Status ValidateTopology(const Topology& topology);
 absl::Status ValidateFlags(const FusionFlags& flags);
 
 // The fusion flags of a command line, as the serving frameworks spell them (hyphenated; abseil
 // flags cannot). ExtractFusionArgs removes them from `args` and leaves every other argument, in
-// order, for the program's own parser (arfused runs it before absl::ParseCommandLine). Accepts
-// "--flag value" and "--flag=value" for valued flags, "--switch" and "--switch=true|false" for
-// switches; stops at "--". INVALID_ARGUMENT naming the flag for a bad or missing value or a flag
-// given twice.
+// order, for the program's own parser. Accepts "--flag value" and "--flag=value" for valued
+// flags, "--switch" and "--switch=true|false" for switches; stops at "--". A flag given twice
+// takes the last value (argparse's rule). INVALID_ARGUMENT naming the flag for a bad or missing
+// value.
 struct FusionArgs {
   FusionFlags flags;
   // --mnnvl-capture-safe[=true|false]: the ops override; unset means ours are capture-safe.
@@ -136,9 +214,10 @@ absl::StatusOr<FusionArgs> ExtractFusionArgs(std::vector<std::string>& args);
 
 // ---- The rules. ----
 
-// True for the SM100 family (compute capability 10.x: SM100, SM103).
+// True for the SM100 family (compute capability 10.x: SM100, SM103): upstream's
+// is_sm100_supported().
 bool IsSm100Family(int sm);
-// Where our mnnvl backend is supported: the SM100 family, or SM90 within one node.
+// Upstream's _mnnvl_supported: the SM100 family, or SM90 within one node.
 bool MnnvlSupported(int sm, int nnodes);
 
 struct MigratedFlags {
@@ -146,18 +225,21 @@ struct MigratedFlags {
   std::vector<std::string> warnings;
 };
 
-// Rule 1 (and the enforce-disable override), applied to flags alone: the deprecated flag maps to
-// "auto" only when the backend is unset, and is always cleared; enforce-disable clears the
-// backend. Idempotent: migrating migrated flags changes nothing and warns nothing. arfused applies
-// this to its own flags at startup and logs the warnings.
+// Upstream's _handle_deprecated_args (and the enforce-disable override), applied to flags alone:
+// the deprecated flag maps to "auto" with upstream's warning only when the backend is unset (an
+// explicit backend wins silently), and is always cleared; enforce-disable clears the backend.
+// Idempotent: migrating migrated flags changes nothing and warns nothing. arfused applies this
+// to its own flags at startup and logs the warnings.
 MigratedFlags MigrateFlags(const FusionFlags& flags);
 
-// Migration, resolution of the backend name, auto-enable, deterministic/enforce-disable, and
-// feasibility. The result's cuda_graph_mode/data_plane are the defaults until Negotiate fills
-// them. INVALID_ARGUMENT for an invalid topology or backend value.
+// Migration, auto-enable, the overrides (enforce-disable, deterministic inference), resolution
+// of the backend name under flags.rules, the runtime gate and feasibility. The result's capture
+// fields are the defaults until Negotiate fills them. INVALID_ARGUMENT for an invalid topology or
+// flag value, and (sglang-29063) for the configurations upstream stops the server for, with
+// upstream's ValueError text.
 absl::StatusOr<Decision> ResolveBackend(const FusionFlags& flags, const Topology& topology);
 
-// Capture-mode negotiation for a resolved decision (appends reasons and warnings).
+// Capture-mode negotiation for a resolved decision, per phase (appends reasons and warnings).
 Decision Negotiate(const Decision& resolved, const CaptureRequest& capture,
                    const NegotiationEnvironment& environment = {});
 
@@ -181,19 +263,22 @@ struct RankReport {
   bool operator==(const RankReport&) const = default;
 };
 
-// One decision for the whole group: rank 0's when every rank has the same migrated flags, the
-// same topology and the same backend/fusion_enabled and none failed; otherwise backend "none",
-// fusion off, with a "rank N: ..." reason for every rank that differs from rank 0 or failed.
-// Mode and data plane are rank 0's; callers negotiate again for a client. INVALID_ARGUMENT when
-// the reports are not exactly ranks 0..n-1, once each.
+// One decision for the group: rank 0's when every rank has the same migrated flags, the same
+// topology and the same backend/fusion_enabled and none failed; otherwise backend "none", fusion
+// off, with a "rank N: ..." reason for every rank that differs from rank 0 or failed. Capture
+// fields are rank 0's; callers negotiate again for a client. INVALID_ARGUMENT when the reports
+// are not exactly ranks 0..n-1, once each.
 absl::StatusOr<Decision> Consensus(const std::vector<RankReport>& reports);
 
 // A RankReport as text, for Exchange::Allgather payloads (one "key=value" line per field, values
-// C-escaped). Decode returns INVALID_ARGUMENT for malformed or unknown-version input.
+// C-escaped, version line "arfuse-rank-report-v2"). Decode also reads v1 reports (their new
+// fields take the defaults) and returns INVALID_ARGUMENT for malformed or unknown input.
 std::string EncodeRankReport(const RankReport& report);
 absl::StatusOr<RankReport> DecodeRankReport(const std::string& text);
 
-// One JSON object: backend, fusion_enabled, cuda_graph_mode, data_plane, warnings, reasons.
+// One JSON object: backend, fusion_enabled, cuda_graph_mode, data_plane (the one-mode answer),
+// prefill and decode ({cuda_graph_mode, data_plane}), max_tokens_per_batch, fusion_rules,
+// warnings, notices, reasons.
 std::string DecisionToJson(const Decision& decision);
 
 }  // namespace arfuse::config

@@ -39,7 +39,9 @@ ABSL_FLAG(int, rank, 0, "This sidecar's rank in the tensor-parallel group (0-bas
 ABSL_FLAG(int, gpu, -1,
           "CUDA device index of this rank; -1 picks rank % visible GPUs (ranks share GPUs when "
           "there are fewer GPUs than ranks; run MPS then).");
-ABSL_FLAG(int, world_size, 1, "Ranks in the tensor-parallel group (tp size), 1..16.");
+ABSL_FLAG(int, world_size, 1,
+          "Ranks in the tensor-parallel group (tp size), 1..16: the fused kernels hold 16 peer "
+          "workspaces (docs/config.md, world sizes 32 and 64).");
 ABSL_FLAG(int, nnodes, 1, "Nodes the group spans.");
 ABSL_FLAG(std::string, peer_dir, "",
           "Directory where the sidecars of one node meet (Unix sockets, file-descriptor passing). "
@@ -58,7 +60,9 @@ ABSL_FLAG(double, peer_heartbeat_timeout, 5,
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
 ABSL_FLAG(std::optional<std::string>, flashinfer_allreduce_fusion_backend, std::nullopt,
           "Fused-allreduce backend: auto, trtllm or mnnvl (SGLang's flag). Unset: off, unless "
-          "auto-enabled (SM100 family with world size > 1).");
+          "auto-enabled (--model-architecture on the allowlist, world size > 1, no DP attention, "
+          "--moe-a2a-backend=none; the SM100 family under sglang-23402, SM90 too under "
+          "sglang-29063). Given twice, the last value wins.");
 ABSL_FLAG(bool, enable_flashinfer_allreduce_fusion, false,
           "Deprecated: use --flashinfer-allreduce-fusion-backend=auto. Maps to auto when the "
           "backend is unset.");
@@ -66,6 +70,20 @@ ABSL_FLAG(bool, enforce_disable_flashinfer_allreduce_fusion, false,
           "Turns fusion off whatever else is given (the unfused path runs).");
 ABSL_FLAG(bool, enable_deterministic_inference, false,
           "Deterministic inference: clears the backend, the unfused path always runs.");
+ABSL_FLAG(std::string, fusion_rules, "sglang-23402",
+          "The upstream rules the config follows: sglang-23402 (SGLang PR #23402) or sglang-29063 "
+          "(today's SGLang, #28789 and #29063: SM90 one node resolves auto to trtllm, and five "
+          "configurations are refused at startup as SGLang refuses them). docs/config.md.");
+ABSL_FLAG(std::string, model_architecture, "",
+          "The served model's architecture as its config.json names it (e.g. "
+          "DeepseekV3ForCausalLM); fusion is auto-enabled only for allowlisted architectures. "
+          "Empty: unknown, nothing is auto-enabled.");
+ABSL_FLAG(bool, enable_dp_attention, false,
+          "The framework runs DP attention (SGLang's flag): fusion is refused, as SGLang's runtime "
+          "gate refuses it, and nothing is auto-enabled.");
+ABSL_FLAG(std::string, moe_a2a_backend, "none",
+          "The framework's MoE all-to-all backend (SGLang's flag: none, deepep, mooncake, ...); "
+          "auto-enable needs none.");
 ABSL_FLAG(std::optional<int>, sm, std::nullopt,
           "Compute capability as major*10+minor (90, 100, ...); overrides the GPU's (tests, CPU "
           "machines).");
@@ -142,6 +160,10 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "enable_flashinfer_allreduce_fusion",
                                                  "enforce_disable_flashinfer_allreduce_fusion",
                                                  "enable_deterministic_inference",
+                                                 "fusion_rules",
+                                                 "model_architecture",
+                                                 "enable_dp_attention",
+                                                 "moe_a2a_backend",
                                                  "sm",
                                                  "cuda_graph_mode",
                                                  "mnnvl_capture_safe",
@@ -380,13 +402,30 @@ absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
                                                  absl::StrJoin(allowed, ", ")));
 }
 
+// The serving frameworks' choice flags: argparse checks every occurrence against the choices
+// (the last one wins), so an earlier bad value is refused even when a later one is good.
+absl::Status CheckFrameworkFlagOccurrence(const CliFlag& flag) {
+  const std::string& v = *flag.value;
+  if (flag.name == "flashinfer_allreduce_fusion_backend") {
+    return CheckOneOf("flashinfer-allreduce-fusion-backend", v, {"auto", "trtllm", "mnnvl"});
+  }
+  if (flag.name == "fusion_rules") return config::ParseRuleSet(v).status();
+  if (flag.name == "model_architecture" && !v.empty()) {
+    return config::ParseModelArchitecture(v).status();
+  }
+  if (flag.name == "moe_a2a_backend") return config::ParseMoeA2aBackend(v).status();
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const DaemonOptions& o) {
   if (!o.device.empty()) ARFUSE_RETURN_IF_ERROR(CheckOneOf("device", o.device, {"cuda", "host"}));
   // The workspace holds one slot per rank up to kMaxWorldSize; a larger group would start and
   // never become ready (the peer exchange refuses it), so it is refused here, at startup.
   if (o.world_size < 1 || o.world_size > kMaxWorldSize) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--world-size must be between 1 and ", kMaxWorldSize, ", got ", o.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--world-size must be between 1 and ", kMaxWorldSize, ", got ", o.world_size,
+        " (the fused kernels hold ", kMaxWorldSize,
+        " peer workspaces; a larger group runs the framework's own path: docs/config.md)"));
   }
   if (o.rank < 0 || o.rank >= o.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--rank must be in [0, ", o.world_size,
@@ -418,6 +457,11 @@ absl::Status Validate(const DaemonOptions& o) {
     ARFUSE_RETURN_IF_ERROR(CheckOneOf("flashinfer-allreduce-fusion-backend", *o.fusion_backend,
                                       {"auto", "trtllm", "mnnvl"}));
   }
+  ARFUSE_RETURN_IF_ERROR(config::ParseRuleSet(o.fusion_rules).status());
+  if (!o.model_architecture.empty()) {
+    ARFUSE_RETURN_IF_ERROR(config::ParseModelArchitecture(o.model_architecture).status());
+  }
+  ARFUSE_RETURN_IF_ERROR(config::ParseMoeA2aBackend(o.moe_a2a_backend).status());
   ARFUSE_RETURN_IF_ERROR(
       CheckOneOf("cuda-graph-mode", o.cuda_graph_mode, {"none", "piecewise", "full"}));
   ARFUSE_RETURN_IF_ERROR(CheckOneOf("dtype", o.dtype, {"bf16", "fp16", "fp32"}));
@@ -511,6 +555,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   }
   ARFUSE_RETURN_IF_ERROR(ApplyEnvironment(sources));
   for (const auto& f : cli) {
+    ARFUSE_RETURN_IF_ERROR(CheckFrameworkFlagOccurrence(f));
     ARFUSE_RETURN_IF_ERROR(SetFlag(f.name, *f.value, "command line", sources, "cli"));
   }
 
@@ -534,6 +579,10 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.enable_flashinfer_allreduce_fusion = absl::GetFlag(FLAGS_enable_flashinfer_allreduce_fusion);
   o.enforce_disable_fusion = absl::GetFlag(FLAGS_enforce_disable_flashinfer_allreduce_fusion);
   o.deterministic = absl::GetFlag(FLAGS_enable_deterministic_inference);
+  o.fusion_rules = absl::GetFlag(FLAGS_fusion_rules);
+  o.model_architecture = absl::GetFlag(FLAGS_model_architecture);
+  o.enable_dp_attention = absl::GetFlag(FLAGS_enable_dp_attention);
+  o.moe_a2a_backend = absl::GetFlag(FLAGS_moe_a2a_backend);
   o.sm = absl::GetFlag(FLAGS_sm);
   o.cuda_graph_mode = absl::GetFlag(FLAGS_cuda_graph_mode);
   o.mnnvl_capture_safe = absl::GetFlag(FLAGS_mnnvl_capture_safe);

@@ -2,7 +2,7 @@
 // a --config file in YAML (precedence CLI > environment > file > default), each value's source
 // recorded.
 // Flag names take SGLang's hyphenated spellings (--flashinfer-allreduce-fusion-backend); the
-// underscore form is accepted too.
+// underscore form is accepted too. A flag given twice takes the last value, as argparse does.
 #pragma once
 
 #include <map>
@@ -37,6 +37,10 @@ struct DaemonOptions {
   bool enable_flashinfer_allreduce_fusion = false;
   bool enforce_disable_fusion = false;
   bool deterministic = false;
+  std::string fusion_rules = "sglang-23402";
+  std::string model_architecture;
+  bool enable_dp_attention = false;
+  std::string moe_a2a_backend = "none";
   std::optional<int> sm;
   std::string cuda_graph_mode = "full";
   bool mnnvl_capture_safe = true;

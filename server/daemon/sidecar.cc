@@ -132,6 +132,11 @@ config::FusionFlags Sidecar::OwnFlags() const {
   flags.enable_deprecated = options_.enable_flashinfer_allreduce_fusion;
   flags.enforce_disable = options_.enforce_disable_fusion;
   flags.deterministic = options_.deterministic;
+  // Validated by ParseDaemonCommandLine.
+  flags.rules = config::ParseRuleSet(options_.fusion_rules).value_or(config::kDefaultRuleSet);
+  flags.model_architecture = options_.model_architecture;
+  flags.dp_attention = options_.enable_dp_attention;
+  flags.moe_a2a_backend = options_.moe_a2a_backend;
   return flags;
 }
 
@@ -158,6 +163,12 @@ absl::Status Sidecar::Start() {
   config::MigratedFlags migrated = config::MigrateFlags(OwnFlags());
   for (const auto& w : migrated.warnings) spdlog::warn("event=flag_migration warning=\"{}\"", w);
   flags_ = migrated.flags;
+  // A configuration the rules refuse (sglang-29063's ValueErrors) stops the sidecar at startup,
+  // as it stops SGLang's server, instead of leaving a group that never fuses.
+  if (OwnTopology().sm != 0) {
+    absl::StatusOr<config::Decision> own = config::ResolveBackend(flags_, OwnTopology());
+    if (!own.ok()) return own.status();
+  }
 
   metrics_ = std::make_unique<Metrics>(
       options_.rank, options_.world_size, options_.device,
@@ -238,6 +249,7 @@ absl::Status Sidecar::Start() {
     snap.world_size = options_.world_size;
     snap.mps_detected = mps_detected_;
     snap.doorbell_hop_us = doorbell_hop_us;
+    snap.workspace_max_tokens = static_cast<uint32_t>(options_.max_tokens);
     return snap;
   };
   services_.push_back(std::make_unique<ConfigService>(std::move(config_options)));

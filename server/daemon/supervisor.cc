@@ -19,6 +19,7 @@
 #include "server/metrics/metrics.h"
 #include "server/peers/local_exchange.h"
 #include "server/peers/peer_exchange.h"
+#include "server/services/config/config_service.h"
 #include "server/services/fusion/fusion_service.h"
 #include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
@@ -123,6 +124,7 @@ absl::Status Sidecar::FormGroup() {
   if (report.topology.sm == 0) {
     // Host mode without --sm: there is no GPU architecture to resolve a backend for.
     config::Decision none;
+    none.rules = report.flags.rules;
     none.reasons.push_back(
         "no GPU architecture (host mode without --sm): the CPU implementation runs");
     report.decision = none;
@@ -144,6 +146,7 @@ absl::Status Sidecar::FormGroup() {
   }
   ARFUSE_ASSIGN_OR_RETURN(config::Decision decision, config::Consensus(reports));
   for (const auto& w : decision.warnings) spdlog::warn("event=config_warning warning=\"{}\"", w);
+  LogNoticesOncePerProcess(decision);
   spdlog::info("event=config_decided backend={} fusion_enabled={} reasons=\"{}\"", decision.backend,
                decision.fusion_enabled, absl::StrJoin(decision.reasons, "; "));
 
@@ -391,13 +394,17 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(
     }
     ++backend_switches_;
   }
-  config::FusionFlags flags;
+  // The rank's own flags with the backend replaced: the rule set, the architecture, DP attention
+  // and the MoE all-to-all backend still apply.
+  config::FusionFlags flags = flags_;
+  flags.backend.reset();
+  flags.enable_deprecated = false;
+  flags.enforce_disable = false;
   if (backend == "none") {
     flags.enforce_disable = true;
   } else {
     flags.backend = backend;
   }
-  flags.deterministic = flags_.deterministic;
   // Every rank is asked for the same backend; the vote refuses the switch when they disagree or
   // when any rank cannot build it, and the previous backend keeps serving.
   config::RankReport report;
@@ -446,6 +453,7 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(
                                            "); backend unchanged: ", previous.backend));
   }
   ARFUSE_ASSIGN_OR_RETURN(config::Decision decision, config::Consensus(reports));
+  LogNoticesOncePerProcess(decision);
   if (backend != "none" && !decision.fusion_enabled) {
     // Agreeing on a backend that cannot fuse here is refused rather than silently unfused.
     // Every rank reaches this same answer from the same reports, so none builds an engine.

@@ -46,6 +46,7 @@
 #include "server/engine/engine.h"
 #include "server/engine/instream_host.h"
 #include "server/gpu/dispatch_table.h"
+#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/peer_memory.h"
 #include "server/instream/cuda/kernel_image.h"
 
@@ -72,7 +73,7 @@ struct CudaEngineOptions {
   // DoorbellPlaneOptions::serve_blocks (at most kSharedGpuDoorbellServeBlocks when ranks share
   // the GPU); 0 turns in-place serving off. arfused's default (--doorbell-serve-blocks) is 16:
   // each resident block keeps a register-heavy client kernel off its SM (docs/doorbell.md).
-  uint32_t doorbell_serve_blocks = 16;
+  uint32_t doorbell_serve_blocks = kDefaultDoorbellServeBlocks;
 };
 
 class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost {

@@ -91,6 +91,17 @@ DispatchTable DispatchTable::Published() {
   static_cast<void>(t.Add({100, 2, 64 * kMiB, 0, sym_small, sm100}));
   static_cast<void>(t.Add({100, 4, 8 * kMiB, 32 * kMiB, sym_small, sm100}));
   static_cast<void>(t.Add({100, 8, 1 * kMiB, 0, sym_small, sm100}));
+  // TP16, the kernels' largest world size (kMaxWorldSize): not measured. A one-shot rank stores
+  // its payload into 16 peers and reads 16 slots, so the one-shot share shrinks with the world
+  // size: SM90 follows vLLM's SM90 one-shot gates, which quarter from TP4 to TP8 (2 MiB, 0.5
+  // MiB), one step further; SM100 halves its TP8 limit. No two-shot range until a measurement
+  // shows it beats the unfused path (TP8 lists none either).
+  const char* sm90_tp16 =
+      "carried over: vLLM SM90 one-shot gates extended from TP8 (quarter per doubling); not "
+      "measured";
+  const char* sm100_tp16 = "carried over: SM100 TP8 one-shot limit halved; not measured";
+  static_cast<void>(t.Add({90, 16, 128 * kKiB, 0, sym_small, sm90_tp16}));
+  static_cast<void>(t.Add({100, 16, 512 * kKiB, 0, sym_small, sm100_tp16}));
   return t;
 }
 

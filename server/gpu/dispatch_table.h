@@ -48,8 +48,10 @@ class DispatchTable {
   DispatchTable() = default;
 
   // The published starting points (reference/anchors-flashinfer-sglang.md §6, anchor-figures.md):
-  // SM90 from vLLM's one-shot/fusion gates and our H200 TP2 anchor run; SM100 from vLLM's fusion
-  // gates and FlashInfer's B200 one-shot heuristic.
+  // SM90 from vLLM's one-shot/fusion gates and our H200 TP2/TP4 runs; SM100 from vLLM's fusion
+  // gates and FlashInfer's B200 one-shot heuristic. Every world size the kernels support (2, 4,
+  // 8, 16) has a row per family, so a group the config fuses finds thresholds; each entry's
+  // source says whether it was measured or carried over (docs/config.md).
   static DispatchTable Published();
 
   // One entry per line: `sm=90 ws=2 oneshot_max=N twoshot_max=N sym=LO-HI,LO-HI source=TEXT`

@@ -46,6 +46,9 @@ inline constexpr uint32_t kSharedGpuDoorbellServeBlocks = 32;
 // turns in-place serving off), at most kSharedGpuDoorbellServeBlocks when ranks share the GPU.
 uint32_t DoorbellServeBlocksFor(uint32_t requested, bool shares_gpu);
 
+// arfused's --doorbell-serve-blocks default (docs/doorbell.md: what the idle plane costs).
+inline constexpr uint32_t kDefaultDoorbellServeBlocks = 16;
+
 // FusionParams::sm_budget of each rank when `ranks` ranks share one GPU of `sms` SMs: an equal
 // share of what every rank's resident doorbell blocks leave free (its waiter or serving launch
 // and its client's ring: `serve_blocks` + 2 per rank, counted as a whole SM each, and 2 spare),

@@ -30,6 +30,7 @@ extern char** environ;
 #include "server/config/fusion_config.h"
 #include "server/core/version.h"
 #include "server/services/config/config_service.h"
+#include "tests/config/upstream_cases.h"
 
 namespace arfuse {
 namespace {
@@ -169,11 +170,14 @@ TEST(ArfusectlResolve, SeedCases) {
 
 TEST(ArfusectlResolve, OutputHasEveryContractKey) {
   Result r = RunBinary({"resolve", "--sm", "100", "--nnodes", "1", "--tp", "2", "--cuda-graph-mode",
-                        "piecewise", "--mnnvl-capture-safe=false"});
+                        "piecewise", "--mnnvl-capture-safe=false", "--model-architecture",
+                        "DeepseekV3ForCausalLM"});
   ASSERT_EQ(r.code, 0) << r.err;
   for (const char* key :
        {"\"backend\":\"mnnvl\"", "\"fusion_enabled\":true", "\"cuda_graph_mode\":\"none\"",
-        "\"data_plane\":\"eager\"", "\"warnings\":[", "\"reasons\":["}) {
+        "\"data_plane\":\"eager\"", "\"prefill\":{\"cuda_graph_mode\":\"none\"",
+        "\"decode\":{\"cuda_graph_mode\":\"none\"", "\"max_tokens_per_batch\":2048",
+        "\"fusion_rules\":\"sglang-23402\"", "\"warnings\":[", "\"notices\":[", "\"reasons\":["}) {
     EXPECT_THAT(r.out, HasSubstr(key));
   }
   EXPECT_THAT(r.out, HasSubstr("piecewise CUDA graphs turned off"));
@@ -183,8 +187,9 @@ TEST(ArfusectlResolve, OutputHasEveryContractKey) {
 }
 
 TEST(ArfusectlResolve, NegotiationOptions) {
-  Result safe = RunBinary(
-      {"resolve", "--sm", "100", "--nnodes", "1", "--tp", "2", "--cuda-graph-mode", "piecewise"});
+  Result safe =
+      RunBinary({"resolve", "--sm", "100", "--nnodes", "1", "--tp", "2", "--cuda-graph-mode",
+                 "piecewise", "--model-architecture", "Qwen3_5MoeForConditionalGeneration"});
   EXPECT_THAT(safe.out, HasSubstr("\"cuda_graph_mode\":\"piecewise\",\"data_plane\":\"doorbell\""));
   Result trt = RunBinary({"resolve", "--sm", "90", "--nnodes", "1", "--tp", "2",
                           "--flashinfer-allreduce-fusion-backend", "trtllm", "--cuda-graph-mode",
@@ -194,6 +199,17 @@ TEST(ArfusectlResolve, NegotiationOptions) {
                             "--flashinfer-allreduce-fusion-backend", "trtllm", "--cuda-graph-mode",
                             "full", "--fused-op-in-graph=false"});
   EXPECT_THAT(split.out, HasSubstr("\"cuda_graph_mode\":\"full\",\"data_plane\":\"eager\""));
+  // Per phase (SGLang #23402): capture-unsafe mnnvl loses its piecewise prefill graphs only.
+  Result phases =
+      RunBinary({"resolve", "--sm", "100", "--nnodes", "1", "--tp", "2",
+                 "--flashinfer-allreduce-fusion-backend", "mnnvl", "--prefill-cuda-graph-mode",
+                 "piecewise", "--decode-cuda-graph-mode", "full", "--mnnvl-capture-safe=false"});
+  ASSERT_EQ(phases.code, 0) << phases.err;
+  EXPECT_THAT(phases.out,
+              HasSubstr("\"cuda_graph_mode\":\"none\",\"data_plane\":\"eager\",\"prefill\":{"
+                        "\"cuda_graph_mode\":\"none\",\"data_plane\":\"eager\"},\"decode\":{"
+                        "\"cuda_graph_mode\":\"full\",\"data_plane\":\"doorbell\"}"));
+  EXPECT_THAT(phases.out, HasSubstr("prefill: mnnvl kernels are not capture-safe"));
 }
 
 TEST(ArfusectlResolve, DeterministicAndEnforceDisable) {
@@ -209,7 +225,8 @@ TEST(ArfusectlResolve, DeterministicAndEnforceDisable) {
   // Negative: =false switches do nothing.
   Result not_off = RunBinary({"resolve", "--sm", "100", "--nnodes", "1", "--tp", "2",
                               "--enforce-disable-flashinfer-allreduce-fusion=false",
-                              "--enable-deterministic-inference=false"});
+                              "--enable-deterministic-inference=false", "--model-architecture",
+                              "DeepseekV32ForCausalLM"});
   EXPECT_THAT(not_off.out, StartsWith("{\"backend\":\"mnnvl\",\"fusion_enabled\":true"));
 }
 
@@ -227,10 +244,12 @@ TEST(ArfusectlResolve, MigrationInEveryArgumentOrder) {
         {"--tp=2"},
         {"--nnodes", "1"}},
        "trtllm",
-       "--enable-flashinfer-allreduce-fusion is deprecated and was ignored"},
+       // An explicit backend beside the deprecated flag is silent (SGLang _handle_deprecated_args).
+       "\"warnings\":[]"},
       {{{"--enable-flashinfer-allreduce-fusion"}, {"--sm=90"}, {"--tp", "2"}, {"--nnodes=1"}},
        "mnnvl",
-       "treated as --flashinfer-allreduce-fusion-backend=auto"},
+       "--enable-flashinfer-allreduce-fusion is deprecated. Please use "
+       "--flashinfer-allreduce-fusion-backend=auto instead."},
       {{{"--enable-flashinfer-allreduce-fusion"},
         {"--enforce-disable-flashinfer-allreduce-fusion"},
         {"--sm", "100"},
@@ -307,6 +326,20 @@ TEST(ArfusectlResolve, InvalidInputExitsTwoWithOneClearLine) {
       {{"stats", "--ranks", "0,1", "--all"}, "give one of --rank, --ranks and --all"},
       {{"stats", "--rank", "0,1"}, "--rank takes one rank; use --ranks N,M,..."},
       {{"info", "--rank", "1", "--addr", "127.0.0.1:9310"}, "--addr must be one Unix socket"},
+      // The options issue 27 added.
+      {with({"--fusion-rules", "sglang-latest"}),
+       "unknown --fusion-rules value \"sglang-latest\": expected sglang-23402 or sglang-29063"},
+      {with({"--model-architecture", "Deepseek V3"}),
+       "--model-architecture \"Deepseek V3\" is not an architecture name"},
+      {with({"--model-architecture="}), "--model-architecture \"\" is not an architecture name"},
+      {with({"--moe-a2a-backend", "nccl"}), "unknown --moe-a2a-backend value \"nccl\""},
+      {with({"--enable-dp-attention=maybe"}), "--enable-dp-attention=maybe: expected"},
+      {with({"--prefill-cuda-graph-mode", "partial"}),
+       "unknown --prefill-cuda-graph-mode \"partial\""},
+      {with({"--decode-cuda-graph-mode=eager"}), "unknown --decode-cuda-graph-mode \"eager\""},
+      {{"resolve", "--sm", "90", "--nnodes", "4", "--tp", "2"}, "nnodes 4 is more than tp 2"},
+      {with({"--cuda-graph-mode", "full", "--cuda-graph-mode", "none"}),
+       "--cuda-graph-mode given more than once"},
   };
   for (const Case& c : cases) {
     Result r = RunBinary(c.args);
@@ -315,6 +348,67 @@ TEST(ArfusectlResolve, InvalidInputExitsTwoWithOneClearLine) {
     EXPECT_THAT(r.err, StartsWith("arfusectl: ")) << absl::StrJoin(c.args, " ");
     EXPECT_THAT(r.err, HasSubstr(c.message)) << absl::StrJoin(c.args, " ");
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+// argparse semantics for the frameworks' fusion flags: the last value wins.
+TEST(ArfusectlResolve, RepeatedFusionFlagTakesTheLastValue) {
+  const std::vector<std::string> topo = {"resolve", "--sm", "90", "--nnodes", "1", "--tp", "2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = topo;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  Result last = RunBinary(with({"--flashinfer-allreduce-fusion-backend=mnnvl",
+                                "--flashinfer-allreduce-fusion-backend", "trtllm"}));
+  EXPECT_EQ(last.code, 0) << last.err;
+  EXPECT_THAT(last.out, StartsWith("{\"backend\":\"trtllm\",\"fusion_enabled\":true"));
+  // Every occurrence is checked, as argparse checks each against its choices.
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--flashinfer-allreduce-fusion-backend=trtllm",
+                                 "--flashinfer-allreduce-fusion-backend=nccl"},
+        std::vector<std::string>{"--flashinfer-allreduce-fusion-backend=nccl",
+                                 "--flashinfer-allreduce-fusion-backend=trtllm"},
+        std::vector<std::string>{"--fusion-rules=sglang-1", "--fusion-rules=sglang-29063"}}) {
+    Result r = RunBinary(with(bad));
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(bad, " ");
+    EXPECT_THAT(r.err, ::testing::AnyOf(HasSubstr("\"nccl\""), HasSubstr("\"sglang-1\"")));
+  }
+  Result rules = RunBinary(with({"--flashinfer-allreduce-fusion-backend=auto",
+                                 "--fusion-rules=sglang-23402", "--fusion-rules=sglang-29063"}));
+  EXPECT_THAT(rules.out, StartsWith("{\"backend\":\"trtllm\""));  // SM90 auto under 29063
+  Result dp = RunBinary(with({"--flashinfer-allreduce-fusion-backend=trtllm",
+                              "--enable-dp-attention", "--enable-dp-attention=false"}));
+  EXPECT_THAT(dp.out, StartsWith("{\"backend\":\"trtllm\",\"fusion_enabled\":true"));
+  Result safe =
+      RunBinary(with({"--flashinfer-allreduce-fusion-backend=mnnvl", "--cuda-graph-mode=piecewise",
+                      "--mnnvl-capture-safe=false", "--mnnvl-capture-safe=true"}));
+  EXPECT_THAT(safe.out, HasSubstr("\"cuda_graph_mode\":\"piecewise\""));
+}
+
+// SGLang's rules case by case, both rule sets, through the binary: the library's JSON, or exit 2
+// with the library's message (upstream's ValueError text under sglang-29063).
+TEST(ArfusectlResolve, UpstreamCasesGiveTheLibrarysAnswers) {
+  for (const testing::UpstreamCase& c : testing::UpstreamCases()) {
+    std::vector<std::string> args = {"resolve"};
+    for (const std::string& a : testing::CaseArgs(c)) args.push_back(a);
+    args.push_back("--json");
+    Result r = RunBinary(args);
+    absl::StatusOr<config::Decision> d = config::Resolve(c.flags, c.topology, {});
+    if (c.where == testing::Where::kError) {
+      EXPECT_EQ(r.code, 2) << testing::CaseName(c);
+      EXPECT_THAT(r.err, HasSubstr(c.text)) << testing::CaseName(c);
+      EXPECT_EQ(r.err, absl::StrCat("arfusectl: ", d.status().message(), "\n"));
+      EXPECT_THAT(r.out, IsEmpty());
+      continue;
+    }
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(r.code, 0) << testing::CaseName(c) << "\n" << r.err;
+    EXPECT_EQ(r.out, config::DecisionToJson(*d) + "\n") << testing::CaseName(c);
+    EXPECT_THAT(r.out,
+                StartsWith(absl::StrCat("{\"backend\":\"", c.backend,
+                                        "\",\"fusion_enabled\":", c.fused ? "true" : "false")))
+        << testing::CaseName(c);
   }
 }
 
@@ -480,6 +574,29 @@ TEST(ArfusectlRemote, ResolveThroughArfusedMatchesLocal) {
     EXPECT_EQ(r.code, 0) << r.err;
     EXPECT_EQ(r.out, l.out) << absl::StrJoin(c, " ");
   }
+  // SGLang's rules case by case through a running arfused (Config.Resolve): the same output as
+  // locally, or exit 2 with the same message (the server's address appended).
+  for (const testing::UpstreamCase& c : testing::UpstreamCases()) {
+    std::vector<std::string> local = {"resolve"};
+    for (const std::string& a : testing::CaseArgs(c)) local.push_back(a);
+    std::vector<std::string> remote = local;
+    remote.push_back("--addr");
+    remote.push_back(sidecar.addr());
+    Result l = RunBinary(local);
+    Result r = RunBinary(remote);
+    EXPECT_EQ(r.code, l.code) << testing::CaseName(c);
+    EXPECT_EQ(r.out, l.out) << testing::CaseName(c);
+    if (c.where == testing::Where::kError) {
+      EXPECT_THAT(r.err, HasSubstr(c.text)) << testing::CaseName(c);
+      EXPECT_THAT(r.err, HasSubstr(absl::StrCat("(from ", sidecar.addr(), ")")));
+    }
+  }
+  // Without --fusion-rules a remote answer follows the server's rule set (sglang-23402 here).
+  Result server_rules =
+      RunBinary({"resolve", "--sm", "90", "--nnodes", "1", "--tp", "2",
+                 "--flashinfer-allreduce-fusion-backend", "auto", "--addr", sidecar.addr()});
+  EXPECT_THAT(server_rules.out, HasSubstr("\"fusion_rules\":\"sglang-23402\""));
+
   // Without a topology the server's own (sm 100, tp 2, one node) is used.
   Result own = RunBinary({"resolve", "--addr", sidecar.addr()});
   EXPECT_EQ(own.code, 0) << own.err;

@@ -256,9 +256,28 @@ TEST(DispatchTable, AddRejectsInvalidEntries) {
 
 TEST(DispatchTable, PublishedEntriesAreAllValid) {
   const DispatchTable published = DispatchTable::Published();
-  EXPECT_EQ(published.entries().size(), 6u);
+  // SM90 and SM100 at each world size the kernels support: 2, 4, 8, 16.
+  EXPECT_EQ(published.entries().size(), 8u);
   DispatchTable copy;
   for (const DispatchEntry& e : published.entries()) EXPECT_TRUE(copy.Add(e).ok()) << e.sm;
+}
+
+TEST(DispatchTable, Tp16HasARowPerFamilyThatFusesSmallPayloads) {
+  // At TP16 the config fuses (issue 27 item 3): the data path must too, one-shot for decode-sized
+  // payloads, and the unfused path above the carried-over limit.
+  const DispatchTable t = DispatchTable::Published();
+  for (int sm : {90, 100, 103}) {
+    const DispatchEntry* e = t.Find(sm, 16);
+    ASSERT_NE(e, nullptr) << sm;
+    EXPECT_NE(e->source.find("not measured"), std::string::npos) << e->source;
+    auto one = ChooseExecPath(t, Req(sm, 16, 1, 4096));
+    ASSERT_TRUE(one.ok());
+    EXPECT_EQ(one->path, ExecPath::kOneShot) << sm;
+    auto big = ChooseExecPath(t, Req(sm, 16, 2048, 8192));
+    ASSERT_TRUE(big.ok());
+    EXPECT_EQ(big->path, ExecPath::kUnfused) << sm;
+    EXPECT_NE(big->reason.find("above the fused limits"), std::string::npos) << big->reason;
+  }
 }
 
 TEST(DispatchTable, SerializeParseRoundTrip) {

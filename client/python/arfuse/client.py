@@ -458,11 +458,13 @@ class Client:
     def negotiate(self, cuda_graph_mode: str = "full", fused_op_in_graph: Optional[bool] = None,
                   mnnvl_capture_safe: Optional[bool] = None,
                   timeout: Optional[float] = None,
-                  client_loads_kernels: bool = False) -> Negotiation:
+                  client_loads_kernels: bool = False, call_sites: int = 0) -> Negotiation:
         """Config.Negotiate: the group's decision and how the fused op may sit in this client's
         CUDA graphs. cuda_graph_mode: "none", "piecewise" or "full" (what the client wants);
         fused_op_in_graph defaults to True unless the mode is "none"; client_loads_kernels: this
-        client can attach (libarfuse_client), so the in-stream plane may be the answer.
+        client can attach (libarfuse_client), so the in-stream plane may be the answer;
+        call_sites: how many fused-op sites the client will plan (2 per layer; 0: not said), so a
+        plane that cannot serve them (the doorbell: one slot per site) is not offered.
         UNAVAILABLE (ArfuseError) while the group has not decided yet."""
         if cuda_graph_mode not in GRAPH_MODES:
             raise ValueError(f"cuda_graph_mode must be one of {sorted(GRAPH_MODES)}")
@@ -474,6 +476,8 @@ class Client:
             capture.mnnvl_capture_safe = mnnvl_capture_safe
         if client_loads_kernels:
             capture.client_loads_kernels = True
+        if call_sites:
+            capture.call_sites = call_sites
         resp = self._call(self.config_stub.Negotiate, config_pb2.NegotiateRequest(capture=capture),
                           timeout)
         return Negotiation.from_proto(resp)

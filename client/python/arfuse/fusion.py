@@ -1,7 +1,9 @@
 """allreduce_fusion(...) shaped like FlashInfer's, through the sidecar.
 
 It returns None when the sidecar reports that fusion is unavailable (workspace initializing,
-poisoned, draining, or the group decided to run unfused), so the framework keeps its own path:
+poisoned, draining, or the group decided to run unfused), or that the fused path cannot run this
+op (OUT_OF_RANGE, "fusion unavailable for this op: ...": larger than the workspace, another
+dtype), so the framework keeps its own path, as with FlashInfer's fused op:
 
     out = arfuse.allreduce_fusion(input=x, workspace=ws, residual_in=r, residual_out=r,
                                   norm_out=y, rms_gamma=w, rms_eps=1e-6)
@@ -180,7 +182,8 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     """Runs the fused op on this rank; every rank of the group must call it alike.
 
     Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce), or None
-    when the sidecar reports fusion unavailable (nothing ran). Errors of a call that did run
+    when the sidecar reports fusion unavailable, for the group or for this op (OUT_OF_RANGE:
+    nothing ran on any rank). Errors of a call that did run
     raise ArfuseError; a sidecar that is gone raises SidecarLost. launch_with_pdl, use_oneshot
     and fp32_acc are accepted for FlashInfer compatibility; the sidecar picks the path and always
     accumulates in fp32.
@@ -210,6 +213,10 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     except SidecarLost:
         raise
     except ArfuseError as e:
+        if e.code == grpc.StatusCode.OUT_OF_RANGE:
+            # The fused path cannot run this op (its shape or dtype); other ops still fuse, so
+            # the workspace stays available.
+            return None
         if e.code == grpc.StatusCode.UNAVAILABLE:
             # The sidecar said "not now" (engine initializing, shutting down), or it is gone:
             # the session stream tells which.

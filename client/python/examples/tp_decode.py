@@ -366,7 +366,7 @@ def rank_main(args, rank: int, world: int, sockets: List[str]):
         ctx.client = client
         ctx.watchdog = Watchdog(client, rank, ctx.socket, lambda m: ctx.finish(3, m))
         neg = negotiate(client, ctx.want_mode, args.fused_op_in_graph, ctx.device,
-                        args.ready_timeout, args.plane)
+                        args.ready_timeout, args.plane, ctx.cfg.sites)
         ctx.neg = neg
         ctx.result["negotiation"] = dataclasses.asdict(neg)
         asked = capture_request(args.plane, ctx.want_mode, args.fused_op_in_graph, ctx.device)

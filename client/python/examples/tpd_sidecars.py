@@ -170,8 +170,9 @@ def capture_request(plane: str, want_mode: str, in_graph: bool, device: str) -> 
 
 
 def negotiate(client, want_mode: str, in_graph: bool, device: str, timeout: float,
-              plane: str = "instream"):
-    """Config.Negotiate (retried while the group has not decided)."""
+              plane: str = "instream", call_sites: int = 0):
+    """Config.Negotiate (retried while the group has not decided). call_sites: the fused-op
+    sites the model plans (2 per layer), so a plane that cannot serve them is not offered."""
     import grpc
     import arfuse
 
@@ -181,7 +182,8 @@ def negotiate(client, want_mode: str, in_graph: bool, device: str, timeout: floa
         try:
             return client.negotiate(req["cuda_graph_mode"],
                                     fused_op_in_graph=req["fused_op_in_graph"],
-                                    client_loads_kernels=req["client_loads_kernels"])
+                                    client_loads_kernels=req["client_loads_kernels"],
+                                    call_sites=call_sites)
         except arfuse.ArfuseError as e:
             if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > until:
                 raise

@@ -25,10 +25,14 @@ v1::FusionFlags FlagsToProto(const FusionFlags& flags) {
   p.set_enable_flashinfer_allreduce_fusion(flags.enable_deprecated);
   p.set_enforce_disable_flashinfer_allreduce_fusion(flags.enforce_disable);
   p.set_enable_deterministic_inference(flags.deterministic);
+  p.set_fusion_rules(RuleSetName(flags.rules));
+  p.set_model_architecture(flags.model_architecture);
+  p.set_enable_dp_attention(flags.dp_attention);
+  p.set_moe_a2a_backend(flags.moe_a2a_backend);
   return p;
 }
 
-FusionFlags FlagsFromProto(const v1::FusionFlags& p) {
+absl::StatusOr<FusionFlags> FlagsFromProto(const v1::FusionFlags& p, RuleSet default_rules) {
   FusionFlags flags;
   if (p.has_flashinfer_allreduce_fusion_backend()) {
     flags.backend = p.flashinfer_allreduce_fusion_backend();
@@ -36,6 +40,18 @@ FusionFlags FlagsFromProto(const v1::FusionFlags& p) {
   flags.enable_deprecated = p.enable_flashinfer_allreduce_fusion();
   flags.enforce_disable = p.enforce_disable_flashinfer_allreduce_fusion();
   flags.deterministic = p.enable_deterministic_inference();
+  flags.rules = default_rules;
+  if (p.has_fusion_rules()) {
+    absl::StatusOr<RuleSet> rules = ParseRuleSet(p.fusion_rules());
+    if (!rules.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("flags.fusion_rules: ", rules.status().message()));
+    }
+    flags.rules = *rules;
+  }
+  flags.model_architecture = p.model_architecture();
+  flags.dp_attention = p.enable_dp_attention();
+  if (!p.moe_a2a_backend().empty()) flags.moe_a2a_backend = p.moe_a2a_backend();
   return flags;
 }
 
@@ -67,7 +83,7 @@ v1::CudaGraphMode CudaGraphModeToProto(CudaGraphMode mode) {
   return v1::CUDA_GRAPH_MODE_UNSPECIFIED;
 }
 
-absl::StatusOr<CudaGraphMode> CudaGraphModeFromProto(v1::CudaGraphMode mode) {
+absl::StatusOr<CudaGraphMode> CudaGraphModeFromProto(v1::CudaGraphMode mode, const char* field) {
   switch (mode) {
     case v1::CUDA_GRAPH_MODE_UNSPECIFIED:
     case v1::CUDA_GRAPH_MODE_NONE:
@@ -80,7 +96,7 @@ absl::StatusOr<CudaGraphMode> CudaGraphModeFromProto(v1::CudaGraphMode mode) {
       break;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("capture.cuda_graph_mode ", static_cast<int>(mode), " is not a known mode"));
+      absl::StrCat(field, " ", static_cast<int>(mode), " is not a known mode"));
 }
 
 v1::DataPlane DataPlaneToProto(DataPlane plane) {
@@ -95,7 +111,7 @@ v1::DataPlane DataPlaneToProto(DataPlane plane) {
   return v1::DATA_PLANE_EAGER;
 }
 
-absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane) {
+absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane, const char* field) {
   switch (plane) {
     case v1::DATA_PLANE_EAGER:
       return DataPlane::kEager;
@@ -107,7 +123,7 @@ absl::StatusOr<DataPlane> DataPlaneFromProto(v1::DataPlane plane) {
       break;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("decision.data_plane ", static_cast<int>(plane), " is not a known data plane"));
+      absl::StrCat(field, " ", static_cast<int>(plane), " is not a known data plane"));
 }
 
 v1::CaptureRequest CaptureToProto(const CaptureRequest& c) {
@@ -117,6 +133,8 @@ v1::CaptureRequest CaptureToProto(const CaptureRequest& c) {
   if (c.mnnvl_capture_safe) p.set_mnnvl_capture_safe(*c.mnnvl_capture_safe);
   p.set_client_loads_kernels(c.client_loads_kernels);
   p.set_call_sites(c.call_sites);
+  if (c.prefill_mode) p.set_prefill_cuda_graph_mode(CudaGraphModeToProto(*c.prefill_mode));
+  if (c.decode_mode) p.set_decode_cuda_graph_mode(CudaGraphModeToProto(*c.decode_mode));
   return p;
 }
 
@@ -127,6 +145,16 @@ absl::StatusOr<CaptureRequest> CaptureFromProto(const v1::CaptureRequest& p) {
   if (p.has_mnnvl_capture_safe()) c.mnnvl_capture_safe = p.mnnvl_capture_safe();
   c.client_loads_kernels = p.client_loads_kernels();
   c.call_sites = p.call_sites();
+  if (p.has_prefill_cuda_graph_mode()) {
+    ARFUSE_ASSIGN_OR_RETURN(
+        c.prefill_mode,
+        CudaGraphModeFromProto(p.prefill_cuda_graph_mode(), "capture.prefill_cuda_graph_mode"));
+  }
+  if (p.has_decode_cuda_graph_mode()) {
+    ARFUSE_ASSIGN_OR_RETURN(
+        c.decode_mode,
+        CudaGraphModeFromProto(p.decode_cuda_graph_mode(), "capture.decode_cuda_graph_mode"));
+  }
   return c;
 }
 
@@ -138,6 +166,13 @@ v1::Decision DecisionToProto(const Decision& d) {
   p.set_data_plane(DataPlaneToProto(d.data_plane));
   for (const std::string& w : d.warnings) p.add_warnings(w);
   for (const std::string& r : d.reasons) p.add_reasons(r);
+  p.set_prefill_cuda_graph_mode(CudaGraphModeToProto(d.prefill.mode));
+  p.set_prefill_data_plane(DataPlaneToProto(d.prefill.data_plane));
+  p.set_decode_cuda_graph_mode(CudaGraphModeToProto(d.decode.mode));
+  p.set_decode_data_plane(DataPlaneToProto(d.decode.data_plane));
+  p.set_max_tokens_per_batch(d.max_tokens_per_batch);
+  p.set_fusion_rules(RuleSetName(d.rules));
+  for (const std::string& n : d.notices) p.add_notices(n);
   return p;
 }
 
@@ -150,10 +185,43 @@ absl::StatusOr<Decision> DecisionFromProto(const v1::Decision& p) {
   }
   d.backend = p.backend();
   d.fusion_enabled = p.fusion_enabled();
-  ARFUSE_ASSIGN_OR_RETURN(d.cuda_graph_mode, CudaGraphModeFromProto(p.cuda_graph_mode()));
+  ARFUSE_ASSIGN_OR_RETURN(d.cuda_graph_mode,
+                          CudaGraphModeFromProto(p.cuda_graph_mode(), "decision.cuda_graph_mode"));
   ARFUSE_ASSIGN_OR_RETURN(d.data_plane, DataPlaneFromProto(p.data_plane()));
   d.warnings.assign(p.warnings().begin(), p.warnings().end());
   d.reasons.assign(p.reasons().begin(), p.reasons().end());
+  d.notices.assign(p.notices().begin(), p.notices().end());
+  d.max_tokens_per_batch = p.max_tokens_per_batch();
+  if (!p.fusion_rules().empty()) {
+    absl::StatusOr<RuleSet> rules = ParseRuleSet(p.fusion_rules());
+    if (!rules.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("decision.fusion_rules: ", rules.status().message()));
+    }
+    d.rules = *rules;
+  }
+  // A server that predates the per-phase fields answered for every phase at once.
+  d.prefill = {d.cuda_graph_mode, d.data_plane};
+  d.decode = {d.cuda_graph_mode, d.data_plane};
+  if (p.prefill_cuda_graph_mode() != v1::CUDA_GRAPH_MODE_UNSPECIFIED) {
+    ARFUSE_ASSIGN_OR_RETURN(
+        d.prefill.mode,
+        CudaGraphModeFromProto(p.prefill_cuda_graph_mode(), "decision.prefill_cuda_graph_mode"));
+  }
+  if (p.prefill_data_plane() != v1::DATA_PLANE_UNSPECIFIED) {
+    ARFUSE_ASSIGN_OR_RETURN(
+        d.prefill.data_plane,
+        DataPlaneFromProto(p.prefill_data_plane(), "decision.prefill_data_plane"));
+  }
+  if (p.decode_cuda_graph_mode() != v1::CUDA_GRAPH_MODE_UNSPECIFIED) {
+    ARFUSE_ASSIGN_OR_RETURN(
+        d.decode.mode,
+        CudaGraphModeFromProto(p.decode_cuda_graph_mode(), "decision.decode_cuda_graph_mode"));
+  }
+  if (p.decode_data_plane() != v1::DATA_PLANE_UNSPECIFIED) {
+    ARFUSE_ASSIGN_OR_RETURN(d.decode.data_plane, DataPlaneFromProto(p.decode_data_plane(),
+                                                                    "decision.decode_data_plane"));
+  }
   return d;
 }
 

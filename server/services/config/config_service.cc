@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -39,6 +41,15 @@ grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, Response* 
 
 }  // namespace
 
+void LogNoticesOncePerProcess(const config::Decision& decision) {
+  static std::mutex mu;
+  static std::set<std::string>* logged = new std::set<std::string>();  // never destroyed
+  std::lock_guard<std::mutex> lock(mu);
+  for (const std::string& notice : decision.notices) {
+    if (logged->insert(notice).second) spdlog::info("event=config_notice notice=\"{}\"", notice);
+  }
+}
+
 ConfigService::ConfigService(ConfigServiceOptions options) : options_(std::move(options)) {}
 
 absl::StatusOr<v1::ResolveResponse> ConfigService::HandleResolve(
@@ -47,8 +58,10 @@ absl::StatusOr<v1::ResolveResponse> ConfigService::HandleResolve(
   if (request.has_topology()) {
     ARFUSE_ASSIGN_OR_RETURN(topology, config::TopologyFromProto(request.topology()));
   }
-  const config::FusionFlags flags =
-      request.has_flags() ? config::FlagsFromProto(request.flags()) : options_.flags;
+  config::FusionFlags flags = options_.flags;
+  if (request.has_flags()) {
+    ARFUSE_ASSIGN_OR_RETURN(flags, config::FlagsFromProto(request.flags(), options_.flags.rules));
+  }
   config::CaptureRequest capture = options_.capture;
   if (request.has_capture()) {
     ARFUSE_ASSIGN_OR_RETURN(capture, config::CaptureFromProto(request.capture()));
@@ -83,6 +96,7 @@ absl::StatusOr<v1::NegotiateResponse> ConfigService::HandleNegotiate(
   }
 
   config::NegotiationEnvironment env;
+  env.workspace_max_tokens = snapshot.workspace_max_tokens;
   if (snapshot.device == v1::DEVICE_KIND_CUDA) {
     env.mps_detected = snapshot.mps_detected;
     env.doorbell_hop_us = snapshot.doorbell_hop_us;

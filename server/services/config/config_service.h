@@ -3,6 +3,7 @@
 // decision, as the daemon reports it through a snapshot function.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 
 #include "absl/status/statusor.h"
@@ -22,12 +23,16 @@ struct ConfigSnapshot {
   bool mps_detected = false;
   // Measured by the doorbell self-test; 0 when not measured.
   double doorbell_hop_us = 0;
+  // The workspace's capacity in tokens (--max-tokens); 0: not known. Caps the decision's
+  // max_tokens_per_batch.
+  uint32_t workspace_max_tokens = 0;
 };
 
 struct ConfigServiceOptions {
   // The server's own GPU and group: Resolve uses it when a request has no topology.
   config::Topology topology;
-  // The server's own flags: Resolve uses them when a request has no flags.
+  // The server's own flags: Resolve uses them when a request has no flags, and their rule set
+  // when the request's flags leave fusion_rules unset.
   config::FusionFlags flags;
   // Defaults for requests without a capture. Its mnnvl_capture_safe is the ops override
   // (--mnnvl-capture-safe): it fills a Resolve request that leaves the field unset, and Negotiate
@@ -38,6 +43,10 @@ struct ConfigServiceOptions {
   // Negotiate answers UNAVAILABLE.
   std::function<absl::StatusOr<ConfigSnapshot>()> snapshot;
 };
+
+// Logs a decision's notices at INFO, each text once per process (upstream logs its
+// mnnvl-to-trtllm fallback once per process, however often the group re-forms). Thread-safe.
+void LogNoticesOncePerProcess(const config::Decision& decision);
 
 class ConfigService final : public v1::Config::CallbackService {
  public:
