@@ -8,24 +8,14 @@
 
 #include "absl/status/status.h"
 #include "kernels/common/op_types.h"
+#include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 
 namespace arfuse::instream::lib {
 
-// One op as the caller asked for it (the C ABI's arguments).
-struct OpRequest {
-  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
-  uint32_t tokens = 0;
-  uint32_t hidden = 0;
-  DType dtype = DType::kBF16;
-  float eps = 0.0f;
-  const void* input = nullptr;
-  void* output = nullptr;  // kAllReduce
-  const void* residual_in = nullptr;
-  void* residual_out = nullptr;
-  void* norm_out = nullptr;
-  const void* gamma = nullptr;
-};
+// One op as the caller asked for it (the C ABI's arguments): the host collective's op struct,
+// which the CUDA plane fills its launch from too.
+using OpRequest = host::HostOpArgs;
 
 // What the dispatch chose for an op: the algorithm (kAlgoOneShot, kAlgoTwoShot) and its entry.
 struct Dispatch {

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -136,6 +137,8 @@ class HostCollective {
   template <typename Ready>
   HostOpResult WaitAll(Ready ready, const HostWaitLimits& limits, uint64_t seq, const char* what);
   HostOpResult Fail(absl::Status s, uint64_t seq, HostWsError error);
+  // The op's failure when a rank gave up on it or an earlier one (DropsOpAfterAbort).
+  std::optional<HostOpResult> DropIfGivenUp(uint64_t seq);
 
   uint8_t* base_;
   int rank_;
