@@ -8,14 +8,12 @@
 
 #include "absl/status/status.h"
 #include "kernels/common/op_types.h"
-#include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 
 namespace arfuse::instream::lib {
 
-// One op as the caller asked for it (the C ABI's arguments): the host collective's op struct,
-// which the CUDA plane fills its launch from too.
-using OpRequest = host::HostOpArgs;
+// One op as the caller asked for it (the C ABI's arguments).
+using OpRequest = FusedOpArgs;
 
 // What the dispatch chose for an op: the algorithm (kAlgoOneShot, kAlgoTwoShot) and its entry.
 struct Dispatch {
