@@ -33,7 +33,7 @@ struct arfuse_ctx {
   std::unique_ptr<lib::Plane> plane;
   // arfuse_disable may come from another thread (a session's drain) than the ops'.
   std::atomic<bool> disabled{false};
-  std::mutex mu;
+  mutable std::mutex mu;
   std::string disabled_reason;
 };
 
@@ -78,7 +78,7 @@ int Guarded(Body body) {
 absl::Status CheckUsable(const arfuse_ctx* ctx) {
   if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
   if (ctx->disabled.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(const_cast<arfuse_ctx*>(ctx)->mu);
+    std::lock_guard<std::mutex> lock(ctx->mu);
     return absl::UnavailableError(
         absl::StrCat("the in-stream plane is disabled: ", ctx->disabled_reason));
   }
@@ -90,9 +90,9 @@ absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::O
   if (absl::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
   op.pattern = static_cast<arfuse::Pattern>(pattern);
   op.dtype = static_cast<arfuse::DType>(dtype);
-  if (op.tokens == 0) return absl::OkStatus();  // nothing to run, on every rank alike
+  if (op.num_tokens == 0) return absl::OkStatus();  // nothing to run, on every rank alike
   absl::StatusOr<lib::Dispatch> d =
-      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.tokens, op.hidden, op.dtype);
+      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.num_tokens, op.hidden, op.dtype);
   if (!d.ok()) return d.status();
   if (absl::Status s = lib::CheckTensors(op); !s.ok()) return s;
   const std::pair<const void*, const char*> tensors[] = {{op.input, "input"},
@@ -213,7 +213,7 @@ int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const
                                             uint32_t hidden, int dtype, float eps) {
   return Guarded([&] {
     lib::OpRequest op;
-    op.tokens = tokens;
+    op.num_tokens = tokens;
     op.hidden = hidden;
     op.eps = eps;
     op.input = input;
@@ -230,8 +230,9 @@ int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, voi
                            uint32_t tokens, uint32_t hidden, int dtype) {
   return Guarded([&] {
     lib::OpRequest op;
-    op.tokens = tokens;
+    op.num_tokens = tokens;
     op.hidden = hidden;
+    op.eps = 0.0f;  // unused by the sum; the same on every rank (the ranks' op descriptors agree)
     op.input = input;
     op.output = output;
     return RunOp(ctx, stream, static_cast<int>(arfuse::Pattern::kAllReduce), dtype, op);

@@ -355,7 +355,7 @@ class CudaPlane final : public Plane {
     p.host_error = reinterpret_cast<uint32_t*>(error_device_);
     p.spin_timeout_ns = header_.spin_timeout_ns;
     p.layout = layout_;
-    p.num_tokens = op.tokens;
+    p.num_tokens = op.num_tokens;
     p.hidden = op.hidden;
     p.eps = op.eps;
     p.rank = static_cast<int32_t>(header_.rank);
@@ -369,7 +369,7 @@ class CudaPlane final : public Plane {
     args.generation = header_.generation;
 
     const KernelEntry& e = *d.entry;
-    const uint32_t blocks = (op.tokens + e.rows_divisor - 1) / e.rows_divisor;
+    const uint32_t blocks = (op.num_tokens + e.rows_divisor - 1) / e.rows_divisor;
     CUlaunchAttribute attr[1];
     std::memset(attr, 0, sizeof(attr));
     attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

@@ -39,22 +39,10 @@ absl::Status HostPlane::CheckCapacity(uint32_t, uint32_t, DType) const {
 }
 
 absl::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
-  host::HostOpArgs a;
-  a.pattern = op.pattern;
-  a.dtype = op.dtype;
-  a.hidden = op.hidden;
-  a.num_tokens = op.tokens;
-  a.eps = op.eps;
-  a.input = op.input;
-  a.output = op.output;
-  a.residual_in = op.residual_in;
-  a.residual_out = op.residual_out;
-  a.norm_out = op.norm_out;
-  a.gamma = op.gamma;
   host::HostWaitLimits limits;
   limits.deadline = absl::Now() + absl::Nanoseconds(static_cast<int64_t>(
                                       std::min<uint64_t>(header_.spin_timeout_ns, INT64_MAX)));
-  host::HostOpResult r = collective_.Run(a, header_.generation, limits, /*client=*/true);
+  host::HostOpResult r = collective_.Run(op, header_.generation, limits, /*client=*/true);
   if (r.error != 0) {
     uint32_t none = 0;
     error_.compare_exchange_strong(none, r.error, std::memory_order_acq_rel);

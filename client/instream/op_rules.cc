@@ -100,7 +100,7 @@ absl::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, 
 }
 
 absl::Status CheckTensors(const OpRequest& op) {
-  const uint64_t bytes = uint64_t{op.tokens} * op.hidden * DTypeSize(op.dtype);
+  const uint64_t bytes = uint64_t{op.num_tokens} * op.hidden * DTypeSize(op.dtype);
   const uint64_t gamma_bytes = uint64_t{op.hidden} * DTypeSize(op.dtype);
   std::vector<Extent> reads, writes;
   auto add = [&](std::vector<Extent>& to, const void* p, const char* name,

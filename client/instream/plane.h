@@ -13,19 +13,7 @@
 namespace arfuse::instream::lib {
 
 // One op as the caller asked for it (the C ABI's arguments).
-struct OpRequest {
-  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
-  uint32_t tokens = 0;
-  uint32_t hidden = 0;
-  DType dtype = DType::kBF16;
-  float eps = 0.0f;
-  const void* input = nullptr;
-  void* output = nullptr;  // kAllReduce
-  const void* residual_in = nullptr;
-  void* residual_out = nullptr;
-  void* norm_out = nullptr;
-  const void* gamma = nullptr;
-};
+using OpRequest = FusedOpArgs;
 
 // What the dispatch chose for an op: the algorithm (kAlgoOneShot, kAlgoTwoShot) and its entry.
 struct Dispatch {

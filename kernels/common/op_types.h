@@ -34,6 +34,23 @@ inline constexpr const char* PatternName(Pattern p) {
   return "unknown";
 }
 
+// One rank's op as the host sees it: the shape and this rank's tensors, pointers valid in the
+// calling process. The engines' OpArgs (server/engine/engine.h), the host collective's op and the
+// client library's request are this struct.
+struct FusedOpArgs {
+  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
+  DType dtype = DType::kBF16;
+  uint32_t hidden = 0;
+  uint32_t num_tokens = 0;
+  float eps = 1e-6f;
+  const void* input = nullptr;
+  void* output = nullptr;  // kAllReduce
+  const void* residual_in = nullptr;
+  void* residual_out = nullptr;
+  void* norm_out = nullptr;
+  const void* gamma = nullptr;
+};
+
 // World sizes the fused kernels support.
 inline constexpr bool IsSupportedWorldSize(int n) { return n == 2 || n == 4 || n == 8 || n == 16; }
 inline constexpr int kMaxWorldSize = 16;

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -168,13 +169,7 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   const int b = static_cast<int>(s & 1);
   // A rank gave up on this op or an earlier one: drop it without touching the buffers, as every
   // rank does (ops before the one given up on still run: see DropsOpAfterAbort).
-  if (uint32_t w = h->abort_word.load(std::memory_order_acquire);
-      DropsOpAfterAbort(w, h->abort_seq.load(std::memory_order_acquire), s)) {
-    return Fail(
-        absl::AbortedError(absl::StrCat("op ", s, ": rank ", w - 1, " gave up on this op; rank ",
-                                        rank_, " drops it too")),
-        s, HostWsError::kPeerAbort);
-  }
+  if (std::optional<HostOpResult> dropped = DropIfGivenUp(s)) return *dropped;
 
   // 1. Re-arm: buffer b last held call s - 2; every rank must be done reading it.
   if (s > 2) {
@@ -203,13 +198,7 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   }
   // A rank that gave up while this one waited may have seen this rank arrive; failing here
   // too keeps the outcome alike on every rank in all but the narrowest race.
-  if (uint32_t w = h->abort_word.load(std::memory_order_acquire);
-      DropsOpAfterAbort(w, h->abort_seq.load(std::memory_order_acquire), s)) {
-    return Fail(
-        absl::AbortedError(absl::StrCat("op ", s, ": rank ", w - 1, " gave up on this op; rank ",
-                                        rank_, " drops it too")),
-        s, HostWsError::kPeerAbort);
-  }
+  if (std::optional<HostOpResult> dropped = DropIfGivenUp(s)) return *dropped;
   // 4. Every rank must run the same op; a mismatch is refused alike on every rank, and the
   // buffer is still released below so the protocol stays in step.
   absl::Status ran = absl::OkStatus();
@@ -244,6 +233,18 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   mine->done_seq.store(s, std::memory_order_release);
   if (client && ran.ok()) mine->client_ops.fetch_add(1, std::memory_order_relaxed);
   return HostOpResult{std::move(ran), false, 0};
+}
+
+std::optional<HostOpResult> HostCollective::DropIfGivenUp(uint64_t seq) {
+  HostWsHeader* h = header();
+  const uint32_t w = h->abort_word.load(std::memory_order_acquire);
+  if (!DropsOpAfterAbort(w, h->abort_seq.load(std::memory_order_acquire), seq)) {
+    return std::nullopt;
+  }
+  return Fail(
+      absl::AbortedError(absl::StrCat("op ", seq, ": rank ", w - 1, " gave up on this op; rank ",
+                                      rank_, " drops it too")),
+      seq, HostWsError::kPeerAbort);
 }
 
 // Polls until ready(q) holds for every rank q, or fails: the local abort flag, a peer's abort

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -80,19 +81,7 @@ void RetireHostWorkspace(uint8_t* base);
 void AbortHostWorkspace(uint8_t* base, int rank);
 
 // One op as the collective runs it: this rank's tensors (host memory of the calling process).
-struct HostOpArgs {
-  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
-  DType dtype = DType::kBF16;
-  uint32_t hidden = 0;
-  uint32_t num_tokens = 0;
-  float eps = 1e-6f;
-  const void* input = nullptr;
-  void* output = nullptr;  // kAllReduce
-  const void* residual_in = nullptr;
-  void* residual_out = nullptr;
-  void* norm_out = nullptr;
-  const void* gamma = nullptr;
-};
+using HostOpArgs = FusedOpArgs;
 
 struct HostWaitLimits {
   absl::Time deadline = absl::InfiniteFuture();
@@ -136,6 +125,8 @@ class HostCollective {
   template <typename Ready>
   HostOpResult WaitAll(Ready ready, const HostWaitLimits& limits, uint64_t seq, const char* what);
   HostOpResult Fail(absl::Status s, uint64_t seq, HostWsError error);
+  // The op's failure when a rank gave up on it or an earlier one (DropsOpAfterAbort).
+  std::optional<HostOpResult> DropIfGivenUp(uint64_t seq);
 
   uint8_t* base_;
   int rank_;

@@ -58,19 +58,7 @@ struct EngineOptions {
 };
 
 // One op, with pointers valid in this process (already bounds-checked by the registry).
-struct OpArgs {
-  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
-  DType dtype = DType::kBF16;
-  uint32_t hidden = 0;
-  uint32_t num_tokens = 0;
-  float eps = 1e-6f;
-  const void* input = nullptr;
-  void* output = nullptr;  // kAllReduce
-  const void* residual_in = nullptr;
-  void* residual_out = nullptr;
-  void* norm_out = nullptr;
-  const void* gamma = nullptr;
-};
+using OpArgs = FusedOpArgs;
 
 struct ExecContext {
   absl::Time deadline = absl::InfiniteFuture();

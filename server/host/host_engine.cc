@@ -216,18 +216,6 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     ARFUSE_RETURN_IF_ERROR(Validate(op));
 
-    host::HostOpArgs a;
-    a.pattern = op.pattern;
-    a.dtype = op.dtype;
-    a.hidden = op.hidden;
-    a.num_tokens = op.num_tokens;
-    a.eps = op.eps;
-    a.input = op.input;
-    a.output = op.output;
-    a.residual_in = op.residual_in;
-    a.residual_out = op.residual_out;
-    a.norm_out = op.norm_out;
-    a.gamma = op.gamma;
     host::HostWaitLimits limits;
     limits.deadline = std::min(ctx.deadline, absl::Now() + options_.spin_timeout);
     limits.deadline_is_callers = ctx.deadline <= absl::Now() + options_.spin_timeout;
@@ -235,7 +223,7 @@ class HostEngine final : public Engine, public InStreamHost {
     // op_mu_ keeps Initialize from replacing the mapping while the op runs.
     host::HostCollective collective(ws_.mapping.data(), options_.rank, options_.world_size,
                                     slot_bytes_);
-    host::HostOpResult r = collective.Run(a, generation, limits);
+    host::HostOpResult r = collective.Run(op, generation, limits);
     if (r.poisoned) {
       SetState(WorkspaceState::kPoisoned, std::string(r.status.message()));
       spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",

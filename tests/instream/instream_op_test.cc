@@ -37,6 +37,11 @@ constexpr int kBF16 = ARFUSE_DTYPE_BF16;
 constexpr int kNorm = 2;
 constexpr int kSum = 1;
 
+// `p` moved by `n` bytes (misaligned or overlapping tensors).
+uint8_t* At(const void* p, int n) {
+  return const_cast<uint8_t*>(static_cast<const uint8_t*>(p) + n);
+}
+
 // A one-rank bf16 workspace of 16 tokens x 256, attached with entries at hidden 256 and 64.
 class OpTest : public ::testing::Test {
  protected:
@@ -78,6 +83,13 @@ class OpTest : public ::testing::Test {
     EXPECT_EQ(t.bytes(2, t.tensor_bytes), std::vector<uint8_t>(t.tensor_bytes, 0xee));
   }
 
+  // The norm op on 2 tokens x 64 with these tensors.
+  int NormOp(const void* input, const void* residual_in, void* residual_out, void* norm_out,
+             const void* gamma) {
+    return arfuse_fused_allreduce_residual_rmsnorm(ctx_, nullptr, input, residual_in, residual_out,
+                                                   norm_out, gamma, 2, 64, kBF16, 1e-5f);
+  }
+
   void Invalid(int rc, const std::string& part) {
     EXPECT_EQ(rc, ARFUSE_INVALID_ARGUMENT) << part;
     EXPECT_THAT(arfuse_last_error(), HasSubstr(part));
@@ -85,6 +97,13 @@ class OpTest : public ::testing::Test {
 
   std::unique_ptr<TestHostWorkspace> ws_;
   arfuse_ctx* ctx_ = nullptr;
+  // Tensors of 4 tokens x 64 for the rule tests (NormOp runs 2 of them).
+  RankTensors t_{DType::kBF16, 0, 0, 4, 64};
+  const void* in = t_.input();
+  const void* rin = t_.residual_in();
+  void* rout = t_.residual_out();
+  void* nout = t_.norm_out();
+  const void* g = t_.gamma();
 };
 
 TEST_F(OpTest, AnOpThatPassesMatchesTheCpuReferenceBitForBit) {
@@ -158,55 +177,30 @@ TEST_F(OpTest, UnknownEnumsAreInvalid) {
 }
 
 TEST_F(OpTest, NullArguments) {
-  RankTensors t(DType::kBF16, 0, 0, 2, 64);
-  Invalid(arfuse_fused_allreduce_residual_rmsnorm(nullptr, nullptr, t.input(), t.residual_in(),
-                                                  t.residual_out(), t.norm_out(), t.gamma(), 2, 64,
+  Invalid(arfuse_fused_allreduce_residual_rmsnorm(nullptr, nullptr, in, rin, rout, nout, g, 2, 64,
                                                   kBF16, 1e-5f),
           "ctx is NULL");
   Invalid(arfuse_supports(nullptr, kNorm, 1, 64, kBF16), "ctx is NULL");
   Invalid(arfuse_check(nullptr, nullptr), "ctx is NULL");
   Invalid(arfuse_disable(nullptr, "x"), "ctx is NULL");
   Invalid(arfuse_ctx_get_info(nullptr, nullptr), "ctx is NULL");
-  const void* in = t.input();
-  const void* rin = t.residual_in();
-  void* rout = t.residual_out();
-  void* nout = t.norm_out();
-  const void* g = t.gamma();
-  auto op = [&](const void* a, const void* b, void* c, void* d, const void* e) {
-    return arfuse_fused_allreduce_residual_rmsnorm(ctx_, nullptr, a, b, c, d, e, 2, 64, kBF16,
-                                                   1e-5f);
-  };
-  Invalid(op(nullptr, rin, rout, nout, g), "input is NULL");
-  Invalid(op(in, nullptr, rout, nout, g), "residual_in is NULL");
-  Invalid(op(in, rin, rout, nout, nullptr), "gamma is NULL");
-  Invalid(op(in, rin, nullptr, nout, g), "residual_out is NULL");
-  Invalid(op(in, rin, rout, nullptr, g), "norm_out is NULL");
-  Invalid(arfuse_fused_allreduce(ctx_, nullptr, t.input(), nullptr, 2, 64, kBF16),
-          "output is NULL");
-  Invalid(arfuse_fused_allreduce(ctx_, nullptr, nullptr, t.output(), 2, 64, kBF16),
+  Invalid(NormOp(nullptr, rin, rout, nout, g), "input is NULL");
+  Invalid(NormOp(in, nullptr, rout, nout, g), "residual_in is NULL");
+  Invalid(NormOp(in, rin, rout, nout, nullptr), "gamma is NULL");
+  Invalid(NormOp(in, rin, nullptr, nout, g), "residual_out is NULL");
+  Invalid(NormOp(in, rin, rout, nullptr, g), "norm_out is NULL");
+  Invalid(arfuse_fused_allreduce(ctx_, nullptr, in, nullptr, 2, 64, kBF16), "output is NULL");
+  Invalid(arfuse_fused_allreduce(ctx_, nullptr, nullptr, t_.output(), 2, 64, kBF16),
           "input is NULL");
 }
 
 TEST_F(OpTest, MisalignedTensors) {
-  RankTensors t(DType::kBF16, 0, 0, 4, 64);
-  const void* in = t.input();
-  const void* rin = t.residual_in();
-  void* rout = t.residual_out();
-  void* nout = t.norm_out();
-  const void* g = t.gamma();
-  auto op = [&](const void* a, const void* b, void* c, void* d, const void* e) {
-    return arfuse_fused_allreduce_residual_rmsnorm(ctx_, nullptr, a, b, c, d, e, 2, 64, kBF16,
-                                                   1e-5f);
-  };
-  auto off = [](const void* p, int n) {
-    return const_cast<uint8_t*>(static_cast<const uint8_t*>(p) + n);
-  };
-  Invalid(op(off(in, 8), rin, rout, nout, g), "input is not 16-byte aligned");
-  Invalid(op(in, off(rin, 2), rout, nout, g), "residual_in is not 16-byte aligned");
-  Invalid(op(in, rin, rout, nout, off(g, 4)), "gamma is not 16-byte aligned");
-  Invalid(op(in, rin, off(rout, 8), nout, g), "residual_out is not 16-byte aligned");
-  Invalid(op(in, rin, rout, off(nout, 8), g), "norm_out is not 16-byte aligned");
-  Invalid(arfuse_fused_allreduce(ctx_, nullptr, t.input(), off(t.output(), 8), 2, 64, kBF16),
+  Invalid(NormOp(At(in, 8), rin, rout, nout, g), "input is not 16-byte aligned");
+  Invalid(NormOp(in, At(rin, 2), rout, nout, g), "residual_in is not 16-byte aligned");
+  Invalid(NormOp(in, rin, rout, nout, At(g, 4)), "gamma is not 16-byte aligned");
+  Invalid(NormOp(in, rin, At(rout, 8), nout, g), "residual_out is not 16-byte aligned");
+  Invalid(NormOp(in, rin, rout, At(nout, 8), g), "norm_out is not 16-byte aligned");
+  Invalid(arfuse_fused_allreduce(ctx_, nullptr, in, At(t_.output(), 8), 2, 64, kBF16),
           "output is not 16-byte aligned");
 }
 
@@ -218,32 +212,19 @@ TEST_F(OpTest, ATensorWrappingTheAddressSpace) {
 }
 
 TEST_F(OpTest, OverlappingTensors) {
-  RankTensors t(DType::kBF16, 0, 0, 4, 64);
-  const void* in = t.input();
-  const void* rin = t.residual_in();
-  void* rout = t.residual_out();
-  void* nout = t.norm_out();
-  const void* g = t.gamma();
-  auto op = [&](const void* a, const void* b, void* c, void* d, const void* e) {
-    return arfuse_fused_allreduce_residual_rmsnorm(ctx_, nullptr, a, b, c, d, e, 2, 64, kBF16,
-                                                   1e-5f);
-  };
-  auto at = [](const void* p, int n) {
-    return const_cast<uint8_t*>(static_cast<const uint8_t*>(p) + n);
-  };
-  Invalid(op(in, rin, const_cast<void*>(in), nout, g), "residual_out overlaps input");
-  Invalid(op(in, rin, at(in, 128), nout, g), "residual_out overlaps input");
-  Invalid(op(in, rin, at(rin, 16), nout, g),
+  Invalid(NormOp(in, rin, const_cast<void*>(in), nout, g), "residual_out overlaps input");
+  Invalid(NormOp(in, rin, At(in, 128), nout, g), "residual_out overlaps input");
+  Invalid(NormOp(in, rin, At(rin, 16), nout, g),
           "residual_out overlaps residual_in partially (it may only equal it)");
-  Invalid(op(in, rin, rout, nout, rout), "residual_out overlaps gamma");
-  Invalid(op(in, rin, rout, const_cast<void*>(in), g), "norm_out overlaps input");
-  Invalid(op(in, rin, rout, at(rin, 16), g), "norm_out overlaps residual_in");
-  Invalid(op(in, rin, rout, nout, nout), "norm_out overlaps gamma");
-  Invalid(op(in, rin, rout, at(rout, 64), g), "norm_out overlaps residual_out");
-  Invalid(arfuse_fused_allreduce(ctx_, nullptr, t.input(), at(t.input(), 16), 2, 64, kBF16),
+  Invalid(NormOp(in, rin, rout, nout, rout), "residual_out overlaps gamma");
+  Invalid(NormOp(in, rin, rout, const_cast<void*>(in), g), "norm_out overlaps input");
+  Invalid(NormOp(in, rin, rout, At(rin, 16), g), "norm_out overlaps residual_in");
+  Invalid(NormOp(in, rin, rout, nout, nout), "norm_out overlaps gamma");
+  Invalid(NormOp(in, rin, rout, At(rout, 64), g), "norm_out overlaps residual_out");
+  Invalid(arfuse_fused_allreduce(ctx_, nullptr, in, At(in, 16), 2, 64, kBF16),
           "output partially overlaps input (it may only equal it)");
   // Tensors that only touch (one ends where the next begins) do not overlap.
-  EXPECT_EQ(op(in, rin, at(in, 256), nout, g), ARFUSE_OK) << arfuse_last_error();
+  EXPECT_EQ(NormOp(in, rin, At(in, 256), nout, g), ARFUSE_OK) << arfuse_last_error();
 }
 
 TEST_F(OpTest, InPlaceIsAllowedAndMatchesTheReference) {
