@@ -594,8 +594,7 @@ const std::vector<Command>& Commands() {
        "arfusectl version",
        {},
        [](const ParsedArgs&, Io& io) {
-         io.out << "arfusectl " << kVersion << " (" << kGitRevision << "), API " << kApiMajor << "."
-                << kApiMinor << "\n";
+         io.out << VersionLine("arfusectl") << "\n";
          return kExitOk;
        }},
   };
@@ -611,7 +610,8 @@ void PrintUsage(std::ostream& o) {
     o << name << c.summary << "\n";
   }
   o << "\nexit status: 0 ok, 1 server error or not serving, 2 invalid input, 3 unreachable\n"
-       "'arfusectl <command> --help' lists a command's options.\n";
+       "'arfusectl <command> --help' lists a command's options; 'arfusectl --version' prints the "
+       "version.\n";
 }
 
 }  // namespace
@@ -631,6 +631,10 @@ int RunArfusectl(const std::vector<std::string>& args, std::ostream& out, std::o
   const std::string& verb = args[0];
   if (verb == "help" || verb == "--help" || verb == "-h") {
     PrintUsage(out);
+    return kExitOk;
+  }
+  if (verb == "--version") {
+    out << VersionLine("arfusectl") << "\n";
     return kExitOk;
   }
   for (const Command& command : Commands()) {

@@ -320,7 +320,10 @@ TEST(ArfusectlCli, HelpAndUsage) {
   EXPECT_THAT(none.err, HasSubstr("usage: arfusectl"));
   Result version = RunBinary({"version"});
   EXPECT_EQ(version.code, 0);
-  EXPECT_THAT(version.out, HasSubstr("API 1.0"));
+  EXPECT_THAT(version.out, HasSubstr("api 1.0"));
+  Result dash_version = RunBinary({"--version"});
+  EXPECT_EQ(dash_version.code, 0);
+  EXPECT_EQ(dash_version.out, version.out);
 }
 
 TEST(ArfusectlCli, DefaultAddress) {

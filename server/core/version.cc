@@ -1,0 +1,12 @@
+#include "server/core/version.h"
+
+#include "absl/strings/str_format.h"
+
+namespace arfuse {
+
+std::string VersionLine(std::string_view program) {
+  return absl::StrFormat("%s %s (git %s, api %u.%u)", program, kVersion, kGitRevision, kApiMajor,
+                         kApiMinor);
+}
+
+}  // namespace arfuse
