@@ -12,7 +12,7 @@ import pytest
 
 import arfuse
 from conftest import Group
-from test_client import F32, H, T
+from test_client import HostTensors
 
 # The part of the reason that tells the user what to do.
 HINT = "--sm=90"
@@ -50,24 +50,16 @@ def test_reason_in_log_info_negotiation_and_first_none(no_sm):
         assert any(HINT in r for r in neg.reasons), neg.reasons
 
         ws = arfuse.FusionWorkspace(clients[0])
-        buf = arfuse.HostShmBuffer(4 * T * H * F32)
-        ws.register(buf)
-        x = buf.view("fp32", T * H, 0)
-        res = buf.view("fp32", T * H, T * H * F32)
-        y = buf.view("fp32", T * H, 2 * T * H * F32)
-        g = buf.view("fp32", H, 3 * T * H * F32)
-        call = dict(input=x.reshape(T, H), workspace=ws, residual_in=res, norm_out=y, rms_gamma=g)
+        t = HostTensors(ws)
         with pytest.warns(arfuse.FusionUnavailableWarning) as got:
-            assert arfuse.allreduce_fusion(**call) is None
+            assert arfuse.allreduce_fusion(**t.call) is None
         assert len(got) == 1 and HINT in str(got[0].message), [str(w.message) for w in got]
         assert HINT in ws.unavailable_reason
         # Once per reason: the next None is silent.
         with warnings.catch_warnings():
             warnings.simplefilter("error", arfuse.FusionUnavailableWarning)
-            assert arfuse.allreduce_fusion(**call) is None
-        for v in (x, res, y, g):
-            v.release()
-        buf.close()
+            assert arfuse.allreduce_fusion(**t.call) is None
+        t.close()
     finally:
         for c in clients:
             c.close()

@@ -7,26 +7,28 @@ if(SUBCOMMAND)
   string(APPEND label " ${SUBCOMMAND}")
 endif()
 
-execute_process(COMMAND ${BINARY} ${SUBCOMMAND} --help RESULT_VARIABLE rc OUTPUT_VARIABLE out
-                ERROR_VARIABLE err TIMEOUT 20)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "${label} --help exited with ${rc}\nstdout:\n${out}\nstderr:\n${err}")
-endif()
+# Runs the binary with FLAG; fails the test unless it exits 0; its stdout goes to OUT_VAR.
+function(run_flag flag out_var)
+  execute_process(COMMAND ${BINARY} ${SUBCOMMAND} ${flag} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err TIMEOUT 20)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${label} ${flag} exited with ${rc}\nstdout:\n${out}\nstderr:\n${err}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
+run_flag(--help help)
 foreach(text IN LISTS expect)
-  string(FIND "${out}" "${text}" at)
+  string(FIND "${help}" "${text}" at)
   if(at EQUAL -1)
-    message(FATAL_ERROR "${label} --help does not print \"${text}\":\n${out}")
+    message(FATAL_ERROR "${label} --help does not print \"${text}\":\n${help}")
   endif()
 endforeach()
 
-execute_process(COMMAND ${BINARY} ${SUBCOMMAND} --version RESULT_VARIABLE rc OUTPUT_VARIABLE out
-                ERROR_VARIABLE err TIMEOUT 20)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "${label} --version exited with ${rc}\nstdout:\n${out}\nstderr:\n${err}")
-endif()
+run_flag(--version version)
 string(REPLACE "." "\\." version_re "${VERSION}")
-if(NOT out MATCHES "^${PROGRAM} ${version_re} \\(git [^ ,]+, api [0-9]+\\.[0-9]+\\)\n$")
+if(NOT version MATCHES "^${PROGRAM} ${version_re} \\(git [^ ,]+, api [0-9]+\\.[0-9]+\\)\n$")
   message(FATAL_ERROR
-          "${label} --version printed \"${out}\", not \"${PROGRAM} ${VERSION} (git <rev>, api <x.y>)\"")
+          "${label} --version printed \"${version}\", not \"${PROGRAM} ${VERSION} (git <rev>, api <x.y>)\"")
 endif()
-message("${label}: --help and --version ok: ${out}")
+message("${label}: --help and --version ok: ${version}")
