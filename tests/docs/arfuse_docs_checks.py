@@ -8,6 +8,8 @@ scripts/test):
 - links: every relative link (and image) of docs/, README.md, CHANGELOG.md and results/README.md
   points to a file or folder inside the repository that exists, and an anchor into a Markdown
   page names one of its headings.
+- mentions: a page named in the text as `docs/<page>.md` exists, and nothing points into the
+  old `docs/results/` (raw results live under results/).
 - the book: every page under docs/ is reachable from the index, docs/README.md.
 """
 import os
@@ -154,6 +156,22 @@ def link_problems(text: str, page: Path, repo: Path = REPO):
             if anchor not in anchors(dest.read_text()):
                 problems.append(Problem(name, n, f"link {target}: no heading #{anchor} in "
                                                  f"{dest.relative_to(repo.resolve()).as_posix()}"))
+    return problems
+
+
+_DOC_MENTION = re.compile(r"(?<![\w./-])docs/([\w-]+\.md)\b")
+_OLD_RESULTS = re.compile(r"(?<![\w./-])docs/results\b")
+
+
+def mention_problems(text: str, path: str = "<text>", repo: Path = REPO):
+    """Pages named by path in prose or code spans that do not exist; mentions of docs/results/."""
+    problems = []
+    for n, line in prose_lines(text):
+        for m in _DOC_MENTION.finditer(line):
+            if not (repo / "docs" / m.group(1)).is_file():
+                problems.append(Problem(path, n, f"docs/{m.group(1)} does not exist: {line.strip()}"))
+        if _OLD_RESULTS.search(line):
+            problems.append(Problem(path, n, f"docs/results/ moved to results/: {line.strip()}"))
     return problems
 
 

@@ -26,6 +26,23 @@ def test_links_resolve_inside_the_repository(page):
     assert not problems, "broken links:\n" + _report(problems)
 
 
+@pytest.mark.parametrize("page", checks.wording_pages(), ids=checks.rel)
+def test_pages_named_by_path_exist(page):
+    problems = checks.mention_problems(page.read_text(), checks.rel(page))
+    assert not problems, "stale page names:\n" + _report(problems)
+
+
+def test_mentions_of_missing_pages_and_old_results_are_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "kernels.md").write_text("# K\n")
+    text = ("see docs/kernels.md\nsee docs/benchmarks.md\nlogs in `docs/results/tp.log`\n"
+            "```\ndocs/gone.md in a code block\n```\n")
+    problems = checks.mention_problems(text, "p.md", repo=tmp_path)
+    assert [p.line for p in problems] == [2, 3], _report(problems)
+    assert "docs/benchmarks.md does not exist" in problems[0].text
+    assert "docs/results/ moved to results/" in problems[1].text
+
+
 def test_every_docs_page_is_reachable_from_the_index():
     assert checks.unreachable_pages() == [], "link these pages from docs/README.md"
 
