@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/flag_args.h"
+#include "bench/kernels_flags.h"
 #include "bench/rank_launch.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
@@ -52,43 +53,7 @@
 namespace arfuse::bench {
 namespace {
 
-struct Flags {
-  int world = 2;
-  int rank = -1;  // -1: launcher
-  std::string dir;
-  std::string backend = "trtllm";
-  std::string vmm = "posix_fd";
-  std::vector<uint32_t> tokens = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
-  std::vector<uint32_t> hidden = {4096, 7168, 8192};
-  int repeats = 7;
-  int iters = 20;
-  int warmup = 3;
-  int spin_ms = 5000;
-  std::string json = "arfuse-bench-kernels.json";
-  std::vector<std::string> raw;  // flags to pass on to the ranks
-};
-
-using Flag = FlagTable::Flag;
-
-absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
-  Flags f;
-  const FlagTable table(
-      {Flag("world", &f.world), Flag("backend", &f.backend), Flag("vmm", &f.vmm),
-       Flag("tokens", &f.tokens), Flag("hidden", &f.hidden), Flag("repeats", &f.repeats),
-       Flag("iters", &f.iters), Flag("warmup", &f.warmup), Flag("spin_ms", &f.spin_ms),
-       Flag("json", &f.json)},
-      "rank", &f.rank, &f.dir);
-  ARFUSE_RETURN_IF_ERROR(table.Parse(argc, argv, &f.raw));
-  if (!IsSupportedWorldSize(f.world)) {
-    return absl::InvalidArgumentError(absl::StrCat("--world=", f.world, " is not 2, 4, 8 or 16"));
-  }
-  if (f.repeats < 5) return absl::InvalidArgumentError("--repeats must be at least 5");
-  if (f.iters < 1 || f.warmup < 0) return absl::InvalidArgumentError("--iters >= 1, --warmup >= 0");
-  if (f.backend != "trtllm" && f.backend != "mnnvl") {
-    return absl::InvalidArgumentError("--backend is trtllm or mnnvl");
-  }
-  return f;
-}
+using Flags = KernelsFlags;
 
 constexpr const char* kRows[] = {"oneshot",   "twoshot",       "choice",  "nccl", "nccl_sym",
                                  "nccl_norm", "nccl_sym_norm", "unfused", "pull"};
@@ -336,6 +301,14 @@ absl::Status RunRank(const Flags& f) {
                       : choice.path == ExecPath::kTwoShot ? r.us[kTwoShot]
                                                           : r.us[kUnfused];
       results.push_back(r);
+      if (f.rank == 0) {
+        // Progress, one line per shape: this rank's figures (the table takes the slowest rank's).
+        std::fprintf(stderr,
+                     "arfuse-bench kernels: [%zu/%zu] hidden %u tokens %u: oneshot %.1f twoshot "
+                     "%.1f unfused %.1f us (%s; rank 0)\n",
+                     results.size(), f.hidden.size() * f.tokens.size(), h, t, r.us[kOneShot],
+                     r.us[kTwoShot], r.us[kUnfused], r.choice.c_str());
+      }
     }
   }
   const uint32_t err = ws->error_code();
@@ -486,11 +459,12 @@ int Launch(const Flags& f) {
 }  // namespace
 
 int KernelsMain(int argc, char** argv) {
-  absl::StatusOr<Flags> f = ParseFlags(argc, argv);
+  absl::StatusOr<Flags> f = ParseKernelsFlags(argc, argv);
   if (!f.ok()) {
     std::fprintf(stderr, "arfuse-bench kernels: %s\n", f.status().ToString().c_str());
     return 2;
   }
+  if (f->outcome != FlagOutcome::kRun) return PrintKernelsHelpOrVersion(f->outcome);
   if (f->rank < 0) return Launch(*f);
   static_cast<void>(InitLogging("warn"));
   absl::Status s = RunRank(*f);

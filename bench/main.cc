@@ -2,14 +2,21 @@
 #include <cstdio>
 #include <cstring>
 
+#include "bench/kernels_flags.h"
 #include "bench/subcommands.h"
+#include "server/core/version.h"
 
 namespace arfuse::bench {
 namespace {
 
 #if !defined(ARFUSE_BENCH_CUDA)
-int KernelsMain(int, char**) {
-  std::fprintf(stderr, "arfuse-bench kernels: this build has no CUDA\n");
+// Without CUDA the subcommand still answers --help and --version; a run says why it cannot.
+int KernelsMain(int argc, char** argv) {
+  absl::StatusOr<KernelsFlags> f = ParseKernelsFlags(argc, argv);
+  if (f.ok() && f->outcome != FlagOutcome::kRun) return PrintKernelsHelpOrVersion(f->outcome);
+  std::fprintf(stderr,
+               "arfuse-bench kernels: this build has no CUDA (configure with a CUDA "
+               "toolkit and NCCL to build it)\n");
   return 2;
 }
 #endif
@@ -21,10 +28,12 @@ constexpr Subcommand kSubcommands[] = {
      SidecarMain},
 };
 
-int Usage() {
-  std::fprintf(stderr, "usage: arfuse-bench <subcommand> [--key=value ...]\nsubcommands:\n");
-  for (const Subcommand& s : kSubcommands) std::fprintf(stderr, "  %-10s %s\n", s.name, s.summary);
-  return 2;
+void PrintUsage(std::FILE* out) {
+  std::fprintf(out, "usage: arfuse-bench <subcommand> [--key=value ...]\n\nsubcommands:\n");
+  for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-10s %s\n", s.name, s.summary);
+  std::fprintf(out,
+               "\n'arfuse-bench <subcommand> --help' lists its flags; 'arfuse-bench --version' "
+               "prints the version.\n");
 }
 
 }  // namespace
@@ -32,10 +41,23 @@ int Usage() {
 
 int main(int argc, char** argv) {
   using arfuse::bench::kSubcommands;
-  if (argc < 2) return arfuse::bench::Usage();
+  if (argc < 2) {
+    arfuse::bench::PrintUsage(stderr);
+    return 2;
+  }
+  if (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
+    arfuse::bench::PrintUsage(stdout);
+    return 0;
+  }
+  if (std::strcmp(argv[1], "--version") == 0) {
+    std::printf("%s\n", arfuse::VersionLine("arfuse-bench").c_str());
+    return 0;
+  }
   for (const auto& s : kSubcommands) {
     if (std::strcmp(argv[1], s.name) == 0) return s.run(argc - 1, argv + 1);
   }
-  std::fprintf(stderr, "unknown subcommand %s\n", argv[1]);
-  return arfuse::bench::Usage();
+  std::fprintf(stderr, "arfuse-bench: unknown subcommand %s\n", argv[1]);
+  arfuse::bench::PrintUsage(stderr);
+  return 2;
 }

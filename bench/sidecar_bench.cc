@@ -115,6 +115,7 @@ using client::TensorLoc;
 // ------------------------------------------------------------------------------------ flags
 
 struct Flags {
+  FlagOutcome outcome = FlagOutcome::kRun;
   int ranks = 2;
   std::string device;  // host | cuda; empty: cuda when built with CUDA and a GPU is visible
   std::vector<uint32_t> tokens = {1, 16, 128};
@@ -138,16 +139,41 @@ struct Flags {
 
 using Flag = FlagTable::Flag;
 
+constexpr char kDescription[] =
+    "The sidecar's data planes per op, each against its yardstick in the same run: eager\n"
+    "(Fusion.Execute) against a gRPC echo, the doorbell plane against the same kernel launched\n"
+    "in-process, and a layer loop (stand-in kernel + fused op) in-process, through the doorbell\n"
+    "and over NCCL. Starts --ranks arfused sidecars and one client process per rank; prints one\n"
+    "progress line per row to stderr, then the table (slowest rank, us), and writes --json.\n"
+    "Host mode (--device=host) needs no GPU.";
+
+FlagTable SidecarFlagTable(Flags* f) {
+  return FlagTable(
+      {Flag("ranks", &f->ranks, "ranks: sidecars and client processes (rank r on GPU r % GPUs)"),
+       Flag("device", &f->device,
+            "host or cuda (default: cuda when built with it and a GPU is "
+            "visible, else host)"),
+       Flag("tokens", &f->tokens, "token counts, comma-separated"),
+       Flag("hidden", &f->hidden, "hidden sizes (multiples of 8), comma-separated"),
+       Flag("iters", &f->iters, "timed calls per per-call row"),
+       Flag("warmup", &f->warmup, "untimed calls first"),
+       Flag("block", &f->block, "echo and Execute calls alternate in blocks of this many"),
+       Flag("graph_ops", &f->graph_ops, "ops per CUDA graph (graph rows)"),
+       Flag("repeats", &f->repeats, "timed replays per graph row"),
+       Flag("compute_us", &f->compute_us, "GPU time of the layer stand-in kernel, us"),
+       Flag("json", &f->json, "where the results go"),
+       Flag("arfused", &f->arfused,
+            "the arfused binary (default: the build tree's, next to this binary, or PATH's)"),
+       Flag("backend", &f->backend, "the sidecars' --flashinfer-allreduce-fusion-backend"),
+       Flag("ring_lib", &f->ring_lib, "libarfuse_ring.so for the doorbell rows (default: found)"),
+       Flag("timeout", &f->timeout_s, "seconds the whole run may take")},
+      "client_rank", &f->client_rank, &f->dir);
+}
+
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
-  const FlagTable table(
-      {Flag("ranks", &f.ranks), Flag("device", &f.device), Flag("tokens", &f.tokens),
-       Flag("hidden", &f.hidden), Flag("iters", &f.iters), Flag("warmup", &f.warmup),
-       Flag("block", &f.block), Flag("graph_ops", &f.graph_ops), Flag("repeats", &f.repeats),
-       Flag("compute_us", &f.compute_us), Flag("json", &f.json), Flag("arfused", &f.arfused),
-       Flag("backend", &f.backend), Flag("ring_lib", &f.ring_lib), Flag("timeout", &f.timeout_s)},
-      "client_rank", &f.client_rank, &f.dir);
-  ARFUSE_RETURN_IF_ERROR(table.Parse(argc, argv, &f.raw));
+  ARFUSE_ASSIGN_OR_RETURN(f.outcome, SidecarFlagTable(&f).Parse(argc, argv, &f.raw));
+  if (f.outcome != FlagOutcome::kRun) return f;
   if (f.ranks < 1 || f.ranks > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("--ranks must be 1..", kMaxWorldSize));
   }
@@ -589,6 +615,20 @@ struct ClientRun {
   Gpu* gpu = nullptr;
 #endif
 
+  // Keeps a finished row; rank 0 also prints it to stderr, one progress line per row (its own
+  // figures: the table takes the slowest rank's).
+  void Record(const RowResult& r) {
+    out.push_back(r);
+    if (rank != 0) return;
+    if (std::isnan(r.p50)) {
+      std::fprintf(stderr, "arfuse-bench sidecar: %u x %u %-18s -  (%s)\n", r.tokens, r.hidden,
+                   r.row.c_str(), r.note.c_str());
+    } else {
+      std::fprintf(stderr, "arfuse-bench sidecar: %u x %u %-18s p50 %.1f us  p99 %.1f us\n",
+                   r.tokens, r.hidden, r.row.c_str(), r.p50, r.p99);
+    }
+  }
+
   absl::Status Echo() {
     grpc::ClientContext ctx;
     c.PrepareContext(&ctx, absl::ZeroDuration());
@@ -701,7 +741,7 @@ struct ClientRun {
       SetFigures(Summarize(v), &r);
       r.path = p;
       r.note = note;
-      out.push_back(r);
+      Record(r);
     };
     if (!sync) add("echo", echo_us, "-", "Health.Check, same channel and metadata");
     if (refused) {
@@ -777,7 +817,7 @@ struct ClientRun {
     r.path = "host";
     if (host_engine == nullptr) {
       r.note = host_engine_note;
-      out.push_back(r);
+      Record(r);
       return absl::OkStatus();
     }
     std::vector<char> img = HostImage(L, tokens, hidden, rank);
@@ -795,7 +835,7 @@ struct ClientRun {
     }
     SetFigures(Summarize(us), &r);
     r.note = "host engine's op run by the client processes: the op's own cost";
-    out.push_back(r);
+    Record(r);
     return absl::OkStatus();
   }
 
@@ -815,14 +855,14 @@ struct ClientRun {
       r.failed = true;
       r.note = std::string(per_op.status().message()).substr(0, 200);
     }
-    out.push_back(r);
+    Record(r);
   }
 
   void AddSkippedRow(const std::string& row, uint32_t tokens, uint32_t hidden,
                      const std::string& why) {
     RowResult r = ShapeRow(row, tokens, hidden);
     r.note = why;
-    out.push_back(r);
+    Record(r);
   }
 
   absl::Status GpuRows(const OpDesc& desc, uint32_t tokens, uint32_t hidden, char* base,
@@ -1687,6 +1727,10 @@ int SidecarMain(int argc, char** argv) {
   if (!f.ok()) {
     std::fprintf(stderr, "arfuse-bench sidecar: %s\n", f.status().ToString().c_str());
     return 2;
+  }
+  if (f->outcome != FlagOutcome::kRun) {
+    Flags defaults;
+    return PrintHelpOrVersion(f->outcome, "sidecar", kDescription, SidecarFlagTable(&defaults));
   }
   if (f->client_rank >= 0) {
     if (f->dir.empty()) {

@@ -805,8 +805,7 @@ std::vector<OptionSpec> WithRanks(std::vector<OptionSpec> options) {
 }
 
 int PrintVersion(Io& io) {
-  io.out << "arfusectl " << kVersion << " (" << kGitRevision << "), API " << kApiMajor << "."
-         << kApiMinor << "\n";
+  io.out << VersionLine("arfusectl") << "\n";
   return kExitOk;
 }
 
@@ -880,7 +879,8 @@ void PrintUsage(std::ostream& o) {
     o << name << c.summary << "\n";
   }
   o << "\nexit status: 0 ok, 1 server error or not serving, 2 invalid input, 3 unreachable\n"
-       "'arfusectl <command> --help' lists a command's options.\n";
+       "'arfusectl <command> --help' lists a command's options; 'arfusectl --version' prints the "
+       "version.\n";
 }
 
 }  // namespace

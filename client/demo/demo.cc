@@ -27,8 +27,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -37,6 +39,7 @@
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
 #include "kernels/cpu/reference_op.h"
+#include "server/core/version.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
 
@@ -950,11 +953,50 @@ int ParentMain(const char* argv0) {
 }
 
 }  // namespace
+
+std::string Usage() {
+  std::string out = absl::StrCat(
+      "arfuse-demo: ", absl::ProgramUsageMessage(),
+      "\nusage: arfuse-demo [--flag=value ...]\n\n"
+      "Starts --ranks arfused sidecars and one client process per rank, runs every --tokens x\n"
+      "--hidden shape on the eager plane (and, with --device=cuda, the doorbell plane), checks\n"
+      "every output against the CPU reference and prints a table. Exits non-zero on any wrong\n"
+      "result or failed call.\n\nflags:\n");
+  // This file's flags, by name; the internal ones (a client process's) are left out.
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "demo.cc") &&
+        !absl::StartsWith(flag->Help(), "Internal:")) {
+      flags.push_back(flag);
+    }
+  }
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  for (const absl::CommandLineFlag* f : flags) {
+    const std::string def = f->DefaultValue();
+    absl::StrAppend(&out, "  --", f->Name(), "  (default: ", def.empty() ? "unset" : def,
+                    ")\n      ", f->Help(), "\n");
+  }
+  return out;
+}
+
 }  // namespace arfuse::demo
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Runs the fused allreduce + residual + RMSNorm through N arfused sidecars and checks it.");
+  // --help and --version before absl's parser, which exits 1 after its help and lists only
+  // flags of a file named like the program.
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h" || arg == "--helpfull") {
+      std::fputs(arfuse::demo::Usage().c_str(), stdout);
+      return 0;
+    }
+    if (arg == "--version") {
+      std::printf("%s\n", arfuse::VersionLine("arfuse-demo").c_str());
+      return 0;
+    }
+  }
   absl::ParseCommandLine(argc, argv);
   signal(SIGPIPE, SIG_IGN);
   int rank = absl::GetFlag(FLAGS_client_rank);

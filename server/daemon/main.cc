@@ -41,8 +41,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (parsed->outcome == arfuse::ParseOutcome::kVersion) {
-    std::printf("arfused %s (git %s, api %u.%u)\n", arfuse::kVersion, arfuse::kGitRevision,
-                arfuse::kApiMajor, arfuse::kApiMinor);
+    std::printf("%s\n", arfuse::VersionLine("arfused").c_str());
     return 0;
   }
   arfuse::DaemonOptions options = std::move(parsed->options);

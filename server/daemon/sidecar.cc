@@ -363,6 +363,9 @@ absl::Status Sidecar::Start() {
       "world_size={} nnodes={} sm={}",
       options_.socket, health_port_, metrics_port(), options_.device, options_.gpu, options_.rank,
       options_.world_size, options_.nnodes, OwnTopology().sm);
+  if (OwnTopology().sm == 0) {
+    spdlog::warn("event=no_gpu_architecture reason=\"{}\"", kNoGpuArchitectureReason);
+  }
   supervisor_ = std::thread([this] { SuperviseGroup(); });
   return absl::OkStatus();
 }

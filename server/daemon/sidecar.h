@@ -36,6 +36,13 @@ class PeerService;
 // The readiness entry of the health service (the main API's service name).
 inline constexpr char kReadinessService[] = "arfuse.v1.Fusion";
 
+// Why host mode without --sm does not fuse: logged at start-up, and the group decision's reason
+// that GetWorkspaceInfo, Negotiate (`arfusectl info`) and the Python client's warning show.
+inline constexpr char kNoGpuArchitectureReason[] =
+    "host mode without --sm has no GPU architecture to decide for, so fusion is off and "
+    "allreduce_fusion returns None (the caller's own path runs); give --sm=90 or --sm=100 to "
+    "decide as that GPU would";
+
 class Sidecar final : public AdminControl {
  public:
   explicit Sidecar(DaemonOptions options);

@@ -64,6 +64,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decis
              : options_.dtype == "fp16" ? DType::kFP16
                                         : DType::kBF16;
   eo.spin_timeout = absl::Seconds(options_.spin_timeout_s);
+  if (!decision.fusion_enabled) eo.unfused_reason = absl::StrJoin(decision.reasons, "; ");
   std::unique_ptr<Engine> engine;
   if (options_.device == "host") {
     ARFUSE_ASSIGN_OR_RETURN(engine, MakeHostEngine(eo));
@@ -125,8 +126,7 @@ absl::Status Sidecar::FormGroup() {
     // Host mode without --sm: there is no GPU architecture to resolve a backend for.
     config::Decision none;
     none.rules = report.flags.rules;
-    none.reasons.push_back(
-        "no GPU architecture (host mode without --sm): the CPU implementation runs");
+    none.reasons.push_back(kNoGpuArchitectureReason);
     report.decision = none;
   } else {
     absl::StatusOr<config::Decision> local = config::ResolveBackend(report.flags, report.topology);
@@ -169,8 +169,17 @@ absl::Status Sidecar::FormGroup() {
   }
   gate_.Resume();
   Publish(decision, true);
-  spdlog::info("event=ready backend={} fusion_enabled={} generation={} workspace_bytes={}",
-               es.backend, decision.fusion_enabled, generation, es.workspace_bytes);
+  if (decision.fusion_enabled) {
+    spdlog::info("event=ready backend={} fusion_enabled=true generation={} workspace_bytes={}",
+                 es.backend, generation, es.workspace_bytes);
+  } else {
+    // Every fused call of a client now answers "unavailable" (allreduce_fusion returns None):
+    // say why where the user looks first.
+    spdlog::warn(
+        "event=ready backend={} fusion_enabled=false generation={} workspace_bytes={} "
+        "reasons=\"{}\"",
+        es.backend, generation, es.workspace_bytes, absl::StrJoin(decision.reasons, "; "));
+  }
   return absl::OkStatus();
 }
 

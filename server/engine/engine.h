@@ -55,6 +55,9 @@ struct EngineOptions {
   DType dtype = DType::kBF16;
   // Every spin gives up after this long, poisons the workspace and reports an error.
   absl::Duration spin_timeout = absl::Seconds(5);
+  // With backend "none": why the group's decision turned fusion off. Status().reason says it, so
+  // GetWorkspaceInfo (what clients and `arfusectl info` read) tells the user why nothing fuses.
+  std::string unfused_reason;
 };
 
 // One op, with pointers valid in this process (already bounds-checked by the registry).

@@ -333,7 +333,9 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   std::string fuse_reason;
   const bool fused_backend = options_.backend == "trtllm" || options_.backend == "mnnvl";
   if (!fused_backend) {
-    fuse_reason = absl::StrCat("backend ", options_.backend, ": unfused");
+    fuse_reason = options_.unfused_reason.empty()
+                      ? absl::StrCat("backend ", options_.backend, ": unfused")
+                      : absl::StrCat("fusion off: ", options_.unfused_reason);
   } else if (!IsSupportedWorldSize(world)) {
     fuse_reason = absl::StrCat("world size ", world, " is not fused (2, 4, 8 or 16)");
   }

@@ -66,21 +66,21 @@ uint64_t PayloadBytes(uint32_t num_tokens, uint32_t hidden, DType dtype) {
 DispatchTable DispatchTable::Published() {
   DispatchTable t;
   // NCCL symmetric kernels + add-RMSNorm on 2x and 4x H200 (arfuse-bench kernels,
-  // docs/benchmarks.md): faster below 64 KiB and at 1.75-8 MiB, slower elsewhere, at both world
+  // docs/performance.md): faster below 64 KiB and at 1.75-8 MiB, slower elsewhere, at both world
   // sizes; at TP8 only the small-payload win is assumed (anchor-figures.md).
   const std::vector<ByteRange> sym_measured = {{0, 64 * kKiB}, {1536 * kKiB, 8 * kMiB + 1}};
   const std::vector<ByteRange> sym_small = {{0, 16 * kKiB + 1}};
-  // SM90 TP2, measured on 2x H200 (docs/benchmarks.md, "Kernels, 2x H200"): our one-shot beats
+  // SM90 TP2, measured on 2x H200 (docs/performance.md, "2x H200"): our one-shot beats
   // the best unfused path at every shape from 8 KiB to 32 MiB (0.44-0.72x) and the two-shot
   // everywhere, so one-shot up to the largest payload measured and no two-shot range.
-  // SM90 TP4, measured on 4x H200 (docs/benchmarks.md, "Kernels, 4x H200"): the one-shot is the
+  // SM90 TP4, measured on 4x H200 (docs/performance.md, "4x H200"): the one-shot is the
   // fastest path up to 1 MiB (within 0.2 us of NCCL symmetric at 14-16 KiB), the two-shot above
   // it up to 32 MiB (0.78-0.94x the best unfused path; at 1.75 MiB 2% behind NCCL symmetric).
   // TP8: vLLM's SM90 one-shot gate (0.5 MiB) until measured.
   const char* sm90_tp2 =
-      "measured: arfuse-bench kernels --world=2, 2x H200 NV18 (docs/benchmarks.md)";
+      "measured: arfuse-bench kernels --world=2, 2x H200 NV18 (docs/performance.md)";
   const char* sm90_tp4 =
-      "measured: arfuse-bench kernels --world=4, 4x H200 NV18 (docs/benchmarks.md)";
+      "measured: arfuse-bench kernels --world=4, 4x H200 NV18 (docs/performance.md)";
   const char* sm90 = "published: vLLM SM90 one-shot/fusion gates; H200 TP2 anchor (FlashInfer)";
   static_cast<void>(t.Add({90, 2, 32 * kMiB, 0, sym_measured, sm90_tp2}));
   static_cast<void>(t.Add({90, 4, 1 * kMiB, 32 * kMiB, sym_measured, sm90_tp4}));

@@ -186,7 +186,10 @@ class HostEngine final : public Engine, public InStreamHost {
       ws_ = std::move(ws);
       generation_ = next_gen;
       state_ = WorkspaceState::kReady;
-      reason_ = "host shared-memory workspace ready";
+      reason_ = options_.backend != "none" ? std::string("host shared-memory workspace ready")
+                : options_.unfused_reason.empty()
+                    ? std::string("fusion off (backend none)")
+                    : absl::StrCat("fusion off: ", options_.unfused_reason);
     }
     spdlog::info("event=host_workspace_ready rank={} world_size={} generation={} bytes={}",
                  options_.rank, options_.world_size, next_gen, total);

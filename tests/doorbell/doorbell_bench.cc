@@ -34,6 +34,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -44,6 +45,7 @@
 #include "absl/synchronization/notification.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
+#include "server/core/version.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
@@ -75,6 +77,46 @@ struct Args {
   int resident_ms = 300;
   std::string json;
 };
+
+constexpr char kUsage[] =
+    "usage: doorbell_bench [--flag=value ...]\n"
+    "The doorbell plane against the same fused kernel launched in-process, us per op, on one GPU\n"
+    "with --world ranks simulated in one process; the last op's outputs are checked against the\n"
+    "CPU. One progress line per token count goes to stderr, the table to stdout.\n\n"
+    "flags (with their defaults):\n"
+    "  --world=2          ranks simulated in this process\n"
+    "  --hidden=4096      hidden size (a multiple of 8)\n"
+    "  --tokens=1,8,32,128  token counts, comma-separated\n"
+    "  --ops=3000         timed ops per row\n"
+    "  --per_graph=100    ops per CUDA graph\n"
+    "  --algo=oneshot     oneshot or twoshot\n"
+    "  --queue=32         the planes' queue depth\n"
+    "  --poll_us=5        the planes' host thread poll interval, us\n"
+    "  --max_poll_us=N    the host thread's back-off limit (default: the plane's; --poll_us's\n"
+    "                     value turns the back-off off)\n"
+    "  --serve_blocks=32  serving blocks per plane\n"
+    "  --resident_ms=300  after the rows, how long the planes stay resident and unrung (< 1000)\n"
+    "  --pdl              programmatic dependent launch for the in-process kernels\n"
+    "  --trace            where rank 0's in-place ops spend their time, per token count\n"
+    "  --system_scope     ring at system scope\n"
+    "  --json=PATH        also write the rows as JSON\n"
+    "  --help, --version\n";
+
+// 0: run; 1: --help or --version was answered (exit 0).
+int HelpOrVersion(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 1;
+    }
+    if (arg == "--version") {
+      std::printf("%s\n", VersionLine("doorbell_bench").c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
 
 bool Parse(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
@@ -123,7 +165,7 @@ bool Parse(int argc, char** argv, Args* a) {
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "doorbell_bench: bad argument %s\n", arg.c_str());
+      std::fprintf(stderr, "doorbell_bench: bad argument %s (see --help)\n", arg.c_str());
       return false;
     }
   }
@@ -291,6 +333,7 @@ struct Row {
 
 int Main(int argc, char** argv) {
   Args a;
+  if (HelpOrVersion(argc, argv)) return 0;
   if (!Parse(argc, argv, &a)) return 2;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -442,6 +485,10 @@ int Main(int argc, char** argv) {
     all_ok = all_ok && row.correct && row.inprocess_us > 0 && row.doorbell_us > 0;
     std::printf("%8u %16.2f %16.2f %+12.2f %8s\n", t, row.inprocess_us, row.doorbell_us,
                 row.doorbell_us - row.inprocess_us, row.correct ? "ok" : "WRONG");
+    std::fprintf(stderr,
+                 "doorbell_bench: [%zu/%zu] %u tokens: in-process %.2f us, doorbell %.2f us%s\n",
+                 rows.size() + 1, a.tokens.size(), t, row.inprocess_us, row.doorbell_us,
+                 row.correct ? "" : " WRONG");
     for (cudaGraphExec_t e : reference) cudaGraphExecDestroy(e);
     for (cudaGraphExec_t e : rings) cudaGraphExecDestroy(e);
     rows.push_back(row);

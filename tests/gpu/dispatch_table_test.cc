@@ -142,7 +142,7 @@ TEST(DispatchTable, UnfusedPicksSymmetricPerSize) {
   EXPECT_FALSE(c->nccl_symmetric);
 }
 
-// The SM90 TP2 symmetric ranges are the measured ones (docs/benchmarks.md): NCCL's symmetric
+// The SM90 TP2 symmetric ranges are the measured ones (docs/performance.md): NCCL's symmetric
 // kernels + add-RMSNorm won below 64 KiB and from 1.75 MiB to 8 MiB.
 TEST(DispatchTable, Sm90Tp2SymmetricRangesAreTheMeasuredOnes) {
   const DispatchTable t = DispatchTable::Published();

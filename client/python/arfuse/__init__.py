@@ -17,10 +17,11 @@ except ImportError:  # a checkout used in place
 
 from .client import (API_VERSION, ArfuseError, Client, Negotiation, OpSpec, Plan, Region,
                      SidecarLost, TensorLoc, common_pb2, config_pb2, fusion_pb2, fusion_pb2_grpc)
-from .fusion import AllReduceFusionPattern, FusionWorkspace, allreduce_fusion
+from .fusion import (AllReduceFusionPattern, FusionUnavailableWarning, FusionWorkspace,
+                     allreduce_fusion)
 from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
 
 __all__ = ["__version__", "API_VERSION", "ArfuseError", "AllReduceFusionPattern", "Client", "CudaBuffer",
-           "FusionWorkspace", "HostShmBuffer", "IpcEvent", "Negotiation", "OpSpec", "Plan",
+           "FusionUnavailableWarning", "FusionWorkspace", "HostShmBuffer", "IpcEvent", "Negotiation", "OpSpec", "Plan",
            "Region", "SidecarLost", "TensorLoc", "TensorView", "allreduce_fusion", "common_pb2",
            "config_pb2", "fusion_pb2", "fusion_pb2_grpc"]

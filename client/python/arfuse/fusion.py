@@ -13,16 +13,26 @@ dtype), so the framework keeps its own path, as with FlashInfer's fused op:
 A sidecar that is gone (its session stream ended: killed, crashed) is not "unavailable": the call
 raises SidecarLost, since the other ranks' sidecars are about to fail their side of the op.
 
+The first None for a given reason also issues a FusionUnavailableWarning naming the sidecar's
+reason (for example host mode without --sm, where no GPU architecture decides for fusion);
+FusionWorkspace.unavailable_reason keeps the latest one.
+
 For CUDA graphs, FusionWorkspace.create_plan(..., doorbell=True) makes a doorbell plan once;
 arfuse.ring.DoorbellRing rings it from inside capture (docs/integration.md).
 """
 import time
+import warnings
 from typing import Optional
 
 import grpc
 
 from .client import (ArfuseError, Client, OpSpec, Plan, SidecarLost, TensorLoc, common_pb2)
 from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
+
+
+class FusionUnavailableWarning(RuntimeWarning):
+    """allreduce_fusion returned None: nothing ran, the caller's own path must run. Issued once
+    per workspace and reason; the message carries the sidecar's reason."""
 
 
 class AllReduceFusionPattern:
@@ -84,6 +94,8 @@ class FusionWorkspace:
         self._checked_at = 0.0
         self._event = None
         self._done_events = {}  # done_event handle -> opened IpcEvent
+        self.unavailable_reason = ""  # why the last None was returned
+        self._warned = set()  # reasons already warned about
 
     def register(self, buffer, name: Optional[str] = None):
         name = name or f"buf{len(self._buffers)}"
@@ -115,12 +127,26 @@ class FusionWorkspace:
                 raise
             self._available = bool(info.fusion_enabled) and \
                 info.state == common_pb2.WORKSPACE_STATE_READY
+            if not self._available:
+                state = common_pb2.WorkspaceState.Name(info.state)
+                self.unavailable_reason = info.reason or f"workspace {state}"
             self._checked_at = now
         return self._available
 
-    def mark_unavailable(self):
+    def mark_unavailable(self, reason: str = ""):
         self._available = False
         self._checked_at = time.monotonic()
+        if reason:
+            self.unavailable_reason = reason
+
+    def _none(self, stacklevel: int = 3):
+        """allreduce_fusion's None, with a warning the first time for each reason."""
+        reason = self.unavailable_reason or "the sidecar reports fusion unavailable"
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"arfuse: allreduce_fusion returns None (nothing ran; run your own "
+                          f"path): {reason}", FusionUnavailableWarning, stacklevel=stacklevel)
+        return None
 
     def _done_event(self, handle: bytes) -> IpcEvent:
         ev = self._done_events.get(handle)
@@ -193,7 +219,7 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     if pattern not in _PATTERNS:
         raise ValueError(f"pattern {pattern} is not supported")
     if not workspace.fusion_available():
-        return None
+        return workspace._none()
     op, main = _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out,
                         rms_gamma, rms_eps, dtype)
     num_tokens = op.max_tokens
@@ -221,11 +247,13 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
             # The sidecar said "not now" (engine initializing, shutting down), or it is gone:
             # the session stream tells which.
             workspace.client.raise_if_lost(_LOST_GRACE_S)
-            workspace.mark_unavailable()  # the op did not run: the framework's path takes it
-            return None
+            # The op did not run: the framework's path takes it.
+            workspace.mark_unavailable(e.message)
+            return workspace._none()
         raise
     if resp.path == common_pb2.EXEC_PATH_UNSPECIFIED:
-        return None
+        workspace.unavailable_reason = resp.reason or "no path was run"
+        return workspace._none()
     if stream is not None and resp.done_event:
         workspace._done_event(bytes(resp.done_event)).wait_on(stream)
     return main
