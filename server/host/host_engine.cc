@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/cpu/reference_op.h"
 #include "server/core/status_macros.h"
+#include "server/host/guarded_copy.h"
 #include "server/host/host_workspace.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
@@ -263,13 +264,16 @@ class HostEngine final : public Engine {
     // 2. Publish this rank's input and what it runs.
     HostRankSync* mine = Sync(base, options_.rank);
     const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
-    std::memcpy(Slot(base, b, options_.rank), op.input, bytes);
+    // The input is client memory (guarded_copy.h). A rank whose client's memory faults still
+    // publishes its slot, flagged, so that every rank drops the op alike and stays in step.
+    const absl::Status input_read =
+        GuardedCopy(Slot(base, b, options_.rank), op.input, bytes, "input");
     mine->desc[b] = HostSlotDesc{op.hidden,
                                  op.num_tokens,
                                  FloatBitsOf(op.eps),
                                  static_cast<uint8_t>(op.pattern),
                                  static_cast<uint8_t>(op.dtype),
-                                 0};
+                                 input_read.ok() ? uint16_t{0} : host::kHostSlotInputFaulted};
     // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
     mine->written_seq[b].store(s, std::memory_order_release);
     // 3. Wait for every rank's slot of this call.
@@ -289,6 +293,16 @@ class HostEngine final : public Engine {
     // buffer is still released below so the protocol stays in step.
     absl::Status agreed = absl::OkStatus();
     for (int q = 0; q < world && agreed.ok(); ++q) {
+      if (Sync(base, q)->desc[b].flags & host::kHostSlotInputFaulted) {
+        agreed = q == options_.rank
+                     ? input_read
+                     : absl::AbortedError(absl::StrCat(
+                           "op ", s, ": rank ", q,
+                           " could not read its client's input (the client's memory faulted); "
+                           "every rank drops the op"));
+      }
+    }
+    for (int q = 0; q < world && agreed.ok(); ++q) {
       const HostSlotDesc& d = Sync(base, q)->desc[b];
       const HostSlotDesc& m = mine->desc[b];
       if (std::memcmp(&d, &m, sizeof(d)) != 0) {
@@ -301,20 +315,7 @@ class HostEngine final : public Engine {
     if (agreed.ok()) {
       std::vector<const void*> inputs(world);
       for (int q = 0; q < world; ++q) inputs[q] = Slot(base, b, q);
-      CpuOpArgs a;
-      a.pattern = op.pattern;
-      a.dtype = op.dtype;
-      a.world_size = world;
-      a.hidden = op.hidden;
-      a.num_tokens = op.num_tokens;
-      a.eps = op.eps;
-      a.rank_inputs = inputs.data();
-      a.output = op.output;
-      a.residual_in = op.residual_in;
-      a.residual_out = op.residual_out;
-      a.norm_out = op.norm_out;
-      a.gamma = op.gamma;
-      ran = ReferenceFusedOp(a);
+      ran = RunOnStaging(op, inputs.data(), bytes);
     }
     // 5. Release: this rank is done reading buffer b for call s.
     mine->done_seq.store(s, std::memory_order_release);
@@ -347,6 +348,42 @@ class HostEngine final : public Engine {
   uint8_t* Slot(uint8_t* base, int buffer, int rank) const {
     return base + host::HostWsDataOffset(options_.world_size) +
            (static_cast<size_t>(buffer) * options_.world_size + rank) * slot_bytes_;
+  }
+
+  // The CPU op reads residual_in and gamma and writes its outputs in client memory: it runs on
+  // private copies, and the copies in and out are guarded (guarded_copy.h), so a client whose
+  // memory faults gets an error for this op on this rank and the daemon goes on. The ranks'
+  // inputs are in the workspace. `bytes`: one [num_tokens, hidden] tensor.
+  absl::Status RunOnStaging(const OpArgs& op, const void* const* rank_inputs, size_t bytes) {
+    const size_t gamma_bytes = static_cast<size_t>(op.hidden) * DTypeSize(op.dtype);
+    CpuOpArgs a;
+    a.pattern = op.pattern;
+    a.dtype = op.dtype;
+    a.world_size = options_.world_size;
+    a.hidden = op.hidden;
+    a.num_tokens = op.num_tokens;
+    a.eps = op.eps;
+    a.rank_inputs = rank_inputs;
+    if (op.pattern == Pattern::kAllReduce) {
+      staging_out_.resize(bytes);
+      a.output = staging_out_.data();
+      ARFUSE_RETURN_IF_ERROR(ReferenceFusedOp(a));
+      return GuardedCopy(op.output, staging_out_.data(), bytes, "output");
+    }
+    staging_in_.resize(bytes);
+    staging_gamma_.resize(gamma_bytes);
+    staging_out_.resize(bytes);
+    staging_norm_.resize(bytes);
+    ARFUSE_RETURN_IF_ERROR(GuardedCopy(staging_in_.data(), op.residual_in, bytes, "residual_in"));
+    ARFUSE_RETURN_IF_ERROR(GuardedCopy(staging_gamma_.data(), op.gamma, gamma_bytes, "gamma"));
+    a.residual_in = staging_in_.data();
+    a.gamma = staging_gamma_.data();
+    a.residual_out = staging_out_.data();
+    a.norm_out = staging_norm_.data();
+    ARFUSE_RETURN_IF_ERROR(ReferenceFusedOp(a));
+    ARFUSE_RETURN_IF_ERROR(
+        GuardedCopy(op.residual_out, staging_out_.data(), bytes, "residual_out"));
+    return GuardedCopy(op.norm_out, staging_norm_.data(), bytes, "norm_out");
   }
 
   static std::string Describe(const HostSlotDesc& d) {
@@ -488,6 +525,8 @@ class HostEngine final : public Engine {
   std::timed_mutex exec_mu_;  // callers queue here, bounded by their deadline
   std::mutex op_mu_;          // the workspace: Initialize and Execute
   std::unique_ptr<ShmMapping> mapping_;
+  // RunOnStaging's private copies of client tensors (guarded by exec_mu_: one op at a time).
+  std::vector<uint8_t> staging_in_, staging_gamma_, staging_out_, staging_norm_;
   HostWsHeader* header_ = nullptr;
   uint64_t seq_ = 0;
   std::atomic<bool> abort_{false};
