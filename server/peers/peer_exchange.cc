@@ -241,8 +241,8 @@ class SocketExchange final : public PeerExchange {
     if (server_) {
       absl::Status broken = server_->coordinator()->broken();
       if (!broken.ok()) {
-        return absl::UnavailableError(absl::StrCat("peer group '", options_.group, "' epoch ",
-                                                   epoch_, " is broken: ", broken.message()));
+        return absl::UnavailableError(
+            absl::StrCat("peer group '", options_.group, "' is broken: ", broken.message()));
       }
     }
     // Whatever the link thread found; mu_ is only ever held briefly (never across a wait).
@@ -553,8 +553,8 @@ class SocketExchange final : public PeerExchange {
           }
           conn_ = std::move(*fd);
           in_ = std::move(in);
-          spdlog::info("event=peer_joined group={} rank={} world_size={} epoch={}", options_.group,
-                       options_.rank, options_.world_size, epoch_);
+          spdlog::info("event=peer_joined group={} rank={} world_size={}", options_.group,
+                       options_.rank, options_.world_size);
           return absl::OkStatus();
         }
         if (f.ok() && f->type == FrameType::kError) {
