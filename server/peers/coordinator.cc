@@ -283,16 +283,6 @@ void Coordinator::ParticipantGone(uint64_t participant, const std::string& reaso
   for (auto& f : deferred) f();
 }
 
-void Coordinator::RankGone(int rank, const std::string& reason) {
-  uint64_t participant = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (rank < 0 || rank >= world_size_) return;
-    participant = formed_ ? participants_[rank] : joiners_[rank].participant;
-  }
-  ParticipantGone(participant, reason);
-}
-
 void Coordinator::Expire(absl::Time now) {
   Deferred deferred;
   {
