@@ -138,18 +138,22 @@ void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) co
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
+absl::StatusOr<Region> Client::DoRegister(const v1::RegisterRegionRequest& req) {
+  v1::RegisterRegionResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, absl::ZeroDuration());
+  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return Region{resp.region_id(), resp.generation(), req.name(), req.byte_size()};
+}
+
 absl::StatusOr<Region> Client::RegisterHostShm(const std::string& name, const std::string& shm_name,
                                                uint64_t byte_size) {
   v1::RegisterRegionRequest req;
   req.set_name(name);
   req.set_byte_size(byte_size);
   req.mutable_host_shm()->set_shm_name(shm_name);
-  v1::RegisterRegionResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, absl::ZeroDuration());
-  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
-  return Region{resp.region_id(), resp.generation(), name, byte_size};
+  return DoRegister(req);
 }
 
 absl::StatusOr<std::string> Client::FdChannelSocket() const {
@@ -171,12 +175,7 @@ absl::StatusOr<Region> Client::RegisterHostFd(const std::string& name, int fd, u
   req.set_name(name);
   req.set_byte_size(byte_size);
   req.mutable_host_fd()->set_fd_ticket(ticket);
-  v1::RegisterRegionResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, absl::ZeroDuration());
-  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
-  return Region{resp.region_id(), resp.generation(), name, byte_size};
+  return DoRegister(req);
 }
 
 absl::StatusOr<Region> Client::RegisterHostBuffer(const std::string& name,
@@ -193,12 +192,7 @@ absl::StatusOr<Region> Client::RegisterCudaIpc(const std::string& name,
   req.set_byte_size(byte_size);
   req.mutable_cuda_ipc()->set_handle(ipc_handle);
   req.mutable_cuda_ipc()->set_device_id(device_id);
-  v1::RegisterRegionResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, absl::ZeroDuration());
-  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
-  return Region{resp.region_id(), resp.generation(), name, byte_size};
+  return DoRegister(req);
 }
 
 absl::Status Client::Unregister(const Region& region, absl::Duration timeout) {

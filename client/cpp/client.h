@@ -158,6 +158,7 @@ class Client {
  private:
   Client() = default;
   absl::StatusOr<ExecResult> DoExecute(v1::ExecuteRequest& req, const ExecOptions& options);
+  absl::StatusOr<Region> DoRegister(const v1::RegisterRegionRequest& req);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -87,32 +87,13 @@ absl::StatusOr<std::optional<FdMessage>> TakeFdMessage(std::string& buf,
   m.op = static_cast<FdOp>(h.op);
   m.body = buf.substr(sizeof(h), h.body_len);
   buf.erase(0, sizeof(h) + h.body_len);
-  for (int i = 0; i < h.nfds; ++i) {
-    m.fds.push_back(std::move(fds.front()));
-    fds.pop_front();
-  }
+  m.fds = TakeFds(fds, h.nfds);
   return std::optional<FdMessage>(std::move(m));
 }
 
 namespace {
 
 constexpr char kWhat[] = "fd channel";
-
-// Waits for `events` until `deadline`; false on timeout.
-absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline) {
-  for (;;) {
-    absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, ms);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("poll failed: ", std::strerror(errno)));
-    }
-    if (r > 0) return true;
-  }
-}
 
 }  // namespace
 
@@ -129,7 +110,7 @@ absl::Status SendFdMessage(int fd, FdOp op, absl::string_view body, const std::v
     absl::Status s = SendWithFds(fd, data, &offset, fds, kWhat);
     if (!s.ok()) return s;
     if (offset == data.size()) return absl::OkStatus();
-    absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
+    absl::StatusOr<bool> ready = WaitForSocket(fd, POLLOUT, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out sending to the fd channel");
   }
@@ -150,7 +131,7 @@ absl::StatusOr<FdMessage> RecvFdMessage(int fd, absl::Time deadline) {
     if (!m.ok()) return m.status();
     if (m->has_value()) return std::move(**m);
     if (eof) return absl::UnavailableError("the fd channel closed the connection");
-    absl::StatusOr<bool> ready = WaitFor(fd, POLLIN, deadline);
+    absl::StatusOr<bool> ready = WaitForSocket(fd, POLLIN, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out waiting on the fd channel");
   }

@@ -1,12 +1,14 @@
 #include "server/fdpass/scm_rights.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace arfuse {
 
@@ -41,6 +43,31 @@ absl::Status SendWithFds(int fd, absl::string_view data, size_t* offset, absl::S
     *offset += static_cast<size_t>(n);
   }
   return absl::OkStatus();
+}
+
+std::vector<UniqueFd> TakeFds(std::deque<UniqueFd>& fds, size_t n) {
+  std::vector<UniqueFd> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(std::move(fds.front()));
+    fds.pop_front();
+  }
+  return out;
+}
+
+absl::StatusOr<bool> WaitForSocket(int fd, short events, absl::Time deadline) {
+  for (;;) {
+    absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
+    pollfd p{fd, events, 0};
+    int r = ::poll(&p, 1, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("poll failed: ", std::strerror(errno)));
+    }
+    if (r > 0) return true;
+  }
 }
 
 absl::Status RecvWithFds(int fd, std::string& buf, std::deque<UniqueFd>& fds, bool* eof,

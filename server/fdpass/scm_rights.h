@@ -6,9 +6,12 @@
 #include <cstddef>
 #include <deque>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/fdpass/unique_fd.h"
 
@@ -30,6 +33,14 @@ absl::Status SendWithFds(int fd, absl::string_view data, size_t* offset, absl::S
 // (the excess is closed by the kernel), or when `fds` would grow past `max_fds` (the reading
 // stops there: a sender spreading descriptors over many small messages cannot make the reader
 // hold more); UNAVAILABLE "<what> read failed: ..." for a socket error.
+// Takes the first `n` descriptors off `fds` (those that arrived with a message's first byte).
+// `fds` holds at least `n`.
+std::vector<UniqueFd> TakeFds(std::deque<UniqueFd>& fds, size_t n);
+
+// Waits until `fd` is ready for `events` (POLLIN, POLLOUT) or `deadline` passes: true when
+// ready, false on timeout. For the blocking client sides of both protocols.
+absl::StatusOr<bool> WaitForSocket(int fd, short events, absl::Time deadline);
+
 absl::Status RecvWithFds(int fd, std::string& buf, std::deque<UniqueFd>& fds, bool* eof,
                          absl::string_view what, size_t max_bytes = static_cast<size_t>(-1),
                          size_t max_fds = static_cast<size_t>(-1));

@@ -74,10 +74,7 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<Uniq
   f.seq = h.seq;
   f.body = buf.substr(sizeof(h), h.body_len);
   buf.erase(0, sizeof(h) + h.body_len);
-  for (int i = 0; i < h.nfds; ++i) {
-    f.fds.push_back(std::move(fds.front()));
-    fds.pop_front();
-  }
+  f.fds = TakeFds(fds, h.nfds);
   return std::optional<Frame>(std::move(f));
 }
 
@@ -167,24 +164,6 @@ uint32_t RemainingMs(absl::Time deadline) {
   return static_cast<uint32_t>(std::min<int64_t>(ms, (int64_t{1} << 31) - 1));
 }
 
-namespace {
-// Waits for `events` on fd until the deadline; false on timeout.
-absl::StatusOr<bool> PollUntil(int fd, short events, absl::Time deadline) {
-  for (;;) {
-    absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, ms);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("poll failed: ", strerror(errno)));
-    }
-    if (r > 0) return true;
-  }
-}
-}  // namespace
-
 absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
                      absl::Time deadline) {
   size_t offset = 0;
@@ -192,7 +171,7 @@ absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fd
     absl::Status s = SendSome(fd, data, &offset, fds);
     if (!s.ok()) return s;
     if (offset == data.size()) return absl::OkStatus();
-    auto ready = PollUntil(fd, POLLOUT, deadline);
+    auto ready = WaitForSocket(fd, POLLOUT, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out sending to the peer channel");
   }
@@ -215,7 +194,7 @@ absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& 
     frame = TakeFrame(buf, fds);
     if (!frame.ok()) return frame.status();
     if (frame->has_value()) return std::move(**frame);
-    auto ready = PollUntil(fd, POLLIN, deadline);
+    auto ready = WaitForSocket(fd, POLLIN, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out waiting on the peer channel");
   }

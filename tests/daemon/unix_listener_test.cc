@@ -148,21 +148,35 @@ class HeldConnections {
   std::vector<UniqueFd> held_;
 };
 
-TEST(UnixListener, ConnectionsOverThePerUidCapAreClosedAtOnce) {
+// A listener on a fresh socket whose connections HeldConnections keeps.
+struct HeldListener {
+  HeldListener(const std::string& tag, size_t per_uid, size_t total) : path(TempSocket(tag)) {
+    UnixListenerOptions o;
+    o.table = &table;
+    o.max_connections_per_uid = per_uid;
+    o.max_connections = total;
+    auto bound = UnixListener::Bind(path, o);
+    EXPECT_TRUE(bound.ok()) << bound.status();
+    if (!bound.ok()) return;
+    listener = *std::move(bound);
+    listener->Serve(held.Handler());
+  }
+  const std::string path;
   ConnectionTable table;
-  UnixListenerOptions o;
-  o.table = &table;
-  o.max_connections_per_uid = 2;
-  const std::string path = TempSocket("peruid");
-  auto listener = UnixListener::Bind(path, o);
-  ASSERT_TRUE(listener.ok());
   HeldConnections held;
-  (*listener)->Serve(held.Handler());
+  std::unique_ptr<UnixListener> listener;
+};
+
+TEST(UnixListener, ConnectionsOverThePerUidCapAreClosedAtOnce) {
+  HeldListener l("peruid", /*per_uid=*/2, /*total=*/0);
+  ASSERT_NE(l.listener, nullptr);
+  const std::string& path = l.path;
+  HeldConnections& held = l.held;
   UniqueFd a = ConnectTo(path), b = ConnectTo(path);
   ASSERT_TRUE(held.WaitFor(2));
   UniqueFd c = ConnectTo(path);
   EXPECT_TRUE(ClosedByServer(c.get(), absl::Seconds(5)));
-  EXPECT_EQ((*listener)->refused(), 1u);
+  EXPECT_EQ(l.listener->refused(), 1u);
   // A connection that closes frees its place.
   held.DropFirst();
   UniqueFd d = ConnectTo(path);
@@ -171,19 +185,11 @@ TEST(UnixListener, ConnectionsOverThePerUidCapAreClosedAtOnce) {
 }
 
 TEST(UnixListener, ConnectionsOverTheTotalBudgetAreClosedAtOnce) {
-  ConnectionTable table;
-  UnixListenerOptions o;
-  o.table = &table;
-  o.max_connections_per_uid = 0;
-  o.max_connections = 1;
-  const std::string path = TempSocket("total");
-  auto listener = UnixListener::Bind(path, o);
-  ASSERT_TRUE(listener.ok());
-  HeldConnections held;
-  (*listener)->Serve(held.Handler());
-  UniqueFd a = ConnectTo(path);
-  ASSERT_TRUE(held.WaitFor(1));
-  UniqueFd b = ConnectTo(path);
+  HeldListener l("total", /*per_uid=*/0, /*total=*/1);
+  ASSERT_NE(l.listener, nullptr);
+  UniqueFd a = ConnectTo(l.path);
+  ASSERT_TRUE(l.held.WaitFor(1));
+  UniqueFd b = ConnectTo(l.path);
   EXPECT_TRUE(ClosedByServer(b.get(), absl::Seconds(5)));
 }
 
@@ -216,15 +222,11 @@ TEST(UnixListener, PolicyAllowsOwnUserRootListedUidsAndGroups) {
 // (their clients see the connection close) and the loop backs off: a handful of accept calls,
 // not the millions of a loop that spins on a listening socket that stays readable.
 TEST(UnixListener, OutOfDescriptorsShedsAndDoesNotSpin) {
-  ConnectionTable table;
-  UnixListenerOptions o;
-  o.table = &table;
-  o.max_connections_per_uid = 0;
-  const std::string path = TempSocket("emfile");
-  auto listener = UnixListener::Bind(path, o);
-  ASSERT_TRUE(listener.ok());
-  HeldConnections held;
-  (*listener)->Serve(held.Handler());
+  HeldListener l("emfile", /*per_uid=*/0, /*total=*/0);
+  ASSERT_NE(l.listener, nullptr);
+  const std::string& path = l.path;
+  HeldConnections& held = l.held;
+  UnixListener* listener = l.listener.get();
   // Client sockets first: connecting later needs no new descriptor.
   std::vector<UniqueFd> clients;
   for (int i = 0; i < 4; ++i) {
@@ -243,7 +245,7 @@ TEST(UnixListener, OutOfDescriptorsShedsAndDoesNotSpin) {
     filler.push_back(std::move(f));
   }
   ASSERT_EQ(errno, EMFILE);
-  const uint64_t calls_before = (*listener)->accept_calls();
+  const uint64_t calls_before = listener->accept_calls();
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
@@ -252,8 +254,8 @@ TEST(UnixListener, OutOfDescriptorsShedsAndDoesNotSpin) {
   }
   for (UniqueFd& c : clients) EXPECT_TRUE(ClosedByServer(c.get(), absl::Seconds(5)));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const uint64_t calls = (*listener)->accept_calls() - calls_before;
-  EXPECT_EQ((*listener)->shed(), clients.size());
+  const uint64_t calls = listener->accept_calls() - calls_before;
+  EXPECT_EQ(listener->shed(), clients.size());
   EXPECT_LT(calls, 100u) << "the accept loop spun";
   EXPECT_EQ(held.size(), 0u);
   filler.clear();

@@ -847,22 +847,32 @@ TEST(HostShmOpener, OutOfDescriptorsIsResourceExhausted) {
   EXPECT_THAT(m.status().message(), HasSubstr("sidecar is out of file descriptors"));
 }
 
+// A registry over the real opener, one session, and a 256 KiB named object registered in it.
+struct RealRegistry {
+  RealRegistry() {
+    RegionSpec spec = HostSpec("r", 262144);
+    spec.shm_name = obj.name();
+    region = reg.RegisterRegion(sid, spec);
+  }
+  ~RealRegistry() {
+    reg.CloseSession(sid);
+    EXPECT_EQ(OpenMappingCount(), baseline);
+  }
+  const int64_t baseline = OpenMappingCount();
+  ShmObject obj{262144};
+  Registry reg{{}, std::make_unique<HostShmOpener>(), kNonce};
+  const uint64_t sid = *reg.OpenSession("c");
+  absl::StatusOr<RegionHandle> region;
+};
+
 TEST(HostShmOpener, RealRegistryRoundTrip) {
-  int64_t baseline = OpenMappingCount();
-  ShmObject obj(262144);
-  Registry reg({}, std::make_unique<HostShmOpener>(), kNonce);
-  uint64_t sid = *reg.OpenSession("c");
-  RegionSpec spec = HostSpec("r", 262144);
-  spec.shm_name = obj.name();
-  auto h = reg.RegisterRegion(sid, spec);
-  ASSERT_TRUE(h.ok()) << h.status();
-  auto op = reg.ResolveOp(sid, NormOpOn(*h), 1);
+  RealRegistry r;
+  ASSERT_TRUE(r.region.ok()) << r.region.status();
+  auto op = r.reg.ResolveOp(r.sid, NormOpOn(*r.region), 1);
   ASSERT_TRUE(op.ok()) << op.status();
   static_cast<char*>(op->args().norm_out)[0] = 'n';
-  EXPECT_EQ(obj.data()[131072], 'n');
+  EXPECT_EQ(r.obj.data()[131072], 'n');
   op->Release();
-  reg.CloseSession(sid);
-  EXPECT_EQ(OpenMappingCount(), baseline);
 }
 
 // ---- who may have memory opened on their behalf (docs/security.md) ----
@@ -1005,26 +1015,18 @@ TEST(HostShmOpener, ReadOnlyOrNonMemoryDescriptorsAreRefused) {
 // Issue 26, item 2: a named object the client shrinks after registering is measured again before
 // each op, and the op is refused instead of faulting.
 TEST(HostShmOpener, AShrunkNamedObjectIsRefusedAtTheNextOp) {
-  int64_t baseline = OpenMappingCount();
-  ShmObject obj(262144);
-  Registry reg({}, std::make_unique<HostShmOpener>(), kNonce);
-  uint64_t sid = *reg.OpenSession("c");
-  RegionSpec spec = HostSpec("r", 262144);
-  spec.shm_name = obj.name();
-  auto h = reg.RegisterRegion(sid, spec);
-  ASSERT_TRUE(h.ok()) << h.status();
-  auto plan = reg.CreatePlan(sid, NormOpOn(*h));
+  RealRegistry r;
+  ASSERT_TRUE(r.region.ok()) << r.region.status();
+  auto plan = r.reg.CreatePlan(r.sid, NormOpOn(*r.region));
   ASSERT_TRUE(plan.ok()) << plan.status();
-  int fd = shm_open(obj.name().c_str(), O_RDWR, 0);
+  int fd = shm_open(r.obj.name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 0), 0);
   close(fd);
-  auto op = reg.ResolvePlan(sid, plan->plan_id, plan->generation, 1);
+  auto op = r.reg.ResolvePlan(r.sid, plan->plan_id, plan->generation, 1);
   EXPECT_EQ(op.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(op.status().message(), HasSubstr("shrank to 0 bytes, below the region's 262144"));
-  EXPECT_THAT(op.status().message(), Not(HasSubstr(obj.name())));
-  reg.CloseSession(sid);
-  EXPECT_EQ(OpenMappingCount(), baseline);
+  EXPECT_THAT(op.status().message(), Not(HasSubstr(r.obj.name())));
 }
 
 // ---- ops the workspace cannot serve ----
