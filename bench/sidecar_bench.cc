@@ -366,7 +366,7 @@ class HostMemory final : public Memory {
  public:
   explicit HostMemory(client::HostShmBuffer b) : b_(std::move(b)) {}
   absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
-    return c.RegisterHostShm(name, b_.shm_name(), b_.size());
+    return c.RegisterHostBuffer(name, b_);
   }
   absl::Status Upload(const std::vector<char>& img) override {
     std::memcpy(b_.data(), img.data(), img.size());

@@ -9,11 +9,15 @@
 #include <cerrno>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "server/core/status_macros.h"
 #include "server/core/version.h"
+#include "server/fdpass/fd_channel_client.h"
 
 namespace arfuse::client {
 namespace {
@@ -134,18 +138,50 @@ void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) co
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
+absl::StatusOr<Region> Client::DoRegister(const v1::RegisterRegionRequest& req) {
+  v1::RegisterRegionResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, absl::ZeroDuration());
+  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return Region{resp.region_id(), resp.generation(), req.name(), req.byte_size()};
+}
+
 absl::StatusOr<Region> Client::RegisterHostShm(const std::string& name, const std::string& shm_name,
                                                uint64_t byte_size) {
   v1::RegisterRegionRequest req;
   req.set_name(name);
   req.set_byte_size(byte_size);
   req.mutable_host_shm()->set_shm_name(shm_name);
-  v1::RegisterRegionResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, absl::ZeroDuration());
-  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
-  return Region{resp.region_id(), resp.generation(), name, byte_size};
+  return DoRegister(req);
+}
+
+absl::StatusOr<std::string> Client::FdChannelSocket() const {
+  const std::string grpc_target = GrpcTarget(options_.target);
+  absl::string_view target = grpc_target;
+  // "unix-abstract:" names no path the fd channel could sit beside.
+  if (!absl::ConsumePrefix(&target, "unix:")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "host memory by descriptor needs the sidecar's Unix socket, not ", options_.target));
+  }
+  absl::ConsumePrefix(&target, "//");  // unix://<absolute path>
+  return FdChannelPath(target);
+}
+
+absl::StatusOr<Region> Client::RegisterHostFd(const std::string& name, int fd, uint64_t byte_size) {
+  ARFUSE_ASSIGN_OR_RETURN(std::string path, FdChannelSocket());
+  ARFUSE_ASSIGN_OR_RETURN(std::string ticket, DepositFds(path, {fd}, options_.default_timeout));
+  v1::RegisterRegionRequest req;
+  req.set_name(name);
+  req.set_byte_size(byte_size);
+  req.mutable_host_fd()->set_fd_ticket(ticket);
+  return DoRegister(req);
+}
+
+absl::StatusOr<Region> Client::RegisterHostBuffer(const std::string& name,
+                                                  const HostShmBuffer& buffer) {
+  if (buffer.fd() >= 0) return RegisterHostFd(name, buffer.fd(), buffer.size());
+  return RegisterHostShm(name, buffer.shm_name(), buffer.size());
 }
 
 absl::StatusOr<Region> Client::RegisterCudaIpc(const std::string& name,
@@ -156,12 +192,7 @@ absl::StatusOr<Region> Client::RegisterCudaIpc(const std::string& name,
   req.set_byte_size(byte_size);
   req.mutable_cuda_ipc()->set_handle(ipc_handle);
   req.mutable_cuda_ipc()->set_device_id(device_id);
-  v1::RegisterRegionResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, absl::ZeroDuration());
-  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
-  return Region{resp.region_id(), resp.generation(), name, byte_size};
+  return DoRegister(req);
 }
 
 absl::Status Client::Unregister(const Region& region, absl::Duration timeout) {
@@ -297,6 +328,29 @@ absl::Status Client::Detach(uint64_t attach_id) {
 // ---- HostShmBuffer ----
 
 absl::StatusOr<HostShmBuffer> HostShmBuffer::Create(uint64_t byte_size, const std::string& tag) {
+  if (byte_size == 0) return absl::InvalidArgumentError("byte_size must be > 0");
+  HostShmBuffer b;
+  b.fd_ = memfd_create(absl::StrCat("arfuse-", tag).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (b.fd_ < 0) {
+    return absl::InternalError(absl::StrCat("memfd_create failed: ", std::strerror(errno)));
+  }
+  if (ftruncate(b.fd_, static_cast<off_t>(byte_size)) != 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("ftruncate failed: ", std::strerror(errno)));
+  }
+  if (fcntl(b.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return absl::InternalError(absl::StrCat("sealing the memfd failed: ", std::strerror(errno)));
+  }
+  void* p = mmap(nullptr, byte_size, PROT_READ | PROT_WRITE, MAP_SHARED, b.fd_, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("mmap failed: ", std::strerror(errno)));
+  }
+  b.data_ = p;
+  b.size_ = byte_size;
+  return b;
+}
+
+absl::StatusOr<HostShmBuffer> HostShmBuffer::CreateNamed(uint64_t byte_size,
+                                                         const std::string& tag) {
   static std::atomic<uint64_t> seq{0};
   if (byte_size == 0) return absl::InvalidArgumentError("byte_size must be > 0");
   HostShmBuffer b;
@@ -324,9 +378,10 @@ absl::StatusOr<HostShmBuffer> HostShmBuffer::Create(uint64_t byte_size, const st
 }
 
 HostShmBuffer::HostShmBuffer(HostShmBuffer&& o) noexcept
-    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_) {
-  o.data_ = nullptr;
-  o.size_ = 0;
+    : name_(std::move(o.name_)),
+      fd_(std::exchange(o.fd_, -1)),
+      data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)) {
   o.name_.clear();
 }
 
@@ -334,11 +389,10 @@ HostShmBuffer& HostShmBuffer::operator=(HostShmBuffer&& o) noexcept {
   if (this != &o) {
     Reset();
     name_ = std::move(o.name_);
-    data_ = o.data_;
-    size_ = o.size_;
-    o.data_ = nullptr;
-    o.size_ = 0;
     o.name_.clear();
+    fd_ = std::exchange(o.fd_, -1);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
   }
   return *this;
 }
@@ -348,8 +402,10 @@ HostShmBuffer::~HostShmBuffer() { Reset(); }
 void HostShmBuffer::Reset() {
   if (data_ != nullptr) munmap(data_, size_);
   if (!name_.empty()) shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   size_ = 0;
+  fd_ = -1;
   name_.clear();
 }
 

@@ -110,6 +110,7 @@ struct ExecResult {
 // op: ". Nothing ran on any rank; the framework's own path takes the op, as FlashInfer's callers
 // fall back when its fused op returns nothing (docs/config.md, "Fallback honesty").
 bool IsFusionUnavailableForOp(const absl::Status& status);
+class HostShmBuffer;
 
 class Client {
  public:
@@ -122,8 +123,19 @@ class Client {
 
   const SessionInfo& session() const { return session_; }
 
+  // Host memory by descriptor: `fd` is a memfd sealed against shrinking (HostShmBuffer::Create
+  // makes one). It goes to the sidecar over its fd channel (FdChannelPath of the target; a Unix
+  // socket target only) and the ticket it answers names it in RegisterRegion. The caller's
+  // descriptor stays open.
+  absl::StatusOr<Region> RegisterHostFd(const std::string& name, int fd, uint64_t byte_size);
+  // A named POSIX shm object (compatibility; prefer RegisterHostFd): the sidecar opens it only if
+  // this process's user may open it read-write.
   absl::StatusOr<Region> RegisterHostShm(const std::string& name, const std::string& shm_name,
                                          uint64_t byte_size);
+  // `buffer` by descriptor when it is a memfd, else by name.
+  absl::StatusOr<Region> RegisterHostBuffer(const std::string& name, const HostShmBuffer& buffer);
+  // The sidecar's fd channel path; FAILED_PRECONDITION for a target that is not a Unix socket.
+  absl::StatusOr<std::string> FdChannelSocket() const;
   // `ipc_handle`: the 64 bytes of cudaIpcGetMemHandle for a plain cudaMalloc allocation.
   absl::StatusOr<Region> RegisterCudaIpc(const std::string& name, const std::string& ipc_handle,
                                          int32_t device_id, uint64_t byte_size);
@@ -164,6 +176,7 @@ class Client {
  private:
   Client() = default;
   absl::StatusOr<ExecResult> DoExecute(v1::ExecuteRequest& req, const ExecOptions& options);
+  absl::StatusOr<Region> DoRegister(const v1::RegisterRegionRequest& req);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -184,18 +197,27 @@ std::string GrpcTarget(const std::string& target);
 v1::DType ToProto(DType d);
 v1::Pattern ToProto(Pattern p);
 
-// A POSIX shared-memory object this process creates and maps ("/arfuse-<pid>-<n>-<tag>"), for
-// host-mode regions. Unlinked and unmapped in the destructor. Move-only.
+// Host shared memory this process creates and maps, for host-mode regions. Create makes a memfd
+// sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL), registered by
+// descriptor (Client::RegisterHostBuffer): the descriptor proves this process's access and the
+// seal keeps the memory from shrinking under the sidecar. CreateNamed makes a named POSIX shm
+// object ("/arfuse-<pid>-<n>-<tag>", mode 0600) instead, for sidecars that predate descriptors.
+// Unmapped (and closed or unlinked) in the destructor. Move-only.
 class HostShmBuffer {
  public:
   static absl::StatusOr<HostShmBuffer> Create(uint64_t byte_size, const std::string& tag = "buf");
+  static absl::StatusOr<HostShmBuffer> CreateNamed(uint64_t byte_size,
+                                                   const std::string& tag = "buf");
   HostShmBuffer(HostShmBuffer&& o) noexcept;
   HostShmBuffer& operator=(HostShmBuffer&& o) noexcept;
   HostShmBuffer(const HostShmBuffer&) = delete;
   HostShmBuffer& operator=(const HostShmBuffer&) = delete;
   ~HostShmBuffer();
 
+  // The object's name; empty for a memfd.
   const std::string& shm_name() const { return name_; }
+  // The memfd; -1 for a named object.
+  int fd() const { return fd_; }
   void* data() const { return data_; }
   uint64_t size() const { return size_; }
 
@@ -203,6 +225,7 @@ class HostShmBuffer {
   HostShmBuffer() = default;
   void Reset();
   std::string name_;
+  int fd_ = -1;
   void* data_ = nullptr;
   uint64_t size_ = 0;
 };

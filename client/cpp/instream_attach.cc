@@ -1,6 +1,7 @@
 #include "client/cpp/instream_attach.h"
 
 #include "absl/strings/str_cat.h"
+#include "server/fdpass/fd_channel_client.h"
 
 namespace arfuse::client {
 
@@ -19,9 +20,19 @@ absl::StatusOr<instream::InStreamContext> AttachInStream(Client& client,
   if (!resp.ok()) return resp.status();
   absl::StatusOr<instream::InStreamContext> ctx;
   if (resp->fd_count() > 0) {
-    ctx = absl::UnimplementedError(absl::StrCat(
-        "the sidecar hands this attach's ", resp->fd_count(), " descriptor(s) (",
-        resp->memory_kind(), ") over its fd socket, which the C++ client cannot pick up yet"));
+    // The descriptors wait on the sidecar's fd channel under the attach's single-use ticket.
+    absl::StatusOr<std::vector<UniqueFd>> fds = PickupFds(resp->fd_socket(), resp->fd_ticket());
+    if (!fds.ok()) {
+      ctx = fds.status();
+    } else if (fds->size() != resp->fd_count()) {
+      ctx = absl::InvalidArgumentError(absl::StrCat("picked up ", fds->size(),
+                                                    " descriptors, the attach announced ",
+                                                    resp->fd_count()));
+    } else {
+      std::vector<int> raw;
+      for (const UniqueFd& fd : *fds) raw.push_back(fd.get());
+      ctx = instream::InStreamContext::Attach(resp->attach_blob(), raw);  // dups what it keeps
+    }
   } else {
     ctx = instream::InStreamContext::Attach(resp->attach_blob());
   }

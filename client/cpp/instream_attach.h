@@ -17,10 +17,10 @@ namespace arfuse::client {
 // libarfuse_client this process loaded.
 v1::AttachRequest InStreamAttachRequest(const std::vector<uint32_t>& hiddens);
 
-// Attaches for `hiddens`. The sidecar's refusal comes back as it sent it. UNIMPLEMENTED when the
-// response hands descriptors over the fd socket (host mode, VMM POSIX-FD memory): this client
-// cannot pick them up yet. When the attach cannot complete here, the sidecar's attachment is
-// detached again before returning.
+// Attaches for `hiddens`: Fusion.Attach, the descriptors the response names (host mode, VMM
+// POSIX-FD memory) picked up on the sidecar's fd channel, then arfuse_attach. The sidecar's
+// refusal comes back as it sent it. When the attach cannot complete here, the sidecar's
+// attachment is detached again before returning.
 absl::StatusOr<instream::InStreamContext> AttachInStream(Client& client,
                                                          const std::vector<uint32_t>& hiddens = {});
 

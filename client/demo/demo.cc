@@ -140,7 +140,7 @@ class HostBuffer final : public Buffer {
  public:
   explicit HostBuffer(client::HostShmBuffer b) : b_(std::move(b)) {}
   absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
-    return c.RegisterHostShm(name, b_.shm_name(), b_.size());
+    return c.RegisterHostBuffer(name, b_);
   }
   absl::Status Upload(const std::vector<char>& host) override {
     std::memcpy(b_.data(), host.data(), host.size());

@@ -157,7 +157,8 @@ void AbortHostWorkspace(uint8_t* base, int rank) {
 // ---- the collective ----
 
 HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
-                                 const HostWaitLimits& limits, bool client) {
+                                 const HostWaitLimits& limits, bool client,
+                                 HostCopy copy_input) {
   HostWsHeader* h = header();
   // A stale workspace is refused before anything is touched: its slots may belong to nobody.
   if (h->generation != generation) return Stale("the workspace was re-initialized");
@@ -180,13 +181,21 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   }
   // 2. Publish this rank's input and what it runs.
   const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
-  std::memcpy(slot(b, rank_), op.input, bytes);
+  // The input may be memory another process can take away (a client's region): a rank whose
+  // copy faults still publishes its slot, flagged, so that every rank drops the op alike and
+  // stays in step.
+  absl::Status input_read = absl::OkStatus();
+  if (copy_input != nullptr) {
+    input_read = copy_input(slot(b, rank_), op.input, bytes, "input");
+  } else {
+    std::memcpy(slot(b, rank_), op.input, bytes);
+  }
   mine->desc[b] = HostSlotDesc{op.hidden,
                                op.num_tokens,
                                FloatBitsOf(op.eps),
                                static_cast<uint8_t>(op.pattern),
                                static_cast<uint8_t>(op.dtype),
-                               0};
+                               input_read.ok() ? uint16_t{0} : kHostSlotInputFaulted};
   // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
   mine->written_seq[b].store(s, std::memory_order_release);
   // 3. Wait for every rank's slot of this call.
@@ -202,6 +211,15 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   // 4. Every rank must run the same op; a mismatch is refused alike on every rank, and the
   // buffer is still released below so the protocol stays in step.
   absl::Status ran = absl::OkStatus();
+  for (int q = 0; q < world_size_ && ran.ok(); ++q) {
+    if (sync(q)->desc[b].flags & kHostSlotInputFaulted) {
+      ran = q == rank_ ? input_read
+                       : absl::AbortedError(absl::StrCat(
+                             "op ", s, ": rank ", q,
+                             " could not read its client's input (the client's memory faulted); "
+                             "every rank drops the op"));
+    }
+  }
   for (int q = 0; q < world_size_ && ran.ok(); ++q) {
     const HostSlotDesc& d = sync(q)->desc[b];
     const HostSlotDesc& m = mine->desc[b];

@@ -101,6 +101,10 @@ struct HostOpResult {
   uint32_t error = 0;
 };
 
+// Copies `bytes` from `from` to `to` where the source or destination may fault, as an error
+// naming `what` instead of a signal (server/host/guarded_copy.h's GuardedCopy).
+using HostCopy = absl::Status (*)(void* to, const void* from, size_t bytes, const char* what);
+
 // One rank's view of a mapped workspace (not owned).
 class HostCollective {
  public:
@@ -109,8 +113,10 @@ class HostCollective {
 
   // Runs `op` on this rank (the protocol above). The op must fit a slot (the caller validated
   // it); `generation` is the caller's. Counts the op in client_ops when `client` is set.
+  // `copy_input` (optional) copies the input into the slot where it may fault (another
+  // process's memory): its error fails the op on this rank, and every other rank drops it too.
   HostOpResult Run(const HostOpArgs& op, uint64_t generation, const HostWaitLimits& limits,
-                   bool client = false);
+                   bool client = false, HostCopy copy_input = nullptr);
 
   HostWsHeader* header() const { return reinterpret_cast<HostWsHeader*>(base_); }
   HostRankSync* sync(int rank) const {

@@ -21,10 +21,15 @@ namespace arfuse::host {
 
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
 // 2: abort_seq. 3: retired, error; an op's sequence number comes from done_seq.
-inline constexpr uint32_t kHostWsLayoutVersion = 3;
+// 4: HostSlotDesc::flags.
+inline constexpr uint32_t kHostWsLayoutVersion = 4;
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
+
+// HostSlotDesc::flags: the rank could not read its client's input (the memory faulted), so its
+// slot holds no input and every rank drops the op.
+inline constexpr uint16_t kHostSlotInputFaulted = 1;
 
 // What a rank ran, so ranks can check they run the same op (a mismatch is refused on every
 // rank instead of summing unlike tensors).
@@ -34,7 +39,7 @@ struct HostSlotDesc {
   uint32_t eps_bits;
   uint8_t pattern;
   uint8_t dtype;
-  uint16_t reserved;
+  uint16_t flags;
 };
 static_assert(sizeof(HostSlotDesc) == 16);
 static_assert(std::is_trivially_copyable_v<HostSlotDesc>);

@@ -23,7 +23,8 @@
 #include "yaml-cpp/yaml.h"
 
 ABSL_FLAG(std::string, socket, "",
-          "Unix socket of the main gRPC server (Config, Fusion, Admin, Peer). Default: "
+          "Unix socket of the main gRPC server (Config, Fusion, Admin, Health); the fd channel "
+          "listens beside it on <socket>.fd. Default: "
           "$XDG_RUNTIME_DIR/arfuse/arfused.sock, else /run/arfuse/arfused.sock (rank N > 0 adds "
           "'.rankN'). Created with mode 0660; a stale socket left by a dead process is replaced.");
 ABSL_FLAG(int, health_port, 0,
@@ -32,6 +33,13 @@ ABSL_FLAG(int, health_port, 0,
 ABSL_FLAG(std::string, health_host, "0.0.0.0", "Address the health port binds to.");
 ABSL_FLAG(int, metrics_port, -1,
           "TCP port for Prometheus metrics (/metrics); -1 turns metrics off, 0 picks a free port.");
+ABSL_FLAG(std::string, metrics_host, "",
+          "Address the metrics port binds to. Default: the same as --health-host.");
+ABSL_FLAG(int, max_connections_per_uid, 64,
+          "Connections one user may hold open on the Unix sockets (the main socket and the fd "
+          "channel together); more are closed at once and logged. 0: no cap. Connections in all "
+          "are also capped below RLIMIT_NOFILE, so that descriptors stay in reserve for the "
+          "health port.");
 ABSL_FLAG(std::string, device, "",
           "cuda (fused kernels on this rank's GPU) or host (host shared memory and the CPU "
           "implementation, for machines without a GPU). Default: cuda when a GPU is present.");
@@ -113,7 +121,7 @@ ABSL_FLAG(std::vector<std::string>, allowed_uids, {},
           "with SO_PEERCRED).");
 ABSL_FLAG(std::vector<std::string>, allowed_gids, {},
           "Comma-separated gids whose members may use the main socket (checked with "
-          "SO_PEERCRED against the client process's gid).");
+          "SO_PEERCRED and SO_PEERGROUPS against the client process's groups).");
 ABSL_FLAG(std::string, listen, "",
           "Also serve the main API on TCP host:port, with mutual TLS only (--tls-cert, "
           "--tls-key, --tls-client-ca); for clients that cannot reach the Unix socket.");
@@ -144,6 +152,7 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "health_port",
                                                  "health_host",
                                                  "metrics_port",
+                                                 "metrics_host",
                                                  "device",
                                                  "rank",
                                                  "gpu",
@@ -176,6 +185,7 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "default_deadline",
                                                  "allowed_uids",
                                                  "allowed_gids",
+                                                 "max_connections_per_uid",
                                                  "listen",
                                                  "tls_cert",
                                                  "tls_key",
@@ -440,6 +450,11 @@ absl::Status Validate(const DaemonOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--health-port must be between 0 and 65535, got ", o.health_port));
   }
+  if (o.max_connections_per_uid < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-connections-per-uid must be 0 (no cap) or positive, got ",
+                     o.max_connections_per_uid));
+  }
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--metrics-port must be -1 (off) or between 0 and 65535, got ", o.metrics_port));
@@ -563,6 +578,9 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.health_port = absl::GetFlag(FLAGS_health_port);
   o.health_host = absl::GetFlag(FLAGS_health_host);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  if (o.metrics_host.empty()) o.metrics_host = o.health_host;
+  o.max_connections_per_uid = absl::GetFlag(FLAGS_max_connections_per_uid);
   o.device = absl::GetFlag(FLAGS_device);
   o.rank = absl::GetFlag(FLAGS_rank);
   o.gpu = absl::GetFlag(FLAGS_gpu);

@@ -18,8 +18,11 @@ struct DaemonOptions {
   std::string socket;  // resolved default when empty on the command line
   int health_port = 0;
   std::string health_host = "0.0.0.0";
-  int metrics_port = -1;  // -1: off
-  std::string device;     // "cuda" or "host"
+  int metrics_port = -1;     // -1: off
+  std::string metrics_host;  // empty: the same as health_host
+  // Open connections one uid may hold on the Unix sockets (main and fd channel); 0: no cap.
+  int max_connections_per_uid = 64;
+  std::string device;  // "cuda" or "host"
   int rank = 0;
   int gpu = -1;  // -1: rank % visible GPUs
   int world_size = 1;

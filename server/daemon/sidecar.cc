@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/server_posix.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
@@ -22,12 +23,15 @@
 #include "server/daemon/unix_listener.h"
 #include "server/daemon/unix_socket.h"
 #include "server/doorbell/doorbell_report.h"
+#include "server/fdpass/connection_table.h"
+#include "server/fdpass/fd_channel_client.h"
+#include "server/fdpass/fd_channel_server.h"
+#include "server/fdpass/ticket_broker.h"
 #include "server/gpu/mps.h"
 #include "server/metrics/metrics.h"
 #include "server/peers/exchange.h"
 #include "server/services/config/config_service.h"
 #include "server/services/fusion/fusion_service.h"
-#include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
 #if ARFUSE_HAVE_CUDA
 #include "server/doorbell/self_test.h"
@@ -143,6 +147,8 @@ config::FusionFlags Sidecar::OwnFlags() const {
 absl::Status Sidecar::Start() {
   const bool default_socket = options_.sources["socket"] == "default";
   ARFUSE_RETURN_IF_ERROR(PrepareUnixSocketPath(options_.socket, default_socket));
+  const std::string fd_socket = FdChannelPath(options_.socket);
+  ARFUSE_RETURN_IF_ERROR(PrepareUnixSocketPath(fd_socket, /*create_dir=*/false));
 
   gpu_ = ProbeGpu(options_.gpu >= 0 ? options_.gpu : 0);
   if (options_.device.empty()) options_.device = gpu_.device_count > 0 ? "cuda" : "host";
@@ -173,7 +179,9 @@ absl::Status Sidecar::Start() {
   metrics_ = std::make_unique<Metrics>(
       options_.rank, options_.world_size, options_.device,
       Metrics::BuildLabels{kVersion, kGitRevision, absl::StrCat(kApiMajor, ".", kApiMinor)});
-  if (options_.metrics_port >= 0) ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_port));
+  if (options_.metrics_port >= 0) {
+    ARFUSE_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_host, options_.metrics_port));
+  }
 
   // MPS and the doorbell hop (docs/doorbell.md), once before the engine starts: negotiation
   // (Config snapshot), GetWorkspaceInfo, metrics and one log line report them.
@@ -268,14 +276,18 @@ absl::Status Sidecar::Start() {
   fusion_options.doorbell_hop_us = doorbell_hop_us;
   if (options_.dtype == "fp16") fusion_options.dtype = DType::kFP16;
   if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
+  connections_ = std::make_unique<ConnectionTable>();
+  fd_tickets_ = std::make_unique<FdTicketBroker>();
+  fusion_options.callers = connections_.get();
+  fusion_options.fd_tickets = fd_tickets_.get();
+  fusion_options.fd_socket = fd_socket;
   ARFUSE_ASSIGN_OR_RETURN(fusion_,
                           FusionService::Create(fusion_options, [this] { return &gate_; }));
   // The region gauges follow the registry: register, unregister, and a client's session end.
   fusion_->registry().SetTotalsObserver(
       [m = metrics_.get()](const RegistryTotals& t) { m->SetRegions(t.regions, t.region_bytes); });
-  auto peer_service = std::make_unique<PeerService>(absl::Seconds(options_.peer_timeout_s));
-  peer_service_ = peer_service.get();
-  services_.push_back(std::move(peer_service));
+  // No Peer service here: the peer protocol runs on the peer channel's own sockets, between
+  // sidecars that prove they belong to the group; the client socket never reaches it.
   services_.push_back(
       std::make_unique<AdminService>(this, absl::Seconds(options_.default_deadline_s)));
 
@@ -298,18 +310,37 @@ absl::Status Sidecar::Start() {
   }
 
   {
-    PeerCredentialPolicy policy;
-    for (const auto& uid : options_.allowed_uids) policy.uids.insert(std::stoul(uid));
-    for (const auto& gid : options_.allowed_gids) policy.gids.insert(std::stoul(gid));
+    UnixListenerOptions listen;
+    for (const auto& uid : options_.allowed_uids) listen.policy.uids.insert(std::stoul(uid));
+    for (const auto& gid : options_.allowed_gids) listen.policy.gids.insert(std::stoul(gid));
+    listen.table = connections_.get();
+    listen.max_connections_per_uid = static_cast<size_t>(options_.max_connections_per_uid);
+    // Connections on both sockets together leave descriptors in reserve for the health port.
+    listen.max_connections = ConnectionBudget();
     // Owner and group only (0660), and then only allowed users: whoever can reach the socket
     // can hand us device memory to write.
     absl::StatusOr<std::unique_ptr<UnixListener>> listener =
-        UnixListener::Bind(options_.socket, std::move(policy));
+        UnixListener::Bind(options_.socket, listen);
     if (!listener.ok()) {
       health_server_->Shutdown();
       return listener.status();
     }
     unix_listener_ = *std::move(listener);
+    // The fd channel: the same users, the same caps, its own socket and thread.
+    absl::StatusOr<std::unique_ptr<FdChannelServer>> fd_channel =
+        FdChannelServer::Start(fd_tickets_.get(), FdChannelServerOptions{});
+    UnixListenerOptions fd_listen = listen;
+    fd_listen.channel = ConnectionTable::Channel::kFd;
+    fd_listen.label = "fd";
+    absl::StatusOr<std::unique_ptr<UnixListener>> fd_listener =
+        fd_channel.ok() ? UnixListener::Bind(fd_socket, fd_listen)
+                        : absl::StatusOr<std::unique_ptr<UnixListener>>(fd_channel.status());
+    if (!fd_listener.ok()) {
+      health_server_->Shutdown();
+      return fd_listener.status();
+    }
+    fd_channel_ = *std::move(fd_channel);
+    fd_listener_ = *std::move(fd_listener);
     grpc::ServerBuilder builder;
     int tcp_port = 0;
     if (!options_.listen.empty()) {
@@ -323,6 +354,11 @@ absl::Status Sidecar::Start() {
     }
     // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
     builder.SetMaxReceiveMessageSize(1 << 20);
+    // Metadata: gRPC 1.51 closes the whole connection (not just the call) when a call's metadata
+    // exceeds this limit, and with it the caller's session, regions and plans. Its default of
+    // 8 KiB is within reach of a client's own tracing headers; 64 KiB is not, and still bounds
+    // what one header block may make the sidecar hold (docs/security.md).
+    builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
     // Clients ping every 10 s (at most every 1 s) to keep an idle session stream open. gRPC's
     // default ping policy (one ping per 5 min while the server sends no data, three strikes)
     // closes such a connection after ~30 s of idleness, and with it the session and every region
@@ -352,17 +388,23 @@ absl::Status Sidecar::Start() {
               ? std::string("cannot start the main gRPC server")
               : absl::StrCat("cannot listen on ", options_.listen, " (in use or not permitted)"));
     }
-    unix_listener_->Serve(main_server_.get());
+    unix_listener_->Serve([server = main_server_.get()](UniqueFd conn, const SocketCredentials&) {
+      // gRPC owns the descriptor from here on and names the connection "fd:<n>".
+      grpc::AddInsecureChannelFromFd(server, conn.release());
+    });
+    fd_listener_->Serve([channel = fd_channel_.get()](UniqueFd conn, const SocketCredentials& c) {
+      channel->Adopt(std::move(conn), c);
+    });
     if (tcp_port != 0) {
       spdlog::info("event=listening_tls address={} port={}", options_.listen, tcp_port);
     }
   }
 
   spdlog::info(
-      "event=listening socket={} health_port={} metrics_port={} device={} gpu={} rank={} "
-      "world_size={} nnodes={} sm={}",
-      options_.socket, health_port_, metrics_port(), options_.device, options_.gpu, options_.rank,
-      options_.world_size, options_.nnodes, OwnTopology().sm);
+      "event=listening socket={} fd_socket={} health_port={} metrics_port={} device={} gpu={} "
+      "rank={} world_size={} nnodes={} sm={} max_connections={}",
+      options_.socket, fd_socket, health_port_, metrics_port(), options_.device, options_.gpu,
+      options_.rank, options_.world_size, options_.nnodes, OwnTopology().sm, ConnectionBudget());
   if (OwnTopology().sm == 0) {
     spdlog::warn("event=no_gpu_architecture reason=\"{}\"", kNoGpuArchitectureReason);
   }
@@ -424,6 +466,7 @@ void Sidecar::ShutdownNow() {
     fusion_->DrainInStream("sidecar shutting down",
                            std::min(absl::FromChrono(deadline), absl::Now() + absl::Seconds(2)));
   }
+  if (fd_listener_ != nullptr) fd_listener_->Stop();
   // Clients hold their Fusion.Session stream open for as long as they are connected, and
   // Server::Shutdown waits for every call: ending the sessions first (UNAVAILABLE, "sidecar
   // shutting down") lets the process exit as soon as the ops in flight are done instead of after

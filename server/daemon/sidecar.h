@@ -1,6 +1,7 @@
-// One arfused process: the main gRPC server on a Unix socket, the health-only server on a TCP
-// port, metrics, and the group supervisor (peers, the config decision and its vote, the engine,
-// recovery after a poisoning, the live backend switch) and shutdown.
+// One arfused process: the main gRPC server on a Unix socket, the fd channel on a second one
+// (<socket>.fd), the health-only server on a TCP port, metrics, and the group supervisor (peers,
+// the config decision and its vote, the engine, recovery after a poisoning, the live backend
+// switch) and shutdown.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -27,14 +28,18 @@
 
 namespace arfuse {
 
+class ConnectionTable;
 class Exchange;
+class FdChannelServer;
+class FdTicketBroker;
 class FusionService;
 class Metrics;
 class UnixListener;
-class PeerService;
 
 // The readiness entry of the health service (the main API's service name).
 inline constexpr char kReadinessService[] = "arfuse.v1.Fusion";
+// The most metadata one call may carry on the main server (GRPC_ARG_MAX_METADATA_SIZE).
+inline constexpr int kMaxMetadataBytes = 64 << 10;
 
 // Why host mode without --sm does not fuse: logged at start-up, and the group decision's reason
 // that GetWorkspaceInfo, Negotiate (`arfusectl info`) and the Python client's warning show.
@@ -110,13 +115,19 @@ class Sidecar final : public AdminControl {
   std::unique_ptr<HealthService> health_main_;
   std::unique_ptr<HealthService> health_probe_;
   std::unique_ptr<Metrics> metrics_;
+  // Every connection accepted on the Unix sockets, with its credentials: who makes each call
+  // (the Fusion service asks), and the per-uid and total connection caps.
+  std::unique_ptr<ConnectionTable> connections_;
+  // The fd channel (<socket>.fd): descriptors clients hand in (and, later, take out) by ticket.
+  std::unique_ptr<FdTicketBroker> fd_tickets_;
+  std::unique_ptr<FdChannelServer> fd_channel_;
+  std::unique_ptr<UnixListener> fd_listener_;
   std::unique_ptr<UnixListener> unix_listener_;
   std::unique_ptr<grpc::Server> main_server_;
   // Unary calls in flight on main_server_ (an interceptor counts them); shutdown waits for 0.
   std::atomic<int64_t> unary_calls_{0};
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<FusionService> fusion_;
-  PeerService* peer_service_ = nullptr;  // owned by services_
   std::vector<std::unique_ptr<grpc::Service>> services_;
   GatedEngine gate_;
   std::unique_ptr<Exchange> exchange_;

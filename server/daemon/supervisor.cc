@@ -21,7 +21,6 @@
 #include "server/peers/peer_exchange.h"
 #include "server/services/config/config_service.h"
 #include "server/services/fusion/fusion_service.h"
-#include "server/services/peer/peer_service.h"
 #include "spdlog/spdlog.h"
 #if ARFUSE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -106,8 +105,6 @@ absl::Status Sidecar::FormGroup() {
     po.heartbeat_timeout = absl::Seconds(options_.peer_heartbeat_timeout_s);
     po.heartbeat_interval = po.heartbeat_timeout / 5;
     ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<PeerExchange> peers, ConnectPeers(po));
-    // Rank 0's coordinator also answers the gRPC Peer service on the main socket.
-    if (peers->coordinator() != nullptr) peer_service_->SetCoordinator(peers->coordinator());
     exchange_ = std::move(peers);
   }
   metrics_->SetPeersReady(options_.world_size);

@@ -1,58 +1,107 @@
-// The main server's Unix socket, accepted by arfused itself so each client's credentials
-// (SO_PEERCRED) are checked before gRPC reads a byte: a registered region exposes device memory
-// to writes, so only allowed users may register one. Accepted connections are handed to the
-// gRPC server as already-connected descriptors.
+// arfused's Unix sockets (the main gRPC socket and the fd channel), accepted by arfused itself so
+// that each client's credentials (SO_PEERCRED) are checked before a byte is read, and recorded
+// (ConnectionTable) so that services know who makes each call. A registered region exposes
+// memory to writes, so only allowed users may connect.
+//
+// Descriptors are a resource every client shares: connections are capped per uid and in total
+// (the total leaves a reserve of the process's RLIMIT_NOFILE for the health port, the metrics
+// port, region descriptors and the peer channel), and when the process is out of descriptors
+// anyway (EMFILE/ENFILE) the accept loop sheds the pending connection with a spare descriptor
+// kept for that (close the spare, accept, close, reopen), backs off, and logs at most once a
+// second: it never spins.
 #pragma once
 
-#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "server/fdpass/connection_table.h"
+#include "server/fdpass/socket_credentials.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 
 struct PeerCredentialPolicy {
-  // Always allowed: this process's uid and root. Plus these uids, and any uid whose primary gid
-  // (as the kernel reports for the connecting process) is in `gids`.
+  // Always allowed: this process's uid and root. Plus these uids, and any uid whose primary or
+  // supplementary groups (as the kernel reports for the connecting process) meet `gids`.
   std::set<uid_t> uids;
   std::set<gid_t> gids;
-  bool Allows(uid_t uid, gid_t gid) const;
+  bool Allows(const SocketCredentials& creds) const;
 };
+
+struct UnixListenerOptions {
+  PeerCredentialPolicy policy;
+  // Shared by every listener of the process: caps count connections on all of them.
+  ConnectionTable* table = nullptr;
+  ConnectionTable::Channel channel = ConnectionTable::Channel::kMain;
+  // Open connections one uid may hold (0: no cap).
+  size_t max_connections_per_uid = 64;
+  // Open connections in all (0: no cap); see ConnectionBudget().
+  size_t max_connections = 0;
+  // For logs: "main" or "fd".
+  std::string label = "main";
+};
+
+// The connections a process with this RLIMIT_NOFILE soft limit may accept on its Unix sockets:
+// the limit less a reserve of a quarter of it, at least 64 (health and metrics connections,
+// region descriptors, peers, gRPC's own). At least 1.
+size_t ConnectionBudget(uint64_t nofile_soft_limit);
+// The same for this process's current limit.
+size_t ConnectionBudget();
 
 class UnixListener {
  public:
+  // Called on the accept thread with an allowed connection (non-blocking, close-on-exec) and its
+  // credentials, already recorded in the table. Must not block.
+  using Handler = std::function<void(UniqueFd conn, const SocketCredentials& creds)>;
+
   // Binds and listens on `path` (mode 0660). INVALID_ARGUMENT/UNAVAILABLE naming the path.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path,
-                                                            PeerCredentialPolicy policy);
-  ~UnixListener();  // stops the accept thread (never blocks on clients) and closes the socket
+                                                            UnixListenerOptions options);
+  ~UnixListener();  // stops the accept thread (never blocks on clients) and removes the socket
   UnixListener(const UnixListener&) = delete;
   UnixListener& operator=(const UnixListener&) = delete;
 
-  // Starts accepting for `server` (already started). Connections from disallowed users are
-  // closed and logged (uid only).
-  void Serve(grpc::Server* server);
-  // Stops accepting new connections; those already handed to gRPC stay with it.
+  // Starts accepting. Connections from disallowed users, and over the caps, are closed and
+  // logged (uid only, at most once a second per reason).
+  void Serve(Handler handler);
+  // Stops accepting new connections; those already handed over stay with their owner.
   void Stop();
 
   uint64_t refused() const { return refused_.load(); }
+  // Connections closed at once because the process was out of descriptors.
+  uint64_t shed() const { return shed_.load(); }
+  // accept() calls made (tests: a loop that spins makes millions).
+  uint64_t accept_calls() const { return accept_calls_.load(); }
 
  private:
-  UnixListener(int fd, int wake_read, int wake_write, std::string path, PeerCredentialPolicy p);
-  void AcceptLoop(grpc::Server* server);
+  UnixListener(UniqueFd fd, UniqueFd wake_read, UniqueFd wake_write, std::string path,
+               UnixListenerOptions options);
+  void AcceptLoop();
+  // Out of descriptors: give the spare back, accept the pending connection and close it at once
+  // (its client sees the connection close instead of hanging in the backlog), take the spare
+  // again. Returns whether a connection was shed.
+  bool ShedOne();
+  // Waits `d` on the wake pipe alone; true when Stop() was called.
+  bool Pause(int64_t ms);
 
-  int fd_;
-  int wake_read_;
-  int wake_write_;
+  UniqueFd fd_;
+  UniqueFd wake_read_;
+  UniqueFd wake_write_;
+  UniqueFd spare_;
   std::string path_;
-  PeerCredentialPolicy policy_;
+  UnixListenerOptions options_;
+  Handler handler_;
   std::thread thread_;
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> shed_{0};
+  std::atomic<uint64_t> accept_calls_{0};
 };
 
 }  // namespace arfuse

@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "kernels/instream/attach_abi.h"
 #include "server/engine/engine.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

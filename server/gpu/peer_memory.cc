@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/fdpass/unique_fd.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/group_step.h"
 #include "server/peers/exchange.h"
-#include "server/peers/unique_fd.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

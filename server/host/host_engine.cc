@@ -20,9 +20,10 @@
 #include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 #include "server/core/status_macros.h"
+#include "server/host/guarded_copy.h"
 #include "server/engine/instream_host.h"
 #include "server/peers/exchange.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/unique_fd.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -35,32 +36,35 @@ struct HostWsObject {
   host::HostWsMapping mapping;
 };
 
-absl::StatusOr<HostWsObject> CreateShm(const std::string& name, size_t bytes) {
-  UniqueFd fd(::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+// The workspace object: a memfd sealed against shrinking and growing, so that no process holding
+// it (a peer sidecar, an attached client) can take pages away under the others' mappings (a
+// shrunk object would fault every process that maps it). It has no name: it reaches the other
+// ranks over the peer channel (SCM_RIGHTS) and clients over the fd channel.
+absl::StatusOr<HostWsObject> CreateSealedWorkspace(size_t bytes) {
+  UniqueFd fd(::memfd_create("arfuse-host-workspace", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot create host workspace shm: ", strerror(errno)));
+        absl::StrCat("cannot create the host workspace (memfd_create): ", strerror(errno)));
   }
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
-    int e = errno;
-    ::shm_unlink(name.c_str());
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot size host workspace to ", bytes, " bytes: ", strerror(e)));
+        absl::StrCat("cannot size the host workspace to ", bytes, " bytes: ", strerror(errno)));
   }
-  auto m = host::HostWsMapping::Map(fd.get(), bytes);
-  if (!m.ok()) {
-    ::shm_unlink(name.c_str());
-    return m.status();
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot seal the host workspace: ", strerror(errno)));
   }
-  return HostWsObject{std::move(fd), std::move(*m)};
+  ARFUSE_ASSIGN_OR_RETURN(host::HostWsMapping m, host::HostWsMapping::Map(fd.get(), bytes));
+  return HostWsObject{std::move(fd), std::move(m)};
 }
 
-absl::StatusOr<HostWsObject> OpenShm(const std::string& name, size_t expected_bytes) {
-  UniqueFd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
-  if (!fd.valid()) {
+// Rank 0's workspace as another rank received it: it must be sealed the way rank 0 seals it.
+absl::StatusOr<HostWsObject> MapReceivedWorkspace(UniqueFd fd, size_t expected_bytes) {
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  constexpr int kWanted = F_SEAL_SHRINK | F_SEAL_GROW;
+  if (seals < 0 || (seals & kWanted) != kWanted) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot open rank 0's host workspace: ", strerror(errno),
-                     " (ranks of a host-mode group must share one node and user)"));
+        "rank 0's host workspace is not a memfd sealed against shrinking and growing");
   }
   auto m = host::HostWsMapping::Map(fd.get(), expected_bytes);
   if (!m.ok()) {
@@ -126,34 +130,39 @@ class HostEngine final : public Engine, public InStreamHost {
     ++next_gen;
 
     const size_t total = host::HostWsTotalBytes(options_.world_size, slot_bytes_);
-    std::string name;
     HostWsObject ws;
     if (options_.rank == 0 && local_problem.empty()) {
-      std::random_device rd;
-      name = absl::StrCat("/arfuse-host-", ::getpid(), "-", next_gen, "-", rd());
-      auto created = CreateShm(name, total);
+      auto created = CreateSealedWorkspace(total);
       if (created.ok()) {
         ws = std::move(*created);
         host::InitHostWorkspace(ws.mapping.data(), options_.world_size, next_gen, slot_bytes_);
       } else {
         local_problem = std::string(created.status().message());
-        name.clear();
       }
     }
-    // The exchange's release/acquire (a socket round trip or a mutex) orders rank 0's header
-    // initialization before any other rank maps and reads it.
-    auto names = exchange.Allgather("host_engine/workspace", name, deadline);
-    if (!names.ok()) {
-      if (!name.empty()) ::shm_unlink(name.c_str());
-      SetState(WorkspaceState::kInitializing, std::string(names.status().message()));
-      return names.status();
+    // Whether rank 0 made one, then the object itself (SCM_RIGHTS; a rank without one sends a
+    // placeholder). The exchange's release/acquire (a socket round trip or a mutex) orders rank
+    // 0's header initialization before any other rank maps and reads it.
+    auto made = exchange.Allgather("host_engine/workspace",
+                                   ws.fd.valid() ? std::string("1") : std::string(), deadline);
+    if (!made.ok()) {
+      SetState(WorkspaceState::kInitializing, std::string(made.status().message()));
+      return made.status();
     }
+    UniqueFd placeholder(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    auto fds = exchange.AllgatherFd("host_engine/workspace_fd",
+                                    ws.fd.valid() ? ws.fd.get() : placeholder.get(), deadline);
+    if (!fds.ok()) {
+      SetState(WorkspaceState::kInitializing, std::string(fds.status().message()));
+      return fds.status();
+    }
+    std::vector<UniqueFd> received;
+    for (int fd : *fds) received.emplace_back(fd);
     if (options_.rank != 0 && local_problem.empty()) {
-      const std::string& rank0_name = (*names)[0];
-      if (rank0_name.empty()) {
+      if ((*made)[0].empty()) {
         local_problem = "rank 0 could not create the workspace";
       } else {
-        auto opened = OpenShm(rank0_name, total);
+        auto opened = MapReceivedWorkspace(std::move(received[0]), total);
         if (!opened.ok()) {
           local_problem = std::string(opened.status().message());
         } else if (absl::Status match = host::CheckHostWorkspace(
@@ -167,8 +176,6 @@ class HostEngine final : public Engine, public InStreamHost {
       }
     }
     auto vote = exchange.Vote("host_engine/mapped", local_problem.empty(), local_problem, deadline);
-    // Once every rank has voted, every rank that could map it has: the name can go.
-    if (!name.empty()) ::shm_unlink(name.c_str());
     if (!vote.ok()) {
       SetState(WorkspaceState::kInitializing, std::string(vote.status().message()));
       return vote.status();
@@ -226,7 +233,19 @@ class HostEngine final : public Engine, public InStreamHost {
     // op_mu_ keeps Initialize from replacing the mapping while the op runs.
     host::HostCollective collective(ws_.mapping.data(), options_.rank, options_.world_size,
                                     slot_bytes_);
-    host::HostOpResult r = collective.Run(op, generation, limits);
+    // Client memory (residual_in, gamma, the outputs) is read and written through private copies,
+    // and the input through a guarded copy into the slot (guarded_copy.h): a client that shrinks
+    // its region under the op gets an error for this op, and the daemon goes on.
+    const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
+    // A rank whose client memory faults still takes part (on its private copies), so its peers
+    // complete the op; it alone fails it, after.
+    OpArgs staged = op;
+    const absl::Status staged_in = StageIn(op, bytes, &staged);
+    host::HostOpResult r = collective.Run(
+        staged, generation, limits, /*client=*/false,
+        [](void* to, const void* from, size_t n, const char* what) {
+          return GuardedCopy(to, from, n, what);
+        });
     if (r.poisoned) {
       SetState(WorkspaceState::kPoisoned, std::string(r.status.message()));
       spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",
@@ -234,7 +253,41 @@ class HostEngine final : public Engine, public InStreamHost {
                     std::string(r.status.message()));
     }
     if (!r.status.ok()) return r.status;
+    ARFUSE_RETURN_IF_ERROR(staged_in);
+    ARFUSE_RETURN_IF_ERROR(StageOut(op, bytes));
     return OpOutcome{ExecPath::kHost, "host shared-memory workspace, CPU implementation"};
+  }
+
+  // The op's client tensors other than the input, copied into private buffers (guarded): the
+  // collective reads residual_in and gamma and writes the outputs there. `staged` points at the
+  // buffers even when a copy fails (its error is returned).
+  absl::Status StageIn(const OpArgs& op, size_t bytes, OpArgs* staged) {
+    staging_out_.resize(bytes);
+    if (op.pattern == Pattern::kAllReduce) {
+      staged->output = staging_out_.data();
+      return absl::OkStatus();
+    }
+    const size_t gamma_bytes = static_cast<size_t>(op.hidden) * DTypeSize(op.dtype);
+    staging_in_.resize(bytes);
+    staging_gamma_.resize(gamma_bytes);
+    staging_norm_.resize(bytes);
+    // The private pointers first: the collective runs on them even when a copy below fails.
+    staged->residual_in = staging_in_.data();
+    staged->gamma = staging_gamma_.data();
+    staged->residual_out = staging_out_.data();
+    staged->norm_out = staging_norm_.data();
+    ARFUSE_RETURN_IF_ERROR(GuardedCopy(staging_in_.data(), op.residual_in, bytes, "residual_in"));
+    return GuardedCopy(staging_gamma_.data(), op.gamma, gamma_bytes, "gamma");
+  }
+
+  // The op's outputs, from the private buffers back into the client's memory (guarded).
+  absl::Status StageOut(const OpArgs& op, size_t bytes) {
+    if (op.pattern == Pattern::kAllReduce) {
+      return GuardedCopy(op.output, staging_out_.data(), bytes, "output");
+    }
+    ARFUSE_RETURN_IF_ERROR(
+        GuardedCopy(op.residual_out, staging_out_.data(), bytes, "residual_out"));
+    return GuardedCopy(op.norm_out, staging_norm_.data(), bytes, "norm_out");
   }
 
   void Abort() override { abort_.store(true, std::memory_order_release); }
@@ -321,10 +374,18 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     host::HostCollective view(ws_.mapping.data(), options_.rank, options_.world_size, slot_bytes_);
     InStreamCounters c;
+    c.generation = generation_;  // what ExportInStream handed out for this workspace
     c.launches = view.sync(options_.rank)->client_ops.load(std::memory_order_relaxed);
     // A stale client op touches nothing, not even a counter: there is none to report.
     c.stale = 0;
     c.error = view.header()->error.load(std::memory_order_acquire);
+    switch (static_cast<host::HostWsError>(c.error)) {
+      case host::HostWsError::kNone: break;
+      case host::HostWsError::kTimeout: c.error_name = "timeout"; break;
+      case host::HostWsError::kHostAbort: c.error_name = "host_abort"; break;
+      case host::HostWsError::kPeerAbort: c.error_name = "peer_abort"; break;
+      default: c.error_name = "poisoned"; break;
+    }
     return c;
   }
 
@@ -430,6 +491,8 @@ class HostEngine final : public Engine, public InStreamHost {
   const size_t slot_bytes_;
   std::timed_mutex exec_mu_;  // callers queue here, bounded by their deadline
   std::mutex op_mu_;          // the workspace: Initialize and Execute
+  // StageIn/StageOut's private copies of client tensors (guarded by exec_mu_: one op at a time).
+  std::vector<uint8_t> staging_in_, staging_gamma_, staging_out_, staging_norm_;
   std::atomic<bool> abort_{false};
   // state_, generation_, reason_ and ws_ (replaced only under op_mu_ too, so Execute may use
   // ws_ with op_mu_ alone).

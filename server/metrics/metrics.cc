@@ -188,12 +188,15 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const Buil
 
 Metrics::~Metrics() = default;
 
-absl::Status Metrics::Serve(int port) {
+absl::Status Metrics::Serve(const std::string& host, int port) {
+  // civetweb's listening_ports: "a.b.c.d:port" or "[v6]:port".
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  const std::string address = absl::StrCat(v6 ? "[" : "", host, v6 ? "]" : "", ":", port);
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));
+    exposer_ = std::make_unique<prometheus::Exposer>(address);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on port ", port, ": ", e.what()));
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
   exposer_->RegisterCollectable(registry_);
   auto ports = exposer_->GetListeningPorts();

@@ -51,8 +51,10 @@ class Metrics {
   Metrics(int rank, int world_size, const std::string& device, const BuildLabels& build);
   ~Metrics();
 
-  // Serves /metrics on 0.0.0.0:port (0 picks a free port). UNAVAILABLE when the port is taken.
-  absl::Status Serve(int port);
+  // Serves /metrics on host:port ("0.0.0.0" every IPv4 address, "127.0.0.1" loopback only, an
+  // IPv6 address in brackets or not; port 0 picks a free port). UNAVAILABLE when the address
+  // cannot be bound.
+  absl::Status Serve(const std::string& host, int port);
   int port() const { return port_; }
 
   // Counts the op in the Prometheus families and in op_totals(). Thread-safe.

@@ -75,8 +75,8 @@ void Coordinator::Join(uint64_t participant, const MemberInfo& info, absl::Time 
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) {
-      fail(absl::AbortedError(absl::StrCat("group '", group_, "' epoch ", epoch_, " is broken (",
-                                           broken_.message(), "); rank 0 must re-form it")));
+      fail(absl::AbortedError(absl::StrCat("group '", group_, "' is broken (", broken_.message(),
+                                           "); rank 0 must re-form it")));
     } else if (info.group != group_) {
       fail(absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " asked to join group '",
                                                    info.group, "' but this coordinator serves '",
@@ -114,8 +114,7 @@ void Coordinator::Join(uint64_t participant, const MemberInfo& info, absl::Time 
             d(JoinResult{absl::OkStatus(), e, members});
           });
         }
-        spdlog::info("event=peer_group_formed group={} epoch={} world_size={}", group_, epoch_,
-                     world_size_);
+        spdlog::info("event=peer_group_formed group={} world_size={}", group_, world_size_);
       }
     }
   }
@@ -191,9 +190,9 @@ void Coordinator::Contribute(uint64_t participant, Contribution c, CollectiveDon
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (c.epoch != epoch_) {
-      fail(absl::AbortedError(absl::StrCat("stale epoch ", c.epoch, " for group '", group_,
-                                           "' (now at epoch ", epoch_,
-                                           "): the group was re-formed; re-join")));
+      // The epoch is never echoed: it authenticates a rank's calls to the group.
+      fail(absl::AbortedError(
+          absl::StrCat("stale epoch for group '", group_, "': the group was re-formed; re-join")));
     } else if (!broken_.ok()) {
       fail(broken_);
     } else if (!formed_) {
@@ -269,8 +268,7 @@ void Coordinator::ParticipantGone(uint64_t participant, const std::string& reaso
         if (broken_.ok()) {
           broken_ = absl::UnavailableError(
               absl::StrCat("rank ", r, " of group '", group_, "' went away: ", reason));
-          spdlog::warn("event=peer_lost group={} epoch={} rank={} reason=\"{}\"", group_, epoch_, r,
-                       reason);
+          spdlog::warn("event=peer_lost group={} rank={} reason=\"{}\"", group_, r, reason);
         }
         for (auto& [k, p] : pending_) {
           if (p.failed.ok()) FailPendingLocked(p, broken_, deferred);
@@ -283,16 +281,6 @@ void Coordinator::ParticipantGone(uint64_t participant, const std::string& reaso
     }
   }
   for (auto& f : deferred) f();
-}
-
-void Coordinator::RankGone(int rank, const std::string& reason) {
-  uint64_t participant = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (rank < 0 || rank >= world_size_) return;
-    participant = formed_ ? participants_[rank] : joiners_[rank].participant;
-  }
-  ParticipantGone(participant, reason);
 }
 
 void Coordinator::Expire(absl::Time now) {

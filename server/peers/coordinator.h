@@ -1,6 +1,6 @@
 // The group's rendezvous logic, hosted by rank 0: joins, then collectives matched across ranks.
-// No I/O here: the socket server (coordinator_server.h), the in-process group
-// (local_exchange.h) and the gRPC Peer service all feed it and deliver its answers.
+// No I/O here: the socket server (coordinator_server.h) and the in-process group
+// (local_exchange.h) feed it and deliver its answers.
 //
 // Matching: the k-th call of rank r with tag T meets the k-th call of every other rank with T,
 // so a tag may be reused (a barrier per step) and tags must be called in the same order on every
@@ -19,7 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse::peers {
 
@@ -87,9 +87,6 @@ class Coordinator {
   // The participant's connection closed (or it left): a joined rank that goes away breaks the
   // formed group; every pending and future collective fails with UNAVAILABLE naming it.
   void ParticipantGone(uint64_t participant, const std::string& reason);
-
-  // A rank left without a connection to close (a gRPC Leave): same effect as ParticipantGone.
-  void RankGone(int rank, const std::string& reason);
 
   // Fails everything whose deadline is <= now. Call at NextDeadline().
   void Expire(absl::Time now);

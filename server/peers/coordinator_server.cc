@@ -174,9 +174,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!options.tcp_address.empty()) {
     ARFUSE_ASSIGN_OR_RETURN(s->tcp_listen_, ListenTcp(options.tcp_address, &s->tcp_port_));
   }
-  spdlog::info("event=peer_coordinator_start group={} epoch={} world_size={} unix={} tcp_port={}",
-               options.group, s->coordinator_->epoch(), options.world_size,
-               !options.unix_path.empty(), s->tcp_port_);
+  spdlog::info("event=peer_coordinator_start group={} world_size={} unix={} tcp_port={}",
+               options.group, options.world_size, !options.unix_path.empty(), s->tcp_port_);
   s->thread_ = std::thread([p = s.get()] { p->Loop(); });
   return s;
 }

@@ -18,9 +18,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/fdpass/unique_fd.h"
+#include "server/fdpass/wake_fd.h"
 #include "server/peers/coordinator.h"
-#include "server/peers/unique_fd.h"
-#include "server/peers/wake_fd.h"
 #include "server/peers/wire.h"
 
 namespace arfuse::peers {

@@ -3,25 +3,16 @@
 // and, for the mnnvl and host backends, file descriptors of workspace memory, so the directory's
 // permissions (the deployment shares it only between the group's sidecars) are not the only
 // gate: rank 0 refuses a connecting process of another user, and a rank refuses to join through
-// a socket that another user's process listens on. Both read the kernel's SO_PEERCRED, which a
-// process cannot forge. TCP peers (several nodes) rely on network isolation (docs/security.md).
+// a socket that another user's process listens on. Both read the kernel's SO_PEERCRED
+// (server/fdpass/socket_credentials.h), which a process cannot forge. TCP peers (several nodes)
+// rely on network isolation (docs/security.md).
 #pragma once
 
 #include <sys/types.h>
 
-#include "absl/status/statusor.h"
+#include "server/fdpass/socket_credentials.h"
 
 namespace arfuse::peers {
-
-struct SocketCredentials {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-};
-
-// The credentials of the process at the other end of a connected Unix socket (for a listener's
-// socket: the process that called listen). INTERNAL when the kernel does not say.
-absl::StatusOr<SocketCredentials> PeerSocketCredentials(int fd);
 
 // This sidecar's effective uid or root (uid 0).
 bool PeerUserAllowed(uid_t uid);

@@ -24,9 +24,9 @@
 #include "kernels/common/op_types.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
+#include "server/fdpass/wake_fd.h"
 #include "server/peers/coordinator_server.h"
 #include "server/peers/peer_credentials.h"
-#include "server/peers/wake_fd.h"
 #include "server/peers/wire.h"
 #include "spdlog/spdlog.h"
 
@@ -107,8 +107,7 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   // The listener's credentials, before the join is sent (peer_credentials.h): a process of
   // another user holding the group's path is not rank 0 of this group, and retrying cannot
   // change who holds it.
-  ARFUSE_ASSIGN_OR_RETURN(const peers::SocketCredentials cred,
-                          peers::PeerSocketCredentials(fd.get()));
+  ARFUSE_ASSIGN_OR_RETURN(const SocketCredentials cred, PeerSocketCredentials(fd.get()));
   if (!peers::PeerUserAllowed(cred.uid)) {
     return absl::PermissionDeniedError(absl::StrCat(
         "the peer socket ", path, " is held by a process of uid ", cred.uid,
@@ -242,8 +241,8 @@ class SocketExchange final : public PeerExchange {
     if (server_) {
       absl::Status broken = server_->coordinator()->broken();
       if (!broken.ok()) {
-        return absl::UnavailableError(absl::StrCat("peer group '", options_.group, "' epoch ",
-                                                   epoch_, " is broken: ", broken.message()));
+        return absl::UnavailableError(
+            absl::StrCat("peer group '", options_.group, "' is broken: ", broken.message()));
       }
     }
     // Whatever the link thread found; mu_ is only ever held briefly (never across a wait).
@@ -554,8 +553,8 @@ class SocketExchange final : public PeerExchange {
           }
           conn_ = std::move(*fd);
           in_ = std::move(in);
-          spdlog::info("event=peer_joined group={} rank={} world_size={} epoch={}", options_.group,
-                       options_.rank, options_.world_size, epoch_);
+          spdlog::info("event=peer_joined group={} rank={} world_size={}", options_.group,
+                       options_.rank, options_.world_size);
           return absl::OkStatus();
         }
         if (f.ok() && f->type == FrameType::kError) {
@@ -602,7 +601,7 @@ class SocketExchange final : public PeerExchange {
   // Link thread only.
   std::string in_;
   std::deque<UniqueFd> in_fds_;
-  peers::WakeFd wake_;
+  WakeFd wake_;
   std::atomic<bool> stop_{false};
   std::thread link_thread_;
   uint64_t beats_ = 0;  // heartbeats sent (their seq); the link thread's once it runs

@@ -53,7 +53,7 @@ class PeerExchange : public Exchange {
   virtual uint64_t epoch() const = 0;
   // Every rank's join information, index = rank.
   virtual const std::vector<peers::MemberInfo>& members() const = 0;
-  // Rank 0 only (null elsewhere): the coordinator, for the gRPC Peer service to front.
+  // Rank 0 only (null elsewhere): the coordinator this process hosts.
   virtual std::shared_ptr<peers::Coordinator> coordinator() const = 0;
   // Rank 0 only: the bound TCP port (0 without TCP).
   virtual int tcp_port() const = 0;

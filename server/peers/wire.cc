@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
+#include "server/fdpass/scm_rights.h"
 
 namespace arfuse::peers {
 
@@ -73,10 +74,7 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buf, std::deque<Uniq
   f.seq = h.seq;
   f.body = buf.substr(sizeof(h), h.body_len);
   buf.erase(0, sizeof(h) + h.body_len);
-  for (int i = 0; i < h.nfds; ++i) {
-    f.fds.push_back(std::move(fds.front()));
-    fds.pop_front();
-  }
+  f.fds = TakeFds(fds, h.nfds);
   return std::optional<Frame>(std::move(f));
 }
 
@@ -131,75 +129,12 @@ absl::Status DecodeError(const std::string& body) {
 }
 
 absl::Status ReadAvailable(int fd, std::string& buf, std::deque<UniqueFd>& fds, bool* eof) {
-  *eof = false;
-  for (;;) {
-    char data[64 * 1024];
-    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxFrameFds)];
-    iovec iov{data, sizeof(data)};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = ctrl;
-    msg.msg_controllen = sizeof(ctrl);
-    ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
-      return absl::UnavailableError(absl::StrCat("peer socket read failed: ", strerror(errno)));
-    }
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int received;
-          std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          fds.emplace_back(received);
-        }
-      }
-    }
-    if (msg.msg_flags & MSG_CTRUNC) {
-      return absl::InvalidArgumentError("peer sent more file descriptors than a frame may carry");
-    }
-    if (n == 0) {
-      *eof = true;
-      return absl::OkStatus();
-    }
-    buf.append(data, static_cast<size_t>(n));
-  }
+  return RecvWithFds(fd, buf, fds, eof, "peer socket");
 }
 
 absl::Status SendSome(int fd, const std::string& data, size_t* offset,
                       const std::vector<int>& fds) {
-  // The control buffer below holds kMaxFrameFds descriptors, and a receiver refuses frames
-  // announcing more: refuse before writing anything.
-  if (fds.size() > kMaxFrameFds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a peer frame carries at most ", kMaxFrameFds, " fds, got ", fds.size()));
-  }
-  while (*offset < data.size()) {
-    iovec iov{const_cast<char*>(data.data() + *offset), data.size() - *offset};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxFrameFds)];
-    if (*offset == 0 && !fds.empty()) {
-      msg.msg_control = ctrl;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
-    ssize_t n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
-      return absl::UnavailableError(absl::StrCat("peer socket write failed: ", strerror(errno)));
-    }
-    *offset += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
+  return SendWithFds(fd, data, offset, fds, "peer socket");
 }
 
 absl::Status FlushFrames(int fd, std::deque<OutFrame>& queue) {
@@ -229,24 +164,6 @@ uint32_t RemainingMs(absl::Time deadline) {
   return static_cast<uint32_t>(std::min<int64_t>(ms, (int64_t{1} << 31) - 1));
 }
 
-namespace {
-// Waits for `events` on fd until the deadline; false on timeout.
-absl::StatusOr<bool> PollUntil(int fd, short events, absl::Time deadline) {
-  for (;;) {
-    absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, ms);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("poll failed: ", strerror(errno)));
-    }
-    if (r > 0) return true;
-  }
-}
-}  // namespace
-
 absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
                      absl::Time deadline) {
   size_t offset = 0;
@@ -254,7 +171,7 @@ absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fd
     absl::Status s = SendSome(fd, data, &offset, fds);
     if (!s.ok()) return s;
     if (offset == data.size()) return absl::OkStatus();
-    auto ready = PollUntil(fd, POLLOUT, deadline);
+    auto ready = WaitForSocket(fd, POLLOUT, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out sending to the peer channel");
   }
@@ -277,7 +194,7 @@ absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& 
     frame = TakeFrame(buf, fds);
     if (!frame.ok()) return frame.status();
     if (frame->has_value()) return std::move(**frame);
-    auto ready = PollUntil(fd, POLLIN, deadline);
+    auto ready = WaitForSocket(fd, POLLIN, deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out waiting on the peer channel");
   }

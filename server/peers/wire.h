@@ -16,7 +16,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/scm_rights.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse::peers {
 
@@ -28,7 +29,7 @@ inline constexpr uint8_t kWireVersion = 2;
 // Bodies carry small handshake payloads (IPC handles, the NCCL id, votes); anything bigger is a
 // protocol error, not a reason to allocate.
 inline constexpr uint32_t kMaxFrameBody = 16u << 20;
-inline constexpr uint16_t kMaxFrameFds = 64;
+inline constexpr uint16_t kMaxFrameFds = kMaxScmFds;
 
 enum class FrameType : uint8_t {
   kJoin = 1,          // body: EncodeJoinBody()

@@ -26,6 +26,10 @@ class Mapping {
   // The real size of the allocation as measured by the opener (fstat, cuMemGetAddressRange),
   // never the size the client claimed.
   virtual uint64_t allocation_size() const = 0;
+  // Before each op: the memory still holds its first `bytes` bytes. Memory the client can still
+  // shrink (a named shared-memory object) is measured again; FAILED_PRECONDITION when it shrank.
+  // Called with the registry's lock held: quick, never blocks.
+  virtual absl::Status CheckIntact(uint64_t bytes) const;
 
  protected:
   Mapping();
@@ -41,8 +45,9 @@ class MemoryOpener {
   // The device whose memory this opener maps (CUDA device id; 0 for host memory).
   virtual int32_t device_id() const = 0;
   // Opens memory that ValidateRegionSpec accepted. INVALID_ARGUMENT when the bytes or the name do
-  // not open (the message never echoes them); RESOURCE_EXHAUSTED when the system is out of
-  // mappings or memory.
+  // not open (the message never echoes them); PERMISSION_DENIED when the caller could not open
+  // the memory itself; FAILED_PRECONDITION for memory that is not sealed as required;
+  // RESOURCE_EXHAUSTED when the system is out of mappings or memory.
   virtual absl::StatusOr<std::unique_ptr<Mapping>> Open(const RegionSpec& spec) = 0;
 };
 

@@ -392,6 +392,9 @@ absl::StatusOr<std::vector<RegionInfo>> Registry::ListRegions(uint64_t session_i
 
 absl::StatusOr<PlanInfo> Registry::CreatePlan(uint64_t session_id, const OpRequest& op) {
   ARFUSE_ASSIGN_OR_RETURN(OpShape shape, ValidateOpShape(op, limits_));
+  if (limits_.workspace) {
+    ARFUSE_RETURN_IF_ERROR(CheckOpFitsWorkspace(shape, shape.max_tokens, *limits_.workspace));
+  }
   PlanInfo info;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -452,6 +455,9 @@ absl::StatusOr<ResolvedOp> Registry::ResolveOp(uint64_t session_id, const OpRequ
   if (num_tokens == 0) return absl::InvalidArgumentError("num_tokens must be > 0");
   ARFUSE_ASSIGN_OR_RETURN(OpShape shape, ValidateOpShape(sized, limits_));
   ARFUSE_RETURN_IF_ERROR(CheckNumTokens(num_tokens, shape.max_tokens));
+  if (limits_.workspace) {
+    ARFUSE_RETURN_IF_ERROR(CheckOpFitsWorkspace(shape, num_tokens, *limits_.workspace));
+  }
   std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<Session> s = FindSessionLocked(session_id);
   if (!s) return UnknownSessionError();
@@ -489,6 +495,12 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
     }
     ARFUSE_ASSIGN_OR_RETURN(uint64_t bytes, RoleBytes(shape, role, num_tokens));
     ARFUSE_RETURN_IF_ERROR(CheckTensorRange(rn, ref.offset, bytes, r->byte_size));
+    // Memory the client can still shrink is measured again before each op (an op on a shrunk
+    // object is refused here rather than faulting in the engine).
+    if (absl::Status intact = r->mapping->CheckIntact(r->byte_size); !intact.ok()) {
+      return absl::Status(intact.code(),
+                          absl::StrCat(rn, ": region ", ref.region_id, ": ", intact.message()));
+    }
     placements.push_back(Placement{role, r->id, ref.offset, bytes});
     regions.push_back(r);
   }

@@ -4,10 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "kernels/common/op_types.h"
+#include "server/fdpass/socket_credentials.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 
@@ -31,8 +34,16 @@ struct RegionSpec {
   // kCudaIpc: the raw cudaIpcMemHandle_t bytes and the device they belong to.
   std::string cuda_handle;
   int32_t device_id = 0;
-  // kHostShm: a POSIX shared-memory object name ("/arfuse-...").
+  // kHostShm by name: a POSIX shared-memory object name ("/arfuse-...").
   std::string shm_name;
+  // kHostShm by descriptor (host_fd): the fd ticket the client sent, and the descriptor the
+  // service claimed with it (shared so that a spec stays copyable; closed with the last copy).
+  bool host_by_fd = false;
+  std::string fd_ticket;
+  std::shared_ptr<const UniqueFd> host_fd;
+  // Who made the call, when the sidecar knows (a connection it accepted on its Unix socket).
+  // Memory is opened by name only for a caller that could open it itself.
+  std::optional<SocketCredentials> caller;
 };
 
 // A tensor inside a registered region; `present` is false when the client left it out.
@@ -68,6 +79,13 @@ struct OpShape {
   float eps = 1e-6f;
 };
 
+// What the sidecar's workspace serves (--max-tokens, --hidden, --dtype).
+struct WorkspaceCapacity {
+  uint32_t max_tokens = 0;
+  uint32_t hidden = 0;
+  DType dtype = DType::kBF16;
+};
+
 // Limits the registry enforces. Per-session caps stop one client from exhausting the sidecar.
 struct RegistryLimits {
   uint32_t max_sessions = 64;
@@ -79,6 +97,9 @@ struct RegistryLimits {
   uint32_t max_tokens = 1u << 20;
   uint32_t max_hidden = 1u << 16;
   size_t max_name_bytes = 128;
+  // When set, plans and explicit ops the workspace cannot serve are refused with OUT_OF_RANGE
+  // (CheckOpFitsWorkspace): clients take that as "fusion unavailable, run your own path".
+  std::optional<WorkspaceCapacity> workspace;
 };
 
 }  // namespace arfuse

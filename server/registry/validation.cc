@@ -23,9 +23,7 @@ bool SamePlace(const Placement& a, const Placement& b) {
 
 // The exact aliases an op permits (in-place update), in either order.
 bool AliasAllowed(Pattern pattern, TensorRole a, TensorRole b) {
-  auto is = [&](TensorRole x, TensorRole y) {
-    return (a == x && b == y) || (a == y && b == x);
-  };
+  auto is = [&](TensorRole x, TensorRole y) { return (a == x && b == y) || (a == y && b == x); };
   if (pattern == Pattern::kAllReduce) return is(TensorRole::kInput, TensorRole::kOutput);
   return is(TensorRole::kResidualIn, TensorRole::kResidualOut);
 }
@@ -75,16 +73,21 @@ absl::Status ValidateRegionSpec(const RegionSpec& spec, MemoryKind served, int32
   if (!name.ok()) return name;
   if (spec.byte_size == 0) return absl::InvalidArgumentError("byte_size must be > 0");
   if (!spec.kind.has_value()) {
-    return absl::InvalidArgumentError("region has no memory: set cuda_ipc or host_shm");
+    return absl::InvalidArgumentError("region has no memory: set cuda_ipc, host_fd or host_shm");
   }
   if (*spec.kind != served) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("this sidecar serves ", MemoryKindName(served), " regions, not ",
-                     MemoryKindName(*spec.kind),
-                     served == MemoryKind::kHostShm ? " (it runs --device=host)"
-                                                    : " (it runs --device=cuda)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this sidecar serves ", MemoryKindName(served), " regions, not ",
+        MemoryKindName(*spec.kind),
+        served == MemoryKind::kHostShm ? " (it runs --device=host)" : " (it runs --device=cuda)"));
   }
-  if (served == MemoryKind::kHostShm) return ValidateShmName(spec.shm_name);
+  if (served == MemoryKind::kHostShm) {
+    if (spec.host_fd != nullptr) return absl::OkStatus();
+    if (spec.host_by_fd) {
+      return absl::InvalidArgumentError("host_fd: the fd ticket was not redeemed");
+    }
+    return ValidateShmName(spec.shm_name);
+  }
 
   if (spec.cuda_handle.size() != kCudaIpcHandleBytes) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc.handle must be exactly ",
@@ -106,9 +109,9 @@ absl::Status ValidateRegionSpec(const RegionSpec& spec, MemoryKind served, int32
 
 absl::Status CheckRegionSize(uint64_t byte_size, uint64_t allocation_size) {
   if (byte_size > allocation_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("byte_size ", byte_size, " exceeds the exported allocation of ",
-                     allocation_size, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("byte_size ", byte_size,
+                                                   " exceeds the exported allocation of ",
+                                                   allocation_size, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -118,9 +121,8 @@ absl::StatusOr<uint64_t> TensorBytes(DType dtype, uint64_t tokens, uint64_t hidd
   uint64_t bytes = 0;
   if (__builtin_mul_overflow(tokens, hidden, &elems) ||
       __builtin_mul_overflow(elems, static_cast<uint64_t>(DTypeSize(dtype)), &bytes)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor of ", tokens, " x ", hidden, " ", DTypeName(dtype),
-                     " overflows 64 bits"));
+    return absl::InvalidArgumentError(absl::StrCat("tensor of ", tokens, " x ", hidden, " ",
+                                                   DTypeName(dtype), " overflows 64 bits"));
   }
   return bytes;
 }
@@ -128,8 +130,8 @@ absl::StatusOr<uint64_t> TensorBytes(DType dtype, uint64_t tokens, uint64_t hidd
 absl::Status CheckTensorRange(absl::string_view role, uint64_t offset, uint64_t bytes,
                               uint64_t region_size) {
   if (offset % kTensorAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(role, ": offset ", offset,
-                                                   " is not a multiple of ", kTensorAlignment));
+    return absl::InvalidArgumentError(
+        absl::StrCat(role, ": offset ", offset, " is not a multiple of ", kTensorAlignment));
   }
   uint64_t end = 0;
   if (__builtin_add_overflow(offset, bytes, &end)) {
@@ -137,21 +139,26 @@ absl::Status CheckTensorRange(absl::string_view role, uint64_t offset, uint64_t 
         absl::StrCat(role, ": offset ", offset, " + size ", bytes, " overflows 64 bits"));
   }
   if (end > region_size) {
-    return absl::InvalidArgumentError(absl::StrCat(role, ": bytes [", offset, ", ", end,
-                                                   ") end past the region's ", region_size,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        role, ": bytes [", offset, ", ", end, ") end past the region's ", region_size, " bytes"));
   }
   return absl::OkStatus();
 }
 
 const char* TensorRoleName(TensorRole role) {
   switch (role) {
-    case TensorRole::kInput: return "input";
-    case TensorRole::kOutput: return "output";
-    case TensorRole::kResidualIn: return "residual_in";
-    case TensorRole::kResidualOut: return "residual_out";
-    case TensorRole::kNormOut: return "norm_out";
-    case TensorRole::kGamma: return "gamma";
+    case TensorRole::kInput:
+      return "input";
+    case TensorRole::kOutput:
+      return "output";
+    case TensorRole::kResidualIn:
+      return "residual_in";
+    case TensorRole::kResidualOut:
+      return "residual_out";
+    case TensorRole::kNormOut:
+      return "norm_out";
+    case TensorRole::kGamma:
+      return "gamma";
   }
   return "unknown";
 }
@@ -169,12 +176,18 @@ std::vector<TensorRole> RolesFor(Pattern pattern) {
 
 const TensorRef& RefFor(const OpRequest& op, TensorRole role) {
   switch (role) {
-    case TensorRole::kInput: return op.input;
-    case TensorRole::kOutput: return op.output;
-    case TensorRole::kResidualIn: return op.residual_in;
-    case TensorRole::kResidualOut: return op.residual_out;
-    case TensorRole::kNormOut: return op.norm_out;
-    case TensorRole::kGamma: return op.gamma;
+    case TensorRole::kInput:
+      return op.input;
+    case TensorRole::kOutput:
+      return op.output;
+    case TensorRole::kResidualIn:
+      return op.residual_in;
+    case TensorRole::kResidualOut:
+      return op.residual_out;
+    case TensorRole::kNormOut:
+      return op.norm_out;
+    case TensorRole::kGamma:
+      return op.gamma;
   }
   return op.input;
 }
@@ -206,8 +219,8 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
   }
   if (op.max_tokens == 0) return absl::InvalidArgumentError("max_tokens must be > 0");
   if (op.max_tokens > limits.max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens ", op.max_tokens,
-                                                   " exceeds the limit of ", limits.max_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens ", op.max_tokens, " exceeds the limit of ", limits.max_tokens));
   }
   shape.hidden = op.hidden;
   shape.max_tokens = op.max_tokens;
@@ -219,27 +232,48 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
   }
   for (TensorRole role : RolesFor(shape.pattern)) {
     if (!RefFor(op, role).present) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pattern ", PatternName(shape.pattern), " needs ", TensorRoleName(role),
-                       ", which is missing"));
+      return absl::InvalidArgumentError(absl::StrCat("pattern ", PatternName(shape.pattern),
+                                                     " needs ", TensorRoleName(role),
+                                                     ", which is missing"));
     }
   }
   return shape;
 }
 
+absl::Status CheckOpFitsWorkspace(const OpShape& shape, uint64_t tokens,
+                                  const WorkspaceCapacity& workspace) {
+  constexpr char kPrefix[] = "fusion unavailable for this op: ";
+  if (shape.dtype != workspace.dtype) {
+    return absl::OutOfRangeError(absl::StrCat(kPrefix, "dtype ", DTypeName(shape.dtype),
+                                              " is not the workspace's ",
+                                              DTypeName(workspace.dtype), " (--dtype)"));
+  }
+  if (shape.hidden > workspace.hidden) {
+    return absl::OutOfRangeError(absl::StrCat(kPrefix, "hidden ", shape.hidden,
+                                              " exceeds the workspace's hidden ", workspace.hidden,
+                                              " (--hidden)"));
+  }
+  if (tokens * shape.hidden > uint64_t{workspace.max_tokens} * workspace.hidden) {
+    return absl::OutOfRangeError(absl::StrCat(
+        kPrefix, tokens, " tokens x hidden ", shape.hidden, " exceed the workspace's ",
+        workspace.max_tokens, " tokens x hidden ", workspace.hidden, " (--max-tokens, --hidden)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckNumTokens(uint32_t num_tokens, uint32_t max_tokens) {
   if (num_tokens == 0) return absl::InvalidArgumentError("num_tokens must be > 0");
   if (num_tokens > max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("num_tokens ", num_tokens,
-                                                   " exceeds the plan's max_tokens ", max_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens ", num_tokens, " exceeds the plan's max_tokens ", max_tokens));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckGeneration(absl::string_view what, uint64_t sent, uint64_t current) {
   if (sent == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": generation is missing (pass the one RegisterRegion/CreatePlan returned)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": generation is missing (pass the one RegisterRegion/CreatePlan returned)"));
   }
   if (sent != current) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -256,12 +290,10 @@ absl::Status CheckNoForbiddenOverlap(Pattern pattern, const std::vector<Placemen
       if (!IsOutputRole(a.role) && !IsOutputRole(b.role)) continue;  // reads may share bytes
       if (!Overlaps(a, b)) continue;
       if (SamePlace(a, b) && AliasAllowed(pattern, a.role, b.role)) continue;
-      return absl::InvalidArgumentError(
-          absl::StrCat(TensorRoleName(a.role), " and ", TensorRoleName(b.role),
-                       " overlap; only ",
-                       pattern == Pattern::kAllReduce ? "output == input"
-                                                      : "residual_out == residual_in",
-                       " may alias, and then exactly"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          TensorRoleName(a.role), " and ", TensorRoleName(b.role), " overlap; only ",
+          pattern == Pattern::kAllReduce ? "output == input" : "residual_out == residual_in",
+          " may alias, and then exactly"));
     }
   }
   return absl::OkStatus();

@@ -22,7 +22,8 @@ absl::Status ValidateRegionName(const std::string& name, const RegistryLimits& l
 absl::Status ValidateShmName(const std::string& shm_name);
 
 // Everything that can be checked before opening the memory: name, byte_size > 0, a memory
-// variant matching what this sidecar serves, a 64-byte non-zero handle for `our_device`.
+// variant matching what this sidecar serves, a 64-byte non-zero handle for `our_device`, a
+// claimed descriptor or a well-formed shm name for host memory.
 absl::Status ValidateRegionSpec(const RegionSpec& spec, MemoryKind served, int32_t our_device,
                                 const RegistryLimits& limits);
 
@@ -40,6 +41,13 @@ absl::Status CheckTensorRange(absl::string_view role, uint64_t offset, uint64_t 
 // Pattern and dtype known, hidden > 0 and a multiple of 8, 0 < max_tokens <= limits, eps finite
 // and >= 0, and every tensor the pattern needs present.
 absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimits& limits);
+
+// An op the workspace cannot serve, though well formed: OUT_OF_RANGE with a message starting
+// "fusion unavailable for this op: " and the reason (a dtype other than the workspace's, hidden
+// above the workspace's, or `tokens` x hidden beyond its max_tokens x hidden). Clients treat
+// OUT_OF_RANGE as "fusion unavailable, run your own path". Call after ValidateOpShape.
+absl::Status CheckOpFitsWorkspace(const OpShape& shape, uint64_t tokens,
+                                  const WorkspaceCapacity& workspace);
 
 // 0 < num_tokens <= max_tokens.
 absl::Status CheckNumTokens(uint32_t num_tokens, uint32_t max_tokens);

@@ -109,6 +109,10 @@ TEST(DaemonFlags, RangeAndChoiceChecksExit2) {
       {{"--grace-period=0"}, "--grace-period must be a positive number of seconds, got 0"},
       {{"--default-deadline=nan"},
        "--default-deadline must be a positive number of seconds, got nan"},
+      {{"--max-connections-per-uid=-1"},
+       "--max-connections-per-uid must be 0 (no cap) or positive, got -1"},
+      // Not an address of this host: the metrics port cannot bind it.
+      {{"--metrics-port=0", "--metrics-host=192.0.2.1"}, "cannot serve metrics on 192.0.2.1:0"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {ArfusedPath(), "--device=host"};

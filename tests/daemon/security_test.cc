@@ -1,16 +1,32 @@
-// The main socket's credential check (SO_PEERCRED) and the main API over TCP with mutual TLS.
+// The main socket's credential check (SO_PEERCRED), the main API over TCP with mutual TLS, and
+// the holes of issue 26: memory opened with the daemon's rights, a shrunk object killing the
+// daemon, descriptor exhaustion, the peer protocol on the client socket, oversized metadata.
+#include <fcntl.h>
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "arfuse/v1/peer.grpc.pb.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/fdpass/fd_channel_client.h"
 #include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
@@ -24,6 +40,9 @@ using ::arfuse::testing::ExitsWith2;
 using ::arfuse::testing::HealthCheck;
 using ::arfuse::testing::MakeTempDir;
 using ::arfuse::testing::RunToCompletion;
+using ::arfuse::testing::Subprocess;
+using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 constexpr uid_t kNobody = 65534;
@@ -153,6 +172,353 @@ TEST_F(MutualTls, UnreadableKeyExits2) {
                   "--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
                   "--tls-key=" + dir_ + "/missing.key", "--tls-client-ca=" + dir_ + "/ca.pem"},
                  "--tls-key: cannot read"));
+}
+
+// ---------------------------------------------------------------- issue 26
+
+// Runs security_client as uid/gid 65534 with `args`; returns its "code=N message=..." line.
+std::string ClientAsNobody(const std::vector<std::string>& args) {
+  int out[2];
+  if (::pipe(out) != 0) return "pipe failed";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) {
+      ::_exit(100);
+    }
+    std::string bin = BinaryPath("tests/daemon/security_client");
+    std::vector<char*> argv = {bin.data()};
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(101);
+  }
+  ::close(out[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(out[0], buf, sizeof(buf))) > 0) text.append(buf, n);
+  ::close(out[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::StrCat("security_client failed: status ", status, " output ", text);
+  }
+  return text;
+}
+
+// Both sockets of `d` reachable by anyone: only the credential checks stand in the way.
+void OpenTheDoors(const Daemon& d) {
+  ASSERT_EQ(::chmod(d.dir.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(d.socket.c_str(), 0666), 0);
+  ASSERT_EQ(::chmod(FdChannelPath(d.socket).c_str(), 0666), 0);
+}
+
+// A shm object owned by this process's user (root in these tests), mode `mode`.
+class NamedObject {
+ public:
+  NamedObject(uint64_t size, mode_t mode)
+      : name_(absl::StrCat("/arfuse-sectest-", ::getpid(), "-", ++seq_)), size_(size) {
+    fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, mode);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(::fchmod(fd_, mode), 0);  // whatever the umask
+    EXPECT_EQ(::ftruncate(fd_, static_cast<off_t>(size)), 0);
+    data_ = static_cast<char*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+  }
+  ~NamedObject() {
+    ::munmap(data_, size_);
+    ::close(fd_);
+    ::shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  int fd() const { return fd_; }
+  char* data() const { return data_; }
+
+ private:
+  static inline int seq_ = 0;
+  std::string name_;
+  uint64_t size_;
+  int fd_ = -1;
+  char* data_ = nullptr;
+};
+
+// Item 1: a second user admitted by --allowed-uids registered another user's shm object (root's,
+// mode 0600) by name; the daemon opened it with its own rights. Now it opens memory by name only
+// for a caller the mode bits let open it, and memory by descriptor proves itself.
+TEST(DaemonSecurity, NamedMemoryIsOpenedOnlyForACallerWhoCouldOpenItItself) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  Daemon d({"--allowed-uids=65534"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  OpenTheDoors(d);
+  NamedObject victim(4096, 0600);
+  std::memcpy(victim.data(), "SECRET", 6);
+  const std::string denied = ClientAsNobody({"named", d.socket, victim.name(), "4096"});
+  EXPECT_THAT(denied, HasSubstr("code=7 "));  // PERMISSION_DENIED
+  EXPECT_THAT(denied, HasSubstr("may not open it read-write itself"));
+  EXPECT_THAT(denied, Not(HasSubstr(victim.name())));
+  EXPECT_EQ(std::memcmp(victim.data(), "SECRET", 6), 0);
+  // The rule is the kernel's: once the mode lets others read and write, the caller may.
+  ASSERT_EQ(::fchmod(victim.fd(), 0666), 0);
+  EXPECT_THAT(ClientAsNobody({"named", d.socket, victim.name(), "4096"}), HasSubstr("code=0 "));
+  // The preferred way needs no check at all: the caller's own sealed memfd.
+  EXPECT_THAT(ClientAsNobody({"memfd", d.socket, "4096"}), HasSubstr("code=0 "));
+}
+
+// A deposited descriptor is claimed only by the user who deposited it.
+TEST(DaemonSecurity, AnFdTicketIsClaimedOnlyByItsDepositor) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  Daemon d({"--allowed-uids=65534"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  OpenTheDoors(d);
+  auto buf = client::HostShmBuffer::Create(4096, "root");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  absl::StatusOr<std::string> ticket = DepositFds(FdChannelPath(d.socket), {buf->fd()});
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  const std::string stolen = ClientAsNobody({"claim", d.socket, *ticket, "4096"});
+  EXPECT_THAT(stolen, HasSubstr("code=7 "));
+  EXPECT_THAT(stolen, HasSubstr("belongs to another user than the caller (uid 65534)"));
+  EXPECT_THAT(stolen, Not(HasSubstr(*ticket)));
+  client::ClientOptions o;
+  o.target = d.socket;
+  auto c = client::Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  v1::RegisterRegionRequest req;
+  req.set_name("mine");
+  req.set_byte_size(4096);
+  req.mutable_host_fd()->set_fd_ticket(*ticket);
+  v1::RegisterRegionResponse resp;
+  grpc::ClientContext ctx;
+  (*c)->PrepareContext(&ctx, absl::Seconds(10));
+  EXPECT_TRUE((*c)->stub().RegisterRegion(&ctx, req, &resp).ok());
+}
+
+// An fp32 allreduce of 4 x 64 over `region` (input at 0, output at 1024).
+client::OpDesc SumOp(const client::Region& region) {
+  client::OpDesc op;
+  op.pattern = Pattern::kAllReduce;
+  op.dtype = DType::kFP32;
+  op.hidden = 64;
+  op.max_tokens = 4;
+  op.input = client::TensorLoc{region, 0};
+  op.output = client::TensorLoc{region, 1024};
+  return op;
+}
+
+std::unique_ptr<client::Client> ConnectOrFail(const std::string& socket) {
+  client::ClientOptions o;
+  o.target = socket;
+  auto c = client::Client::Connect(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// Item 2: register, plan, shrink the object with ftruncate(fd, 0), Execute: the daemon died of
+// SIGBUS. Now the op gets a clear error and the daemon serves the next client.
+TEST(DaemonSecurity, AShrunkSharedMemoryObjectFailsTheOpAndTheDaemonServesOthers) {
+  Daemon d({"--dtype=fp32", "--hidden=64", "--max-tokens=4"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  std::unique_ptr<client::Client> a = ConnectOrFail(d.socket);
+  ASSERT_NE(a, nullptr);
+  auto named = client::HostShmBuffer::CreateNamed(4096, "shrink");
+  ASSERT_TRUE(named.ok());
+  auto region = a->RegisterHostBuffer("r", *named);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto plan = a->CreatePlan(SumOp(*region));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(a->Execute(*plan, 4).ok());
+  int fd = ::shm_open(named->shm_name().c_str(), O_RDWR | O_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 0), 0);
+  ::close(fd);
+  auto shrunk = a->Execute(*plan, 4);
+  EXPECT_EQ(shrunk.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(shrunk.status().message(), HasSubstr("shrank to 0 bytes"));
+  EXPECT_THAT(shrunk.status().message(), Not(HasSubstr(named->shm_name())));
+  // Alive, serving, and a second client's op runs and is right.
+  EXPECT_TRUE(HealthCheck("unix:" + d.socket).ok());
+  std::unique_ptr<client::Client> b = ConnectOrFail(d.socket);
+  ASSERT_NE(b, nullptr);
+  auto sealed = client::HostShmBuffer::Create(4096, "sealed");
+  ASSERT_TRUE(sealed.ok());
+  float* in = static_cast<float*>(sealed->data());
+  for (int i = 0; i < 256; ++i) in[i] = static_cast<float>(i);
+  auto region_b = b->RegisterHostBuffer("r", *sealed);
+  ASSERT_TRUE(region_b.ok()) << region_b.status();
+  auto plan_b = b->CreatePlan(SumOp(*region_b));
+  ASSERT_TRUE(plan_b.ok()) << plan_b.status();
+  auto ran = b->Execute(*plan_b, 4);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  EXPECT_EQ(in[256 + 255], 255.0f);
+  EXPECT_EQ(d.proc->Wait(0ms), std::nullopt) << "arfused exited";
+}
+
+TEST(DaemonSecurity, AMemfdThatIsNotSealedAgainstShrinkingIsRefused) {
+  Daemon d;
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  std::unique_ptr<client::Client> c = ConnectOrFail(d.socket);
+  ASSERT_NE(c, nullptr);
+  int fd = ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  auto r = c->RegisterHostFd("r", fd, 4096);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("F_SEAL_SHRINK"));
+  ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  EXPECT_TRUE(c->RegisterHostFd("r", fd, 4096).ok());
+  ::close(fd);
+}
+
+// Item 4: a client of rank 0's socket called Peer.Leave with an epoch an error message had told
+// it, and the group re-formed. The client socket serves no Peer RPC now, and the group stays.
+TEST(DaemonSecurity, TheClientSocketServesNoPeerRpc) {
+  const std::string peers = MakeTempDir();
+  Daemon r0({"--world-size=2", "--rank=0", "--peer-dir=" + peers});
+  Daemon r1({"--world-size=2", "--rank=1", "--peer-dir=" + peers});
+  ASSERT_TRUE(r0.ready && r1.ready) << r0.proc->Stderr() << r1.proc->Stderr();
+  auto serving = [&](const Daemon& d) {
+    grpc::health::v1::HealthCheckResponse resp;
+    return HealthCheck("unix:" + d.socket, "arfuse.v1.Fusion", &resp).ok() &&
+           resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  };
+  for (absl::Time until = absl::Now() + absl::Seconds(30);
+       absl::Now() < until && !(serving(r0) && serving(r1));) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(serving(r0) && serving(r1)) << r0.proc->Stderr();
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel("unix:" + r0.socket, grpc::InsecureChannelCredentials()));
+  auto ctx = [] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + 10s);
+    return c;
+  };
+  v1::JoinResponse join;
+  EXPECT_EQ(stub->Join(ctx().get(), v1::JoinRequest(), &join).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  v1::CollectiveResponse coll;
+  EXPECT_EQ(stub->Collective(ctx().get(), v1::CollectiveRequest(), &coll).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  for (uint64_t epoch : {uint64_t{0}, uint64_t{1}, uint64_t{2}}) {
+    v1::LeaveRequest leave;
+    leave.set_epoch(epoch);
+    leave.set_rank(1);
+    v1::LeaveResponse left;
+    EXPECT_EQ(stub->Leave(ctx().get(), leave, &left).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE(serving(r0) && serving(r1));
+  EXPECT_THAT(r0.proc->Stderr(), Not(HasSubstr("event=peer_lost")));
+  // No log line names an epoch.
+  EXPECT_THAT(r0.proc->Stderr() + r1.proc->Stderr(), Not(HasSubstr("epoch")));
+  std::filesystem::remove_all(peers);
+}
+
+// Item 5: a 12-32 KiB metadata value got RESOURCE_EXHAUSTED and the connection closed, taking
+// the caller's session with it. The main server takes 64 KiB of metadata a call now; past that
+// gRPC 1.51 still closes the connection (docs/security.md says so).
+TEST(DaemonSecurity, MetadataUpTo32KiBLeavesTheSessionAlone) {
+  Daemon d;
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  std::unique_ptr<client::Client> c = ConnectOrFail(d.socket);
+  ASSERT_NE(c, nullptr);
+  auto buf = client::HostShmBuffer::Create(4096, "md");
+  ASSERT_TRUE(c->RegisterHostBuffer("r", *buf).ok());
+  auto call_with = [&](size_t bytes) {
+    grpc::ClientContext ctx;
+    c->PrepareContext(&ctx, absl::Seconds(10));
+    ctx.AddMetadata("x-big", std::string(bytes, 'a'));
+    v1::ListRegionsResponse resp;
+    return c->stub().ListRegions(&ctx, v1::ListRegionsRequest(), &resp);
+  };
+  for (size_t kib : {12, 16, 32}) {
+    grpc::Status s = call_with(kib << 10);
+    EXPECT_TRUE(s.ok()) << kib << " KiB: " << s.error_message();
+  }
+  auto regions = c->ListRegions();
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  EXPECT_EQ(regions->size(), 1u);  // the session and its region are still there
+  grpc::Status over = call_with(80 << 10);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(over.error_message(), HasSubstr("metadata"));
+}
+
+// CPU seconds the process has used (utime + stime).
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), {});
+  std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);
+  }
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+int CountLines(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// Item 3: under a low RLIMIT_NOFILE with a few hundred idle connections the accept loop spun at
+// 100% of a core, wrote millions of lines and liveness stopped answering. Now: capped connections,
+// descriptors in reserve, rate-limited logs; health answers, and the socket serves again once the
+// idle connections go.
+TEST(DaemonSecurity, IdleConnectionsUnderALowDescriptorLimitLeaveHealthAnswering) {
+  const std::string dir = MakeTempDir();
+  const std::string socket = dir + "/a.sock";
+  Subprocess proc({"/bin/sh", "-c",
+                   absl::StrCat("ulimit -n 128 && exec ", ArfusedPath(), " --socket=", socket,
+                                " --health-port=0 --device=host --health-host=127.0.0.1")});
+  ASSERT_TRUE(proc.WaitForOutput("ready to accept", 30s)) << proc.Stderr();
+  std::smatch m;
+  const std::string out = proc.Stdout();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("health_port=(\\d+)"))) << out;
+  const std::string health = "127.0.0.1:" + std::string(m[1]);
+
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    // A full backlog answers EAGAIN: the daemon drains it (accepting or refusing) shortly.
+    int r = -1;
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      r = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      if (r == 0 || errno != EAGAIN) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    EXPECT_EQ(r, 0) << "connection " << i << ": " << std::strerror(errno);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(500ms);
+  const double cpu_before = CpuSeconds(proc.pid());
+  std::this_thread::sleep_for(2s);
+  const double cpu = CpuSeconds(proc.pid()) - cpu_before;
+  EXPECT_LT(cpu, 0.5) << "arfused used " << cpu << " s of CPU in 2 s with idle connections";
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status live = HealthCheck(health, "", &resp);
+  EXPECT_TRUE(live.ok()) << live.error_message();
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  const std::string log = proc.Stderr();
+  EXPECT_GT(CountLines(log, "event=connection_refused"), 0) << log;
+  EXPECT_LT(CountLines(log, "event=connection_refused"), 20) << log;
+  EXPECT_LT(CountLines(log, "\n"), 100) << log;
+  EXPECT_EQ(CountLines(log, "accept_failed"), 0) << log;
+  // The idle connections go; the socket serves clients again.
+  for (int fd : idle) ::close(fd);
+  bool served = false;
+  for (absl::Time until = absl::Now() + absl::Seconds(20); absl::Now() < until && !served;) {
+    served = HealthCheck("unix:" + socket).ok();
+    if (!served) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(served);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -199,6 +199,7 @@ class FusionDoorbellTest : public ::testing::Test {
     options.default_deadline = absl::Seconds(20);
     options.doorbell_hop_us = 2.5;
     options.mps_detected = true;
+    options.dtype = DType::kFP32;
     server_.Start("/tmp/arfuse-doorbell-svc-XXXXXX", options,
                   [this] { return engine_ptr_.load(); });
   }

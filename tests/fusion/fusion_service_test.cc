@@ -3,7 +3,10 @@
 // the faults of ops in flight (unregister, disconnect, queue full, shutdown, deadlines).
 #include "server/services/fusion/fusion_service.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -54,6 +57,8 @@ class FusionServiceTest : public ::testing::Test {
     options.device = MemoryKind::kHostShm;
     options.rank = 1;
     options.world_size = 2;
+    // The workspace the tests' fp32 ops fit (ops beyond it are refused: OUT_OF_RANGE).
+    options.dtype = DType::kFP32;
     if (options.default_deadline == absl::Seconds(30)) options.default_deadline = absl::Seconds(20);
     engine_ = std::make_unique<FakeEngine>();
     engine_ptr_ = engine_.get();
@@ -212,7 +217,7 @@ TEST_F(FusionServiceTest, ExecutePlanWritesTheOutputs) {
 
 TEST_F(FusionServiceTest, ExecuteExplicitAllReduceInPlace) {
   auto c = Connect();
-  auto buf = *HostShmBuffer::Create(kTensorBytes);
+  auto buf = *HostShmBuffer::CreateNamed(kTensorBytes);
   auto region = *c->RegisterHostShm("x", buf.shm_name(), buf.size());
   float* x = static_cast<float*>(buf.data());
   for (uint64_t i = 0; i < kTokens * kHidden; ++i) x[i] = float(i);
@@ -512,7 +517,7 @@ TEST_F(FusionServiceTest, AClientThatDisconnectsMidOpHasItsRegionsReleased) {
 
   auto leaver = Connect("leaver");
   NormBuffers lb = MakeNorm(*leaver, "leave");
-  auto extra = *HostShmBuffer::Create(4096);
+  auto extra = *HostShmBuffer::CreateNamed(4096);
   ASSERT_TRUE(leaver->RegisterHostShm("extra", extra.shm_name(), 4096).ok());
   auto lplan = *leaver->CreatePlan(lb.Op());
   EXPECT_EQ(OpenMappingCount(), with_keeper + 2);
@@ -555,6 +560,112 @@ TEST_F(FusionServiceTest, RegionsAreListedWithInFlightCounts) {
   EXPECT_EQ((*list)[0].device(), v1::DEVICE_KIND_HOST);
   engine_->OpenGate();
   ASSERT_TRUE(call->Wait());
+}
+
+// ---- host memory by descriptor (issue 26): the service claims the ticket as the caller ----
+
+// Nobody's credentials are known (a TCP client).
+class NoCredentials final : public CallerCredentials {
+ public:
+  std::optional<SocketCredentials> ForPeer(absl::string_view) const override {
+    return std::nullopt;
+  }
+};
+
+class FusionFdTest : public ::testing::Test {
+ protected:
+  void Start(FdTicketBroker* broker, const CallerCredentials* callers = nullptr) {
+    FusionServiceOptions o;
+    o.device = MemoryKind::kHostShm;
+    o.dtype = DType::kFP32;
+    o.fd_tickets = broker;
+    o.callers = callers;
+    ASSERT_NO_FATAL_FAILURE(server_.Start("/tmp/arfuse-fusion-fd-XXXXXX", o,
+                                          [] { return static_cast<Engine*>(nullptr); }));
+    client_ = server_.Connect("fd");
+    ASSERT_NE(client_, nullptr);
+  }
+
+  // A sealed memfd of `bytes`, deposited as this process's user: the ticket.
+  std::string Deposit(int fds = 1, uint64_t bytes = 4096) {
+    std::vector<UniqueFd> v;
+    for (int i = 0; i < fds; ++i) {
+      UniqueFd fd(memfd_create("arfuse-svc-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+      EXPECT_EQ(ftruncate(fd.get(), static_cast<off_t>(bytes)), 0);
+      EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+      v.push_back(std::move(fd));
+    }
+    return *broker_.Deposit(::geteuid(), std::move(v), absl::Seconds(30));
+  }
+
+  absl::Status Register(const std::string& ticket, const std::string& name = "r") {
+    v1::RegisterRegionRequest req;
+    req.set_name(name);
+    req.set_byte_size(4096);
+    req.mutable_host_fd()->set_fd_ticket(ticket);
+    v1::RegisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    client_->PrepareContext(&ctx, absl::Seconds(10));
+    grpc::Status s = client_->stub().RegisterRegion(&ctx, req, &resp);
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+
+  FdTicketBroker broker_;
+  FusionTestServer server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(FusionFdTest, ADepositedMemfdRegistersOnceByTicket) {
+  ASSERT_NO_FATAL_FAILURE(Start(&broker_));
+  const std::string ticket = Deposit();
+  EXPECT_TRUE(Register(ticket).ok());
+  EXPECT_EQ(broker_.pending(), 0u);
+  absl::Status again = Register(ticket, "again");
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(again.message(), HasSubstr("fd ticket unknown or expired"));
+  EXPECT_THAT(std::string(again.message()), ::testing::Not(HasSubstr(ticket)));
+}
+
+TEST_F(FusionFdTest, ATicketOfSeveralDescriptorsIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(Start(&broker_));
+  absl::Status s = Register(Deposit(2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("the ticket holds 2 descriptors; a region takes exactly one"));
+}
+
+TEST_F(FusionFdTest, WithoutAnFdChannelHostFdIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(Start(nullptr));
+  absl::Status s = Register(NewFdTicket());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("host_fd: this sidecar serves no fd channel"));
+}
+
+TEST_F(FusionFdTest, ACallerWhoseCredentialsAreUnknownCannotClaim) {
+  NoCredentials none;
+  ASSERT_NO_FATAL_FAILURE(Start(&broker_, &none));
+  const std::string ticket = Deposit();
+  absl::Status s = Register(ticket);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(s.message(), HasSubstr("claimed only over the sidecar's Unix socket"));
+  EXPECT_EQ(broker_.pending(), 1u);  // not consumed
+  // Memory by name is refused the same way.
+  auto named = HostShmBuffer::CreateNamed(4096);
+  ASSERT_TRUE(named.ok());
+  auto r = client_->RegisterHostShm("n", named->shm_name(), 4096);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(r.status().message(), HasSubstr("only over the sidecar's Unix socket"));
+}
+
+// CreatePlan through the service: the workspace's limits come from the options.
+TEST_F(FusionServiceTest, PlansTheWorkspaceCannotServeAreOutOfRange) {
+  auto c = Connect();
+  NormBuffers b = MakeNorm(*c);
+  OpDesc op = b.Op();
+  op.dtype = DType::kBF16;
+  auto dtype = c->CreatePlan(op);
+  EXPECT_EQ(dtype.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(dtype.status().message(),
+              HasSubstr("fusion unavailable for this op: dtype bf16 is not the workspace's fp32"));
 }
 
 }  // namespace

@@ -56,7 +56,8 @@ struct NormBuffers {
 
 // Fresh NormBuffers (zeroed) registered with `c` as region `name`.
 inline NormBuffers RegisterNormBuffers(client::Client& c, const std::string& name = "buf") {
-  NormBuffers b{*client::HostShmBuffer::Create(3 * kTensorBytes + kHidden * sizeof(float)), {}};
+  NormBuffers b{*client::HostShmBuffer::CreateNamed(3 * kTensorBytes + kHidden * sizeof(float)),
+                {}};
   auto r = c.RegisterHostShm(name, b.buf.shm_name(), b.buf.size());
   EXPECT_TRUE(r.ok()) << r.status();
   if (r.ok()) b.region = *r;
@@ -89,8 +90,11 @@ class FusionTestServer {
     ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
     dir_ = dir_template;
     socket_ = dir_ + "/fusion.sock";
+    // Every client of this server is this process (gRPC's own listener: no peer credentials).
+    FusionServiceOptions with_callers = options;
+    if (with_callers.callers == nullptr) with_callers.callers = &own_process_;
     service_ = std::make_unique<FusionService>(
-        options, std::move(engine), std::make_unique<HostShmOpener>(), std::move(events));
+        with_callers, std::move(engine), std::make_unique<HostShmOpener>(), std::move(events));
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());
@@ -129,6 +133,7 @@ class FusionTestServer {
 
  private:
   std::string dir_, socket_;
+  OwnProcessCredentials own_process_;
   std::unique_ptr<FusionService> service_;
   std::unique_ptr<grpc::Server> server_;
 };

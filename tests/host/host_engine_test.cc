@@ -2,6 +2,9 @@
 // a rank that never arrives, abort, poisoning and re-initialization, bad shapes.
 #include "server/host/host_engine.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -161,6 +164,72 @@ TEST_P(HostEngineResults, MatchTheCpuReferenceBitForBitOnEveryRankCallAfterCall)
       }
     }
   }
+  EXPECT_EQ(g.eng[0]->Status().state, WorkspaceState::kReady);
+}
+
+// Client memory that faults (its shm object shrank): every page of the mapping raises SIGBUS.
+struct Vanished {
+  explicit Vanished(size_t size) : size(size) {
+    fd = memfd_create("arfuse-host-test", MFD_CLOEXEC);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    base = static_cast<uint8_t*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    EXPECT_EQ(ftruncate(fd, 0), 0);
+  }
+  ~Vanished() {
+    munmap(base, size);
+    close(fd);
+  }
+  size_t size;
+  int fd;
+  uint8_t* base;
+};
+
+// Issue 26, item 2: a rank whose client's residual memory vanished fails that op alone; its peers
+// complete it, nobody dies, the workspace stays ready, and the next op runs on every rank.
+TEST(HostEngine, ClientMemoryThatFaultsFailsThatRanksOpOnly) {
+  Group g = MakeGroup(2, 4, 64, DType::kFP32);
+  Vanished gone(1 << 16);
+  std::vector<Tensors> t = {Fill(DType::kFP32, 0, 0, 4, 64), Fill(DType::kFP32, 1, 0, 4, 64)};
+  std::vector<absl::StatusOr<OpOutcome>> out(2, absl::UnknownError("not run"));
+  OnRanks(2, [&](int r) {
+    OpArgs a = Args(Pattern::kAllReduceResidualRmsNorm, DType::kFP32, 4, 64, t[r]);
+    if (r == 1) a.residual_in = gone.base;
+    out[r] = g.eng[r]->Execute(a, Ctx(Soon()));
+  });
+  EXPECT_TRUE(out[0].ok()) << out[0].status();
+  EXPECT_EQ(out[1].status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(out[1].status().message(), HasSubstr("residual_in: the client's memory faulted"));
+  EXPECT_EQ(g.eng[1]->Status().state, WorkspaceState::kReady);
+  OnRanks(2, [&](int r) {
+    out[r] = g.eng[r]->Execute(Args(Pattern::kAllReduce, DType::kFP32, 4, 64, t[r]), Ctx(Soon()));
+  });
+  EXPECT_TRUE(out[0].ok()) << out[0].status();
+  EXPECT_TRUE(out[1].ok()) << out[1].status();
+}
+
+// A rank that cannot read its input publishes its slot flagged: every rank drops the op alike
+// (none sums a slot that holds no input), and the group goes on.
+TEST(HostEngine, AnInputThatFaultsDropsTheOpOnEveryRankAlike) {
+  Group g = MakeGroup(2, 4, 64, DType::kFP32);
+  Vanished gone(1 << 16);
+  std::vector<Tensors> t = {Fill(DType::kFP32, 0, 0, 4, 64), Fill(DType::kFP32, 1, 0, 4, 64)};
+  std::vector<absl::StatusOr<OpOutcome>> out(2, absl::UnknownError("not run"));
+  OnRanks(2, [&](int r) {
+    OpArgs a = Args(Pattern::kAllReduce, DType::kFP32, 4, 64, t[r]);
+    if (r == 0) a.input = gone.base;
+    out[r] = g.eng[r]->Execute(a, Ctx(Soon()));
+  });
+  EXPECT_EQ(out[0].status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(out[0].status().message(), HasSubstr("input: the client's memory faulted"));
+  EXPECT_EQ(out[1].status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(out[1].status().message(), HasSubstr("rank 0 could not read its client's input"));
+  std::vector<uint8_t> untouched(t[1].output.size(), 0xee);
+  EXPECT_EQ(t[1].output, untouched);
+  OnRanks(2, [&](int r) {
+    out[r] = g.eng[r]->Execute(Args(Pattern::kAllReduce, DType::kFP32, 4, 64, t[r]), Ctx(Soon()));
+  });
+  EXPECT_TRUE(out[0].ok()) << out[0].status();
+  EXPECT_TRUE(out[1].ok()) << out[1].status();
   EXPECT_EQ(g.eng[0]->Status().state, WorkspaceState::kReady);
 }
 

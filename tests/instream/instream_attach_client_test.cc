@@ -106,16 +106,17 @@ TEST_F(AttachClientTest, TheRequestCarriesTheLibrarysVersionsAndTheHiddens) {
   EXPECT_THAT(fake_.detached, ElementsAre(5u));
 }
 
-TEST_F(AttachClientTest, DescriptorsOnTheFdSocketCannotBePickedUpYet) {
+// The descriptors wait on the sidecar's fd channel: a channel that does not answer (here: none
+// at the path) fails the attach with its error, and the sidecar's attachment is released.
+TEST_F(AttachClientTest, DescriptorsComeFromTheFdChannelAndItsFailureReleasesTheAttachment) {
   fake_.response.set_attach_id(6);
   fake_.response.set_fd_count(1);
   fake_.response.set_fd_ticket("ticket");
+  fake_.response.set_fd_socket("/nonexistent/arfused.sock.fd");
   fake_.response.set_memory_kind("host_shm");
   auto ctx = AttachInStream(*client_);
-  EXPECT_EQ(ctx.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(ctx.status().message(),
-              HasSubstr("1 descriptor(s) (host_shm) over its fd socket, which the C++ client "
-                        "cannot pick up yet"));
+  EXPECT_EQ(ctx.status().code(), absl::StatusCode::kUnavailable) << ctx.status();
+  EXPECT_THAT(ctx.status().message(), HasSubstr("/nonexistent/arfused.sock.fd"));
   EXPECT_THAT(fake_.detached, ElementsAre(6u));
 }
 

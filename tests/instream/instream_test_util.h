@@ -13,7 +13,7 @@
 #include "kernels/common/op_types.h"
 #include "kernels/cpu/host_collective.h"
 #include "server/engine/instream_host.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/unique_fd.h"
 
 namespace arfuse::instream::testing {
 

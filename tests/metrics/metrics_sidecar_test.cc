@@ -77,9 +77,9 @@ TEST_F(MetricsSidecarTest, RegionGaugesFollowRegisterUnregisterAndDisconnect) {
   auto buf2 = HostShmBuffer::Create(4096, "two");
   auto buf3 = HostShmBuffer::Create(8192, "three");
   ASSERT_TRUE(buf1.ok() && buf2.ok() && buf3.ok());
-  auto r1 = (*a)->RegisterHostShm("one", buf1->shm_name(), 65536);
-  auto r2 = (*a)->RegisterHostShm("two", buf2->shm_name(), 4096);
-  auto r3 = (*b)->RegisterHostShm("three", buf3->shm_name(), 8192);
+  auto r1 = (*a)->RegisterHostBuffer("one", *buf1);
+  auto r2 = (*a)->RegisterHostBuffer("two", *buf2);
+  auto r3 = (*b)->RegisterHostBuffer("three", *buf3);
   ASSERT_TRUE(r1.ok() && r2.ok() && r3.ok());
 
   // Registration answers after the registry changed, so the gauges are current at once.
@@ -88,7 +88,7 @@ TEST_F(MetricsSidecarTest, RegionGaugesFollowRegisterUnregisterAndDisconnect) {
   EXPECT_EQ(Gauge(registered, "arfuse_region_bytes"), 65536 + 4096 + 8192);
 
   // A refused registration (the object is smaller than byte_size) changes nothing.
-  auto too_big = (*b)->RegisterHostShm("big", buf2->shm_name(), 4097);
+  auto too_big = (*b)->RegisterHostFd("big", buf2->fd(), 4097);
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(too_big.status().message(), HasSubstr("byte_size 4097 exceeds"));
   EXPECT_EQ(Gauge(Scrape(), "arfuse_regions"), 3);
@@ -106,6 +106,31 @@ TEST_F(MetricsSidecarTest, RegionGaugesFollowRegisterUnregisterAndDisconnect) {
   b->reset();
   EXPECT_EQ(AwaitGauge("arfuse_regions", 0), 0);
   EXPECT_EQ(Gauge(Scrape(), "arfuse_region_bytes"), 0);
+}
+
+// The metrics port of an arfused in "event=listening"; -1 when absent.
+int MetricsPortOf(const DaemonProcess& d) {
+  std::smatch m;
+  const std::string log = d.proc->Stdout() + d.proc->Stderr();
+  if (!std::regex_search(log, m, std::regex("event=listening .*metrics_port=(\\d+)"))) return -1;
+  return std::stoi(m[1]);
+}
+
+// Issue 26: the metrics port binds --metrics-host, by default --health-host's address, instead of
+// every address. Bound to 127.0.0.1, another loopback address (127.0.0.2) is refused.
+TEST(MetricsHost, DefaultsToTheHealthHostAndCanBeSetApart) {
+  DaemonProcess loopback({"--metrics-port=0", "--health-host=127.0.0.1"});
+  ASSERT_TRUE(loopback.ready) << loopback.proc->Stderr();
+  const int port = MetricsPortOf(loopback);
+  ASSERT_GT(port, 0);
+  EXPECT_THAT(HttpGet(port, "/metrics", "127.0.0.1"), HasSubstr("200 OK"));
+  EXPECT_EQ(HttpGet(port, "/metrics", "127.0.0.2"), "");
+
+  DaemonProcess apart({"--metrics-port=0", "--health-host=127.0.0.1", "--metrics-host=0.0.0.0"});
+  ASSERT_TRUE(apart.ready) << apart.proc->Stderr();
+  const int any = MetricsPortOf(apart);
+  ASSERT_GT(any, 0);
+  EXPECT_THAT(HttpGet(any, "/metrics", "127.0.0.2"), HasSubstr("200 OK"));
 }
 
 }  // namespace

@@ -17,7 +17,7 @@ using ::testing::HasSubstr;
 
 TEST(Metrics, ScrapeShowsOpsLatencyAndState) {
   Metrics metrics(1, 2, "host", {"0.1.0", "abc1234", "1.0"});
-  ASSERT_TRUE(metrics.Serve(0).ok());
+  ASSERT_TRUE(metrics.Serve("0.0.0.0", 0).ok());
   ASSERT_GT(metrics.port(), 0);
   metrics.RecordOp({"eager", "trtllm", "oneshot", "dispatch", true, 12e-6, 4096});
   metrics.RecordOp({"eager", "trtllm", "oneshot", "dispatch", true, 14e-6, 4096});
@@ -106,11 +106,30 @@ TEST(Metrics, BackendSwitchLeavesOneCurrentBackend) {
 
 TEST(Metrics, PortInUseIsUnavailable) {
   Metrics first(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
-  ASSERT_TRUE(first.Serve(0).ok());
+  ASSERT_TRUE(first.Serve("0.0.0.0", 0).ok());
   Metrics second(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
-  absl::Status st = second.Serve(first.port());
+  absl::Status st = second.Serve("0.0.0.0", first.port());
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("cannot serve metrics on port"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("cannot serve metrics on 0.0.0.0:"));
+}
+
+// The metrics port binds the host it is given, not every address: bound to 127.0.0.1, another
+// loopback address (127.0.0.2, local on Linux) is refused.
+TEST(Metrics, BindsOnlyTheGivenHost) {
+  Metrics loopback(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
+  ASSERT_TRUE(loopback.Serve("127.0.0.1", 0).ok());
+  EXPECT_THAT(HttpGet(loopback.port(), "/metrics", "127.0.0.1"), HasSubstr("200 OK"));
+  EXPECT_EQ(HttpGet(loopback.port(), "/metrics", "127.0.0.2"), "");
+  Metrics any(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
+  ASSERT_TRUE(any.Serve("0.0.0.0", 0).ok());
+  EXPECT_THAT(HttpGet(any.port(), "/metrics", "127.0.0.2"), HasSubstr("200 OK"));
+}
+
+TEST(Metrics, AnAddressThatCannotBeBoundIsUnavailable) {
+  Metrics m(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
+  absl::Status st = m.Serve("192.0.2.1", 0);  // TEST-NET-1: not an address of this host
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("cannot serve metrics on 192.0.2.1:0"));
 }
 
 }  // namespace

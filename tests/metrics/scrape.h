@@ -1,4 +1,4 @@
-// Test helper: one plain HTTP/1.0 GET on 127.0.0.1, the way Prometheus scrapes /metrics.
+// Test helper: one plain HTTP/1.0 GET (127.0.0.1 unless told), the way Prometheus scrapes /metrics.
 #pragma once
 
 #include <arpa/inet.h>
@@ -11,12 +11,13 @@
 namespace arfuse::testing {
 
 // The whole response (status line, headers, body); empty when nothing accepts the connection.
-inline std::string HttpGet(int port, const std::string& path) {
+inline std::string HttpGet(int port, const std::string& path,
+                           const std::string& host = "127.0.0.1") {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     ::close(fd);
     return "";

@@ -225,6 +225,11 @@ TEST(Coordinator, StaleEpochAndUnformedGroupAreRefused) {
   ASSERT_TRUE(stale.has_value());
   EXPECT_EQ(stale->code(), absl::StatusCode::kAborted);
   EXPECT_THAT(stale->message(), HasSubstr("stale epoch"));
+  // Neither the epoch sent nor the group's is told back (issue 26: a client learnt one this way).
+  EXPECT_THAT(std::string(stale->message()),
+              ::testing::Not(HasSubstr(std::to_string(c.epoch()))));
+  EXPECT_THAT(std::string(stale->message()),
+              ::testing::Not(HasSubstr(std::to_string(c.epoch() + 1))));
   peers::Coordinator other("g", 2, 1);
   EXPECT_NE(other.epoch(), c.epoch());
   // A rank that goes away breaks the group; joins are then refused as retryable (ABORTED).
@@ -233,6 +238,8 @@ TEST(Coordinator, StaleEpochAndUnformedGroupAreRefused) {
   absl::Status rejoin = JoinNow(c, 3, Member(1, 2));
   EXPECT_EQ(rejoin.code(), absl::StatusCode::kAborted);
   EXPECT_THAT(rejoin.message(), HasSubstr("is broken"));
+  EXPECT_THAT(std::string(rejoin.message()),
+              ::testing::Not(HasSubstr(std::to_string(c.epoch()))));
 }
 
 }  // namespace

@@ -188,7 +188,9 @@ TEST(Wire, MoreDescriptorsThanAFrameMayCarryAreRefused) {
   bool eof = false;
   absl::Status s = ReadAvailable(p.b.get(), buf, fds, &eof);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("peer sent more file descriptors than a frame may carry"));
+  EXPECT_THAT(
+      s.message(),
+      HasSubstr("peer socket: the sender attached more file descriptors than a message may carry"));
 }
 
 TEST(Wire, SocketErrorsAreUnavailable) {
@@ -214,7 +216,7 @@ TEST(Wire, SendingMoreDescriptorsThanAFrameMayCarryIsRefused) {
   std::string frame = EncodeFrame(FrameType::kJoin, 1, 0, "body", kMaxFrameFds + 1);
   absl::Status sent = SendAll(p.a.get(), frame, raw, absl::Now() + absl::Seconds(5));
   EXPECT_EQ(sent.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(sent.message(), HasSubstr("a peer frame carries at most 64 fds, got 65"));
+  EXPECT_THAT(sent.message(), HasSubstr("peer socket: a message carries at most 64 fds, got 65"));
   std::string buf;
   std::deque<UniqueFd> fds;
   bool eof = false;

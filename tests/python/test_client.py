@@ -104,7 +104,7 @@ def test_plan_execute_and_bad_input(group2):
     def rank(r):
         with arfuse.Client(group2.socket(r)) as c:
             wait_ready(c)
-            buf = arfuse.HostShmBuffer(4 * T * H * F32)
+            buf = arfuse.HostShmBuffer(4 * T * H * F32, named=True)
             region = c.register_host_shm("buf", buf.shm_name, buf.byte_size)
             op = arfuse.OpSpec(pattern="allreduce", dtype="fp32", hidden=H, max_tokens=T,
                                input=arfuse.TensorLoc(region, 0),

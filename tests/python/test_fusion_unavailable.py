@@ -25,6 +25,9 @@ class FakeClient:
     def register_host_shm(self, name, shm_name, byte_size):
         return arfuse.Region(id=1, generation=1, name=name, byte_size=byte_size)
 
+    def register_host_fd(self, name, fd, byte_size):
+        return arfuse.Region(id=1, generation=1, name=name, byte_size=byte_size)
+
     def workspace_info(self, timeout=None):
         self.info_calls += 1
         return arfuse.fusion_pb2.GetWorkspaceInfoResponse(

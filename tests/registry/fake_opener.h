@@ -55,6 +55,8 @@ inline RegionSpec HostSpec(const std::string& name, uint64_t bytes) {
   s.byte_size = bytes;
   s.kind = MemoryKind::kHostShm;
   s.shm_name = "/arfuse-test-" + name;
+  // The call came from this process, over a connection the sidecar accepted itself.
+  s.caller = OwnCredentials();
   return s;
 }
 

@@ -847,22 +847,236 @@ TEST(HostShmOpener, OutOfDescriptorsIsResourceExhausted) {
   EXPECT_THAT(m.status().message(), HasSubstr("sidecar is out of file descriptors"));
 }
 
+// A registry over the real opener, one session, and a 256 KiB named object registered in it.
+struct RealRegistry {
+  RealRegistry() {
+    RegionSpec spec = HostSpec("r", 262144);
+    spec.shm_name = obj.name();
+    region = reg.RegisterRegion(sid, spec);
+  }
+  ~RealRegistry() {
+    reg.CloseSession(sid);
+    EXPECT_EQ(OpenMappingCount(), baseline);
+  }
+  const int64_t baseline = OpenMappingCount();
+  ShmObject obj{262144};
+  Registry reg{{}, std::make_unique<HostShmOpener>(), kNonce};
+  const uint64_t sid = *reg.OpenSession("c");
+  absl::StatusOr<RegionHandle> region;
+};
+
 TEST(HostShmOpener, RealRegistryRoundTrip) {
-  int64_t baseline = OpenMappingCount();
-  ShmObject obj(262144);
-  Registry reg({}, std::make_unique<HostShmOpener>(), kNonce);
-  uint64_t sid = *reg.OpenSession("c");
-  RegionSpec spec = HostSpec("r", 262144);
-  spec.shm_name = obj.name();
-  auto h = reg.RegisterRegion(sid, spec);
-  ASSERT_TRUE(h.ok()) << h.status();
-  auto op = reg.ResolveOp(sid, NormOpOn(*h), 1);
+  RealRegistry r;
+  ASSERT_TRUE(r.region.ok()) << r.region.status();
+  auto op = r.reg.ResolveOp(r.sid, NormOpOn(*r.region), 1);
   ASSERT_TRUE(op.ok()) << op.status();
   static_cast<char*>(op->args().norm_out)[0] = 'n';
-  EXPECT_EQ(obj.data()[131072], 'n');
+  EXPECT_EQ(r.obj.data()[131072], 'n');
   op->Release();
-  reg.CloseSession(sid);
-  EXPECT_EQ(OpenMappingCount(), baseline);
+}
+
+// ---- who may have memory opened on their behalf (docs/security.md) ----
+
+struct stat StatOf(uid_t uid, gid_t gid, mode_t mode) {
+  struct stat st {};
+  st.st_uid = uid;
+  st.st_gid = gid;
+  st.st_mode = S_IFREG | mode;
+  return st;
+}
+
+SocketCredentials Caller(uid_t uid, gid_t gid, std::vector<gid_t> groups = {}) {
+  SocketCredentials c;
+  c.uid = uid;
+  c.gid = gid;
+  c.groups = std::move(groups);
+  return c;
+}
+
+// The kernel's permission classes: the owner's bits for the owner (even when the group's would
+// allow more), the group's for members, the others' otherwise; root always.
+TEST(CallerMayReadWrite, FollowsTheOwnerGroupOtherClasses) {
+  EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0600), Caller(10, 99)));
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0400), Caller(10, 99)));
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0066), Caller(10, 20)));  // owner class wins
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0600), Caller(11, 20)));
+  EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0660), Caller(11, 20)));
+  EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0660), Caller(11, 5, {7, 20})));
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0640), Caller(11, 20)));
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0606), Caller(11, 20)));  // group class wins
+  EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0606), Caller(11, 21)));
+  EXPECT_FALSE(CallerMayReadWrite(StatOf(10, 20, 0604), Caller(11, 21)));
+  EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0000), Caller(0, 0)));
+}
+
+// Issue 26, item 1: memory another user owns is not opened for a caller who could not open it,
+// whatever the sidecar's own rights. The object here is this process's, mode 0600; the caller
+// is another uid.
+TEST(HostShmOpener, NamedMemoryTheCallerCouldNotOpenIsPermissionDenied) {
+  ShmObject obj(4096);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 4096);
+  spec.shm_name = obj.name();
+  spec.caller = Caller(::geteuid() == 65534 ? 65533 : 65534, 65534);
+  auto m = opener.Open(spec);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(m.status().message(), HasSubstr("may not open it read-write itself"));
+  EXPECT_THAT(m.status().message(), HasSubstr("register a sealed memfd as host_fd"));
+  EXPECT_THAT(m.status().message(), Not(HasSubstr(obj.name())));
+  EXPECT_THAT(m.status().message(), Not(HasSubstr("/dev/shm")));
+}
+
+TEST(HostShmOpener, NamedMemoryForAnUnknownCallerIsPermissionDenied) {
+  ShmObject obj(4096);
+  HostShmOpener opener;
+  RegionSpec spec = HostSpec("r", 4096);
+  spec.shm_name = obj.name();
+  spec.caller.reset();
+  auto m = opener.Open(spec);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(m.status().message(), HasSubstr("only over the sidecar's Unix socket"));
+}
+
+// A memfd of `size` bytes with `seals` added; the caller owns the descriptor.
+UniqueFd Memfd(uint64_t size, int seals, bool allow_sealing = true) {
+  UniqueFd fd(
+      memfd_create("arfuse-regtest", MFD_CLOEXEC | (allow_sealing ? MFD_ALLOW_SEALING : 0)));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(ftruncate(fd.get(), static_cast<off_t>(size)), 0);
+  if (seals != 0) EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  return fd;
+}
+
+RegionSpec FdSpec(UniqueFd fd, uint64_t bytes) {
+  RegionSpec spec = HostSpec("fd", bytes);
+  spec.shm_name.clear();
+  spec.host_by_fd = true;
+  spec.host_fd = std::make_shared<const UniqueFd>(std::move(fd));
+  return spec;
+}
+
+TEST(HostShmOpener, SealedMemfdIsMappedSharedAndNeedsNoDescriptorAfterwards) {
+  UniqueFd fd = Memfd(8192, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  char* client =
+      static_cast<char*>(mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  ASSERT_NE(client, MAP_FAILED);
+  std::memcpy(client, "sealed", 6);
+  HostShmOpener opener;
+  auto m = opener.Open(FdSpec(std::move(fd), 4096));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->allocation_size(), 8192u);
+  EXPECT_EQ(std::memcmp((*m)->base(), "sealed", 6), 0);
+  static_cast<char*>((*m)->base())[7] = '!';
+  EXPECT_EQ(client[7], '!');
+  EXPECT_TRUE((*m)->CheckIntact(8192).ok());
+  munmap(client, 8192);
+}
+
+// Issue 26, item 2: memory handed over by descriptor must be sealed against shrinking.
+TEST(HostShmOpener, UnsealedMemfdIsRefusedNamingTheSeal) {
+  for (bool sealable : {true, false}) {
+    HostShmOpener opener;
+    auto m = opener.Open(FdSpec(Memfd(4096, 0, sealable), 4096));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition) << sealable;
+    EXPECT_THAT(m.status().message(), HasSubstr("not sealed against shrinking (F_SEAL_SHRINK)"));
+  }
+  HostShmOpener opener;
+  auto grow_only = opener.Open(FdSpec(Memfd(4096, F_SEAL_GROW), 4096));
+  EXPECT_EQ(grow_only.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HostShmOpener, WriteSealedMemfdIsRefused) {
+  HostShmOpener opener;
+  auto m = opener.Open(FdSpec(Memfd(4096, F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE), 4096));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(m.status().message(), HasSubstr("sealed against writes"));
+}
+
+TEST(HostShmOpener, ReadOnlyOrNonMemoryDescriptorsAreRefused) {
+  UniqueFd rw = Memfd(4096, F_SEAL_SHRINK);
+  const std::string self = absl::StrCat("/proc/self/fd/", rw.get());
+  UniqueFd ro(open(self.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(ro.valid());
+  HostShmOpener opener;
+  auto m = opener.Open(FdSpec(std::move(ro), 4096));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(m.status().message(), HasSubstr("not open read-write"));
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  close(p[1]);
+  auto pipe_fd = opener.Open(FdSpec(UniqueFd(p[0]), 64));
+  EXPECT_EQ(pipe_fd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pipe_fd.status().message(), HasSubstr("not a memory file"));
+  auto small = opener.Open(FdSpec(Memfd(4096, F_SEAL_SHRINK), 4097));
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(small.status().message(), HasSubstr("exceeds the exported allocation of 4096"));
+}
+
+// Issue 26, item 2: a named object the client shrinks after registering is measured again before
+// each op, and the op is refused instead of faulting.
+TEST(HostShmOpener, AShrunkNamedObjectIsRefusedAtTheNextOp) {
+  RealRegistry r;
+  ASSERT_TRUE(r.region.ok()) << r.region.status();
+  auto plan = r.reg.CreatePlan(r.sid, NormOpOn(*r.region));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  int fd = shm_open(r.obj.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+  auto op = r.reg.ResolvePlan(r.sid, plan->plan_id, plan->generation, 1);
+  EXPECT_EQ(op.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(op.status().message(), HasSubstr("shrank to 0 bytes, below the region's 262144"));
+  EXPECT_THAT(op.status().message(), Not(HasSubstr(r.obj.name())));
+}
+
+// ---- ops the workspace cannot serve ----
+
+TEST(RegistryWorkspace, OpsBeyondTheWorkspaceAreOutOfRangeMalformedOnesInvalid) {
+  RegistryLimits limits;
+  limits.workspace = WorkspaceCapacity{/*max_tokens=*/4, /*hidden=*/64, DType::kFP32};
+  auto reg = MakeRegistry(limits);
+  uint64_t sid = *reg->OpenSession("c");
+  RegionSpec spec = HostSpec("r", 1 << 20);
+  auto h = reg->RegisterRegion(sid, spec);
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto op = [&](uint32_t hidden, uint32_t tokens, int32_t dtype) {
+    OpRequest o = NormOpOn(*h);
+    o.hidden = hidden;
+    o.max_tokens = tokens;
+    o.dtype = dtype;
+    return o;
+  };
+  struct Case {
+    OpRequest req;
+    absl::StatusCode code;
+    const char* text;
+  };
+  const int32_t fp32 = static_cast<int32_t>(DType::kFP32);
+  const std::vector<Case> cases = {
+      {op(128, 1, fp32), absl::StatusCode::kOutOfRange,
+       "fusion unavailable for this op: hidden 128 exceeds the workspace's hidden 64"},
+      {op(64, 5, fp32), absl::StatusCode::kOutOfRange,
+       "fusion unavailable for this op: 5 tokens x hidden 64 exceed the workspace's 4 tokens x "
+       "hidden 64"},
+      {op(64, 1, static_cast<int32_t>(DType::kBF16)), absl::StatusCode::kOutOfRange,
+       "fusion unavailable for this op: dtype bf16 is not the workspace's fp32"},
+      {op(0, 1, fp32), absl::StatusCode::kInvalidArgument, "hidden 0 must be a positive multiple"},
+      {op(12, 1, fp32), absl::StatusCode::kInvalidArgument,
+       "hidden 12 must be a positive multiple"},
+      {op(64, 1, 9), absl::StatusCode::kInvalidArgument, "dtype 9 is not supported"},
+  };
+  for (const Case& c : cases) {
+    auto plan = reg->CreatePlan(sid, c.req);
+    EXPECT_EQ(plan.status().code(), c.code) << c.text;
+    EXPECT_THAT(plan.status().message(), HasSubstr(c.text));
+    // An explicit op (Execute without a plan) is held to the same rules.
+    auto resolved = reg->ResolveOp(sid, c.req, c.req.max_tokens);
+    EXPECT_EQ(resolved.status().code(), c.code) << c.text;
+    EXPECT_THAT(resolved.status().message(), HasSubstr(c.text));
+  }
+  // Fewer tokens at a smaller hidden fit the same bytes.
+  EXPECT_TRUE(reg->CreatePlan(sid, op(32, 8, fp32)).ok());
+  EXPECT_TRUE(reg->CreatePlan(sid, op(64, 4, fp32)).ok());
 }
 
 }  // namespace

@@ -83,7 +83,21 @@ TEST(RegionSpecValidation, RefusesMissingMemory) {
   spec.kind.reset();
   absl::Status s = ValidateRegionSpec(spec, MemoryKind::kCudaIpc, 0, Limits());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("set cuda_ipc or host_shm"));
+  EXPECT_THAT(s.message(), HasSubstr("set cuda_ipc, host_fd or host_shm"));
+}
+
+// host_fd whose ticket the service did not redeem (a caller of the registry that skipped it).
+TEST(RegionSpecValidation, RefusesAHostFdWithoutItsDescriptor) {
+  RegionSpec spec;
+  spec.name = "r";
+  spec.byte_size = 64;
+  spec.kind = MemoryKind::kHostShm;
+  spec.host_by_fd = true;
+  spec.fd_ticket = "0123456789abcdef0123456789abcdef";
+  absl::Status s = ValidateRegionSpec(spec, MemoryKind::kHostShm, 0, Limits());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("host_fd: the fd ticket was not redeemed"));
+  EXPECT_THAT(std::string(s.message()), Not(HasSubstr(spec.fd_ticket)));
 }
 
 TEST(RegionSpecValidation, RefusesZeroByteSize) {

@@ -323,7 +323,7 @@ TEST_F(BadInputTest, SessionMetadataMissingMalformedOrUnknown) {
 // ---------------------------------------------------------------- regions
 
 TEST_F(BadInputTest, RegionRegistrationRefusals) {
-  auto buf = client::HostShmBuffer::Create(4096, "bad");
+  auto buf = client::HostShmBuffer::CreateNamed(4096, "bad");
   ASSERT_TRUE(buf.ok());
   const std::string shm = buf->shm_name();
   auto req = [&](const std::string& name, uint64_t size, const std::string& shm_name) {
@@ -359,7 +359,7 @@ TEST_F(BadInputTest, RegionRegistrationRefusals) {
       {req("gone", 4096, "/arfuse-no-such-object-4242"), absl::StatusCode::kInvalidArgument,
        "could not be opened"},
       {cuda, absl::StatusCode::kInvalidArgument, "cuda"},
-      {none, absl::StatusCode::kInvalidArgument, "set cuda_ipc or host_shm"},
+      {none, absl::StatusCode::kInvalidArgument, "set cuda_ipc, host_fd or host_shm"},
   };
   for (const Case& c : cases) {
     absl::Status s = Register(c.req);

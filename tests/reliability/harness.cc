@@ -1,5 +1,6 @@
 #include "tests/reliability/harness.h"
 
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -11,8 +12,6 @@
 #include <regex>
 #include <sstream>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -199,8 +198,12 @@ int ClientShmMappings(pid_t pid) {
   int n = 0;
   std::string line;
   while (std::getline(in, line)) {
-    if (line.find("/dev/shm/arfuse-") != std::string::npos &&
-        line.find("/dev/shm/arfuse-host-") == std::string::npos) {
+    // Client memory: named objects, and memfds the clients handed over by descriptor (not the
+    // sidecars' own host workspace, a memfd too).
+    if ((line.find("/dev/shm/arfuse-") != std::string::npos &&
+         line.find("/dev/shm/arfuse-host-") == std::string::npos) ||
+        (line.find("/memfd:arfuse-") != std::string::npos &&
+         line.find("/memfd:arfuse-host-workspace") == std::string::npos)) {
       ++n;
     }
   }
@@ -250,7 +253,7 @@ class HostShmMemory final : public TensorMemory {
   absl::Status Upload() override { return absl::OkStatus(); }
   absl::Status Download() override { return absl::OkStatus(); }
   absl::StatusOr<client::Region> Register(client::Client& c, const std::string& name) override {
-    return c.RegisterHostShm(name, b_.shm_name(), b_.size());
+    return c.RegisterHostBuffer(name, b_);
   }
 
  private:
@@ -379,7 +382,8 @@ bool RankClient::Check(std::string* why) {
   std::vector<std::vector<char>> inputs(world_size_, std::vector<char>(n * DTypeSize(dt)));
   std::vector<const void*> ptrs;
   for (int q = 0; q < world_size_; ++q) {
-    for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, inputs[q].data(), i, InputValue(q, salt_, i));
+    for (uint64_t i = 0; i < n; ++i)
+      StoreFromFloat(dt, inputs[q].data(), i, InputValue(q, salt_, i));
     ptrs.push_back(inputs[q].data());
   }
   std::vector<char> want_a(n * DTypeSize(dt)), want_b(n * DTypeSize(dt));
@@ -409,8 +413,8 @@ bool RankClient::Check(std::string* why) {
       float got = LoadAsFloat(dt, base + off_res_out_, i);
       float want = LoadAsFloat(dt, want_a.data(), i);
       if (!(got == want)) {
-        *why = absl::StrCat(shape_.pattern == Pattern::kAllReduce ? "output" : "residual_out",
-                            "[", i, "] = ", got, ", want ", want);
+        *why = absl::StrCat(shape_.pattern == Pattern::kAllReduce ? "output" : "residual_out", "[",
+                            i, "] = ", got, ", want ", want);
         return false;
       }
     }

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence
 
 import grpc
 
-from . import _proto
+from . import _proto, fdpass
 
 common_pb2, fusion_pb2, fusion_pb2_grpc = _proto.load()
 config_pb2, config_pb2_grpc = _proto.load_config()
@@ -70,6 +70,20 @@ class SidecarLost(ArfuseError):
                          "regions and plans are released")
         self.target = target
         self.reason = reason
+
+
+# The most metadata one call may carry (arfused's kMaxMetadataBytes). Past it gRPC 1.51 ends the
+# whole connection, not only the call.
+MAX_METADATA_BYTES = 64 << 10
+METADATA_CLOSED_CONNECTION = (
+    f"a call carried more metadata than the sidecar's limit of {MAX_METADATA_BYTES // 1024} KiB, "
+    "and the sidecar's gRPC closes the whole connection then: this client's session, regions "
+    "and plans were released with it; open a new Client and register again")
+
+
+def _closed_for_metadata(code, details: str) -> bool:
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "metadata size exceeds limit" in (
+        details or "")
 
 
 def grpc_target(target: str) -> str:
@@ -262,6 +276,8 @@ class Client:
             reason = "the sidecar ended the session"
         except grpc.RpcError as e:
             reason = f"session stream ended: {e.code().name}: {e.details()}"
+            if _closed_for_metadata(e.code(), e.details()):
+                reason = METADATA_CLOSED_CONNECTION
         except Exception as e:  # pragma: no cover - defensive
             reason = f"session stream ended: {e!r}"
         if not self._closed:
@@ -385,6 +401,10 @@ class Client:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and self._lost_reason is not None:
                 raise SidecarLost(self.target, self._lost_reason) from None
+            if _closed_for_metadata(e.code(), e.details()) or (
+                    self._lost_reason == METADATA_CLOSED_CONNECTION):
+                raise ArfuseError(e.code(), f"{e.details()}: {METADATA_CLOSED_CONNECTION}") \
+                    from None
             raise ArfuseError(e.code(), e.details()) from None
 
     def raise_if_lost(self, grace: float = 0.0):
@@ -395,7 +415,35 @@ class Client:
             raise SidecarLost(self.target, reason)
 
     # -- regions --
+    def fd_channel_path(self) -> str:
+        """The sidecar's fd channel (its main socket's path + ".fd"); ArfuseError
+        FAILED_PRECONDITION when this client does not reach the sidecar by Unix socket."""
+        target = grpc_target(self.target)
+        if not target.startswith("unix:") or target.startswith("unix-abstract:"):
+            raise ArfuseError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "host memory by descriptor needs the sidecar's Unix socket, not "
+                              f"{self.target}")
+        path = target[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]  # unix://<absolute path>
+        return fdpass.channel_path(path)
+
+    def register_host_fd(self, name: str, fd: int, byte_size: int) -> Region:
+        """Registers host memory by descriptor: `fd` is a memfd sealed against shrinking
+        (HostShmBuffer makes one). It goes to the sidecar over its fd channel; the ticket it
+        answers names it in RegisterRegion. Only this process's user can claim the ticket."""
+        try:
+            ticket = fdpass.deposit(self.fd_channel_path(), [fd], timeout=self.timeout)
+        except fdpass.FdChannelError as e:
+            raise ArfuseError(e.code, e.message) from None
+        req = fusion_pb2.RegisterRegionRequest(
+            name=name, byte_size=byte_size, host_fd=fusion_pb2.HostFdMemory(fd_ticket=ticket))
+        resp = self._call(self.stub.RegisterRegion, req)
+        return Region(resp.region_id, resp.generation, name, byte_size)
+
     def register_host_shm(self, name: str, shm_name: str, byte_size: int) -> Region:
+        """Registers a named POSIX shm object (compatibility; prefer register_host_fd): the
+        sidecar opens it only if this process's user may open it read-write."""
         if not shm_name.startswith("/"):
             shm_name = "/" + shm_name  # multiprocessing.shared_memory names lack the slash
         req = fusion_pb2.RegisterRegionRequest(

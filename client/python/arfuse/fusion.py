@@ -99,7 +99,9 @@ class FusionWorkspace:
 
     def register(self, buffer, name: Optional[str] = None):
         name = name or f"buf{len(self._buffers)}"
-        if isinstance(buffer, HostShmBuffer):
+        if isinstance(buffer, HostShmBuffer) and buffer.fd is not None:
+            region = self.client.register_host_fd(name, buffer.fd, buffer.byte_size)
+        elif isinstance(buffer, HostShmBuffer):
             region = self.client.register_host_shm(name, buffer.shm_name, buffer.byte_size)
         elif isinstance(buffer, CudaBuffer):
             region = self.client.register_cuda_ipc(name, buffer.ipc_handle, buffer.device,

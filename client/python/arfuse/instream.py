@@ -554,7 +554,7 @@ def pick_up_fds(resp, timeout: float) -> List[int]:
     """The descriptors the sidecar offers for this attach on its fd socket (fd_ticket)."""
     try:
         from . import fdpass  # the fd-socket client (docs/security.md)
-        pickup = fdpass.pickup_fds
+        pickup = fdpass.pickup
     except (ImportError, AttributeError):
         raise InStreamError(
             UNAVAILABLE,
@@ -562,7 +562,11 @@ def pick_up_fds(resp, timeout: float) -> List[int]:
             f"fd socket {resp.fd_socket or '(unnamed)'}, and this arfuse package has no "
             "fd-socket client to pick them up (arfuse.fdpass is not installed): the in-stream "
             "plane is unavailable") from None
-    fds = list(pickup(resp.fd_socket, resp.fd_ticket, timeout=timeout))
+    try:
+        fds = list(pickup(resp.fd_socket, resp.fd_ticket, timeout=timeout))
+    except fdpass.FdChannelError as e:
+        raise InStreamError(e.code.value[0], f"picking up the attach's {resp.fd_count} descriptor(s) on "
+                                    f"the fd channel {resp.fd_socket}: {e.message}") from None
     if len(fds) != resp.fd_count:
         import os
         for fd in fds:

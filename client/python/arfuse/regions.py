@@ -1,11 +1,15 @@
 """Memory a sidecar can map: host shared memory (host mode) and plain cudaMalloc buffers (CUDA).
 
-Regions must be exportable: host shm by name, CUDA memory by a legacy IPC handle. PyTorch's
+Regions must be exportable: host memory as a sealed memfd handed over by descriptor (or a named
+shm object), CUDA memory by a legacy IPC handle. PyTorch's
 caching allocator with expandable segments cannot export legacy IPC handles, so CudaBuffer
 allocates with cudaMalloc itself and hands out torch tensors viewing that memory.
 """
 import ctypes
 import ctypes.util
+import fcntl
+import mmap
+import os
 from multiprocessing import shared_memory
 from typing import Optional, Sequence
 
@@ -14,21 +18,46 @@ _FORMATS = {"fp32": ("f", 4), "fp16": ("e", 2), "bf16": ("H", 2)}  # bf16 as raw
 
 
 class HostShmBuffer:
-    """A POSIX shared-memory object owned by this process (host mode).
+    """Host shared memory this process owns, for host-mode regions.
+
+    By default a memfd sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW,
+    F_SEAL_SEAL), registered by descriptor (FusionWorkspace.register, Client.register_host_fd):
+    the descriptor proves this process's access, and the seal keeps the memory from shrinking
+    under the sidecar. With `name` (or named=True) a POSIX shared-memory object by name instead,
+    for sidecars that predate descriptors; the sidecar then opens it only if this process's user
+    may open it read-write itself.
 
     view() gives a flat memoryview (no dependency); array() a numpy view when numpy is there.
     """
 
-    def __init__(self, byte_size: int, name: Optional[str] = None):
-        self.shm = shared_memory.SharedMemory(create=True, size=byte_size, name=name)
+    SEALS = None  # set below where fcntl knows the seal flags
+
+    def __init__(self, byte_size: int, name: Optional[str] = None, named: bool = False):
         self.byte_size = byte_size
-        anchor = ctypes.c_char.from_buffer(self.shm.buf)
+        self.shm = None
+        self.fd: Optional[int] = None
+        self._mmap = None
+        if name is not None or named:
+            self.shm = shared_memory.SharedMemory(create=True, size=byte_size, name=name)
+            self.buf = self.shm.buf
+        else:
+            self.fd = os.memfd_create("arfuse-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(self.fd, byte_size)
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, HostShmBuffer.SEALS)
+                self._mmap = mmap.mmap(self.fd, byte_size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+            self.buf = memoryview(self._mmap)
+        anchor = ctypes.c_char.from_buffer(self.buf)
         self._base = ctypes.addressof(anchor)
         del anchor  # keeps the buffer exported while it lives; close() needs it released
 
     @property
-    def shm_name(self) -> str:
-        return "/" + self.shm.name.lstrip("/")
+    def shm_name(self) -> Optional[str]:
+        """The object's name ("/..."), or None for a memfd."""
+        return "/" + self.shm.name.lstrip("/") if self.shm is not None else None
 
     @property
     def base_address(self) -> int:
@@ -44,7 +73,7 @@ class HostShmBuffer:
         """`count` elements of dtype ("fp32", "fp16", "bf16") at byte `offset`."""
         fmt, size = _FORMATS[dtype]
         self._check(offset, count * size)
-        mv = self.shm.buf[offset:offset + count * size].cast(fmt)
+        mv = self.buf[offset:offset + count * size].cast(fmt)
         return TensorView(mv, dtype, self._base + offset, count * size)
 
     def array(self, dtype, shape: Sequence[int], offset: int = 0):
@@ -55,30 +84,43 @@ class HostShmBuffer:
         for s in shape:
             count *= int(s)
         self._check(offset, count * np.dtype(dtype).itemsize)
-        return np.ndarray(tuple(shape), dtype=dtype, buffer=self.shm.buf, offset=offset)
+        return np.ndarray(tuple(shape), dtype=dtype, buffer=self.buf, offset=offset)
 
     def close(self):
-        if self.shm is None:
-            return
-        # Unlink first: the name goes even when a caller still holds a view (then close() cannot
-        # unmap, and the mapping goes with the last view).
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
-        try:
-            self.shm.close()
-        except BufferError:
-            # Views (memoryviews, numpy/torch tensors) still use the mapping: it goes with the
-            # last of them. Keep the object, or its __del__ would retry and complain.
-            self._still_mapped = self.shm
-        self.shm = None
+        if self.shm is not None:
+            # Unlink first: the name goes even when a caller still holds a view (then close()
+            # cannot unmap, and the mapping goes with the last view).
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+            try:
+                self.shm.close()
+            except BufferError:
+                # Views (memoryviews, numpy/torch tensors) still use the mapping: it goes with
+                # the last of them. Keep the object, or its __del__ would retry and complain.
+                self._still_mapped = self.shm
+            self.shm = None
+        if self.fd is not None:
+            # The sidecar holds its own mapping; this process's descriptor and mapping go.
+            os.close(self.fd)
+            self.fd = None
+            try:
+                self.buf.release()
+                self._mmap.close()
+            except BufferError:
+                self._still_mapped = self._mmap  # views still use it: it goes with the last
+            self._mmap = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+if hasattr(fcntl, "F_ADD_SEALS"):
+    HostShmBuffer.SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class TensorView:

@@ -53,13 +53,24 @@ absl::StatusOr<std::unique_ptr<FusionService>> FusionService::Create(FusionServi
                                          std::move(events));
 }
 
+namespace {
+
+// The registry refuses, at CreatePlan, ops the workspace can never serve (OUT_OF_RANGE).
+RegistryLimits LimitsOf(const FusionServiceOptions& options) {
+  RegistryLimits limits = options.limits;
+  limits.workspace = WorkspaceCapacity{options.max_tokens, options.max_hidden, options.dtype};
+  return limits;
+}
+
+}  // namespace
+
 FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
                              std::unique_ptr<MemoryOpener> opener, std::unique_ptr<EventIpc> events,
                              uint64_t boot_nonce)
     : options_(std::move(options)),
       engine_(std::move(engine)),
       events_(std::move(events)),
-      registry_(options_.limits, std::move(opener), boot_nonce),
+      registry_(LimitsOf(options_), std::move(opener), boot_nonce),
       // One op thread: one op in flight per workspace, in arrival order.
       ops_(1, options_.max_queued_ops),
       // Two control threads, so one unregister draining a long op does not stall every
@@ -346,13 +357,39 @@ void FusionService::BeginShutdown() {
 
 // ---- regions ----
 
+absl::Status FusionService::ResolveCaller(const grpc::CallbackServerContext& ctx,
+                                          RegionSpec& spec) const {
+  if (options_.callers != nullptr) spec.caller = options_.callers->ForPeer(ctx.peer());
+  if (!spec.host_by_fd || options_.device != MemoryKind::kHostShm) return absl::OkStatus();
+  if (options_.fd_tickets == nullptr) {
+    return absl::FailedPreconditionError("host_fd: this sidecar serves no fd channel");
+  }
+  if (!spec.caller.has_value()) {
+    return absl::PermissionDeniedError(
+        "host_fd: a descriptor is claimed only over the sidecar's Unix socket, where it knows the "
+        "caller's credentials");
+  }
+  // The ticket is bound to the uid that deposited it: only that user's calls may claim it.
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
+                          options_.fd_tickets->Claim(spec.fd_ticket, spec.caller->uid));
+  if (fds.size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("host_fd: the ticket holds ", fds.size(),
+                                                   " descriptors; a region takes exactly one"));
+  }
+  spec.host_fd = std::make_shared<const UniqueFd>(std::move(fds.front()));
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* FusionService::RegisterRegion(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterRegionRequest* req,
                                                         v1::RegisterRegionResponse* resp) {
   auto session = SessionOf(*ctx);
   if (!session.ok()) return FinishNow(ctx, session.status());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   RegionSpec spec = ToRegionSpec(*req);
+  // While the call is in progress its connection is open, so ctx->peer() names it (and only it).
+  absl::Status caller = ResolveCaller(*ctx, spec);
+  if (!caller.ok()) return FinishNow(ctx, caller);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   uint64_t sid = *session;
   absl::Status queued = control_.Submit([this, reactor, resp, sid, spec](bool cancelled) {
     if (cancelled) {

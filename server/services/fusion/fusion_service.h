@@ -36,7 +36,8 @@
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/instream/attachments.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/caller_credentials.h"
+#include "server/fdpass/ticket_broker.h"
 #include "server/registry/opener.h"
 #include "server/registry/registry.h"
 #include "server/services/fusion/event_ipc.h"
@@ -65,14 +66,14 @@ struct FusionServiceOptions {
   // The daemon's doorbell self-test (docs/doorbell.md): us per op over in-process; 0 when not
   // measured.
   double doorbell_hop_us = 0;
-  // The in-stream plane's descriptors (VMM POSIX-FD handles, the host workspace) reach the
-  // client through the fd socket: `offer_fds` puts them there for the calling client (its
-  // credentials come from the call) and returns the single-use ticket; `fd_socket` is the
-  // socket's path for the client. Without it, attaches that need descriptors answer
-  // FAILED_PRECONDITION.
-  std::function<absl::StatusOr<std::string>(const grpc::CallbackServerContext& ctx,
-                                            std::vector<UniqueFd> fds)>
-      offer_fds;
+  // Who makes each call (the daemon's Unix listener records every connection's credentials).
+  // Null: nobody is known, and host memory is not registered (docs/security.md). Not owned.
+  const CallerCredentials* callers = nullptr;
+  // The fd channel's tickets, which RegisterRegion's host_fd claims. Null: host_fd is refused.
+  // Not owned.
+  FdTicketBroker* fd_tickets = nullptr;
+  // The fd channel's path, for the in-stream plane's attach (its descriptors are offered there
+  // under fd_tickets); empty: none.
   std::string fd_socket;
 };
 
@@ -154,6 +155,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   absl::Time DeadlineOf(const grpc::CallbackServerContext& ctx) const;
   // API version, then the `arfuse-session` metadata, then the session itself.
   absl::StatusOr<uint64_t> SessionOf(const grpc::CallbackServerContext& ctx) const;
+  // The caller's side of RegisterRegion: who calls, and the descriptor a host_fd ticket names.
+  absl::Status ResolveCaller(const grpc::CallbackServerContext& ctx, RegionSpec& spec) const;
 
   // Open Session streams, so that BeginShutdown can end them. TrackSession is false once
   // shutdown began (the stream is refused).

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,9 @@
 
 namespace arfuse {
 namespace {
+
+// How long an attach's descriptors wait on the fd channel for the client's pickup.
+constexpr absl::Duration kOfferTtl = absl::Seconds(30);
 
 // The client library's ABI versions, checked before anything is handed out: a client built for
 // another launch layout would make the kernels read their arguments at other offsets.
@@ -121,12 +125,20 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
         absl::Status done = blob.status();
         const std::vector<int> fd_refs = AttachBlobFds(*exported);
         if (done.ok() && !fd_refs.empty()) {
-          if (!options_.offer_fds) {
+          std::optional<SocketCredentials> caller;
+          if (options_.callers != nullptr) caller = options_.callers->ForPeer(ctx->peer());
+          if (options_.fd_tickets == nullptr || options_.fd_socket.empty()) {
             done = absl::FailedPreconditionError(
                 "this workspace's memory reaches clients as file descriptors, and this sidecar "
-                "serves no fd socket");
+                "serves no fd channel");
+          } else if (!caller.has_value()) {
+            // The descriptors go to the caller's uid only: a call whose credentials are not
+            // known (not accepted on the Unix socket) gets none.
+            done = absl::PermissionDeniedError(
+                "the caller's credentials are not known (not a Unix-socket client of this "
+                "sidecar): the workspace's descriptors are handed only to a known uid");
           } else {
-            // The export keeps its descriptors; the fd socket hands out duplicates.
+            // The export keeps its descriptors; the fd channel hands out duplicates.
             std::vector<UniqueFd> fds;
             for (int fd : fd_refs) {
               fds.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
@@ -137,7 +149,7 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
               }
             }
             absl::StatusOr<std::string> ticket =
-                done.ok() ? options_.offer_fds(*ctx, std::move(fds))
+                done.ok() ? options_.fd_tickets->Offer(caller->uid, std::move(fds), kOfferTtl)
                           : absl::StatusOr<std::string>(done);
             done = ticket.status();
             if (ticket.ok()) {

@@ -28,6 +28,11 @@ RegionSpec ToRegionSpec(const v1::RegisterRegionRequest& req) {
       spec.kind = MemoryKind::kHostShm;
       spec.shm_name = req.host_shm().shm_name();
       break;
+    case v1::RegisterRegionRequest::kHostFd:
+      spec.kind = MemoryKind::kHostShm;
+      spec.host_by_fd = true;
+      spec.fd_ticket = req.host_fd().fd_ticket();
+      break;
     case v1::RegisterRegionRequest::MEMORY_NOT_SET:
       break;
   }

@@ -1,6 +1,6 @@
 // Wakes a poll loop from another thread: Notify() makes fd() readable, the loop Drain()s it. The
-// peer channel's I/O threads (rank 0's coordinator, every rank's link) wait only in poll, so this
-// is how callers hand them work and how their owners stop them.
+// I/O threads of the peer channel and of the fd channel wait only in poll, so this is how callers
+// hand them work and how their owners stop them.
 #pragma once
 
 #include <sys/eventfd.h>
@@ -12,9 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/peers/unique_fd.h"
+#include "server/fdpass/unique_fd.h"
 
-namespace arfuse::peers {
+namespace arfuse {
 
 class WakeFd {
  public:
@@ -38,4 +38,4 @@ class WakeFd {
   UniqueFd fd_;
 };
 
-}  // namespace arfuse::peers
+}  // namespace arfuse
