@@ -105,6 +105,11 @@ ABSL_FLAG(int, hidden, 8192, "Workspace capacity in hidden size (a multiple of 8
 ABSL_FLAG(std::string, dtype, "bf16", "Workspace dtype sizing: bf16, fp16 or fp32.");
 ABSL_FLAG(double, spin_timeout, 5,
           "Seconds any cross-rank wait may take before it gives up and poisons the workspace.");
+ABSL_FLAG(int, sm_budget, 0,
+          "SMs each rank's fused grids may count on (0: automatic: all when the rank has its GPU "
+          "to itself, else an equal share of what every rank's resident doorbell blocks leave, "
+          "docs/mps.md). Every rank must use the same value. An override for diagnosis: grids "
+          "whose peers' grids cannot all be resident beside them wait to the spin timeout.");
 ABSL_FLAG(int, doorbell_serve_blocks, 16,
           "Most blocks the doorbell plane keeps resident to run one-shot ops in place, one row "
           "each (0..128; at most the plans' largest one-shot token count; at most 32 when ranks "
@@ -180,6 +185,7 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "hidden",
                                                  "dtype",
                                                  "spin_timeout",
+                                                 "sm_budget",
                                                  "doorbell_serve_blocks",
                                                  "grace_period",
                                                  "default_deadline",
@@ -489,6 +495,10 @@ absl::Status Validate(const DaemonOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-tokens must be positive, got ", o.max_tokens));
   }
+  if (o.sm_budget < 0 || o.sm_budget > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--sm-budget must be 0..1024 (0: automatic), got ", o.sm_budget));
+  }
   if (o.doorbell_serve_blocks < 0 || o.doorbell_serve_blocks > 128) {
     return absl::InvalidArgumentError(
         absl::StrCat("--doorbell-serve-blocks must be 0..128, got ", o.doorbell_serve_blocks));
@@ -609,6 +619,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.dtype = absl::GetFlag(FLAGS_dtype);
   o.spin_timeout_s = absl::GetFlag(FLAGS_spin_timeout);
   o.doorbell_serve_blocks = absl::GetFlag(FLAGS_doorbell_serve_blocks);
+  o.sm_budget = absl::GetFlag(FLAGS_sm_budget);
   o.grace_period_s = absl::GetFlag(FLAGS_grace_period);
   o.default_deadline_s = absl::GetFlag(FLAGS_default_deadline);
   o.allowed_uids = absl::GetFlag(FLAGS_allowed_uids);

@@ -54,6 +54,8 @@ struct DaemonOptions {
   // Blocks the doorbell plane's serving launch keeps resident to run one-shot ops in place
   // (docs/doorbell.md); 0 = no in-place serving (one waiter warp, a launch per op).
   int doorbell_serve_blocks = 16;
+  // FusionParams::sm_budget override (0: automatic; SharedGpuSmBudget when ranks share the GPU).
+  int sm_budget = 0;
   double grace_period_s = 10;
   double default_deadline_s = 10;
   std::vector<std::string> allowed_uids;

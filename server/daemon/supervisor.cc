@@ -74,6 +74,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Sidecar::BuildEngine(const config::Decis
     CudaEngineOptions cuda_options;
     cuda_options.device = options_.gpu;
     cuda_options.doorbell_serve_blocks = static_cast<uint32_t>(options_.doorbell_serve_blocks);
+    cuda_options.sm_budget = static_cast<uint32_t>(options_.sm_budget);
     ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<CudaEngine> cuda, MakeCudaEngine(eo, cuda_options));
     engine = std::move(cuda);
 #else

@@ -64,6 +64,13 @@ TEST(DaemonFlags, DoorbellServeBlocksOutOfRangeExits2) {
                          "--doorbell-serve-blocks must be 0..128, got -1"));
 }
 
+TEST(DaemonFlags, SmBudgetOutOfRangeExits2) {
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--sm-budget=-1"},
+                         "--sm-budget must be 0..1024 (0: automatic), got -1"));
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--sm-budget=1025"},
+                         "--sm-budget must be 0..1024 (0: automatic), got 1025"));
+}
+
 TEST(DaemonFlags, PeerHeartbeatTimeoutOutOfRangeExits2) {
   for (const char* bad : {"-1", "0.05", "3601", "nan"}) {
     EXPECT_TRUE(ExitsWith2({ArfusedPath(), std::string("--peer-heartbeat-timeout=") + bad},

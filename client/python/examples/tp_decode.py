@@ -192,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tie-tol", type=float, default=0.1,
                    help="oracle: a token difference where the fp32 reference's top-2 logit gap "
                         "is below this counts as a tie")
-    g.add_argument("--oracle-slack", type=float, default=0.0,
+    g.add_argument("--oracle-slack", type=float, default=0.01,
                    help="oracle: arfuse passes a layer when its distance from fp32 is at most "
-                        "(1 + slack) x the framework path's")
+                        "(1 + slack) x the framework path's (default 0.01: two bf16 paths of "
+                        "equal precision that round in different orders differ by a fraction "
+                        "of a percent; docs/numerics.md)")
     g.add_argument("--oracle-hf", choices=["auto", "on", "off"], default="auto",
                    help="oracle: run transformers' LlamaForCausalLM (auto: when importable)")
     # Internal (launcher -> rank).
