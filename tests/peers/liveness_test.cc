@@ -33,6 +33,7 @@
 #include "server/peers/coordinator_server.h"
 #include "server/peers/peer_exchange.h"
 #include "server/peers/wire.h"
+#include "tests/support/out_of_descriptors.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse::peers {
@@ -195,23 +196,10 @@ TEST_F(CoordinatorLiveness, OutOfDescriptorsTheCoordinatorShedsAndDoesNotSpin) {
   std::vector<UniqueFd> clients;
   for (int i = 0; i < 3; ++i)
     clients.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = 256;
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<UniqueFd> filler;
-  for (UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC)); f.valid();
-       f.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC))) {
-    filler.push_back(std::move(f));
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string path = dir_ + "/g-rank0.sock";
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  for (UniqueFd& c : clients) {
-    ASSERT_EQ(::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
+  std::optional<testing::OutOfDescriptors> out;
+  out.emplace();
+  ASSERT_TRUE(out->exhausted());
+  for (UniqueFd& c : clients) ASSERT_TRUE(testing::ConnectUnix(c.get(), dir_ + "/g-rank0.sock"));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const double before = CpuSecondsOfThisProcess();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -221,8 +209,7 @@ TEST_F(CoordinatorLiveness, OutOfDescriptorsTheCoordinatorShedsAndDoesNotSpin) {
     char byte;
     EXPECT_TRUE(::poll(&p, 1, 5000) == 1 && ::recv(c.get(), &byte, 1, MSG_DONTWAIT) == 0);
   }
-  filler.clear();
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  out.reset();
   EXPECT_LT(cpu, 0.2) << "the coordinator's loop spun";
   // Descriptors are back: ranks join again.
   UniqueFd joined = Joined();
