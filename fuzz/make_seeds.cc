@@ -17,6 +17,8 @@
 #include "arfuse/v1/peer.pb.h"
 #include "fuzz/fusion_driver.h"
 #include "server/config/fusion_config.h"
+#include "server/fdpass/fd_wire.h"
+#include "server/fdpass/ticket_broker.h"
 #include "server/peers/wire.h"
 #include "server/services/config/config_convert.h"
 #include "spdlog/spdlog.h"
@@ -325,6 +327,27 @@ void PeerWireSeeds(const std::string& dir) {
 }  // namespace
 }  // namespace arfuse::fuzz
 
+namespace arfuse::fuzz {
+namespace {
+
+// fuzz_fd_wire: byte 0 = descriptors arriving (low bits) and the real-offer bit; then messages.
+void FdWireSeeds(const std::string& dir) {
+  int n = 0;
+  const std::string deposit = EncodeFdMessage(FdOp::kDeposit, "", 1);
+  const std::string pickup = EncodeFdMessage(FdOp::kPickup, NewFdTicket());
+  Write(dir, n++, std::string(1, '\x01') + deposit);
+  Write(dir, n++, std::string(1, '\x03') + deposit + EncodeFdMessage(FdOp::kDeposit, "", 2));
+  Write(dir, n++, std::string(1, '\x80') + pickup);
+  Write(dir, n++, std::string(1, '\x81') + deposit + pickup + pickup);
+  Write(dir, n++, std::string(1, '\x00') + EncodeFdMessage(FdOp::kDeposit, "", 0));
+  Write(dir, n++, std::string(1, '\x00') + EncodeFdMessage(FdOp::kError, "x"));
+  Write(dir, n++, std::string(1, '\x05') + deposit + deposit + deposit + deposit + deposit);
+  std::printf("make_seeds: %d fuzz_fd_wire seeds\n", n);
+}
+
+}  // namespace
+}  // namespace arfuse::fuzz
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: make_seeds OUTDIR\n");
@@ -336,5 +359,6 @@ int main(int argc, char** argv) {
   arfuse::fuzz::ConfigSeeds(out + "/fuzz_config_requests");
   arfuse::fuzz::RankReportSeeds(out + "/fuzz_rank_report");
   arfuse::fuzz::PeerWireSeeds(out + "/fuzz_peer_wire");
+  arfuse::fuzz::FdWireSeeds(out + "/fuzz_fd_wire");
   return arfuse::fuzz::g_failures == 0 ? 0 : 1;
 }

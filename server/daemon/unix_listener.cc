@@ -40,12 +40,6 @@ size_t ConnectionBudget() {
   return ConnectionBudget(static_cast<uint64_t>(lim.rlim_cur));
 }
 
-namespace {
-
-UniqueFd OpenSpare() { return UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path,
                                                                  UnixListenerOptions options) {
   if (options.table == nullptr) return absl::InvalidArgumentError("UnixListener needs a table");
@@ -81,7 +75,6 @@ UnixListener::UnixListener(UniqueFd fd, UniqueFd wake_read, UniqueFd wake_write,
     : fd_(std::move(fd)),
       wake_read_(std::move(wake_read)),
       wake_write_(std::move(wake_write)),
-      spare_(OpenSpare()),
       path_(std::move(path)),
       options_(std::move(options)) {}
 
@@ -106,21 +99,10 @@ void UnixListener::Stop() {
   fd_.reset();
 }
 
-bool UnixListener::Pause(int64_t ms) {
+bool UnixListener::Pause(absl::Duration d) {
   pollfd p{wake_read_.get(), POLLIN, 0};
-  int r = ::poll(&p, 1, static_cast<int>(ms));
+  int r = ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(d)));
   return r > 0 && p.revents != 0;
-}
-
-bool UnixListener::ShedOne() {
-  spare_.reset();
-  accept_calls_.fetch_add(1, std::memory_order_relaxed);
-  UniqueFd conn(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-  const bool shed = conn.valid();
-  conn.reset();
-  spare_ = OpenSpare();
-  if (shed) shed_.fetch_add(1, std::memory_order_relaxed);
-  return shed;
 }
 
 void UnixListener::AcceptLoop() {
@@ -129,10 +111,10 @@ void UnixListener::AcceptLoop() {
     return log_limit.Allow(key, absl::Now(), held_back);
   };
   // After a failed accept, poll is not trusted to wait (the listening socket stays readable):
-  // the loop waits this long, doubling up to 1 s, until an accept works again.
-  int64_t backoff_ms = 0;
+  // the loop leaves the socket alone this long before it polls it again.
+  absl::Duration pause = absl::ZeroDuration();
   while (true) {
-    if (backoff_ms > 0 && Pause(backoff_ms)) return;
+    if (pause > absl::ZeroDuration() && Pause(pause)) return;
     pollfd fds[2] = {{fd_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
@@ -147,19 +129,22 @@ void UnixListener::AcceptLoop() {
       const int err = errno;
       if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED) continue;
       const bool out_of_fds = err == EMFILE || err == ENFILE;
-      const bool shed = out_of_fds && ShedOne();
-      // Shedding made progress (the backlog shrinks): a short pause. Otherwise wait longer
-      // each time, up to a second.
-      backoff_ms = shed ? 10 : std::clamp<int64_t>(backoff_ms * 2, 10, 1000);
+      bool shed = false;
+      if (out_of_fds) {
+        accept_calls_.fetch_add(1, std::memory_order_relaxed);
+        shed = reserve_.Shed(fd_.get());
+        if (shed) shed_.fetch_add(1, std::memory_order_relaxed);
+      }
+      pause = AcceptReserve::ShedPause(shed);
       uint64_t held_back = 0;
       if (log_allowed(absl::StrCat("accept_failed/", err), &held_back)) {
-        spdlog::warn(
-            "event=accept_failed socket={} error=\"{}\" shed={} held_back={} backoff_ms={}",
-            options_.label, std::strerror(err), shed ? "yes" : "no", held_back, backoff_ms);
+        spdlog::warn("event=accept_failed socket={} error=\"{}\" shed={} held_back={} pause_ms={}",
+                     options_.label, std::strerror(err), shed ? "yes" : "no", held_back,
+                     absl::ToInt64Milliseconds(pause));
       }
       continue;
     }
-    backoff_ms = 0;
+    pause = absl::ZeroDuration();
     UniqueFd conn(raw);
     absl::StatusOr<SocketCredentials> creds = PeerSocketCredentials(conn.get());
     std::string refusal;

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/connection_table.h"
 #include "server/fdpass/socket_credentials.h"
 #include "server/fdpass/unique_fd.h"
@@ -84,17 +85,13 @@ class UnixListener {
   UnixListener(UniqueFd fd, UniqueFd wake_read, UniqueFd wake_write, std::string path,
                UnixListenerOptions options);
   void AcceptLoop();
-  // Out of descriptors: give the spare back, accept the pending connection and close it at once
-  // (its client sees the connection close instead of hanging in the backlog), take the spare
-  // again. Returns whether a connection was shed.
-  bool ShedOne();
   // Waits `d` on the wake pipe alone; true when Stop() was called.
-  bool Pause(int64_t ms);
+  bool Pause(absl::Duration d);
 
   UniqueFd fd_;
   UniqueFd wake_read_;
   UniqueFd wake_write_;
-  UniqueFd spare_;
+  AcceptReserve reserve_;
   std::string path_;
   UnixListenerOptions options_;
   Handler handler_;

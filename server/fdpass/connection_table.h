@@ -8,17 +8,17 @@
 // the transport is destroyed, which waits for every call on it to end: while a call is in
 // progress, "fd:N" is the connection that carried it. A connection accepted later at the same
 // number replaces the entry (Record). Entries of connections already closed are dropped once
-// their number no longer holds the socket recorded (same device and inode), checked with fstat.
+// their number no longer holds the socket recorded (its inode, read from /proc/self/fd).
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
 #include "server/fdpass/caller_credentials.h"
 
 namespace arfuse {
@@ -44,15 +44,15 @@ class ConnectionTable final : public CallerCredentials {
  private:
   struct Entry {
     Channel channel;
-    dev_t dev;
-    ino_t ino;
+    ino_t ino;  // sockets' inode numbers are unique among live sockets
     SocketCredentials creds;
   };
   // The entry's descriptor still holds the socket recorded.
   static bool StillOpen(int fd, const Entry& e);
 
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<int, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // std::mutex rather than absl::Mutex: ThreadSanitizer sees its synchronization.
+  mutable std::mutex mu_;
+  absl::flat_hash_map<int, Entry> entries_;  // guarded by mu_
 };
 
 }  // namespace arfuse

@@ -59,7 +59,7 @@ void FdTicketBroker::ExpireLocked(absl::Time now, std::vector<Entry>& dropped) {
 size_t FdTicketBroker::ExpireNow(absl::Time now) {
   std::vector<Entry> dropped;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     ExpireLocked(now, dropped);
   }
   return dropped.size();  // their descriptors close here, outside the lock
@@ -75,7 +75,7 @@ absl::StatusOr<std::string> FdTicketBroker::Add(Kind kind, uid_t owner, std::vec
   }
   const absl::Time now = absl::Now();
   std::vector<Entry> dropped;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked(now, dropped);
   auto per = per_uid_.find(owner);
   if (per != per_uid_.end() && per->second >= options_.max_pending_per_uid) {
@@ -102,7 +102,7 @@ absl::StatusOr<std::vector<UniqueFd>> FdTicketBroker::Take(Kind kind, absl::stri
                                                            uid_t caller) {
   const absl::Time now = absl::Now();
   std::vector<Entry> dropped;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked(now, dropped);
   auto it = IsWellFormedFdTicket(ticket) ? entries_.find(ticket) : entries_.end();
   if (it == entries_.end() || it->second.kind != kind) {
@@ -141,12 +141,12 @@ absl::StatusOr<std::vector<UniqueFd>> FdTicketBroker::Pickup(absl::string_view t
 }
 
 size_t FdTicketBroker::pending() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return entries_.size();
 }
 
 size_t FdTicketBroker::pending_for(uid_t uid) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = per_uid_.find(uid);
   return it == per_uid_.end() ? 0 : it->second;
 }

@@ -14,13 +14,13 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/fdpass/unique_fd.h"
 
@@ -80,9 +80,10 @@ class FdTicketBroker {
   void ExpireLocked(absl::Time now, std::vector<Entry>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const FdTicketBrokerOptions options_;
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uid_t, size_t> per_uid_ ABSL_GUARDED_BY(mu_);
+  // std::mutex rather than absl::Mutex: ThreadSanitizer sees its synchronization.
+  mutable std::mutex mu_;
+  absl::flat_hash_map<std::string, Entry> entries_;  // guarded by mu_
+  absl::flat_hash_map<uid_t, size_t> per_uid_;       // guarded by mu_
 };
 
 // 16 random bytes from the kernel (getrandom) as 32 lowercase hex characters.

@@ -367,8 +367,10 @@ void CoordinatorServer::Loop() {
     std::vector<pollfd> fds;
     std::vector<uint64_t> ids;
     fds.push_back({wake_->fd(), POLLIN, 0});
-    fds.push_back({unix_listen_.get(), POLLIN, 0});
-    fds.push_back({tcp_listen_.get(), POLLIN, 0});
+    // Out of descriptors, the listeners rest a moment (poll ignores a negative fd).
+    const bool accepting = absl::Now() >= accept_paused_until_;
+    fds.push_back({accepting ? unix_listen_.get() : -1, POLLIN, 0});
+    fds.push_back({accepting ? tcp_listen_.get() : -1, POLLIN, 0});
     for (auto& [id, c] : conns_) {
       short ev = POLLIN;
       {
@@ -384,6 +386,12 @@ void CoordinatorServer::Loop() {
       timeout_ms =
           wait <= absl::ZeroDuration() ? 0 : static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1;
     }
+    if (!accepting) {
+      timeout_ms = std::min<int>(
+          timeout_ms,
+          static_cast<int>(absl::ToInt64Milliseconds(accept_paused_until_ - absl::Now())) + 1);
+      timeout_ms = std::max(timeout_ms, 0);
+    }
     int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0 && errno != EINTR) {
       spdlog::error("event=peer_coordinator_poll_failed error=\"{}\"", strerror(errno));
@@ -395,7 +403,21 @@ void CoordinatorServer::Loop() {
       if (fds[l].fd < 0 || !(fds[l].revents & POLLIN)) continue;
       for (;;) {
         int cfd = ::accept4(fds[l].fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (cfd < 0) break;
+        if (cfd < 0) {
+          // Out of descriptors the listener stays readable: shed the pending connection and
+          // rest instead of spinning on it (accept_reserve.h).
+          if (errno == EMFILE || errno == ENFILE) {
+            const int err = errno;
+            const bool shed = accept_reserve_.Shed(fds[l].fd);
+            accept_paused_until_ = absl::Now() + AcceptReserve::ShedPause(shed);
+            uint64_t held_back = 0;
+            if (accept_log_.Allow("accept_failed", absl::Now(), &held_back)) {
+              spdlog::warn("event=peer_accept_failed group={} error=\"{}\" shed={} held_back={}",
+                           options_.group, strerror(err), shed ? "yes" : "no", held_back);
+            }
+          }
+          break;
+        }
         if (l == 1) {
           // Before a byte is read: another user's process gets nothing, not even an answer.
           absl::StatusOr<SocketCredentials> cred = PeerSocketCredentials(cfd);

@@ -18,6 +18,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/core/log.h"
+#include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/unique_fd.h"
 #include "server/fdpass/wake_fd.h"
 #include "server/peers/coordinator.h"
@@ -74,6 +76,10 @@ class CoordinatorServer {
   uint64_t next_conn_id_ = 1;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> refused_{0};
+  // Out of descriptors: the spare that sheds a pending connection, and when to accept again.
+  AcceptReserve accept_reserve_;
+  absl::Time accept_paused_until_ = absl::InfinitePast();
+  LogRateLimiter accept_log_{absl::Seconds(1)};
   std::thread thread_;
 };
 

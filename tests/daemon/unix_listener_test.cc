@@ -24,6 +24,7 @@
 #include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "server/services/health/health_service.h"
+#include "tests/support/out_of_descriptors.h"
 
 namespace arfuse {
 namespace {
@@ -233,33 +234,18 @@ TEST(UnixListener, OutOfDescriptorsShedsAndDoesNotSpin) {
     clients.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     ASSERT_TRUE(clients.back().valid());
   }
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = 256;
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<UniqueFd> filler;
-  for (;;) {
-    UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    if (!f.valid()) break;
-    filler.push_back(std::move(f));
-  }
-  ASSERT_EQ(errno, EMFILE);
+  std::optional<::arfuse::testing::OutOfDescriptors> out;
+  out.emplace();
+  ASSERT_TRUE(out->exhausted());
   const uint64_t calls_before = listener->accept_calls();
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  for (UniqueFd& c : clients) {
-    ASSERT_EQ(::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
+  for (UniqueFd& c : clients) ASSERT_TRUE(::arfuse::testing::ConnectUnix(c.get(), path));
   for (UniqueFd& c : clients) EXPECT_TRUE(ClosedByServer(c.get(), absl::Seconds(5)));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const uint64_t calls = listener->accept_calls() - calls_before;
   EXPECT_EQ(listener->shed(), clients.size());
   EXPECT_LT(calls, 100u) << "the accept loop spun";
   EXPECT_EQ(held.size(), 0u);
-  filler.clear();
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  out.reset();
   // Descriptors are back: connections are accepted again.
   UniqueFd later = ConnectTo(path);
   EXPECT_TRUE(held.WaitFor(1));

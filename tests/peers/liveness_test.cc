@@ -5,9 +5,11 @@
 // rank joining a coordinator on another version fails with both versions named, not a hang.
 // And the Unix socket's credential rule (peer_credentials.h), seen from a process of another
 // user on either side.
+#include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -31,6 +33,7 @@
 #include "server/peers/coordinator_server.h"
 #include "server/peers/peer_exchange.h"
 #include "server/peers/wire.h"
+#include "tests/support/out_of_descriptors.h"
 #include "tests/support/subprocess.h"
 
 namespace arfuse::peers {
@@ -177,6 +180,40 @@ TEST_F(CoordinatorLiveness, HeartbeatIsEchoedAndASilentRankIsLostAfterItsTimeout
   EXPECT_GE(noticed, absl::Milliseconds(250));
   EXPECT_LT(noticed, absl::Seconds(3));
   EXPECT_TRUE(ClosedByPeer(fd.get(), absl::Seconds(5)));
+}
+
+double CpuSecondsOfThisProcess() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+// Issue 26's class of hole on the peer channel: out of descriptors, rank 0's listener stays
+// readable while accept() fails; the coordinator sheds the pending connections (their peers see
+// the connection close) and rests instead of spinning.
+TEST_F(CoordinatorLiveness, OutOfDescriptorsTheCoordinatorShedsAndDoesNotSpin) {
+  std::vector<UniqueFd> clients;
+  for (int i = 0; i < 3; ++i)
+    clients.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  std::optional<testing::OutOfDescriptors> out;
+  out.emplace();
+  ASSERT_TRUE(out->exhausted());
+  for (UniqueFd& c : clients) ASSERT_TRUE(testing::ConnectUnix(c.get(), dir_ + "/g-rank0.sock"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double before = CpuSecondsOfThisProcess();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double cpu = CpuSecondsOfThisProcess() - before;
+  for (UniqueFd& c : clients) {
+    pollfd p{c.get(), POLLIN, 0};
+    char byte;
+    EXPECT_TRUE(::poll(&p, 1, 5000) == 1 && ::recv(c.get(), &byte, 1, MSG_DONTWAIT) == 0);
+  }
+  out.reset();
+  EXPECT_LT(cpu, 0.2) << "the coordinator's loop spun";
+  // Descriptors are back: ranks join again.
+  UniqueFd joined = Joined();
+  EXPECT_TRUE(joined.valid());
 }
 
 TEST_F(CoordinatorLiveness, HeartbeatWithoutATimeoutIsNotWatched) {

@@ -1,0 +1,24 @@
+#include "server/fdpass/accept_reserve.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+
+namespace arfuse {
+namespace {
+
+UniqueFd OpenSpare() { return UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
+
+}  // namespace
+
+AcceptReserve::AcceptReserve() : spare_(OpenSpare()) {}
+
+bool AcceptReserve::Shed(int listen_fd) {
+  spare_.reset();
+  UniqueFd conn(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  const bool shed = conn.valid();
+  conn.reset();
+  spare_ = OpenSpare();
+  return shed;
+}
+
+}  // namespace arfuse
