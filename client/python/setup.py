@@ -92,14 +92,25 @@ class BuildPy(build_py):
                 shutil.copy2(lib, native / soname(lib))
 
     def _stubs(self, out):
-        from grpc_tools import protoc
-        import grpc_tools
-
+        """The generated stubs: the system protoc with gRPC's Python plugin where they are (Debian's
+        protobuf-compiler and protobuf-compiler-grpc, which match the system's grpcio and protobuf),
+        else grpc_tools.protoc."""
         root = pathlib.Path(os.environ.get("ARFUSE_PROTO_DIR", REPO / "proto"))
         files = [str(root / "arfuse" / "v1" / f"{n}.proto") for n in NAMES]
+        protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
+        if protoc and plugin:
+            rc = subprocess.run([protoc, f"-I{root}", f"--python_out={out}",
+                                 f"--plugin=protoc-gen-grpc_python={plugin}",
+                                 f"--grpc_python_out={out}", *files]).returncode
+            if rc != 0:
+                raise SystemExit(f"protoc failed ({rc}) on {root}")
+            return
+        from grpc_tools import protoc as grpc_protoc
+        import grpc_tools
+
         well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
-        rc = protoc.main(["grpc_tools.protoc", f"-I{root}", f"-I{well_known}",
-                          f"--python_out={out}", f"--grpc_python_out={out}", *files])
+        rc = grpc_protoc.main(["grpc_tools.protoc", f"-I{root}", f"-I{well_known}",
+                               f"--python_out={out}", f"--grpc_python_out={out}", *files])
         if rc != 0:
             raise SystemExit(f"grpc_tools.protoc failed ({rc}) on {root}")
 

@@ -7,6 +7,7 @@ The virtual environment has pip and the wheel only; grpcio, protobuf and numpy c
 Python that runs this test (a .pth file names its site-packages), so nothing is downloaded.
 """
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -29,11 +30,17 @@ def _native_in_build():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    for module in ("setuptools", "grpc_tools"):
+    try:
+        __import__("setuptools")
+    except ImportError:
+        run.missing("python module setuptools", "scripts/setup installs the Python packages")
+    # The stubs come from the system protoc + grpc_python_plugin, else grpc_tools (setup.py).
+    if not (shutil.which("protoc") and shutil.which("grpc_python_plugin")):
         try:
-            __import__(module)
+            __import__("grpc_tools")
         except ImportError:
-            run.missing(f"python module {module}", "scripts/setup installs the Python packages")
+            run.missing("protoc + grpc_python_plugin or grpc_tools",
+                        "Debian: protobuf-compiler protobuf-compiler-grpc")
     out = tmp_path_factory.mktemp("wheel")
     env = dict(os.environ, ARFUSE_BUILD_DIR=str(run.build_dir()))
     # pip builds in client/python; its scratch build/ and egg-info stay there (git-ignored).
