@@ -22,6 +22,11 @@ for run in "$@"; do
     8b-b1) TP_NAME=8b-b1 TP_LIMIT=200 TP_ARGS="$L8B --layers 32 --batch 1" "$here/gpu-run" tp ;;
     8b-b64) TP_NAME=8b-b64 TP_LIMIT=240 TP_ARGS="$L8B --layers 32 --batch 64" "$here/gpu-run" tp ;;
     8b-l80) TP_NAME=8b-l80 TP_LIMIT=300 TP_ARGS="$L8B --layers 80 --batch 16" "$here/gpu-run" tp ;;
+    8b-l4) TP_NAME=8b-l4 TP_LIMIT=120 TP_ARGS="$L8B --layers 4 --batch 16" "$here/gpu-run" tp ;;
+    8b-l8) TP_NAME=8b-l8 TP_LIMIT=120 TP_ARGS="$L8B --layers 8 --batch 16" "$here/gpu-run" tp ;;
+    8b-l12) TP_NAME=8b-l12 TP_LIMIT=120 TP_ARGS="$L8B --layers 12 --batch 16" "$here/gpu-run" tp ;;
+    70b-b1) TP_NAME=70b-b1 TP_LIMIT=150 TP_ARGS="$L70 --layers 8 --batch 1" "$here/gpu-run" tp ;;
+    70b-b64) TP_NAME=70b-b64 TP_LIMIT=150 TP_ARGS="$L70 --layers 8 --batch 64" "$here/gpu-run" tp ;;
     70b-b16) TP_NAME=70b-b16 TP_LIMIT=240 TP_ARGS="$L70 --layers 8 --batch 16" "$here/gpu-run" tp ;;
     # The budget before serving blocks counted ((132 - 2 x 2 - 2) / 2 SMs): the prefill failure.
     db-l8-old) ARFUSE_SM_BUDGET=63 TP_NAME=db-l8-old TP_LIMIT=120 TP_ARGS="$L8B --layers 8 --batch 16 --plane doorbell" "$here/gpu-run" tp ;;
