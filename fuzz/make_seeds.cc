@@ -6,6 +6,8 @@
 // Fusion seeds run through the fuzz target's own driver while they are built, so they carry
 // the region and plan generations the driver's registry (fixed boot nonce) hands out; every
 // step of every seed must succeed, or this program fails.
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +21,7 @@
 #include "server/config/fusion_config.h"
 #include "server/fdpass/fd_wire.h"
 #include "server/fdpass/ticket_broker.h"
+#include "server/instream/attach_blob.h"
 #include "server/peers/wire.h"
 #include "server/services/config/config_convert.h"
 #include "spdlog/spdlog.h"
@@ -345,6 +348,53 @@ void FdWireSeeds(const std::string& dir) {
   std::printf("make_seeds: %d fuzz_fd_wire seeds\n", n);
 }
 
+// fuzz_attach_blob: byte 0 = descriptors picked up; then a blob the sidecar's builder makes
+// (host mode, two ranks over one descriptor; and a CUDA one of IPC handles with two entries).
+void AttachBlobSeeds(const std::string& dir) {
+  int n = 0;
+  InStreamExport host;
+  host.device = instream::DeviceKind::kHost;
+  host.world_size = 2;
+  host.generation = 3;
+  host.max_tokens = 16;
+  host.hidden = 1024;
+  host.host_slot_bytes = 65536;
+  host.ranks.resize(2);
+  for (auto& r : host.ranks) {
+    r.kind = instream::MemoryKind::kHostShm;
+    r.bytes = 1 << 20;
+  }
+  host.ranks[0].fd.reset(::dup(0));
+  if (auto b = BuildAttachBlob(host, 1); b.ok()) Write(dir, n++, std::string(1, '\x01') + *b);
+  static const char kImage[64] = "image";
+  InStreamExport cuda;
+  cuda.device = instream::DeviceKind::kCuda;
+  cuda.world_size = 2;
+  cuda.sm = 90;
+  cuda.image = kImage;
+  cuda.image_bytes = sizeof(kImage);
+  cuda.max_tokens = 16;
+  cuda.hidden = 1024;
+  instream::KernelEntry e{};
+  e.hidden = 1024;
+  e.pattern = 2;
+  e.algo = 1;
+  e.dtype = 1;
+  e.block_threads = 128;
+  e.max_grid = 64;
+  e.rows_divisor = 1;
+  std::snprintf(e.function, sizeof(e.function), "%s", "arfuse_is_bf16_arnorm_oneshot_b0");
+  cuda.entries = {e, e};
+  cuda.ranks.resize(2);
+  for (auto& r : cuda.ranks) {
+    r.kind = instream::MemoryKind::kCudaIpc;
+    r.bytes = 1 << 21;
+    r.handle.assign(64, 'h');
+  }
+  if (auto b = BuildAttachBlob(cuda, 2); b.ok()) Write(dir, n++, std::string(1, '\x00') + *b);
+  std::printf("make_seeds: %d fuzz_attach_blob seeds\n", n);
+}
+
 }  // namespace
 }  // namespace arfuse::fuzz
 
@@ -360,5 +410,6 @@ int main(int argc, char** argv) {
   arfuse::fuzz::RankReportSeeds(out + "/fuzz_rank_report");
   arfuse::fuzz::PeerWireSeeds(out + "/fuzz_peer_wire");
   arfuse::fuzz::FdWireSeeds(out + "/fuzz_fd_wire");
+  arfuse::fuzz::AttachBlobSeeds(out + "/fuzz_attach_blob");
   return arfuse::fuzz::g_failures == 0 ? 0 : 1;
 }
