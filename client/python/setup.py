@@ -10,7 +10,7 @@ native libraries of this checkout's build.
 - Version: the repository's VERSION file (the one version of every artifact), as
   arfuse/_version.py and the wheel's metadata.
 - Native libraries: libarfuse_ring.so (the ring kernel's C ABI, built with CUDA) from the build
-  directory, with its SONAME name, into arfuse/_native/; arfuse.ring loads it from there. A wheel
+  directory, with its SONAME name, into arfuse/_lib/; arfuse.ring and arfuse.instream load them from there. A wheel
   with a native library is tagged for this platform; without one (a build without CUDA) it is
   pure Python.
 
@@ -81,7 +81,7 @@ class BuildPy(build_py):
             "# Written by client/python/setup.py from the repository's VERSION file.\n"
             f'__version__ = "{version()}"\n')
         self._stubs(out)
-        native = out / "arfuse" / "_native"
+        native = out / "arfuse" / "_lib"
         shutil.rmtree(native, ignore_errors=True)
         libs = native_libraries()
         if libs:

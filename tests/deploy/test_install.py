@@ -62,7 +62,13 @@ def test_install_tree(installed):
         prefix / "include" / "arfuse" / "kernels" / "common" / "op_types.h",
         prefix / "include" / "arfuse" / "arfuse" / "v1" / "fusion.grpc.pb.h",
         prefix / "include" / "arfuse" / "arfuse" / "v1" / "common.pb.h",
-        libdir / "libarfuse_client.a",
+        # The C++ gRPC client (libarfuse_grpc_client.a) and the in-stream plane's C ABI library
+        # (libarfuse_client.so, with its header and pkg-config file).
+        libdir / "libarfuse_grpc_client.a",
+        libdir / "libarfuse_fdpass_client.a",
+        libdir / "libarfuse_client.so",
+        prefix / "include" / "arfuse" / "client" / "instream" / "arfuse_client.h",
+        libdir / "pkgconfig" / "arfuse-client.pc",
         libdir / "libarfuse_proto.a",
         libdir / "cmake" / "arfuse" / "arfuseConfig.cmake",
         libdir / "cmake" / "arfuse" / "arfuseConfigVersion.cmake",

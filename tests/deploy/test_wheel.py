@@ -28,6 +28,10 @@ def _native_in_build():
     return sorted((run.build_dir() / "client" / "ring").glob("libarfuse_ring.so.*.*.*"))
 
 
+def _client_lib_in_build():
+    return sorted((run.build_dir() / "client" / "instream").glob("libarfuse_client.so.*.*.*"))
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     try:
@@ -85,16 +89,17 @@ def test_wheel_contents(wheel):
     assert "arfuse/_version.py" in names
     meta = zipfile.ZipFile(wheel).read(f"arfuse-{VERSION}.dist-info/METADATA").decode()
     assert f"Version: {VERSION}" in meta
-    native = [n for n in names if n.startswith("arfuse/_native/lib")]
-    built = _native_in_build()
-    if built:
-        # The library under its SONAME, and a wheel for this platform only.
-        assert native == ["arfuse/_native/libarfuse_ring.so." +
-                          re.search(r"\.so\.(\d+\.\d+)", built[0].name).group(1)], native
+    native = sorted(n for n in names if n.startswith("arfuse/_lib/lib"))
+    so = lambda p: re.search(r"\.so\.(\d+\.\d+)", p.name).group(1)  # noqa: E731
+    want = sorted([f"arfuse/_lib/libarfuse_client.so.{so(p)}" for p in _client_lib_in_build()[:1]] +
+                  [f"arfuse/_lib/libarfuse_ring.so.{so(p)}" for p in _native_in_build()[:1]])
+    # The libraries under their SONAMEs: libarfuse_client (every build) and the ring library
+    # (CUDA builds); a wheel with a native library is for this platform only.
+    assert native == want, native
+    if want:
         assert re.search(r"-py3-none-linux_\w+\.whl$", wheel.name), wheel.name
     else:
-        # A build without CUDA has no ring library: a pure wheel.
-        assert native == [] and wheel.name.endswith("-py3-none-any.whl"), (native, wheel.name)
+        assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
 
 
 def test_import_is_quiet_and_knows_its_version(venv, tmp_path):
@@ -118,8 +123,20 @@ def test_native_library_loads_from_the_wheel(venv, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ARFUSE_RING_LIB"}
     out = run.sh([python, "-c", code], cwd=tmp_path, env=env)
     path, message = out.stdout.splitlines()
-    assert Path(path).is_relative_to(site / "arfuse" / "_native"), path
+    assert Path(path).is_relative_to(site / "arfuse" / "_lib"), path
     assert message, out.stdout
+
+
+def test_client_library_loads_from_the_wheel(venv, tmp_path):
+    python, site = venv
+    code = ("from arfuse import instream; p = instream.find_client_library(); "
+            "lib = instream.load_library(p); "
+            "print(p); print(lib.arfuse_client_abi_version())")
+    env = {k: v for k, v in os.environ.items() if k != "ARFUSE_CLIENT_LIB"}
+    out = run.sh([python, "-c", code], cwd=tmp_path, env=env)
+    path, abi = out.stdout.splitlines()
+    assert Path(path).is_relative_to(site / "arfuse" / "_lib"), path
+    assert abi == "1", out.stdout
 
 
 def test_installed_stubs_talk_to_a_sidecar(venv, tmp_path):

@@ -1,7 +1,7 @@
 """Where the client's native libraries are (libarfuse_ring.so, libarfuse_client.so).
 
 One rule for every library, in order: the environment variable naming it; a copy in the
-package's _native/ folder (a wheel ships it there, under its SONAME) or next to the package; a build of this checkout (build/<subdir>/ first, the directory
+package's _lib/ folder (a wheel ships it there, under its SONAME) or next to the package; a build of this checkout (build/<subdir>/ first, the directory
 that scripts/setup and CI build, else the newest build*/<subdir>/); .devstage/bin/ (what
 scripts/gpu-stage stages on the GPU machines). None when there is none on disk, and the caller
 then tries the loader's search path by name.
@@ -20,7 +20,7 @@ def find_native_library(filename: str, env_var: str, build_subdir: str) -> Optio
     if env:
         return env
     # An installed wheel's own copy (client/python/setup.py ships it under its SONAME).
-    wheel = sorted(glob.glob(str(PKG_DIR / "_native" / (filename + "*"))))
+    wheel = sorted(glob.glob(str(PKG_DIR / "_lib" / (filename + "*"))))
     if wheel:
         return wheel[0]
     shipped = PKG_DIR / filename

@@ -11,7 +11,7 @@
 
 The C ABI is client/ring/arfuse_ring.h (docs/doorbell.md). The library links the CUDA runtime
 statically and exports only arfuse_*, so it loads beside torch's libcudart. Which file:
-$ARFUSE_RING_LIB, else the wheel's own (arfuse/_native/) or one beside the package, else one built in this checkout
+$ARFUSE_RING_LIB, else the wheel's own (arfuse/_lib/) or one beside the package, else one built in this checkout
 (build/client/ring/, else the newest build*/client/ring/), else .devstage/bin/, else the loader's
 search path. Loading it needs no GPU; opening a slot does
 (the current CUDA device must be the client's GPU, e.g. after torch.cuda.set_device).
