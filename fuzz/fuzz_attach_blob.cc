@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t num_fds = data[0] & 0x1f;
   const uint8_t* blob = data + 1;
   const size_t bytes = size - 1;
-  auto parsed = arfuse::instream::ParseAttachBlob(blob, bytes, num_fds);
+  auto parsed = arfuse::instream::lib::ParseAttachBlob(blob, bytes, num_fds);
   if (!parsed.ok()) return 0;
   Check(parsed->entries.size() == parsed->header.num_entries);
   Check(parsed->ranks.size() == parsed->header.world_size);
