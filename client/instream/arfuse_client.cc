@@ -4,6 +4,7 @@
 #include "client/instream/arfuse_client.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -12,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "client/instream/blob_reader.h"
 #include "client/instream/host_plane.h"
 #include "client/instream/op_rules.h"
@@ -108,6 +110,24 @@ absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::O
   return ctx->plane->Run(op, *d, stream);
 }
 
+// ARFUSE_INSTREAM_PDL=0|1 replaces the sidecar's choice of programmatic dependent launches for
+// this process's launches (unset or empty: the sidecar's). What the overlap saves is measured with
+// it; where ranks share a GPU the sidecar chooses off, because a dependent grid launched early
+// holds SMs that another rank's grid may need to become resident: forcing it on there is for
+// measurement with grids that fit beside each other.
+absl::Status ApplyPdlOverride(arfuse::instream::AttachHeader* header) {
+  const char* v = std::getenv("ARFUSE_INSTREAM_PDL");
+  if (v == nullptr || *v == '\0') return absl::OkStatus();
+  const absl::string_view value(v);
+  if (value != "0" && value != "1") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ARFUSE_INSTREAM_PDL must be 0 or 1 (or unset: the sidecar's choice), got \"",
+        value.substr(0, 32), "\""));
+  }
+  header->pdl = value == "1" ? 1 : 0;
+  return absl::OkStatus();
+}
+
 absl::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
                     arfuse_ctx** out) {
   if (out == nullptr) return absl::InvalidArgumentError("out is NULL");
@@ -117,6 +137,7 @@ absl::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t 
   }
   absl::StatusOr<lib::ParsedBlob> parsed = lib::ParseAttachBlob(blob, blob_bytes, num_fds);
   if (!parsed.ok()) return parsed.status();
+  if (absl::Status s = ApplyPdlOverride(&parsed->header); !s.ok()) return s;
   auto ctx = std::make_unique<arfuse_ctx>();
   if (parsed->device() == arfuse::instream::DeviceKind::kHost) {
     absl::StatusOr<std::unique_ptr<lib::HostPlane>> plane = lib::HostPlane::Attach(*parsed, fds);

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/host_collective.h"
@@ -125,6 +127,34 @@ TEST_F(BlobTest, AnOlderCallersShorterInfoGetsTheFieldsItKnows) {
   EXPECT_EQ(arfuse_ctx_get_info(r.ctx, &info), ARFUSE_INVALID_ARGUMENT);
   EXPECT_THAT(arfuse_last_error(), HasSubstr("struct_bytes"));
   arfuse_detach(r.ctx);
+}
+
+// ARFUSE_INSTREAM_PDL replaces the blob's launch choice for this process; anything but 0, 1 or
+// empty refuses the attach, naming the variable and the value.
+TEST_F(BlobTest, ThePdlOverrideOfTheEnvironment) {
+  struct Case {
+    const char* value;
+    uint32_t pdl;
+  };
+  for (const Case& c : {Case{"1", 1u}, Case{"0", 0u}, Case{"", 0u}}) {
+    ::setenv("ARFUSE_INSTREAM_PDL", c.value, 1);
+    AttachResult r = AttachBlob(host_, {ws_->fd.get()});
+    ASSERT_EQ(r.rc, ARFUSE_OK) << c.value << ": " << r.message;
+    arfuse_ctx_info info{};
+    info.struct_bytes = sizeof(info);
+    ASSERT_EQ(arfuse_ctx_get_info(r.ctx, &info), ARFUSE_OK);
+    EXPECT_EQ(info.pdl, c.pdl) << "ARFUSE_INSTREAM_PDL=" << c.value;
+    arfuse_detach(r.ctx);
+  }
+  for (const char* bad : {"2", "on", "yes"}) {
+    ::setenv("ARFUSE_INSTREAM_PDL", bad, 1);
+    AttachResult r = AttachBlob(host_, {ws_->fd.get()});
+    EXPECT_EQ(r.rc, ARFUSE_INVALID_ARGUMENT) << bad;
+    EXPECT_THAT(r.message, HasSubstr("ARFUSE_INSTREAM_PDL must be 0 or 1"));
+    EXPECT_THAT(r.message, HasSubstr(absl::StrCat("got \"", bad, "\"")));
+    EXPECT_EQ(r.ctx, nullptr);
+  }
+  ::unsetenv("ARFUSE_INSTREAM_PDL");
 }
 
 TEST_F(BlobTest, ArgumentsOfTheCall) {
