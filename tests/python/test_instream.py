@@ -422,3 +422,33 @@ def test_attach_refuses_a_blob_of_another_attachment(group2, monkeypatch):
         assert lib.detached and detached == [5] and c.attachments() == []
     finally:
         c.close()
+
+
+def test_after_a_vote_a_drain_waits_for_the_next_agreement_point(client, monkeypatch):
+    lib = RecordingLib(device_kind=1)
+    ctx = bound_context(client, lib)
+    monkeypatch.setattr(instream, "_capturing", lambda stream: False)
+    monkeypatch.setattr(instream, "wait_stream", lambda stream, timeout: True)
+    ctx.poll(at_agreement=True)  # the ranks voted: fused
+    ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
+    client._on_attach_event(DRAIN, lib.attach_id, "backend switch to mnnvl")
+    # Between the vote and the next one, ops and checks launch and answer nothing.
+    ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
+    ctx.check()
+    assert ctx.disabled == "" and client.answered == [] and ctx.launches == 2
+    # The next vote applies it and answers (the last launch waited for).
+    ctx.poll(at_agreement=True)
+    assert ctx.disabled == "drained" and client.answered == [lib.attach_id]
+    with pytest.raises(instream.Unavailable):
+        ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
+
+
+def test_after_a_vote_a_poisoning_still_applies_at_the_next_op(client):
+    lib = RecordingLib(device_kind=1)
+    ctx = bound_context(client, lib)
+    ctx.poll(at_agreement=True)
+    ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
+    client._on_attach_event(POISONED, lib.attach_id, "timeout: a peer did not arrive")
+    with pytest.raises(instream.Unavailable) as e:
+        ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
+    assert e.value.disabled == "poisoned"

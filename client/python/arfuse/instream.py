@@ -314,6 +314,10 @@ class InStreamContext:
         self._fused_range = {}
         # Set by reattach(): this context's client was made for it (closed with the next one).
         self.owns_client = False
+        # Set by the first poll(at_agreement=True) (arfuse.torch.agree): from then on a drain
+        # takes effect only at the ranks' agreement points, never between a rank's "yes" and its
+        # launch: a rank that skipped an op its peers launched would leave them spinning.
+        self._agreement = False
 
     # -- state --
     @property
@@ -347,15 +351,19 @@ class InStreamContext:
         if self._lock.acquire(blocking=False):
             try:
                 if not self._detached and (self._launches == 0 or self.info.device == "host"):
-                    self._apply_pending(caller=False)
+                    self._apply_pending(caller=False, defer_drain=self._agreement)
             finally:
                 self._lock.release()
 
-    def _apply_pending(self, caller: bool):
-        """Under self._lock. `caller`: on the caller's thread (may wait for its stream)."""
+    def _apply_pending(self, caller: bool, defer_drain: bool = False):
+        """Under self._lock. `caller`: on the caller's thread (may wait for its stream).
+        `defer_drain`: drains stay pending (for the next agreement point); the rest apply."""
+        kept = []
         while self._pending:
             kind, reason = self._pending.pop(0)
-            if kind == EVENT_DRAIN:
+            if kind == EVENT_DRAIN and defer_drain:
+                kept.append((kind, reason))
+            elif kind == EVENT_DRAIN:
                 self._disable("drained", f"drained by the sidecar: {reason or 'no reason given'}")
                 self._drain_unanswered = True
             elif kind == EVENT_REINITIALIZED:
@@ -368,6 +376,7 @@ class InStreamContext:
                 self._disable("client closed", reason)
             else:  # EVENT_SESSION_LOST
                 self._disable("sidecar gone", f"sidecar gone: {reason}")
+        self._pending.extend(kept)
         if self._drain_unanswered:
             self._answer_drain(caller)
 
@@ -395,11 +404,16 @@ class InStreamContext:
         self._drain_unanswered = False
         client._answer_drain(self.attach_id)
 
-    def poll(self):
-        """Applies what the sidecar said since the last call (called by every op and check)."""
+    def poll(self, at_agreement: bool = False):
+        """Applies what the sidecar said since the last call (called by every op and check).
+        at_agreement: called where all ranks decide together whether to fuse (agree()); once
+        it has been, a drain applies only there."""
+        if at_agreement:
+            self._agreement = True
         if self._pending or self._drain_unanswered:
             with self._lock:
-                self._apply_pending(caller=True)
+                self._apply_pending(caller=True,
+                                    defer_drain=self._agreement and not at_agreement)
 
     def disable(self, reason: str):
         """Every later op launches nothing and raises Unavailable with `reason`."""

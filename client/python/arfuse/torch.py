@@ -359,7 +359,9 @@ def agree(group=None, device=None) -> bool:
 
     ctx = get_context(device)
     if ctx is not None:
-        ctx.poll()  # events the session thread recorded (a drain) count in the vote
+        # Events the session thread recorded (a drain) count in the vote, and from now on a
+        # drain applies only here, so no rank skips an op its peers voted to fuse.
+        ctx.poll(at_agreement=True)
     bad = 1 if ctx is None or ctx.disabled else 0
     on_cpu = dist.get_backend(group) != "nccl"
     flag = torch.tensor([bad], dtype=torch.int32,
