@@ -120,9 +120,9 @@ absl::Status ApplyPdlOverride(arfuse::instream::AttachHeader* header) {
   if (v == nullptr || *v == '\0') return absl::OkStatus();
   const absl::string_view value(v);
   if (value != "0" && value != "1") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ARFUSE_INSTREAM_PDL must be 0 or 1 (or unset: the sidecar's choice), got \"",
-        value.substr(0, 32), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ARFUSE_INSTREAM_PDL must be 0 or 1 (or unset: the sidecar's choice), got \"",
+                     value.substr(0, 32), "\""));
   }
   header->pdl = value == "1" ? 1 : 0;
   return absl::OkStatus();

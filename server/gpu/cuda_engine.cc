@@ -792,6 +792,14 @@ absl::StatusOr<InStreamExport> CudaEngine::ExportInStream(const std::vector<uint
                                                       FusionErrorName(workspace_->error_code()),
                                                       "); attach again after the group re-forms"));
   }
+  // An attached client's kernel that failed marks the workspace only (Status() reads it): no
+  // new attachment to it until the group re-forms.
+  if (const uint32_t error = instream_error_.load(); error != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the workspace is poisoned by an in-stream "
+                     "op (",
+                     FusionErrorName(error), "); attach again after the group re-forms"));
+  }
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (image_ == nullptr) {
     ARFUSE_ASSIGN_OR_RETURN(image_, InStreamKernelImage::Load(static_cast<uint32_t>(sm_)));

@@ -20,10 +20,10 @@
 #include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 #include "server/core/status_macros.h"
-#include "server/host/guarded_copy.h"
 #include "server/engine/instream_host.h"
-#include "server/peers/exchange.h"
 #include "server/fdpass/unique_fd.h"
+#include "server/host/guarded_copy.h"
+#include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -241,11 +241,11 @@ class HostEngine final : public Engine, public InStreamHost {
     // complete the op; it alone fails it, after.
     OpArgs staged = op;
     const absl::Status staged_in = StageIn(op, bytes, &staged);
-    host::HostOpResult r = collective.Run(
-        staged, generation, limits, /*client=*/false,
-        [](void* to, const void* from, size_t n, const char* what) {
-          return GuardedCopy(to, from, n, what);
-        });
+    host::HostOpResult r =
+        collective.Run(staged, generation, limits, /*client=*/false,
+                       [](void* to, const void* from, size_t n, const char* what) {
+                         return GuardedCopy(to, from, n, what);
+                       });
     if (r.poisoned) {
       SetState(WorkspaceState::kPoisoned, std::string(r.status.message()));
       spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",
@@ -302,6 +302,15 @@ class HostEngine final : public Engine, public InStreamHost {
     s.backend = options_.backend;
     s.fusion_enabled = FusionEnabledLocked();
     s.reason = reason_;
+    // An attached client's op that failed (a peer that never came, an abort) leaves its mark in
+    // the shared header only: the workspace is as unusable as after a failed op of our own, and
+    // the supervisor re-forms the group on it.
+    if (const uint32_t error = InStreamErrorLocked(); state_ == WorkspaceState::kReady && error) {
+      s.state = WorkspaceState::kPoisoned;
+      s.fusion_enabled = false;
+      s.reason =
+          absl::StrCat("host workspace poisoned by an in-stream op (", HostWsErrorName(error), ")");
+    }
     s.workspace_bytes = state_ == WorkspaceState::kInitializing
                             ? 0
                             : host::HostWsTotalBytes(options_.world_size, slot_bytes_);
@@ -349,6 +358,11 @@ class HostEngine final : public Engine, public InStreamHost {
       return absl::FailedPreconditionError(absl::StrCat(
           "host workspace is poisoned (", reason_, "); attach after every rank re-initialized"));
     }
+    if (const uint32_t error = InStreamErrorLocked(); error != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("host workspace is poisoned by an in-stream op (", HostWsErrorName(error),
+                       "); attach after every rank re-initialized"));
+    }
     if (state_ != WorkspaceState::kReady || !ws_.fd.valid()) {
       return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
     }
@@ -379,13 +393,7 @@ class HostEngine final : public Engine, public InStreamHost {
     // A stale client op touches nothing, not even a counter: there is none to report.
     c.stale = 0;
     c.error = view.header()->error.load(std::memory_order_acquire);
-    switch (static_cast<host::HostWsError>(c.error)) {
-      case host::HostWsError::kNone: break;
-      case host::HostWsError::kTimeout: c.error_name = "timeout"; break;
-      case host::HostWsError::kHostAbort: c.error_name = "host_abort"; break;
-      case host::HostWsError::kPeerAbort: c.error_name = "peer_abort"; break;
-      default: c.error_name = "poisoned"; break;
-    }
+    if (c.error != 0) c.error_name = HostWsErrorName(c.error);
     return c;
   }
 
@@ -400,6 +408,28 @@ class HostEngine final : public Engine, public InStreamHost {
   }
 
  private:
+  static const char* HostWsErrorName(uint32_t error) {
+    switch (static_cast<host::HostWsError>(error)) {
+      case host::HostWsError::kNone:
+        return "none";
+      case host::HostWsError::kTimeout:
+        return "timeout";
+      case host::HostWsError::kHostAbort:
+        return "host_abort";
+      case host::HostWsError::kPeerAbort:
+        return "peer_abort";
+      default:
+        return "poisoned";
+    }
+  }
+
+  // The shared header's error word (0 while no op failed), under state_mu_.
+  uint32_t InStreamErrorLocked() const {
+    if (!ws_.mapping.valid()) return 0;
+    host::HostCollective view(ws_.mapping.data(), options_.rank, options_.world_size, slot_bytes_);
+    return view.header()->error.load(std::memory_order_acquire);
+  }
+
   // The hidden sizes an attach gets entries for: the workspace's when none are asked for.
   absl::StatusOr<std::vector<uint32_t>> AttachHiddens(const std::vector<uint32_t>& asked) const {
     if (asked.empty()) return std::vector<uint32_t>{options_.max_hidden};

@@ -488,7 +488,7 @@ def run_scenario(args, sc, d, scenario):
                     break
                 s0 = time.monotonic()
                 p = subprocess.run([args.arfusectl, "set-backend", "--backend", backend, "--addr",
-                                    sc.addr(), "--timeout-ms", "90000"], capture_output=True,
+                                    sc.addr(), "--timeout-ms", "60000"], capture_output=True,
                                    text=True, timeout=120)
                 runs.append({"backend": backend, "rc": p.returncode,
                              "seconds": time.monotonic() - s0,

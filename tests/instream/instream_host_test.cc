@@ -354,5 +354,33 @@ TEST(InStreamHostEngine, TheSidecarsAbortEndsAClientsWait) {
   EXPECT_EQ(g.eng[1]->Status().state, WorkspaceState::kPoisoned);
 }
 
+// A client's op that times out marks the shared header only: every rank's engine reports the
+// workspace poisoned (the supervisor re-forms the group on it) and refuses new attachments to
+// it, each naming the in-stream op and the error, until the ranks re-initialize.
+TEST(InStreamHostEngine, AClientsFailedOpPoisonsTheWorkspaceUntilItIsRebuilt) {
+  EngineGroup g(2, absl::Milliseconds(200));
+  AttachResult a0 = g.Attach(0, {64});
+  ASSERT_EQ(a0.rc, ARFUSE_OK) << a0.message;
+  Ctxs ctxs{{a0.ctx}};
+  RankTensors t(DType::kBF16, 0, 0, 2, 64);
+  EXPECT_EQ(RunOp(a0.ctx, Pattern::kAllReduce, DType::kBF16, 2, 64, t),
+            ARFUSE_DEADLINE_EXCEEDED);  // rank 1 never comes
+  for (int r = 0; r < 2; ++r) {
+    const EngineStatus s = g.eng[r]->Status();
+    EXPECT_EQ(s.state, WorkspaceState::kPoisoned) << "rank " << r;
+    EXPECT_FALSE(s.fusion_enabled);
+    EXPECT_THAT(s.reason, HasSubstr("poisoned by an in-stream op (timeout)"));
+    absl::StatusOr<InStreamExport> e = g.eng[r]->instream_host()->ExportInStream({64});
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << "rank " << r;
+    EXPECT_THAT(e.status().message(), HasSubstr("poisoned by an in-stream op (timeout)"));
+    EXPECT_THAT(e.status().message(), HasSubstr("attach after every rank re-initialized"));
+  }
+  g.Initialize();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.eng[r]->Status().state, WorkspaceState::kReady) << "rank " << r;
+    EXPECT_TRUE(g.eng[r]->instream_host()->ExportInStream({64}).ok()) << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace arfuse::instream
