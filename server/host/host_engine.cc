@@ -77,11 +77,18 @@ absl::StatusOr<HostWsObject> MapReceivedWorkspace(UniqueFd fd, size_t expected_b
 // headers): the host collective is the one algorithm of host mode.
 constexpr uint8_t kOneShotAlgo = 1;
 
+// The newest workspace generation any host engine of this process built. A new engine (the
+// group re-formed) continues from it, so a generation, and the attach blobs that carry it, is
+// unique in the process across engines, as the CUDA workspaces' are: a client can ask for a
+// workspace newer than the one that failed.
+std::atomic<uint64_t> g_last_host_generation{0};
+
 class HostEngine final : public Engine, public InStreamHost {
  public:
   explicit HostEngine(const EngineOptions& options)
       : options_(options),
-        slot_bytes_(host::HostWsSlotBytes(options.max_tokens, options.max_hidden, options.dtype)) {}
+        slot_bytes_(host::HostWsSlotBytes(options.max_tokens, options.max_hidden, options.dtype)),
+        generation_(g_last_host_generation.load()) {}
 
   ~HostEngine() override {
     Abort();
@@ -192,6 +199,9 @@ class HostEngine final : public Engine, public InStreamHost {
       std::lock_guard<std::mutex> lock(state_mu_);
       ws_ = std::move(ws);
       generation_ = next_gen;
+      uint64_t last = g_last_host_generation.load();
+      while (last < next_gen && !g_last_host_generation.compare_exchange_weak(last, next_gen)) {
+      }
       state_ = WorkspaceState::kReady;
       reason_ = options_.backend != "none" ? std::string("host shared-memory workspace ready")
                 : options_.unfused_reason.empty()

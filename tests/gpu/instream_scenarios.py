@@ -125,6 +125,31 @@ class Rank:
                 raise RuntimeError(f"barrier {name}: the other rank did not arrive in {timeout} s")
             time.sleep(0.01)
 
+    def recover(self, name, newer_than):
+        """After a failed op: a context on a workspace newer than the failed one, the same
+        generation on every rank and none disabled (the meeting files carry both; every rank
+        decides from the same files, so all take the same number of rounds)."""
+        target = newer_than
+        for attempt in range(10):
+            if target is not None:
+                self.ctx = self.aft.reattach(timeout=90.0, newer_than=target)
+            time.sleep(0.2)  # an event on its way (a re-initialization) arrives first
+            self.ctx.poll()
+            tag = f"{name}.{attempt}"
+            (self.dir / f"gen.{tag}.{self.rank}").write_text(
+                f"{self.ctx.info.generation} {1 if self.ctx.disabled else 0}")
+            self.file_barrier(tag)
+            seen = [tuple(int(v) for v in (self.dir / f"gen.{tag}.{r}").read_text().split())
+                    for r in range(self.args.world)]
+            gens = {g for g, _ in seen}
+            if len(gens) == 1 and not any(d for _, d in seen):
+                return
+            top = max(gens)
+            # Everyone moves to the newest generation seen (past it, when a rank on it was told
+            # it is gone).
+            target = top if any(g == top and d for g, d in seen) else top - 1
+        raise RuntimeError(f"{name}: the ranks found no common workspace generation")
+
     def dist(self):
         import datetime
         import torch.distributed as dist
@@ -172,12 +197,20 @@ def piecewise(rk):
     n_ref = r_ref * torch.rsqrt(r_ref.pow(2).mean(-1, keepdim=True) + EPS) * rk.gamma.float()
     ok = rk.close_to(r, r_ref, "layer 0 residual_out") & rk.close_to(n, n_ref, "layer 0 norm_out")
 
-    pool = torch.cuda.graph_pool_handle()
+    pool = None  # the first graph's pool, shared by every later one (one memory pool)
     stream = torch.cuda.Stream()
     counts = {}
+    keep = []  # every graph lives to the end: the pool is released with the last of them
     for tokens in (1, 16, 64):
         h_in = torch.zeros(tokens, H, dtype=torch.bfloat16, device=rk.dev)
         r_in = torch.zeros_like(h_in)
+        # Warm-up on the capture stream (cuBLAS makes its handle outside capture); every rank
+        # runs the same ops, so the fused ones pair up.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            eager(h_in, r_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
         # Pieces: one graph per layer, static inputs and outputs per piece.
         pieces = []
         for l in range(layers):
@@ -185,10 +218,12 @@ def piecewise(rk):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 no, ro = layer(l, hi, ri)
+            pool = graph.pool() if pool is None else pool
             pieces.append((graph, hi, ri, no, ro))
         full = torch.cuda.CUDAGraph()
         with torch.cuda.graph(full, pool=pool, stream=stream):
             f_h, f_r = eager(h_in, r_in)
+        keep.append((pieces, full))
         torch.cuda.synchronize()
         dist.barrier()
         for rep in range(20):
@@ -212,7 +247,6 @@ def piecewise(rk):
                                                  f"from the eager run (max |diff| {d:.3g})")
                     ok = False
         counts[tokens] = 20
-        del pieces, full
     rk.aft.check()
     rk.result.update(ok=ok and not rk.result["problems"], replays=counts, layers=layers,
                      launches=rk.ctx.launches)
@@ -255,6 +289,12 @@ def pdl(rk):
         for tokens in (1, 16, 64, 128):
             h = rk.tensor(11 + rk.rank, tokens)
             res = rk.tensor(12, tokens)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside capture (cuBLAS's handle)
+                n, _ = rk.fused(h @ w, res)
+                if n is None:
+                    raise RuntimeError(f"the fused op was not served at {tokens} tokens")
+            torch.cuda.synchronize()
             both = torch.cuda.CUDAGraph()
             with torch.cuda.graph(both, stream=stream):
                 x, r = h, res
@@ -338,7 +378,7 @@ def faulted(rk):
     step = 0
     resumed = rk.args.resume
     if resumed:  # a new rank 1 after the kill: straight to the meeting point
-        rk.file_barrier("recovered")
+        rk.recover("recovered1", newer_than=None)
         step = 1000
     while True:
         step += 1
@@ -370,8 +410,7 @@ def faulted(rk):
         if len(errors) > 3:
             rk.result["problems"].append("more than three failed ops")
             break
-        rk.ctx = rk.aft.reattach(timeout=90.0)
-        rk.file_barrier("recovered" if len(errors) == 1 else f"recovered{len(errors)}")
+        rk.recover(f"recovered{len(errors)}", newer_than=rk.ctx.info.generation)
         # Both ranks restart their step count at the meeting point, so they pair again.
         step = 1000 * len(errors)
     rk.result.update(ok=not rk.result["problems"] and steps_after >= 20 and wrong == 0,

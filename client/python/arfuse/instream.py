@@ -646,10 +646,14 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
 
 
 def reattach(ctx: InStreamContext, timeout: float = 60.0, detach_old: bool = True,
-             poll: float = 0.25, **client_kwargs) -> InStreamContext:
+             poll: float = 0.25, newer_than: Optional[int] = None,
+             **client_kwargs) -> InStreamContext:
     """A new client and context for the same sidecar socket, once it answers again (after a
     sidecar restart, a re-initialization, a drain). Retries until `timeout`. With detach_old, the
-    old context is detached first (destroy the graphs that captured its launches before)."""
+    old context is detached first (destroy the graphs that captured its launches before).
+    newer_than: only a workspace of a later generation will do (after a failed op: the group
+    re-forms, and an attach that came before the re-formation would be to the failed workspace;
+    the sidecars' generations restart after a sidecar restart, so not then)."""
     if detach_old:
         ctx.detach()
     old = ctx.client
@@ -666,6 +670,11 @@ def reattach(ctx: InStreamContext, timeout: float = 60.0, detach_old: bool = Tru
                             **client_kwargs)
             client.wait_ready(max(0.5, until - time.monotonic()))
             new = attach(client, ctx.hiddens, lib=ctx._lib)
+            if newer_than is not None and new.info.generation <= newer_than:
+                gen = new.info.generation
+                new.detach()
+                raise InStreamError(UNAVAILABLE, f"the workspace is still generation {gen}, "
+                                                 f"not newer than {newer_than}")
             new.owns_client = True
             if old is not None and getattr(ctx, "owns_client", False):
                 old.close()
