@@ -126,29 +126,25 @@ class Rank:
             time.sleep(0.01)
 
     def recover(self, name, newer_than):
-        """After a failed op: a context on a workspace newer than the failed one, the same
-        generation on every rank and none disabled (the meeting files carry both; every rank
-        decides from the same files, so all take the same number of rounds)."""
-        target = newer_than
+        """After a failed op: this rank re-attaches to a workspace newer than the failed one,
+        then the ranks meet until none holds a disabled context (a re-formation that came after
+        an attach disables it: that rank re-attaches again). Every rank decides from the same
+        meeting files, so all take the same number of rounds."""
+        if newer_than is not None:
+            self.ctx = self.aft.reattach(timeout=90.0, newer_than=newer_than)
         for attempt in range(10):
-            if target is not None:
-                self.ctx = self.aft.reattach(timeout=90.0, newer_than=target)
-            time.sleep(0.2)  # an event on its way (a re-initialization) arrives first
+            time.sleep(0.5)  # an event on its way (a re-initialization) arrives first
             self.ctx.poll()
             tag = f"{name}.{attempt}"
-            (self.dir / f"gen.{tag}.{self.rank}").write_text(
-                f"{self.ctx.info.generation} {1 if self.ctx.disabled else 0}")
+            (self.dir / f"gen.{tag}.{self.rank}").write_text("1" if self.ctx.disabled else "0")
             self.file_barrier(tag)
-            seen = [tuple(int(v) for v in (self.dir / f"gen.{tag}.{r}").read_text().split())
-                    for r in range(self.args.world)]
-            gens = {g for g, _ in seen}
-            if len(gens) == 1 and not any(d for _, d in seen):
+            disabled = [(self.dir / f"gen.{tag}.{r}").read_text() == "1"
+                        for r in range(self.args.world)]
+            if not any(disabled):
                 return
-            top = max(gens)
-            # Everyone moves to the newest generation seen (past it, when a rank on it was told
-            # it is gone).
-            target = top if any(g == top and d for g, d in seen) else top - 1
-        raise RuntimeError(f"{name}: the ranks found no common workspace generation")
+            if disabled[self.rank]:
+                self.ctx = self.aft.reattach(timeout=90.0, newer_than=self.ctx.info.generation)
+        raise RuntimeError(f"{name}: the ranks did not all hold a usable context in 10 rounds")
 
     def dist(self):
         import datetime
@@ -375,9 +371,11 @@ def faulted(rk):
     torch = rk.torch
     tokens = 16
     errors, steps_after, wrong = [], 0, 0
-    step = 0
+    rk.result["errors"] = errors  # kept when a later step raises
+    step, recoveries = 0, 0
     resumed = rk.args.resume
-    if resumed:  # a new rank 1 after the kill: straight to the meeting point
+    if resumed:  # a new rank 1 after the kill: straight to the first meeting point
+        recoveries = 1
         rk.recover("recovered1", newer_than=None)
         step = 1000
     while True:
@@ -410,9 +408,10 @@ def faulted(rk):
         if len(errors) > 3:
             rk.result["problems"].append("more than three failed ops")
             break
-        rk.recover(f"recovered{len(errors)}", newer_than=rk.ctx.info.generation)
+        recoveries += 1
+        rk.recover(f"recovered{recoveries}", newer_than=rk.ctx.info.generation)
         # Both ranks restart their step count at the meeting point, so they pair again.
-        step = 1000 * len(errors)
+        step = 1000 * recoveries
     rk.result.update(ok=not rk.result["problems"] and steps_after >= 20 and wrong == 0,
                      errors=errors, steps_after=steps_after, wrong=wrong, resumed=resumed)
 
@@ -646,7 +645,7 @@ def main():
         verdicts.append(v)
         for f in d.glob("progress.*"):
             f.unlink()
-        for f in d.glob("barrier.*"):
+        for f in [*d.glob("barrier.*"), *d.glob("gen.*")]:
             f.unlink()
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"dir": str(d), "verdicts": verdicts},
