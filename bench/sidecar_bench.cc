@@ -71,8 +71,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "bench/flag_args.h"
 #include "bench/rank_launch.h"
+#include "bench/sidecar_flags.h"
 #include "bench/subcommands.h"
 #include "client/cpp/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -88,14 +88,14 @@
 #include <dlfcn.h>
 
 #include "bench/layer_standin.h"
+#include "client/cpp/instream_attach.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/gpu/cuda_status.h"
+#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/mps.h"
 #include "server/gpu/nccl_comm.h"
-#include "client/cpp/instream_attach.h"
-#include "server/gpu/doorbell_dispatch.h"
 #if __has_include("client/ring/arfuse_ring.h")
 #include "client/ring/arfuse_ring.h"
 #define ARFUSE_BENCH_HAVE_RING_HEADER 1
@@ -112,94 +112,32 @@ using client::ClientOptions;
 using client::OpDesc;
 using client::TensorLoc;
 
-// ------------------------------------------------------------------------------------ flags
-
-struct Flags {
-  FlagOutcome outcome = FlagOutcome::kRun;
-  int ranks = 2;
-  std::string device;  // host | cuda; empty: cuda when built with CUDA and a GPU is visible
-  std::vector<uint32_t> tokens = {1, 16, 128};
-  std::vector<uint32_t> hidden = {4096};
-  int iters = 2000;
-  int warmup = 200;
-  int block = 50;  // echo and Execute calls alternate in blocks of this many
-  int graph_ops = 100;
-  int repeats = 15;
-  int compute_us = 20;
-  std::string json = "arfuse-bench-sidecar.json";
-  std::string arfused;
-  std::string backend = "auto";
-  std::string ring_lib;
-  int timeout_s = 600;
-  // Internal: a client process.
-  int client_rank = -1;
-  std::string dir;
-  std::vector<std::string> raw;  // the user's flags, passed on to the clients and into the JSON
-};
-
-using Flag = FlagTable::Flag;
-
-constexpr char kDescription[] =
-    "The sidecar's data planes per op, each against its yardstick in the same run: eager\n"
-    "(Fusion.Execute) against a gRPC echo, the doorbell plane against the same kernel launched\n"
-    "in-process, and a layer loop (stand-in kernel + fused op) in-process, through the doorbell\n"
-    "and over NCCL. Starts --ranks arfused sidecars and one client process per rank; prints one\n"
-    "progress line per row to stderr, then the table (slowest rank, us), and writes --json.\n"
-    "Host mode (--device=host) needs no GPU.";
-
-FlagTable SidecarFlagTable(Flags* f) {
-  return FlagTable(
-      {Flag("ranks", &f->ranks, "ranks: sidecars and client processes (rank r on GPU r % GPUs)"),
-       Flag("device", &f->device,
-            "host or cuda (default: cuda when built with it and a GPU is "
-            "visible, else host)"),
-       Flag("tokens", &f->tokens, "token counts, comma-separated"),
-       Flag("hidden", &f->hidden, "hidden sizes (multiples of 8), comma-separated"),
-       Flag("iters", &f->iters, "timed calls per per-call row"),
-       Flag("warmup", &f->warmup, "untimed calls first"),
-       Flag("block", &f->block, "echo and Execute calls alternate in blocks of this many"),
-       Flag("graph_ops", &f->graph_ops, "ops per CUDA graph (graph rows)"),
-       Flag("repeats", &f->repeats, "timed replays per graph row"),
-       Flag("compute_us", &f->compute_us, "GPU time of the layer stand-in kernel, us"),
-       Flag("json", &f->json, "where the results go"),
-       Flag("arfused", &f->arfused,
-            "the arfused binary (default: the build tree's, next to this binary, or PATH's)"),
-       Flag("backend", &f->backend, "the sidecars' --flashinfer-allreduce-fusion-backend"),
-       Flag("ring_lib", &f->ring_lib, "libarfuse_ring.so for the doorbell rows (default: found)"),
-       Flag("timeout", &f->timeout_s, "seconds the whole run may take")},
-      "client_rank", &f->client_rank, &f->dir);
-}
-
-absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
-  Flags f;
-  ARFUSE_ASSIGN_OR_RETURN(f.outcome, SidecarFlagTable(&f).Parse(argc, argv, &f.raw));
-  if (f.outcome != FlagOutcome::kRun) return f;
-  if (f.ranks < 1 || f.ranks > kMaxWorldSize) {
-    return absl::InvalidArgumentError(absl::StrCat("--ranks must be 1..", kMaxWorldSize));
-  }
-  if (!f.device.empty() && f.device != "host" && f.device != "cuda") {
-    return absl::InvalidArgumentError("--device is host or cuda");
-  }
-  for (uint32_t h : f.hidden) {
-    if (h % 8 != 0) return absl::InvalidArgumentError("--hidden values must be multiples of 8");
-  }
-  if (f.iters < 1 || f.warmup < 0 || f.block < 1 || f.graph_ops < 1 || f.repeats < 1 ||
-      f.compute_us < 0 || f.timeout_s < 1) {
-    return absl::InvalidArgumentError(
-        "--iters, --block, --graph_ops, --repeats, --timeout >= 1; --warmup, --compute_us >= 0");
-  }
-  return f;
-}
+using Flags = SidecarFlags;
 
 // ------------------------------------------------------------------------------------ results
 
 // Rows in table order.
-constexpr const char* kRows[] = {
-    "echo",           "eager_refused", "eager",        "eager_rpc", "eager_client_cuda",
-    "eager_nowait",   "eager_sync",    "inproc",       "busy",      "busy_sm",
-    "doorbell",       "busy_idle",     "busy_sm_idle", "instream",  "busy_instream",
-    "busy_sm_instream", "compute",     "layer_inproc", "layer_doorbell", "layer_instream",
-    "layer_nccl"};
+constexpr const char* kRows[] = {"echo",
+                                 "eager_refused",
+                                 "eager",
+                                 "eager_rpc",
+                                 "eager_client_cuda",
+                                 "eager_nowait",
+                                 "eager_sync",
+                                 "inproc",
+                                 "busy",
+                                 "busy_sm",
+                                 "doorbell",
+                                 "busy_idle",
+                                 "busy_sm_idle",
+                                 "instream",
+                                 "busy_instream",
+                                 "busy_sm_instream",
+                                 "compute",
+                                 "layer_inproc",
+                                 "layer_doorbell",
+                                 "layer_instream",
+                                 "layer_nccl"};
 
 struct RowResult {
   std::string row;
@@ -1743,15 +1681,12 @@ int Launch(Flags f) {
 
 int SidecarMain(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
-  absl::StatusOr<Flags> f = ParseFlags(argc, argv);
+  absl::StatusOr<Flags> f = ParseSidecarFlags(argc, argv);
   if (!f.ok()) {
     std::fprintf(stderr, "arfuse-bench sidecar: %s\n", f.status().ToString().c_str());
     return 2;
   }
-  if (f->outcome != FlagOutcome::kRun) {
-    Flags defaults;
-    return PrintHelpOrVersion(f->outcome, "sidecar", kDescription, SidecarFlagTable(&defaults));
-  }
+  if (f->outcome != FlagOutcome::kRun) return PrintSidecarHelpOrVersion(f->outcome);
   if (f->client_rank >= 0) {
     if (f->dir.empty()) {
       std::fprintf(stderr, "arfuse-bench sidecar: --client_rank needs --dir\n");

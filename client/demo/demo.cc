@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
@@ -39,6 +38,7 @@
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
 #include "kernels/cpu/reference_op.h"
+#include "server/core/flags.h"
 #include "server/core/version.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
@@ -954,6 +954,13 @@ int ParentMain(const char* argv0) {
 
 }  // namespace
 
+const flags::FlagSet& DemoFlags() {
+  static const flags::FlagSet set(
+      "arfuse-demo", {"ranks", "tokens", "hidden", "dtype", "device", "json", "arfused", "backend",
+                      "iters", "timeout", "doorbell", "client_rank", "work_dir"});
+  return set;
+}
+
 std::string Usage() {
   std::string out = absl::StrCat(
       "arfuse-demo: ", absl::ProgramUsageMessage(),
@@ -962,13 +969,11 @@ std::string Usage() {
       "--hidden shape on the eager plane (and, with --device=cuda, the doorbell plane), checks\n"
       "every output against the CPU reference and prints a table. Exits non-zero on any wrong\n"
       "result or failed call.\n\nflags:\n");
-  // This file's flags, by name; the internal ones (a client process's) are left out.
+  // The demo's flags, by name; the internal ones (a client process's) are left out.
   std::vector<absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (absl::EndsWith(flag->Filename(), "demo.cc") &&
-        !absl::StartsWith(flag->Help(), "Internal:")) {
-      flags.push_back(flag);
-    }
+  for (const std::string& name : DemoFlags().names()) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag != nullptr && !absl::StartsWith(flag->Help(), "Internal:")) flags.push_back(flag);
   }
   std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   for (const absl::CommandLineFlag* f : flags) {
@@ -984,8 +989,7 @@ std::string Usage() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Runs the fused allreduce + residual + RMSNorm through N arfused sidecars and checks it.");
-  // --help and --version before absl's parser, which exits 1 after its help and lists only
-  // flags of a file named like the program.
+  // --help and --version before the flags are parsed, so that they answer whatever else is given.
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h" || arg == "--helpfull") {
@@ -997,7 +1001,12 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  absl::ParseCommandLine(argc, argv);
+  if (absl::StatusOr<std::vector<arfuse::flags::GivenFlag>> given =
+          arfuse::demo::DemoFlags().Parse(argc, argv);
+      !given.ok()) {
+    std::fprintf(stderr, "arfuse-demo: %s\n", std::string(given.status().message()).c_str());
+    return 1;
+  }
   signal(SIGPIPE, SIG_IGN);
   int rank = absl::GetFlag(FLAGS_client_rank);
   if (rank >= 0) return arfuse::demo::ClientMain(rank);
