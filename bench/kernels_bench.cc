@@ -39,6 +39,7 @@
 #include "bench/rank_launch.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/core/json.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
@@ -383,37 +384,32 @@ absl::Status RunRank(const Flags& f) {
   }
   const char* tuning = std::getenv("ARFUSE_FUSION_TUNING");
   std::ofstream json(f.json);
-  json << "{\n  \"command\": \"arfuse-bench kernels " << absl::StrJoin(f.raw, " ") << "\",\n"
-       << "  \"version\": \"" << kVersion << "+" << kGitRevision << "\",\n"
-       << "  \"device\": \"" << prop.name << "\",\n  \"world_size\": " << f.world
+  // Every string through JsonQuote: an environment variable or a device name cannot break it.
+  json << "{\n  \"command\": "
+       << JsonQuote(absl::StrCat("arfuse-bench kernels ", absl::StrJoin(f.raw, " ")))
+       << ",\n  \"version\": " << JsonQuote(absl::StrCat(kVersion, "+", kGitRevision))
+       << ",\n  \"device\": " << JsonQuote(prop.name) << ",\n  \"world_size\": " << f.world
        << ",\n  \"gpus\": " << std::min(devices, f.world)
-       << ",\n  \"shared_gpu\": " << (shared_gpu ? "true" : "false")
-       << ",\n  \"mps_active\": " << (mps.active() ? "true" : "false") << ",\n  \"backend\": \""
-       << f.backend << "\",\n  \"workspace_kind\": \"" << ws->kind()
-       << "\",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
-       << ",\n  \"fusion_tuning\": \"" << (tuning != nullptr ? tuning : "") << "\""
+       << ",\n  \"shared_gpu\": " << JsonBool(shared_gpu)
+       << ",\n  \"mps_active\": " << JsonBool(mps.active())
+       << ",\n  \"backend\": " << JsonQuote(f.backend)
+       << ",\n  \"workspace_kind\": " << JsonQuote(ws->kind())
+       << ",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
+       << ",\n  \"fusion_tuning\": " << JsonQuote(tuning != nullptr ? tuning : "")
        << ",\n  \"iters\": " << f.iters << ",\n  \"repeats\": " << f.repeats
        << ",\n  \"unit\": \"us_per_op\",\n  \"rows\": [\n";
   for (size_t i = 0; i < results.size(); ++i) {
     const ShapeResult& r = results[i];
     json << "    {\"hidden\": " << r.hidden << ", \"tokens\": " << r.tokens
          << ", \"bytes\": " << static_cast<uint64_t>(r.tokens) * r.hidden * 2
-         << ", \"choice_path\": \"" << r.choice << "\"";
+         << ", \"choice_path\": " << JsonQuote(r.choice);
+    // A row that did not run is NaN: null in the JSON.
     for (int k = 0; k < kNumRows; ++k) {
-      json << ", \"" << kRows[k] << "\": ";
-      if (std::isnan(r.us[k])) {
-        json << "null";
-      } else {
-        json << absl::StrFormat("%.3f", r.us[k]);
-      }
+      json << ", \"" << kRows[k] << "\": " << JsonNumber(r.us[k], 3);
     }
     for (int i = 0; i < 2; ++i) {
-      json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max") << "\": ";
-      if (std::isnan(r.fused_max[i])) {
-        json << "null";
-      } else {
-        json << absl::StrFormat("%.3f", r.fused_max[i]);
-      }
+      json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max")
+           << "\": " << JsonNumber(r.fused_max[i], 3);
     }
     json << "}" << (i + 1 < results.size() ? "," : "") << "\n";
   }

@@ -77,6 +77,7 @@
 #include "client/cpp/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/common/op_types.h"
+#include "server/core/json.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
@@ -1280,23 +1281,6 @@ std::string DefaultDevice() {
 }
 
 std::string Fmt(double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.1f", v); }
-std::string Json(double v) {
-  return std::isnan(v) ? std::string("null") : absl::StrFormat("%.3f", v);
-}
-std::string JsonStr(const std::string& s) {
-  std::string o = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      o += '\\';
-      o += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      o += ' ';
-    } else {
-      o += ch;
-    }
-  }
-  return o + "\"";
-}
 
 struct Check {
   std::string what;
@@ -1623,34 +1607,34 @@ int Launch(Flags f) {
   }
 
   std::ofstream json(f.json);
-  json << "{\n  \"command\": " << JsonStr(command)
-       << ",\n  \"version\": " << JsonStr(absl::StrCat(kVersion, "+", kGitRevision))
-       << ",\n  \"device\": " << JsonStr(f.device) << ",\n  \"ranks\": " << f.ranks;
-  for (const auto& [k, v] : info) json << ",\n  " << JsonStr(k) << ": " << JsonStr(v);
+  json << "{\n  \"command\": " << JsonQuote(command)
+       << ",\n  \"version\": " << JsonQuote(absl::StrCat(kVersion, "+", kGitRevision))
+       << ",\n  \"device\": " << JsonQuote(f.device) << ",\n  \"ranks\": " << f.ranks;
+  for (const auto& [k, v] : info) json << ",\n  " << JsonQuote(k) << ": " << JsonQuote(v);
   json << ",\n  \"iters\": " << f.iters << ",\n  \"warmup\": " << f.warmup
        << ",\n  \"graph_ops\": " << f.graph_ops << ",\n  \"repeats\": " << f.repeats
        << ",\n  \"compute_us\": " << f.compute_us << ",\n  \"unit\": \"us\",\n  \"rows\": [\n";
   for (size_t i = 0; i < rows.size(); ++i) {
     const RowResult& r = rows[i];
-    json << "    {\"row\": " << JsonStr(r.row) << ", \"tokens\": " << r.tokens
-         << ", \"hidden\": " << r.hidden << ", \"path\": " << JsonStr(r.path)
-         << ", \"p50_us\": " << Json(r.p50) << ", \"p99_us\": " << Json(r.p99)
-         << ", \"mean_us\": " << Json(r.mean) << ", \"samples\": " << r.samples
+    json << "    {\"row\": " << JsonQuote(r.row) << ", \"tokens\": " << r.tokens
+         << ", \"hidden\": " << r.hidden << ", \"path\": " << JsonQuote(r.path)
+         << ", \"p50_us\": " << JsonNumber(r.p50, 3) << ", \"p99_us\": " << JsonNumber(r.p99, 3)
+         << ", \"mean_us\": " << JsonNumber(r.mean, 3) << ", \"samples\": " << r.samples
          << ", \"ran\": " << (std::isnan(r.p50) ? "false" : "true")
-         << ", \"failed\": " << (r.failed ? "true" : "false") << ", \"note\": " << JsonStr(r.note)
+         << ", \"failed\": " << (r.failed ? "true" : "false") << ", \"note\": " << JsonQuote(r.note)
          << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   json << "  ],\n  \"targets\": [\n";
   for (size_t i = 0; i < checks.size(); ++i) {
     const Check& k = checks[i];
-    json << "    {\"what\": " << JsonStr(k.what) << ", \"tokens\": " << k.tokens
-         << ", \"hidden\": " << k.hidden << ", \"value\": " << Json(k.value)
-         << ", \"target\": " << Json(k.target) << ", \"unit\": " << JsonStr(k.unit)
+    json << "    {\"what\": " << JsonQuote(k.what) << ", \"tokens\": " << k.tokens
+         << ", \"hidden\": " << k.hidden << ", \"value\": " << JsonNumber(k.value, 3)
+         << ", \"target\": " << JsonNumber(k.target, 3) << ", \"unit\": " << JsonQuote(k.unit)
          << ", \"met\": " << (k.met ? "true" : "false") << "}" << (i + 1 < checks.size() ? "," : "")
          << "\n";
   }
   json << "  ],\n  \"errors\": [";
-  for (size_t i = 0; i < errors.size(); ++i) json << (i ? ", " : "") << JsonStr(errors[i]);
+  for (size_t i = 0; i < errors.size(); ++i) json << (i ? ", " : "") << JsonQuote(errors[i]);
   json << "],\n  \"ok\": " << (rc == 0 ? "true" : "false") << "\n}\n";
   json.close();
   if (json) {

@@ -39,6 +39,7 @@
 #include "client/cpp/client.h"
 #include "kernels/cpu/reference_op.h"
 #include "server/core/flags.h"
+#include "server/core/json.h"
 #include "server/core/version.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
@@ -894,21 +895,23 @@ int ParentMain(const char* argv0) {
   if (absl::GetFlag(FLAGS_json)) {
     std::vector<std::string> items;
     for (const Row& row : rows) {
+      // JsonNumber: a NaN error (a rank's output not a number) is null, not printf's "nan".
       items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":\"%s\",\"plane\":\"eager\",\"path\":\"%s\","
-          "\"us_per_op\":%.2f,\"max_error\":%.3g,\"ok\":%s}",
-          row.t, row.h, dname, row.path, row.us, row.err, row.ok ? "true" : "false"));
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"eager\",\"path\":%s,"
+          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s}",
+          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
+          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok)));
     }
     for (const Row& row : drows) {
       items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":\"%s\",\"plane\":\"doorbell\",\"path\":\"%s\","
-          "\"us_per_op\":%.2f,\"max_error\":%.3g,\"ok\":%s,\"skipped\":%s}",
-          row.t, row.h, dname, row.path, row.us, row.err, row.ok ? "true" : "false",
-          row.path == "skipped" ? "true" : "false"));
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"doorbell\",\"path\":%s,"
+          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s,\"skipped\":%s}",
+          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
+          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok), JsonBool(row.path == "skipped")));
     }
-    std::cout << absl::StrFormat("{\"device\":\"%s\",\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
-                                 device, ranks, absl::StrJoin(items, ","),
-                                 rc == 0 ? "true" : "false");
+    std::cout << absl::StrFormat("{\"device\":%s,\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
+                                 JsonQuote(device), ranks, absl::StrJoin(items, ","),
+                                 JsonBool(rc == 0));
   } else {
     std::cout << absl::StrFormat(
         "arfuse-demo: device=%s ranks=%d dtype=%s (%s)\n", device, ranks, dname,

@@ -46,6 +46,7 @@
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
 #include "server/core/flags.h"
+#include "server/core/json.h"
 #include "server/core/version.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
@@ -520,25 +521,26 @@ int Main(int argc, char** argv) {
         a.resident_ms, resident_looks_per_s, resident_cpu_percent, a.world);
   }
   if (!a.json.empty()) {
+    // JsonNumber: a figure that could not be measured (NaN) is null, not printf's "nan".
     std::string j = absl::StrFormat(
         "{\"world\": %d, \"hidden\": %u, \"algo\": \"%s\", \"ops\": %d, \"queue\": %u, "
-        "\"pdl\": %s, \"poll_us\": %d, \"max_poll_us\": %.0f, \"resident_ms\": %d, "
-        "\"resident_looks_per_s\": %.1f, \"resident_cpu_percent\": %.2f, "
-        "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %.3f, \"doorbell_us\": %.3f, "
-        "\"inprocess_us\": %.3f}, \"rows\": [",
+        "\"pdl\": %s, \"poll_us\": %d, \"max_poll_us\": %s, \"resident_ms\": %d, "
+        "\"resident_looks_per_s\": %s, \"resident_cpu_percent\": %s, "
+        "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %s, \"doorbell_us\": %s, "
+        "\"inprocess_us\": %s}, \"rows\": [",
         a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.queue,
-        a.pdl ? "true" : "false", a.poll_us, absl::ToDoubleMicroseconds(po.max_poll_interval),
-        a.resident_ms, resident_looks_per_s, resident_cpu_percent, mps.active() ? "true" : "false",
-        hop.measured ? "true" : "false", hop.hop_us, hop.doorbell_us_per_op,
-        hop.inprocess_us_per_op);
+        JsonBool(a.pdl), a.poll_us, JsonNumber(absl::ToDoubleMicroseconds(po.max_poll_interval), 0),
+        a.resident_ms, JsonNumber(resident_looks_per_s, 1), JsonNumber(resident_cpu_percent, 2),
+        JsonBool(mps.active()), JsonBool(hop.measured), JsonNumber(hop.hop_us, 3),
+        JsonNumber(hop.doorbell_us_per_op, 3), JsonNumber(hop.inprocess_us_per_op, 3));
     for (size_t i = 0; i < rows.size(); ++i) {
       absl::StrAppendFormat(&j,
-                            "%s{\"tokens\": %u, \"inprocess_us\": %.3f, \"doorbell_us\": %.3f, "
-                            "\"hop_us\": %.3f, \"correct\": %s, \"idle_waiters\": %u}",
-                            i == 0 ? "" : ", ", rows[i].tokens, rows[i].inprocess_us,
-                            rows[i].doorbell_us, rows[i].doorbell_us - rows[i].inprocess_us,
-                            rows[i].correct ? "true" : "false",
-                            static_cast<unsigned>(rows[i].idle));
+                            "%s{\"tokens\": %u, \"inprocess_us\": %s, \"doorbell_us\": %s, "
+                            "\"hop_us\": %s, \"correct\": %s, \"idle_waiters\": %u}",
+                            i == 0 ? "" : ", ", rows[i].tokens, JsonNumber(rows[i].inprocess_us, 3),
+                            JsonNumber(rows[i].doorbell_us, 3),
+                            JsonNumber(rows[i].doorbell_us - rows[i].inprocess_us, 3),
+                            JsonBool(rows[i].correct), static_cast<unsigned>(rows[i].idle));
     }
     j += "]}\n";
     std::ofstream(a.json) << j;
