@@ -46,7 +46,7 @@
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/dispatch_table.h"
 #include "server/gpu/fusion_workspace.h"
-#include "server/gpu/mps.h"
+#include "server/gpu/mps_driver.h"
 #include "server/gpu/nccl_comm.h"
 #include "server/peers/peer_exchange.h"
 #include "tests/gpu/process_util.h"
@@ -342,7 +342,7 @@ absl::Status RunRank(const Flags& f) {
   }
   if (f.rank != 0) return absl::OkStatus();
 
-  const MpsInfo mps = DetectMps();
+  const MpsInfo mps = DetectMpsOnDevice(device);
   cudaDeviceProp prop;
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   auto fmt = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.1f", v); };

@@ -95,7 +95,7 @@
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/fusion_workspace.h"
-#include "server/gpu/mps.h"
+#include "server/gpu/mps_driver.h"
 #include "server/gpu/nccl_comm.h"
 #if __has_include("client/ring/arfuse_ring.h")
 #include "client/ring/arfuse_ring.h"
@@ -1175,7 +1175,7 @@ int ClientMain(const Flags& f) {
       }
       result << "info\tgpus\t" << std::min(gpu->devices, f.ranks) << "\n";
       result << "info\tshared_gpu\t" << (gpu->shared ? 1 : 0) << "\n";
-      const MpsInfo mps = DetectMps();
+      const MpsInfo mps = DetectMpsOnDevice(gpu->device);
       result << "info\tmps_active\t" << (mps.active() ? 1 : 0) << "\n";
       result << "info\tmps\t" << Clean(mps.Describe()) << "\n";
     }

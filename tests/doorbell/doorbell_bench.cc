@@ -52,7 +52,7 @@
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
 #include "server/gpu/doorbell_dispatch.h"
-#include "server/gpu/mps.h"
+#include "server/gpu/mps_driver.h"
 #include "tests/doorbell/doorbell_test_util.h"
 
 // Defaults as Args' (the run reads the flags into Args).
@@ -352,7 +352,7 @@ int Main(int argc, char** argv) {
   }
   int device = 0;
   cudaGetDevice(&device);
-  const MpsInfo mps = DetectMps();
+  const MpsInfo mps = DetectMpsOnDevice(device);
   DoorbellSelfTestOptions so;
   so.device = device;
   so.hidden = a.hidden;
