@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/flag_args.h"
+#include "bench/graph_timing.h"
 #include "bench/kernels_flags.h"
 #include "bench/rank_launch.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
@@ -69,46 +70,15 @@ struct ShapeResult {
   std::string choice;
 };
 
-// Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph.
+// Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph: the
+// median replay's us per op (`slowest`: the slowest replay's).
 absl::StatusOr<double> TimeGraph(Exchange& ex, cudaStream_t s, const Flags& f,
                                  const std::function<absl::Status()>& enqueue,
                                  const std::string& tag, double* slowest = nullptr) {
-  // One eager op first: NCCL connects lazily (per algorithm and protocol) on the first call of a
-  // kind, which must not happen inside a capture.
-  ARFUSE_RETURN_IF_ERROR(enqueue());
-  ARFUSE_RETURN_IF_ERROR(WaitStream(s, absl::Now() + absl::Seconds(60)));
-  cudaGraph_t graph = nullptr;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  absl::Status captured;
-  for (int i = 0; i < f.iters && captured.ok(); ++i) captured = enqueue();
-  absl::Status ended = ARFUSE_CUDA_STATUS(cudaStreamEndCapture(s, &graph));
-  ARFUSE_RETURN_IF_ERROR(captured);
-  ARFUSE_RETURN_IF_ERROR(ended);
-  cudaGraphExec_t exec = nullptr;
-  absl::Status inst = ARFUSE_CUDA_STATUS(cudaGraphInstantiate(&exec, graph, 0));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphDestroy(graph));
-  ARFUSE_RETURN_IF_ERROR(inst);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  absl::Status st;
-  std::vector<double> samples;
-  for (int r = 0; r < f.warmup + f.repeats && st.ok(); ++r) {
-    // Ranks start each replay together, so one rank's launch latency is not timed as spinning.
-    st = ex.Barrier(absl::StrCat(tag, "/", r), absl::Now() + absl::Seconds(60));
-    if (!st.ok()) break;
-    st = ARFUSE_CUDA_STATUS(cudaEventRecord(start, s));
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaGraphLaunch(exec, s));
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventRecord(stop, s));
-    if (st.ok()) st = WaitEvent(stop, absl::Now() + absl::Seconds(60));
-    float ms = 0;
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventElapsedTime(&ms, start, stop));
-    if (st.ok() && r >= f.warmup) samples.push_back(1000.0 * ms / f.iters);
-  }
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(start));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(stop));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphExecDestroy(exec));
-  ARFUSE_RETURN_IF_ERROR(st);
+  ARFUSE_ASSIGN_OR_RETURN(
+      std::vector<double> samples,
+      TimeGraphReplays(ex, s, GraphTiming{f.iters, f.warmup, f.repeats, absl::Seconds(60)}, enqueue,
+                       tag));
   std::sort(samples.begin(), samples.end());
   if (slowest != nullptr) *slowest = samples.back();
   return samples[samples.size() / 2];
