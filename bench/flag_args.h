@@ -1,88 +1,64 @@
-// The "--key=value" arguments of the arfuse-bench subcommands: split once here, interpreted by
-// each subcommand's own Flags through a FlagTable that binds every key to its field.
+// The flags of the arfuse-bench subcommands, through the binaries' one command-line library
+// (server/core/flags.h): each subcommand defines its flags with ABSL_FLAG, named
+// <subcommand>_<key> (kernels_world is `arfuse-bench kernels --world`) so that the subcommands'
+// flags stay apart in abseil's one registry, and reads them with absl::GetFlag after Parse.
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <map>
+#include <initializer_list>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/core/flags.h"
 
 namespace arfuse::bench {
-
-struct FlagArg {
-  std::string raw;  // as given, for the command line printed with the results
-  std::string key;
-  std::string value;
-};
-
-// INVALID_ARGUMENT naming the argument when one is not of the form --key=value.
-absl::StatusOr<std::vector<FlagArg>> SplitFlagArgs(int argc, char** argv);
-// The value as an int; INVALID_ARGUMENT "--key needs a number" otherwise.
-absl::Status ParseIntFlag(const FlagArg& flag, int* out);
-// A comma-separated list of positive numbers; INVALID_ARGUMENT naming the flag and the bad part,
-// or saying the list is empty.
-absl::StatusOr<std::vector<uint32_t>> ParsePositiveList(const FlagArg& flag);
 
 // What a command line asks for: a run with the flags set, or --help / --version (nothing set).
 enum class FlagOutcome { kRun, kHelp, kVersion };
 
-// The flags a subcommand knows, each bound to the field it sets, with its help text. A subcommand
-// that runs one process per rank starts each with RankCommand: the internal flags
-// --<rank_key>=<rank> and --dir=<dir>, then the user's flags as given, which the table keeps apart
-// to pass them on.
-class FlagTable {
+// A subcommand's flags. One that runs one process per rank starts each with RankCommand: the
+// internal flags --<rank_key>=<rank> and --dir=<dir>, then the user's flags, which Parse keeps
+// apart to pass them on.
+class SubcommandFlags {
  public:
-  // A key, the field its value sets, parsed by the field's type: an int (ParseIntFlag), a string
-  // (as given) or a list of positive numbers (ParsePositiveList), and the line --help shows. The
-  // field's value when the Flag is made is the default --help shows.
-  class Flag {
-   public:
-    Flag(std::string key, int* out, std::string help);
-    Flag(std::string key, std::string* out, std::string help);
-    Flag(std::string key, std::vector<uint32_t>* out, std::string help);
-
-   private:
-    friend class FlagTable;
-    std::string key_;
-    std::string default_;
-    std::string help_;
-    std::function<absl::Status(const FlagArg&)> set_;
-  };
-
-  // The user's flags (--help lists them in this order), and the internal ones a launcher gives
-  // its rank processes: `--<rank_key>` sets `rank`, `--dir` sets `dir`.
-  FlagTable(std::vector<Flag> user, const std::string& rank_key, int* rank, std::string* dir);
+  // `user`: the user's keys, in the order --help lists them; `rank_key` and "dir" are the internal
+  // ones. Every key K needs its ABSL_FLAG named <subcommand>_K.
+  SubcommandFlags(const std::string& subcommand, std::vector<std::string> user,
+                  const std::string& rank_key);
 
   // kHelp or kVersion, setting nothing, when any argument is --help (or -h) or --version.
-  // Otherwise sets the bound fields from argv (argv[0] is the subcommand), in order, appends
-  // every user flag, as given, to `user_flags` and returns kRun. INVALID_ARGUMENT for an argument
-  // not of the form --key=value (before any field is set), "unknown flag --key", or the first
-  // bad value.
+  // Otherwise sets the flags from argv (argv[0] is the subcommand), appends every user flag, as
+  // --key=value, to `user_flags` and returns kRun. INVALID_ARGUMENT for an argument that is not a
+  // flag, an unknown flag, or the first bad value (server/core/flags.h's messages).
   absl::StatusOr<FlagOutcome> Parse(int argc, char** argv,
                                     std::vector<std::string>* user_flags) const;
 
-  // The user's flags for --help: "  --key=<default>" and its help on the next line (internal
-  // ones left out).
+  // The user's flags for --help: "  --key=<default>" and its help on the next line.
   std::string Help() const;
 
- private:
-  struct Binding {
-    bool internal = false;
-    std::function<absl::Status(const FlagArg&)> set;
+  // A field of the subcommand's own struct and the key whose value it takes after Parse.
+  struct Field {
+    Field(std::string key, int* out);
+    Field(std::string key, std::string* out);
+    Field(std::string key, std::vector<uint32_t>* out);  // a flags::PositiveList flag
+    std::string key;
+    std::function<bool(const absl::CommandLineFlag&)> read;
   };
-  std::map<std::string, Binding> flags_;
-  std::vector<std::pair<std::string, std::string>> help_;  // "--key=default", help; in order
+  // Copies every key's value into its field. INTERNAL when a key has no flag of its field's type
+  // (a mistake in the subcommand's table, not in the command line).
+  absl::Status Read(std::initializer_list<Field> fields) const;
+
+ private:
+  std::vector<std::string> user_;
+  flags::FlagSet set_;
 };
 
 // For a subcommand's --help and --version: prints, to stdout, either "usage: arfuse-bench <name>
-// [--key=value ...]", `description` and the table's flags, or VersionLine("arfuse-bench").
+// [--key=value ...]", `description` and the subcommand's flags, or VersionLine("arfuse-bench").
 // Returns the exit code (0).
 int PrintHelpOrVersion(FlagOutcome outcome, const char* name, const char* description,
-                       const FlagTable& table);
+                       const SubcommandFlags& flags);
 
 }  // namespace arfuse::bench

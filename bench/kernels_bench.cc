@@ -35,17 +35,19 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/flag_args.h"
+#include "bench/graph_timing.h"
 #include "bench/kernels_flags.h"
 #include "bench/rank_launch.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/core/json.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/dispatch_table.h"
 #include "server/gpu/fusion_workspace.h"
-#include "server/gpu/mps.h"
+#include "server/gpu/mps_driver.h"
 #include "server/gpu/nccl_comm.h"
 #include "server/peers/peer_exchange.h"
 #include "tests/gpu/process_util.h"
@@ -68,46 +70,15 @@ struct ShapeResult {
   std::string choice;
 };
 
-// Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph.
+// Times `enqueue` (which enqueues one op on `s`) captured `iters` times in one CUDA graph: the
+// median replay's us per op (`slowest`: the slowest replay's).
 absl::StatusOr<double> TimeGraph(Exchange& ex, cudaStream_t s, const Flags& f,
                                  const std::function<absl::Status()>& enqueue,
                                  const std::string& tag, double* slowest = nullptr) {
-  // One eager op first: NCCL connects lazily (per algorithm and protocol) on the first call of a
-  // kind, which must not happen inside a capture.
-  ARFUSE_RETURN_IF_ERROR(enqueue());
-  ARFUSE_RETURN_IF_ERROR(WaitStream(s, absl::Now() + absl::Seconds(60)));
-  cudaGraph_t graph = nullptr;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  absl::Status captured;
-  for (int i = 0; i < f.iters && captured.ok(); ++i) captured = enqueue();
-  absl::Status ended = ARFUSE_CUDA_STATUS(cudaStreamEndCapture(s, &graph));
-  ARFUSE_RETURN_IF_ERROR(captured);
-  ARFUSE_RETURN_IF_ERROR(ended);
-  cudaGraphExec_t exec = nullptr;
-  absl::Status inst = ARFUSE_CUDA_STATUS(cudaGraphInstantiate(&exec, graph, 0));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphDestroy(graph));
-  ARFUSE_RETURN_IF_ERROR(inst);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  absl::Status st;
-  std::vector<double> samples;
-  for (int r = 0; r < f.warmup + f.repeats && st.ok(); ++r) {
-    // Ranks start each replay together, so one rank's launch latency is not timed as spinning.
-    st = ex.Barrier(absl::StrCat(tag, "/", r), absl::Now() + absl::Seconds(60));
-    if (!st.ok()) break;
-    st = ARFUSE_CUDA_STATUS(cudaEventRecord(start, s));
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaGraphLaunch(exec, s));
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventRecord(stop, s));
-    if (st.ok()) st = WaitEvent(stop, absl::Now() + absl::Seconds(60));
-    float ms = 0;
-    if (st.ok()) st = ARFUSE_CUDA_STATUS(cudaEventElapsedTime(&ms, start, stop));
-    if (st.ok() && r >= f.warmup) samples.push_back(1000.0 * ms / f.iters);
-  }
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(start));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(stop));
-  ARFUSE_CUDA_LOG_IF_ERROR(cudaGraphExecDestroy(exec));
-  ARFUSE_RETURN_IF_ERROR(st);
+  ARFUSE_ASSIGN_OR_RETURN(
+      std::vector<double> samples,
+      TimeGraphReplays(ex, s, GraphTiming{f.iters, f.warmup, f.repeats, absl::Seconds(60)}, enqueue,
+                       tag));
   std::sort(samples.begin(), samples.end());
   if (slowest != nullptr) *slowest = samples.back();
   return samples[samples.size() / 2];
@@ -341,7 +312,7 @@ absl::Status RunRank(const Flags& f) {
   }
   if (f.rank != 0) return absl::OkStatus();
 
-  const MpsInfo mps = DetectMps();
+  const MpsInfo mps = DetectMpsOnDevice(device);
   cudaDeviceProp prop;
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   auto fmt = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.1f", v); };
@@ -383,37 +354,32 @@ absl::Status RunRank(const Flags& f) {
   }
   const char* tuning = std::getenv("ARFUSE_FUSION_TUNING");
   std::ofstream json(f.json);
-  json << "{\n  \"command\": \"arfuse-bench kernels " << absl::StrJoin(f.raw, " ") << "\",\n"
-       << "  \"version\": \"" << kVersion << "+" << kGitRevision << "\",\n"
-       << "  \"device\": \"" << prop.name << "\",\n  \"world_size\": " << f.world
+  // Every string through JsonQuote: an environment variable or a device name cannot break it.
+  json << "{\n  \"command\": "
+       << JsonQuote(absl::StrCat("arfuse-bench kernels ", absl::StrJoin(f.raw, " ")))
+       << ",\n  \"version\": " << JsonQuote(absl::StrCat(kVersion, "+", kGitRevision))
+       << ",\n  \"device\": " << JsonQuote(prop.name) << ",\n  \"world_size\": " << f.world
        << ",\n  \"gpus\": " << std::min(devices, f.world)
-       << ",\n  \"shared_gpu\": " << (shared_gpu ? "true" : "false")
-       << ",\n  \"mps_active\": " << (mps.active() ? "true" : "false") << ",\n  \"backend\": \""
-       << f.backend << "\",\n  \"workspace_kind\": \"" << ws->kind()
-       << "\",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
-       << ",\n  \"fusion_tuning\": \"" << (tuning != nullptr ? tuning : "") << "\""
+       << ",\n  \"shared_gpu\": " << JsonBool(shared_gpu)
+       << ",\n  \"mps_active\": " << JsonBool(mps.active())
+       << ",\n  \"backend\": " << JsonQuote(f.backend)
+       << ",\n  \"workspace_kind\": " << JsonQuote(ws->kind())
+       << ",\n  \"workspace_bytes_per_rank\": " << ws->bytes_per_rank()
+       << ",\n  \"fusion_tuning\": " << JsonQuote(tuning != nullptr ? tuning : "")
        << ",\n  \"iters\": " << f.iters << ",\n  \"repeats\": " << f.repeats
        << ",\n  \"unit\": \"us_per_op\",\n  \"rows\": [\n";
   for (size_t i = 0; i < results.size(); ++i) {
     const ShapeResult& r = results[i];
     json << "    {\"hidden\": " << r.hidden << ", \"tokens\": " << r.tokens
          << ", \"bytes\": " << static_cast<uint64_t>(r.tokens) * r.hidden * 2
-         << ", \"choice_path\": \"" << r.choice << "\"";
+         << ", \"choice_path\": " << JsonQuote(r.choice);
+    // A row that did not run is NaN: null in the JSON.
     for (int k = 0; k < kNumRows; ++k) {
-      json << ", \"" << kRows[k] << "\": ";
-      if (std::isnan(r.us[k])) {
-        json << "null";
-      } else {
-        json << absl::StrFormat("%.3f", r.us[k]);
-      }
+      json << ", \"" << kRows[k] << "\": " << JsonNumber(r.us[k], 3);
     }
     for (int i = 0; i < 2; ++i) {
-      json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max") << "\": ";
-      if (std::isnan(r.fused_max[i])) {
-        json << "null";
-      } else {
-        json << absl::StrFormat("%.3f", r.fused_max[i]);
-      }
+      json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max")
+           << "\": " << JsonNumber(r.fused_max[i], 3);
     }
     json << "}" << (i + 1 < results.size() ? "," : "") << "\n";
   }

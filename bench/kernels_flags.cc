@@ -1,27 +1,44 @@
 #include "bench/kernels_flags.h"
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/common/op_types.h"
 #include "server/core/status_macros.h"
 
+// `arfuse-bench kernels --key`, with KernelsFlags' defaults (a run reads the flags into it).
+namespace {
+const arfuse::bench::KernelsFlags kDefaults;
+}  // namespace
+
+ABSL_FLAG(int, kernels_world, kDefaults.world,
+          "ranks, one process each (2, 4, 8 or 16; rank r on GPU r % GPUs)");
+ABSL_FLAG(std::string, kernels_backend, kDefaults.backend, "workspace backend: trtllm or mnnvl");
+ABSL_FLAG(std::string, kernels_vmm, kDefaults.vmm,
+          "mnnvl: VMM handle type (auto, posix_fd or fabric)");
+ABSL_FLAG(arfuse::flags::PositiveList, kernels_tokens,
+          arfuse::flags::PositiveList{kDefaults.tokens}, "token counts, comma-separated");
+ABSL_FLAG(arfuse::flags::PositiveList, kernels_hidden,
+          arfuse::flags::PositiveList{kDefaults.hidden},
+          "hidden sizes (multiples of 8), comma-separated");
+ABSL_FLAG(int, kernels_repeats, kDefaults.repeats,
+          "timed graph replays per row (at least 5; the median counts)");
+ABSL_FLAG(int, kernels_iters, kDefaults.iters, "ops per CUDA graph");
+ABSL_FLAG(int, kernels_warmup, kDefaults.warmup, "untimed graph replays per row");
+ABSL_FLAG(int, kernels_spin_ms, kDefaults.spin_ms, "the fused kernels' spin deadline in ms");
+ABSL_FLAG(std::string, kernels_json, kDefaults.json, "where rank 0 writes the results");
+ABSL_FLAG(int, kernels_rank, kDefaults.rank,
+          "internal: this rank process's rank (-1: the launcher)");
+ABSL_FLAG(std::string, kernels_dir, "", "internal: the run's directory");
+
 namespace arfuse::bench {
 namespace {
 
-using Flag = FlagTable::Flag;
-
-FlagTable KernelsFlagTable(KernelsFlags* f) {
-  return FlagTable(
-      {Flag("world", &f->world, "ranks, one process each (2, 4, 8 or 16; rank r on GPU r % GPUs)"),
-       Flag("backend", &f->backend, "workspace backend: trtllm or mnnvl"),
-       Flag("vmm", &f->vmm, "mnnvl: VMM handle type (auto, posix_fd or fabric)"),
-       Flag("tokens", &f->tokens, "token counts, comma-separated"),
-       Flag("hidden", &f->hidden, "hidden sizes (multiples of 8), comma-separated"),
-       Flag("repeats", &f->repeats, "timed graph replays per row (at least 5; the median counts)"),
-       Flag("iters", &f->iters, "ops per CUDA graph"),
-       Flag("warmup", &f->warmup, "untimed graph replays per row"),
-       Flag("spin_ms", &f->spin_ms, "the fused kernels' spin deadline in ms"),
-       Flag("json", &f->json, "where rank 0 writes the results")},
-      "rank", &f->rank, &f->dir);
+const SubcommandFlags& KernelsFlagSet() {
+  static const SubcommandFlags set("kernels",
+                                   {"world", "backend", "vmm", "tokens", "hidden", "repeats",
+                                    "iters", "warmup", "spin_ms", "json"},
+                                   "rank");
+  return set;
 }
 
 }  // namespace
@@ -35,8 +52,20 @@ const char kKernelsDescription[] =
 
 absl::StatusOr<KernelsFlags> ParseKernelsFlags(int argc, char** argv) {
   KernelsFlags f;
-  ARFUSE_ASSIGN_OR_RETURN(f.outcome, KernelsFlagTable(&f).Parse(argc, argv, &f.raw));
+  ARFUSE_ASSIGN_OR_RETURN(f.outcome, KernelsFlagSet().Parse(argc, argv, &f.raw));
   if (f.outcome != FlagOutcome::kRun) return f;
+  ARFUSE_RETURN_IF_ERROR(KernelsFlagSet().Read({{"world", &f.world},
+                                                {"rank", &f.rank},
+                                                {"dir", &f.dir},
+                                                {"backend", &f.backend},
+                                                {"vmm", &f.vmm},
+                                                {"tokens", &f.tokens},
+                                                {"hidden", &f.hidden},
+                                                {"repeats", &f.repeats},
+                                                {"iters", &f.iters},
+                                                {"warmup", &f.warmup},
+                                                {"spin_ms", &f.spin_ms},
+                                                {"json", &f.json}}));
   if (!IsSupportedWorldSize(f.world)) {
     return absl::InvalidArgumentError(absl::StrCat("--world=", f.world, " is not 2, 4, 8 or 16"));
   }
@@ -49,8 +78,7 @@ absl::StatusOr<KernelsFlags> ParseKernelsFlags(int argc, char** argv) {
 }
 
 int PrintKernelsHelpOrVersion(FlagOutcome outcome) {
-  KernelsFlags defaults;
-  return PrintHelpOrVersion(outcome, "kernels", kKernelsDescription, KernelsFlagTable(&defaults));
+  return PrintHelpOrVersion(outcome, "kernels", kKernelsDescription, KernelsFlagSet());
 }
 
 }  // namespace arfuse::bench

@@ -26,624 +26,24 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "client/cpp/client.h"
-#include "kernels/cpu/reference_op.h"
+#include "client/demo/demo_client.h"
+#include "client/demo/demo_flags.h"
+#include "client/demo/demo_shape.h"
+#include "server/core/json.h"
 #include "server/core/version.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
-
-#include "kernels/doorbell/doorbell.h"
 #endif
-
-ABSL_FLAG(int, ranks, 2, "Ranks (sidecars and client processes) to start.");
-ABSL_FLAG(std::string, tokens, "1,16,128", "Token counts to run, comma-separated.");
-ABSL_FLAG(std::string, hidden, "1024,4096",
-          "Hidden sizes to run (multiples of 8), comma-separated.");
-ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32.");
-ABSL_FLAG(std::string, device, "", "host or cuda; default cuda when a GPU is present, else host.");
-ABSL_FLAG(bool, json, false, "Print JSON instead of the table.");
-ABSL_FLAG(std::string, arfused, "", "Path of the arfused binary (default: next to this build).");
-ABSL_FLAG(std::string, backend, "auto",
-          "Passed to the sidecars as --flashinfer-allreduce-fusion-backend (auto, trtllm, mnnvl; "
-          "empty: unset, fusion off unless auto-enabled).");
-ABSL_FLAG(int, iters, 20, "Timed ops per shape (after 3 warm-up ops).");
-ABSL_FLAG(double, timeout, 120, "Seconds the whole demo may take before it gives up.");
-ABSL_FLAG(std::string, doorbell, "auto",
-          "--device=cuda: also run every shape on the doorbell plane. auto: a sidecar that refuses "
-          "the doorbell (FAILED_PRECONDITION, e.g. fusion off) shows the row as skipped; on: a "
-          "refusal fails the demo; off: eager plane only.");
-ABSL_FLAG(int, client_rank, -1, "Internal: run as the client process of this rank.");
-ABSL_FLAG(std::string, work_dir, "", "Internal: the run's directory (sockets, peers, results).");
 
 namespace arfuse::demo {
 namespace {
-
-using client::Client;
-using client::ClientOptions;
-using client::OpDesc;
-using client::TensorLoc;
-
-struct Shape {
-  uint32_t tokens;
-  uint32_t hidden;
-};
-
-absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& s, const char* what) {
-  std::vector<uint32_t> out;
-  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    uint32_t v = 0;
-    if (!absl::SimpleAtoi(part, &v) || v == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", what, ": \"", std::string(part), "\" is not a positive integer"));
-    }
-    out.push_back(v);
-  }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", what, " is empty"));
-  return out;
-}
-
-absl::StatusOr<DType> ParseDType(const std::string& s) {
-  if (s == "bf16") return DType::kBF16;
-  if (s == "fp16") return DType::kFP16;
-  if (s == "fp32") return DType::kFP32;
-  return absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32");
-}
-
-// Inputs every process can regenerate for every rank: small multiples of 1/8, exact in bf16.
-float InputValue(int rank, uint64_t i) { return float(int((i * 7 + rank * 13) % 17) - 8) / 8.0f; }
-float ResidualValue(uint64_t i) { return float(int((i * 5) % 11) - 5) / 4.0f; }
-float GammaValue(uint64_t h) { return 0.5f + float(h % 9) / 8.0f; }
-
-std::string SocketOf(const std::string& dir, int rank) {
-  return absl::StrCat(dir, "/rank", rank, ".sock");
-}
-
-// ---------------------------------------------------------------- client process
-
-// Memory for one shape: input | residual_in | residual_out | norm_out | gamma, each 256-aligned.
-struct Layout {
-  uint64_t tensor = 0, gamma = 0;
-  uint64_t input = 0, residual_in = 0, residual_out = 0, norm_out = 0, gamma_off = 0, total = 0;
-  Layout(const Shape& s, DType dt) {
-    auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
-    tensor = up(uint64_t{s.tokens} * s.hidden * DTypeSize(dt));
-    gamma = up(uint64_t{s.hidden} * DTypeSize(dt));
-    residual_in = tensor;
-    residual_out = 2 * tensor;
-    norm_out = 3 * tensor;
-    gamma_off = 4 * tensor;
-    total = 4 * tensor + gamma;
-  }
-};
-
-// Device memory for --device=cuda (a plain cudaMalloc, exported by IPC), host memory otherwise.
-class Buffer {
- public:
-  virtual ~Buffer() = default;
-  virtual absl::StatusOr<client::Region> Register(Client& c, const std::string& name) = 0;
-  virtual absl::Status Upload(const std::vector<char>& host) = 0;
-  virtual absl::Status Download(std::vector<char>& host) = 0;
-};
-
-class HostBuffer final : public Buffer {
- public:
-  explicit HostBuffer(client::HostShmBuffer b) : b_(std::move(b)) {}
-  absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
-    return c.RegisterHostBuffer(name, b_);
-  }
-  absl::Status Upload(const std::vector<char>& host) override {
-    std::memcpy(b_.data(), host.data(), host.size());
-    return absl::OkStatus();
-  }
-  absl::Status Download(std::vector<char>& host) override {
-    std::memcpy(host.data(), b_.data(), host.size());
-    return absl::OkStatus();
-  }
-
- private:
-  client::HostShmBuffer b_;
-};
-
-#if defined(ARFUSE_DEMO_CUDA)
-class CudaBuffer final : public Buffer {
- public:
-  static absl::StatusOr<std::unique_ptr<Buffer>> Create(uint64_t bytes, int device) {
-    auto b = std::unique_ptr<CudaBuffer>(new CudaBuffer());
-    b->device_ = device;
-    b->bytes_ = bytes;
-    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&b->ptr_, bytes) != cudaSuccess) {
-      return absl::ResourceExhaustedError("cudaMalloc failed");
-    }
-    cudaIpcMemHandle_t h;
-    if (cudaIpcGetMemHandle(&h, b->ptr_) != cudaSuccess) {
-      return absl::InternalError("cudaIpcGetMemHandle failed");
-    }
-    b->handle_.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-    return std::unique_ptr<Buffer>(std::move(b));
-  }
-  ~CudaBuffer() override {
-    if (ptr_) cudaFree(ptr_);
-  }
-  void* ptr() const { return ptr_; }
-  absl::StatusOr<client::Region> Register(Client& c, const std::string& name) override {
-    return c.RegisterCudaIpc(name, handle_, device_, bytes_);
-  }
-  absl::Status Upload(const std::vector<char>& host) override {
-    return cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess
-               ? absl::OkStatus()
-               : absl::InternalError("cudaMemcpy H2D failed");
-  }
-  absl::Status Download(std::vector<char>& host) override {
-    return cudaMemcpy(host.data(), ptr_, host.size(), cudaMemcpyDeviceToHost) == cudaSuccess
-               ? absl::OkStatus()
-               : absl::InternalError("cudaMemcpy D2H failed");
-  }
-
- private:
-  CudaBuffer() = default;
-  void* ptr_ = nullptr;
-  uint64_t bytes_ = 0;
-  int device_ = 0;
-  std::string handle_;
-};
-#endif
-
-struct ShapeResult {
-  Shape shape;
-  std::string path = "-";
-  double us_per_op = 0;
-  double max_error = 0;
-  bool ok = false;
-  std::string error;
-};
-
-absl::StatusOr<ShapeResult> RunShape(Client& c, int rank, int world, const Shape& s, DType dt,
-                                     bool cuda, int iters) {
-  ShapeResult r;
-  r.shape = s;
-  Layout L(s, dt);
-  std::unique_ptr<Buffer> buf;
-  if (cuda) {
-#if defined(ARFUSE_DEMO_CUDA)
-    int count = 0;
-    cudaGetDeviceCount(&count);
-    auto cb = CudaBuffer::Create(L.total, count > 0 ? rank % count : 0);
-    if (!cb.ok()) return cb.status();
-    buf = std::move(*cb);
-#else
-    return absl::UnimplementedError("this arfuse-demo was built without CUDA");
-#endif
-  } else {
-    auto hb = client::HostShmBuffer::Create(L.total, absl::StrCat("demo", rank));
-    if (!hb.ok()) return hb.status();
-    buf = std::make_unique<HostBuffer>(std::move(*hb));
-  }
-  const uint64_t n = uint64_t{s.tokens} * s.hidden;
-  std::vector<char> host(L.total, 0);
-  std::vector<std::vector<char>> inputs(world, std::vector<char>(n * DTypeSize(dt)));
-  for (int q = 0; q < world; ++q) {
-    for (uint64_t i = 0; i < n; ++i) StoreFromFloat(dt, inputs[q].data(), i, InputValue(q, i));
-  }
-  std::memcpy(host.data() + L.input, inputs[rank].data(), inputs[rank].size());
-  for (uint64_t i = 0; i < n; ++i)
-    StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
-  for (uint64_t h = 0; h < s.hidden; ++h)
-    StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
-  if (auto st = buf->Upload(host); !st.ok()) return st;
-
-  auto region = buf->Register(c, absl::StrCat("shape-", s.tokens, "x", s.hidden));
-  if (!region.ok()) return region.status();
-  OpDesc op;
-  op.pattern = Pattern::kAllReduceResidualRmsNorm;
-  op.dtype = dt;
-  op.hidden = s.hidden;
-  op.max_tokens = s.tokens;
-  op.eps = 1e-6f;
-  op.input = TensorLoc{*region, L.input};
-  op.residual_in = TensorLoc{*region, L.residual_in};
-  op.residual_out = TensorLoc{*region, L.residual_out};
-  op.norm_out = TensorLoc{*region, L.norm_out};
-  op.gamma = TensorLoc{*region, L.gamma_off};
-  auto plan = c.CreatePlan(op);
-  if (!plan.ok()) return plan.status();
-
-  // Timed ops run as a client runs the eager plane: the reply comes after the enqueue (CUDA; in
-  // host mode every op completes before its reply). us/op is the median client-side time of one
-  // Execute, so one slow call (a peer descheduled, a page fault) does not stand for all of them.
-  client::ExecOptions eo;
-  eo.synchronous = false;
-  for (int i = 0; i < 3; ++i) {
-    auto e = c.Execute(*plan, s.tokens, eo);
-    if (!e.ok()) return e.status();
-    r.path = client::ExecPathName(e->path);
-  }
-  std::vector<double> us;
-  us.reserve(std::max(iters, 1));
-  for (int i = 0; i < iters; ++i) {
-    auto start = std::chrono::steady_clock::now();
-    auto e = c.Execute(*plan, s.tokens, eo);
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-                     .count());
-    if (!e.ok()) return e.status();
-  }
-  if (!us.empty()) {
-    std::sort(us.begin(), us.end());
-    r.us_per_op = us[(us.size() - 1) / 2];
-  }
-  // One more op, synchronous (untimed): it completes after every op before it on the sidecar's
-  // stream, so the outputs read below are final.
-  eo.synchronous = true;
-  if (auto e = c.Execute(*plan, s.tokens, eo); !e.ok()) return e.status();
-
-  if (auto st = buf->Download(host); !st.ok()) return st;
-  // The oracle: the CPU reference over every rank's inputs.
-  std::vector<const void*> rank_inputs;
-  for (auto& in : inputs) rank_inputs.push_back(in.data());
-  std::vector<char> want_res(n * DTypeSize(dt)), want_norm(n * DTypeSize(dt));
-  CpuOpArgs ref;
-  ref.pattern = Pattern::kAllReduceResidualRmsNorm;
-  ref.dtype = dt;
-  ref.world_size = world;
-  ref.hidden = s.hidden;
-  ref.num_tokens = s.tokens;
-  ref.eps = 1e-6f;
-  ref.rank_inputs = rank_inputs.data();
-  ref.residual_in = host.data() + L.residual_in;
-  ref.residual_out = want_res.data();
-  ref.norm_out = want_norm.data();
-  ref.gamma = host.data() + L.gamma_off;
-  if (auto st = ReferenceFusedOp(ref); !st.ok()) return st;
-  // residual_out is bit-exact on every path; norm_out within two units of the dtype's last place.
-  const double tol = dt == DType::kFP32 ? 1e-5 : (dt == DType::kFP16 ? 2e-3 : 1.6e-2);
-  bool ok = true;
-  for (uint64_t i = 0; i < n; ++i) {
-    float got_r = LoadAsFloat(dt, host.data() + L.residual_out, i);
-    float exp_r = LoadAsFloat(dt, want_res.data(), i);
-    float got_n = LoadAsFloat(dt, host.data() + L.norm_out, i);
-    float exp_n = LoadAsFloat(dt, want_norm.data(), i);
-    double er = std::fabs(double(got_r) - exp_r);
-    double en = std::fabs(double(got_n) - exp_n);
-    r.max_error = std::max({r.max_error, er, en});
-    if (er != 0 || !(en <= tol * std::max(1.0, std::fabs(double(exp_n))))) ok = false;
-  }
-  r.ok = ok;
-  if (!ok) r.error = "output differs from the CPU reference";
-  c.DestroyPlan(*plan).IgnoreError();
-  c.Unregister(*region).IgnoreError();
-  return r;
-}
-
-#if defined(ARFUSE_DEMO_CUDA)
-// ---------------------------------------------------------------- doorbell plane (CUDA)
-
-absl::Status CudaCheck(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
-
-// A failed doorbell CreatePlan that --doorbell=auto shows as skipped.
-struct DoorbellRefused {
-  std::string why;
-};
-
-// Inputs of replay variant k: other small multiples of 1/8 than the eager rows'.
-float VariantInput(int rank, uint64_t i, int k) { return InputValue(rank + 3 * k, i); }
-
-// The same shape on the doorbell plane: CreatePlan{doorbell}, the slot opened by CUDA IPC, one
-// ring kernel captured in a CUDA graph on this client's stream and replayed 3 + iters times; the
-// input tensor is overwritten with another variant before every replay (outside the graph),
-// and the outputs of the last replay of each variant are kept and checked against the CPU
-// reference. us per op: CUDA events around each timed replay (the ring's whole round trip: the
-// sidecar's waiter, the fused op with its peers, the completion).
-absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, const Shape& s,
-                                             DType dt, int iters, DoorbellRefused* refused) {
-  constexpr int kVariants = 3;
-  constexpr int kWarmup = 3;
-  constexpr uint64_t kRingTimeoutNs = 20'000'000'000ull;  // a peer rank's client may be late
-  ShapeResult r;
-  r.shape = s;
-  Layout L(s, dt);
-  int count = 0;
-  cudaGetDeviceCount(&count);
-  const int device = count > 0 ? rank % count : 0;
-  if (auto st = CudaCheck(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
-  auto cb = CudaBuffer::Create(L.total, device);
-  if (!cb.ok()) return cb.status();
-  std::unique_ptr<Buffer> buf = std::move(*cb);
-  const uint64_t n = uint64_t{s.tokens} * s.hidden;
-  const size_t tbytes = n * DTypeSize(dt);
-  // inputs[k][q]: rank q's input of variant k.
-  std::vector<std::vector<std::vector<char>>> inputs(
-      kVariants, std::vector<std::vector<char>>(world, std::vector<char>(tbytes)));
-  for (int k = 0; k < kVariants; ++k)
-    for (int q = 0; q < world; ++q)
-      for (uint64_t i = 0; i < n; ++i)
-        StoreFromFloat(dt, inputs[k][q].data(), i, VariantInput(q, i, k));
-  std::vector<char> host(L.total, 0);
-  std::memcpy(host.data() + L.input, inputs[0][rank].data(), tbytes);
-  for (uint64_t i = 0; i < n; ++i)
-    StoreFromFloat(dt, host.data() + L.residual_in, i, ResidualValue(i));
-  for (uint64_t h = 0; h < s.hidden; ++h)
-    StoreFromFloat(dt, host.data() + L.gamma_off, h, GammaValue(h));
-  if (auto st = buf->Upload(host); !st.ok()) return st;
-  auto region = buf->Register(c, absl::StrCat("doorbell-", s.tokens, "x", s.hidden));
-  if (!region.ok()) return region.status();
-
-  // Device memory the demo owns besides the registered region: this rank's input variants, and
-  // the outputs of the last replay of each variant.
-  char* variants = nullptr;
-  char* history = nullptr;  // [variant][residual_out | norm_out]
-  void* base = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  std::vector<cudaEvent_t> events;
-  client::Plan plan;
-  bool have_plan = false;
-  auto cleanup = [&] {
-    if (stream != nullptr) cudaStreamSynchronize(stream);
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    if (have_plan) c.DestroyPlan(plan).IgnoreError();
-    if (base != nullptr) cudaIpcCloseMemHandle(base);
-    if (variants != nullptr) cudaFree(variants);
-    if (history != nullptr) cudaFree(history);
-    c.Unregister(*region).IgnoreError();
-  };
-  auto fail = [&](absl::Status st) {
-    cleanup();
-    return st;
-  };
-
-  v1::CreatePlanRequest req;
-  req.set_doorbell(true);
-  v1::OpSpec* op = req.mutable_op();
-  op->set_pattern(v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM);
-  op->set_dtype(static_cast<v1::DType>(dt));
-  op->set_hidden(s.hidden);
-  op->set_max_tokens(s.tokens);
-  op->set_eps(1e-6f);
-  auto ref = [&](v1::RegionRef* rr, uint64_t offset) {
-    rr->set_region_id(region->id);
-    rr->set_generation(region->generation);
-    rr->set_offset(offset);
-  };
-  ref(op->mutable_input(), L.input);
-  ref(op->mutable_residual_in(), L.residual_in);
-  ref(op->mutable_residual_out(), L.residual_out);
-  ref(op->mutable_norm_out(), L.norm_out);
-  ref(op->mutable_gamma(), L.gamma_off);
-  v1::CreatePlanResponse resp;
-  {
-    grpc::ClientContext ctx;
-    c.PrepareContext(&ctx, absl::Seconds(30));
-    grpc::Status gs = c.stub().CreatePlan(&ctx, req, &resp);
-    if (!gs.ok()) {
-      absl::Status st(static_cast<absl::StatusCode>(gs.error_code()), gs.error_message());
-      if (absl::IsFailedPrecondition(st) && refused != nullptr) refused->why = gs.error_message();
-      return fail(st);
-    }
-  }
-  plan.id = resp.plan_id();
-  plan.generation = resp.generation();
-  have_plan = true;
-  r.path = client::ExecPathName(resp.path());
-  const v1::Doorbell& bell = resp.doorbell();
-  if (bell.ipc_handle().size() != sizeof(cudaIpcMemHandle_t) ||
-      bell.request_value() != kDoorbellRequest || bell.complete_value() != kDoorbellComplete ||
-      bell.reset_value() != kDoorbellReset || bell.offset() % sizeof(DoorbellSlot) != 0) {
-    return fail(absl::InternalError(
-        absl::StrCat("the sidecar's Doorbell message does not match this client (handle of ",
-                     bell.ipc_handle().size(), " bytes, offset ", bell.offset(), ", values ",
-                     absl::Hex(bell.request_value()), "/", absl::Hex(bell.complete_value()), "/",
-                     bell.reset_value(), ")")));
-  }
-  cudaIpcMemHandle_t handle;
-  std::memcpy(&handle, bell.ipc_handle().data(), sizeof(handle));
-  if (auto st = CudaCheck(PrepareDoorbellRing(), "loading the ring kernel"); !st.ok())
-    return fail(st);
-  if (auto st = CudaCheck(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-                          "cudaIpcOpenMemHandle (doorbell block)");
-      !st.ok()) {
-    return fail(st);
-  }
-  DoorbellSlot* slot = reinterpret_cast<DoorbellSlot*>(static_cast<char*>(base) + bell.offset());
-
-  absl::Status st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&variants), kVariants * tbytes),
-                              "cudaMalloc (variants)");
-  if (st.ok()) {
-    st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&history), kVariants * 2 * tbytes),
-                   "cudaMalloc (history)");
-  }
-  for (int k = 0; st.ok() && k < kVariants; ++k) {
-    st = CudaCheck(
-        cudaMemcpy(variants + k * tbytes, inputs[k][rank].data(), tbytes, cudaMemcpyHostToDevice),
-        "cudaMemcpy (variants)");
-  }
-  if (st.ok()) st = CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  // As libarfuse_ring does: GPU scope when this stream's device holds the slot.
-  DoorbellScope scope = DoorbellScope::kSystem;
-  if (st.ok()) st = CudaCheck(DoorbellRingScopeForSlot(slot, &scope), "doorbell ring scope");
-  // The captured graph: one ring of s.tokens tokens on the client's stream.
-  if (st.ok()) {
-    st = CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-  }
-  if (st.ok()) {
-    const cudaError_t launched = LaunchDoorbellRing(slot, s.tokens, kRingTimeoutNs, stream, scope);
-    st = CudaCheck(cudaStreamEndCapture(stream, &graph), "end capture");
-    if (st.ok()) st = CudaCheck(launched, "LaunchDoorbellRing (captured)");
-  }
-  if (st.ok()) st = CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-  events.resize(2 * static_cast<size_t>(iters), nullptr);
-  for (size_t i = 0; st.ok() && i < events.size(); ++i) {
-    st = CudaCheck(cudaEventCreate(&events[i]), "cudaEventCreate");
-  }
-  if (!st.ok()) return fail(st);
-
-  // The registered tensors, as this process sees them (the region is this client's allocation).
-  char* dev = static_cast<char*>(static_cast<CudaBuffer*>(buf.get())->ptr());
-  for (int i = 0; st.ok() && i < kWarmup + iters; ++i) {
-    const int k = i % kVariants;
-    const int t = i - kWarmup;  // timed replay index, < 0 for warm-up
-    st = CudaCheck(cudaMemcpyAsync(dev + L.input, variants + k * tbytes, tbytes,
-                                   cudaMemcpyDeviceToDevice, stream),
-                   "input update");
-    if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t], stream), "event");
-    if (st.ok()) st = CudaCheck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t + 1], stream), "event");
-    if (st.ok()) {
-      st = CudaCheck(cudaMemcpyAsync(history + (2 * k) * tbytes, dev + L.residual_out, tbytes,
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "output copy");
-    }
-    if (st.ok()) {
-      st = CudaCheck(cudaMemcpyAsync(history + (2 * k + 1) * tbytes, dev + L.norm_out, tbytes,
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "output copy");
-    }
-  }
-  if (st.ok()) st = CudaCheck(cudaStreamSynchronize(stream), "replays");
-  if (!st.ok()) return fail(st);
-  // The slot's sticky error says whether every ring was served (a 4-byte read, after replays).
-  uint32_t slot_error = 0;
-  st = CudaCheck(cudaMemcpy(&slot_error, &slot->error, sizeof(slot_error), cudaMemcpyDeviceToHost),
-                 "reading the slot's error word");
-  if (!st.ok()) return fail(st);
-  if (slot_error != 0) {
-    return fail(
-        absl::InternalError(absl::StrCat("doorbell slot error ", DoorbellErrorName(slot_error))));
-  }
-  double total_ms = 0;
-  for (int t = 0; t < iters; ++t) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, events[2 * t], events[2 * t + 1]);
-    total_ms += ms;
-  }
-  r.us_per_op = iters > 0 ? total_ms * 1e3 / iters : 0;
-
-  // Every variant's outputs against the CPU reference over every rank's inputs of that variant.
-  std::vector<char> got(kVariants * 2 * tbytes);
-  st = CudaCheck(cudaMemcpy(got.data(), history, got.size(), cudaMemcpyDeviceToHost), "download");
-  if (!st.ok()) return fail(st);
-  const double tol = dt == DType::kFP32 ? 1e-5 : (dt == DType::kFP16 ? 2e-3 : 1.6e-2);
-  bool ok = true;
-  for (int k = 0; k < kVariants; ++k) {
-    std::vector<const void*> rank_inputs;
-    for (auto& in : inputs[k]) rank_inputs.push_back(in.data());
-    std::vector<char> want_res(tbytes), want_norm(tbytes);
-    CpuOpArgs cref;
-    cref.pattern = Pattern::kAllReduceResidualRmsNorm;
-    cref.dtype = dt;
-    cref.world_size = world;
-    cref.hidden = s.hidden;
-    cref.num_tokens = s.tokens;
-    cref.eps = 1e-6f;
-    cref.rank_inputs = rank_inputs.data();
-    cref.residual_in = host.data() + L.residual_in;
-    cref.residual_out = want_res.data();
-    cref.norm_out = want_norm.data();
-    cref.gamma = host.data() + L.gamma_off;
-    if (auto rs = ReferenceFusedOp(cref); !rs.ok()) return fail(rs);
-    const char* got_res = got.data() + (2 * k) * tbytes;
-    const char* got_norm = got.data() + (2 * k + 1) * tbytes;
-    for (uint64_t i = 0; i < n; ++i) {
-      const double er =
-          std::fabs(double(LoadAsFloat(dt, got_res, i)) - LoadAsFloat(dt, want_res.data(), i));
-      const float exp_n = LoadAsFloat(dt, want_norm.data(), i);
-      const double en = std::fabs(double(LoadAsFloat(dt, got_norm, i)) - exp_n);
-      r.max_error = std::max({r.max_error, er, en});
-      if (er != 0 || !(en <= tol * std::max(1.0, std::fabs(double(exp_n))))) ok = false;
-    }
-  }
-  r.ok = ok;
-  if (!ok) r.error = "output differs from the CPU reference";
-  cleanup();
-  return r;
-}
-#endif
-
-int ClientMain(int rank) {
-  const std::string dir = absl::GetFlag(FLAGS_work_dir);
-  const int world = absl::GetFlag(FLAGS_ranks);
-  const bool cuda = absl::GetFlag(FLAGS_device) == "cuda";
-  auto dt = ParseDType(absl::GetFlag(FLAGS_dtype));
-  auto tokens = ParseList(absl::GetFlag(FLAGS_tokens), "tokens");
-  auto hidden = ParseList(absl::GetFlag(FLAGS_hidden), "hidden");
-  std::ofstream out(absl::StrCat(dir, "/result.", rank));
-  auto fail = [&](const absl::Status& s) {
-    out << "error " << s.ToString() << "\n";
-    std::cerr << "rank " << rank << ": " << s << "\n";
-    return 1;
-  };
-  if (!dt.ok()) return fail(dt.status());
-  ClientOptions co;
-  co.target = SocketOf(dir, rank);
-  co.client_name = absl::StrCat("arfuse-demo-rank", rank);
-  co.default_timeout = absl::Seconds(30);
-  co.connect_timeout = absl::Seconds(std::min(60.0, absl::GetFlag(FLAGS_timeout)));
-  auto c = Client::Connect(co);
-  if (!c.ok()) return fail(c.status());
-  // The group forms in the background: wait (bounded) until the workspace is ready.
-  absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout));
-  for (;;) {
-    auto info = (*c)->GetWorkspaceInfo();
-    if (!info.ok()) return fail(info.status());
-    if (info->state() == v1::WORKSPACE_STATE_READY || info->state() == v1::WORKSPACE_STATE_UNFUSED)
-      break;
-    if (absl::Now() > until) {
-      return fail(
-          absl::DeadlineExceededError(absl::StrCat("workspace not ready: ", info->reason())));
-    }
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  int rc = 0;
-  for (uint32_t t : *tokens) {
-    for (uint32_t h : *hidden) {
-      auto r = RunShape(**c, rank, world, Shape{t, h}, *dt, cuda, absl::GetFlag(FLAGS_iters));
-      if (!r.ok()) {
-        out << "shape " << t << " " << h << " - 0 0 0 " << r.status().ToString() << "\n";
-        rc = 1;
-        continue;
-      }
-      out << "shape " << t << " " << h << " " << r->path << " " << r->us_per_op << " "
-          << r->max_error << " " << (r->ok ? 1 : 0) << " " << r->error << "\n";
-      if (!r->ok) rc = 1;
-#if defined(ARFUSE_DEMO_CUDA)
-      const std::string doorbell = absl::GetFlag(FLAGS_doorbell);
-      if (cuda && doorbell != "off") {
-        DoorbellRefused refused;
-        auto d = RunDoorbellShape(**c, rank, world, Shape{t, h}, *dt, absl::GetFlag(FLAGS_iters),
-                                  &refused);
-        if (!d.ok() && !refused.why.empty() && doorbell == "auto") {
-          out << "doorbell " << t << " " << h << " skipped 0 0 1 refused: " << refused.why << "\n";
-        } else if (!d.ok()) {
-          out << "doorbell " << t << " " << h << " - 0 0 0 " << d.status().ToString() << "\n";
-          rc = 1;
-        } else {
-          out << "doorbell " << t << " " << h << " " << d->path << " " << d->us_per_op << " "
-              << d->max_error << " " << (d->ok ? 1 : 0) << " " << d->error << "\n";
-          if (!d->ok) rc = 1;
-        }
-      }
-#endif
-    }
-  }
-  return rc;
-}
 
 // ---------------------------------------------------------------- parent
 
@@ -894,21 +294,23 @@ int ParentMain(const char* argv0) {
   if (absl::GetFlag(FLAGS_json)) {
     std::vector<std::string> items;
     for (const Row& row : rows) {
+      // JsonNumber: a NaN error (a rank's output not a number) is null, not printf's "nan".
       items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":\"%s\",\"plane\":\"eager\",\"path\":\"%s\","
-          "\"us_per_op\":%.2f,\"max_error\":%.3g,\"ok\":%s}",
-          row.t, row.h, dname, row.path, row.us, row.err, row.ok ? "true" : "false"));
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"eager\",\"path\":%s,"
+          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s}",
+          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
+          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok)));
     }
     for (const Row& row : drows) {
       items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":\"%s\",\"plane\":\"doorbell\",\"path\":\"%s\","
-          "\"us_per_op\":%.2f,\"max_error\":%.3g,\"ok\":%s,\"skipped\":%s}",
-          row.t, row.h, dname, row.path, row.us, row.err, row.ok ? "true" : "false",
-          row.path == "skipped" ? "true" : "false"));
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"doorbell\",\"path\":%s,"
+          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s,\"skipped\":%s}",
+          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
+          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok), JsonBool(row.path == "skipped")));
     }
-    std::cout << absl::StrFormat("{\"device\":\"%s\",\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
-                                 device, ranks, absl::StrJoin(items, ","),
-                                 rc == 0 ? "true" : "false");
+    std::cout << absl::StrFormat("{\"device\":%s,\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
+                                 JsonQuote(device), ranks, absl::StrJoin(items, ","),
+                                 JsonBool(rc == 0));
   } else {
     std::cout << absl::StrFormat(
         "arfuse-demo: device=%s ranks=%d dtype=%s (%s)\n", device, ranks, dname,
@@ -953,39 +355,12 @@ int ParentMain(const char* argv0) {
 }
 
 }  // namespace
-
-std::string Usage() {
-  std::string out = absl::StrCat(
-      "arfuse-demo: ", absl::ProgramUsageMessage(),
-      "\nusage: arfuse-demo [--flag=value ...]\n\n"
-      "Starts --ranks arfused sidecars and one client process per rank, runs every --tokens x\n"
-      "--hidden shape on the eager plane (and, with --device=cuda, the doorbell plane), checks\n"
-      "every output against the CPU reference and prints a table. Exits non-zero on any wrong\n"
-      "result or failed call.\n\nflags:\n");
-  // This file's flags, by name; the internal ones (a client process's) are left out.
-  std::vector<absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (absl::EndsWith(flag->Filename(), "demo.cc") &&
-        !absl::StartsWith(flag->Help(), "Internal:")) {
-      flags.push_back(flag);
-    }
-  }
-  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
-  for (const absl::CommandLineFlag* f : flags) {
-    const std::string def = f->DefaultValue();
-    absl::StrAppend(&out, "  --", f->Name(), "  (default: ", def.empty() ? "unset" : def,
-                    ")\n      ", f->Help(), "\n");
-  }
-  return out;
-}
-
 }  // namespace arfuse::demo
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Runs the fused allreduce + residual + RMSNorm through N arfused sidecars and checks it.");
-  // --help and --version before absl's parser, which exits 1 after its help and lists only
-  // flags of a file named like the program.
+  // --help and --version before the flags are parsed, so that they answer whatever else is given.
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h" || arg == "--helpfull") {
@@ -997,7 +372,12 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  absl::ParseCommandLine(argc, argv);
+  if (absl::StatusOr<std::vector<arfuse::flags::GivenFlag>> given =
+          arfuse::demo::DemoFlags().Parse(argc, argv);
+      !given.ok()) {
+    std::fprintf(stderr, "arfuse-demo: %s\n", std::string(given.status().message()).c_str());
+    return 1;
+  }
   signal(SIGPIPE, SIG_IGN);
   int rank = absl::GetFlag(FLAGS_client_rank);
   if (rank >= 0) return arfuse::demo::ClientMain(rank);

@@ -1,5 +1,7 @@
 #include "server/core/json.h"
 
+#include <cmath>
+
 #include "absl/strings/str_format.h"
 
 namespace arfuse {
@@ -68,6 +70,12 @@ std::string JsonQuote(absl::string_view text) {
   }
   out += '"';
   return out;
+}
+
+std::string JsonNumber(double value, int precision, char style) {
+  if (!std::isfinite(value)) return "null";
+  return style == 'g' ? absl::StrFormat("%.*g", precision, value)
+                      : absl::StrFormat("%.*f", precision, value);
 }
 
 }  // namespace arfuse

@@ -9,7 +9,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "kernels/common/op_types.h"
 #include "server/config/fusion_config.h"
+#include "server/core/flags.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "yaml-cpp/yaml.h"
@@ -202,32 +202,19 @@ const std::vector<std::string>& OwnFlagNames() {
   return names;
 }
 
-std::string Hyphenated(absl::string_view name) { return absl::StrReplaceAll(name, {{"_", "-"}}); }
+using flags::EnvName;
+using flags::GivenFlag;
+using flags::Hyphenated;
 
-std::string EnvName(absl::string_view name) {
-  return absl::StrCat("ARFUSE_", absl::AsciiStrToUpper(name));
+const flags::FlagSet& OwnFlags() {
+  static const flags::FlagSet set("arfused", OwnFlagNames());
+  return set;
 }
 
-bool IsOwnFlag(absl::string_view name) {
-  for (const auto& n : OwnFlagNames()) {
-    if (n == name) return true;
-  }
-  return false;
-}
-
-// Sets one flag from text; `origin` names where the text came from in the error.
+// Sets one flag from text and records where its value came from.
 absl::Status SetFlag(absl::string_view name, absl::string_view value, absl::string_view origin,
                      std::map<std::string, std::string>& sources, absl::string_view source) {
-  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-  if (flag == nullptr || !IsOwnFlag(name)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(origin, ": unknown flag --", Hyphenated(name), " (see --help)"));
-  }
-  std::string error;
-  if (!flag->ParseFrom(value, &error)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(origin, ": bad value \"", value, "\" for --", Hyphenated(name), ": ", error));
-  }
+  ARFUSE_RETURN_IF_ERROR(OwnFlags().Set(name, value, origin));
   sources[std::string(name)] = std::string(source);
   return absl::OkStatus();
 }
@@ -349,63 +336,8 @@ absl::Status ApplyConfigFile(const std::string& path, std::map<std::string, std:
 }
 
 absl::Status ApplyEnvironment(std::map<std::string, std::string>& sources) {
-  for (const auto& name : OwnFlagNames()) {
-    if (name == "config" || name == "help" || name == "version") continue;
-    const char* value = std::getenv(EnvName(name).c_str());
-    if (value == nullptr) continue;
-    ARFUSE_RETURN_IF_ERROR(SetFlag(name, value, EnvName(name), sources, "env"));
-  }
-  return absl::OkStatus();
-}
-
-struct CliFlag {
-  std::string name;
-  std::optional<std::string> value;
-};
-
-// Splits "--name=value", "--name value", "--bool", "--nobool" into (name, value).
-absl::StatusOr<std::vector<CliFlag>> TokenizeCommandLine(int argc, char** argv) {
-  std::vector<CliFlag> out;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected argument \"", arg, "\" (arfused takes only flags; see --help)"));
-    }
-    if (arg.empty()) {
-      return absl::InvalidArgumentError("empty flag \"--\" (see --help)");
-    }
-    CliFlag flag;
-    size_t eq = arg.find('=');
-    flag.name = absl::StrReplaceAll(arg.substr(0, eq), {{"-", "_"}});
-    if (eq != absl::string_view::npos) flag.value = std::string(arg.substr(eq + 1));
-    absl::CommandLineFlag* f = absl::FindCommandLineFlag(flag.name);
-    if ((f == nullptr || !IsOwnFlag(flag.name)) && absl::StartsWith(flag.name, "no")) {
-      // --noflag for booleans.
-      std::string base = flag.name.substr(2);
-      absl::CommandLineFlag* b = absl::FindCommandLineFlag(base);
-      if (b != nullptr && IsOwnFlag(base) && b->IsOfType<bool>() && !flag.value) {
-        out.push_back({base, "false"});
-        continue;
-      }
-    }
-    if (f == nullptr || !IsOwnFlag(flag.name)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", Hyphenated(flag.name), " (see --help)"));
-    }
-    if (!flag.value) {
-      if (f->IsOfType<bool>()) {
-        flag.value = "true";
-      } else if (i + 1 < argc) {
-        flag.value = argv[++i];
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat("flag --", Hyphenated(flag.name), " needs a value"));
-      }
-    }
-    out.push_back(std::move(flag));
-  }
-  return out;
+  return OwnFlags().ApplyEnvironment({"config", "help", "version"},
+                                     [&](const std::string& name) { sources[name] = "env"; });
 }
 
 absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
@@ -420,8 +352,8 @@ absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
 
 // The serving frameworks' choice flags: argparse checks every occurrence against the choices
 // (the last one wins), so an earlier bad value is refused even when a later one is good.
-absl::Status CheckFrameworkFlagOccurrence(const CliFlag& flag) {
-  const std::string& v = *flag.value;
+absl::Status CheckFrameworkFlagOccurrence(const GivenFlag& flag) {
+  const std::string& v = flag.value;
   if (flag.name == "flashinfer_allreduce_fusion_backend") {
     return CheckOneOf("flashinfer-allreduce-fusion-backend", v, {"auto", "trtllm", "mnnvl"});
   }
@@ -556,20 +488,20 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   ParsedCommandLine parsed;
   auto& sources = parsed.options.sources;
   for (const auto& name : OwnFlagNames()) sources[name] = "default";
-  ARFUSE_ASSIGN_OR_RETURN(std::vector<CliFlag> cli, TokenizeCommandLine(argc, argv));
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<GivenFlag> cli, OwnFlags().Tokenize(argc, argv));
   // The config file is named on the command line or in the environment; read it first so that
   // the environment and the command line override it.
   std::string config_path;
   if (const char* env = std::getenv("ARFUSE_CONFIG")) config_path = env;
   for (const auto& f : cli) {
-    if (f.name == "config") config_path = *f.value;
+    if (f.name == "config") config_path = f.value;
   }
   for (const auto& f : cli) {
-    if (f.name == "help" && *f.value != "false") {
+    if (f.name == "help" && f.value != "false") {
       parsed.outcome = ParseOutcome::kHelp;
       return parsed;
     }
-    if (f.name == "version" && *f.value != "false") {
+    if (f.name == "version" && f.value != "false") {
       parsed.outcome = ParseOutcome::kVersion;
       return parsed;
     }
@@ -581,7 +513,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   ARFUSE_RETURN_IF_ERROR(ApplyEnvironment(sources));
   for (const auto& f : cli) {
     ARFUSE_RETURN_IF_ERROR(CheckFrameworkFlagOccurrence(f));
-    ARFUSE_RETURN_IF_ERROR(SetFlag(f.name, *f.value, "command line", sources, "cli"));
+    ARFUSE_RETURN_IF_ERROR(SetFlag(f.name, f.value, "command line", sources, "cli"));
   }
 
   DaemonOptions& o = parsed.options;

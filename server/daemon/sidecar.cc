@@ -35,6 +35,7 @@
 #include "spdlog/spdlog.h"
 #if ARFUSE_HAVE_CUDA
 #include "server/doorbell/self_test.h"
+#include "server/gpu/mps_driver.h"
 #endif
 
 namespace arfuse {
@@ -187,7 +188,11 @@ absl::Status Sidecar::Start() {
   // (Config snapshot), GetWorkspaceInfo, metrics and one log line report them.
   double doorbell_hop_us = 0;
   if (options_.device == "cuda") {
+#if ARFUSE_HAVE_CUDA
+    const MpsInfo mps = DetectMpsOnDevice(options_.gpu);  // the driver's answer first (mps.h)
+#else
     const MpsInfo mps = DetectMps();
+#endif
     mps_detected_ = mps.active();
     DoorbellHopReport hop;
 #if ARFUSE_HAVE_CUDA

@@ -31,15 +31,27 @@ bool AllDigits(const char* s) {
 
 }  // namespace
 
-std::string MpsInfo::Describe() const {
-  return absl::StrCat("mps=", active() ? "active" : "inactive", " pipe_dir=", pipe_directory,
-                      " control_pipe=", control_pipe_present ? "present" : "absent",
-                      " control_daemon=", control_daemon_running ? "running" : "absent",
-                      " server=", server_running ? "running" : "absent");
+DriverMps DriverMpsFromAttribute(int cu_result, int value) {
+  if (cu_result != 0) return DriverMps::kUnknown;
+  return value != 0 ? DriverMps::kEnabled : DriverMps::kDisabled;
 }
 
-MpsInfo DetectMps(const std::string& pipe_dir_env, const std::string& proc_root) {
+std::string MpsInfo::Describe() const {
+  std::string out =
+      absl::StrCat("mps=", active() ? "active" : "inactive", " pipe_dir=", pipe_directory,
+                   " control_pipe=", control_pipe_present ? "present" : "absent",
+                   " control_daemon=", control_daemon_running ? "running" : "absent",
+                   " server=", server_running ? "running" : "absent");
+  // Only when the driver answered, so that the line reads as before where it cannot.
+  if (driver != DriverMps::kUnknown) {
+    absl::StrAppend(&out, " driver=", driver == DriverMps::kEnabled ? "enabled" : "disabled");
+  }
+  return out;
+}
+
+MpsInfo DetectMps(const std::string& pipe_dir_env, const std::string& proc_root, DriverMps driver) {
   MpsInfo info;
+  info.driver = driver;
   info.pipe_directory = pipe_dir_env.empty() ? kDefaultPipeDir : pipe_dir_env;
   info.control_pipe_present = IsFifo(info.pipe_directory + "/control");
   DIR* dir = opendir(proc_root.c_str());

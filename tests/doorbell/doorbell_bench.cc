@@ -38,20 +38,40 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
+#include "server/core/flags.h"
+#include "server/core/json.h"
 #include "server/core/version.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
 #include "server/gpu/doorbell_dispatch.h"
-#include "server/gpu/mps.h"
+#include "server/gpu/mps_driver.h"
 #include "tests/doorbell/doorbell_test_util.h"
+
+// Defaults as Args' (the run reads the flags into Args).
+ABSL_FLAG(int, world, 2, "ranks simulated in this process");
+ABSL_FLAG(uint32_t, hidden, 4096, "hidden size (a multiple of 8)");
+ABSL_FLAG(arfuse::flags::PositiveList, tokens, (arfuse::flags::PositiveList{{1, 8, 32, 128}}),
+          "token counts, comma-separated");
+ABSL_FLAG(int, ops, 3000, "timed ops per row");
+ABSL_FLAG(int, per_graph, 100, "ops per CUDA graph");
+ABSL_FLAG(std::string, algo, "oneshot", "oneshot or twoshot");
+ABSL_FLAG(uint32_t, queue, 32, "the planes' queue depth");
+ABSL_FLAG(int, poll_us, 5, "the planes' host thread poll interval, us");
+ABSL_FLAG(int, max_poll_us, -1, "the host thread's back-off limit (-1: the plane's)");
+ABSL_FLAG(int, resident_ms, 300, "how long the planes stay resident and unrung (< 1000)");
+ABSL_FLAG(bool, pdl, false, "programmatic dependent launch for the in-process kernels");
+ABSL_FLAG(bool, trace, false, "where rank 0's in-place ops spend their time");
+ABSL_FLAG(bool, system_scope, false, "ring at system scope");
+ABSL_FLAG(uint32_t, serve_blocks, 32, "serving blocks per plane");
+ABSL_FLAG(std::string, json, "", "also write the rows as JSON");
 
 namespace arfuse {
 namespace {
@@ -118,57 +138,47 @@ int HelpOrVersion(int argc, char** argv) {
   return 0;
 }
 
+const flags::FlagSet& BenchFlags() {
+  static const flags::FlagSet set(
+      "doorbell_bench",
+      {"world", "hidden", "tokens", "ops", "per_graph", "algo", "queue", "poll_us", "max_poll_us",
+       "resident_ms", "pdl", "trace", "system_scope", "serve_blocks", "json"});
+  return set;
+}
+
 bool Parse(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const size_t eq = arg.find('=');
-    const std::string key = arg.substr(0, eq);
-    const std::string value = eq == std::string::npos ? "" : arg.substr(eq + 1);
-    bool ok = true;
-    if (key == "--world") {
-      ok = absl::SimpleAtoi(value, &a->world);
-    } else if (key == "--hidden") {
-      ok = absl::SimpleAtoi(value, &a->hidden);
-    } else if (key == "--ops") {
-      ok = absl::SimpleAtoi(value, &a->ops);
-    } else if (key == "--per_graph") {
-      ok = absl::SimpleAtoi(value, &a->per_graph);
-    } else if (key == "--queue") {
-      ok = absl::SimpleAtoi(value, &a->queue);
-    } else if (key == "--poll_us") {
-      ok = absl::SimpleAtoi(value, &a->poll_us);
-    } else if (key == "--max_poll_us") {
-      ok = absl::SimpleAtoi(value, &a->max_poll_us) && a->max_poll_us >= 0;
-    } else if (key == "--resident_ms") {
-      ok = absl::SimpleAtoi(value, &a->resident_ms) && a->resident_ms >= 0 && a->resident_ms < 1000;
-    } else if (key == "--pdl") {
-      a->pdl = true;
-    } else if (key == "--trace") {
-      a->trace = true;
-    } else if (key == "--system_scope") {
-      a->system_scope = true;
-    } else if (key == "--serve_blocks") {
-      ok = absl::SimpleAtoi(value, &a->serve_blocks);
-    } else if (key == "--json") {
-      a->json = value;
-    } else if (key == "--algo") {
-      ok = value == "oneshot" || value == "twoshot";
-      a->algo = value == "twoshot" ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
-    } else if (key == "--tokens") {
-      a->tokens.clear();
-      for (absl::string_view t : absl::StrSplit(value, ',')) {
-        uint32_t v = 0;
-        ok = ok && absl::SimpleAtoi(t, &v) && v > 0;
-        a->tokens.push_back(v);
-      }
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "doorbell_bench: bad argument %s (see --help)\n", arg.c_str());
-      return false;
-    }
+  absl::StatusOr<std::vector<flags::GivenFlag>> given = BenchFlags().Parse(argc, argv);
+  if (!given.ok()) {
+    std::fprintf(stderr, "doorbell_bench: %s\n", std::string(given.status().message()).c_str());
+    return false;
   }
+  a->world = absl::GetFlag(FLAGS_world);
+  a->hidden = absl::GetFlag(FLAGS_hidden);
+  a->tokens = absl::GetFlag(FLAGS_tokens).values;
+  a->ops = absl::GetFlag(FLAGS_ops);
+  a->per_graph = absl::GetFlag(FLAGS_per_graph);
+  const std::string algo = absl::GetFlag(FLAGS_algo);
+  a->algo = algo == "twoshot" ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
+  a->queue = absl::GetFlag(FLAGS_queue);
+  a->poll_us = absl::GetFlag(FLAGS_poll_us);
+  a->max_poll_us = absl::GetFlag(FLAGS_max_poll_us);
+  a->resident_ms = absl::GetFlag(FLAGS_resident_ms);
+  a->pdl = absl::GetFlag(FLAGS_pdl);
+  a->trace = absl::GetFlag(FLAGS_trace);
+  a->system_scope = absl::GetFlag(FLAGS_system_scope);
+  a->serve_blocks = absl::GetFlag(FLAGS_serve_blocks);
+  a->json = absl::GetFlag(FLAGS_json);
+  // Range checks the flags' types cannot make. --max_poll_us's -1 (the plane's default) is only
+  // the default: a value given must be an interval.
+  const auto bad = [](const char* what) {
+    std::fprintf(stderr, "doorbell_bench: bad argument %s (see --help)\n", what);
+    return false;
+  };
+  if (algo != "oneshot" && algo != "twoshot") return bad("--algo (oneshot or twoshot)");
+  if (flags::WasGiven(*given, "max_poll_us") && a->max_poll_us < 0) {
+    return bad("--max_poll_us (at least 0)");
+  }
+  if (a->resident_ms < 0 || a->resident_ms >= 1000) return bad("--resident_ms (0..999)");
   if (a->serve_blocks > kSharedGpuDoorbellServeBlocks) {
     // Every simulated rank's serving launch shares this GPU: above the sidecars' cap for a shared
     // GPU the rows stalled (server/gpu/doorbell_dispatch.h).
@@ -342,7 +352,7 @@ int Main(int argc, char** argv) {
   }
   int device = 0;
   cudaGetDevice(&device);
-  const MpsInfo mps = DetectMps();
+  const MpsInfo mps = DetectMpsOnDevice(device);
   DoorbellSelfTestOptions so;
   so.device = device;
   so.hidden = a.hidden;
@@ -511,25 +521,26 @@ int Main(int argc, char** argv) {
         a.resident_ms, resident_looks_per_s, resident_cpu_percent, a.world);
   }
   if (!a.json.empty()) {
+    // JsonNumber: a figure that could not be measured (NaN) is null, not printf's "nan".
     std::string j = absl::StrFormat(
         "{\"world\": %d, \"hidden\": %u, \"algo\": \"%s\", \"ops\": %d, \"queue\": %u, "
-        "\"pdl\": %s, \"poll_us\": %d, \"max_poll_us\": %.0f, \"resident_ms\": %d, "
-        "\"resident_looks_per_s\": %.1f, \"resident_cpu_percent\": %.2f, "
-        "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %.3f, \"doorbell_us\": %.3f, "
-        "\"inprocess_us\": %.3f}, \"rows\": [",
+        "\"pdl\": %s, \"poll_us\": %d, \"max_poll_us\": %s, \"resident_ms\": %d, "
+        "\"resident_looks_per_s\": %s, \"resident_cpu_percent\": %s, "
+        "\"mps\": %s, \"self_test\": {\"measured\": %s, \"hop_us\": %s, \"doorbell_us\": %s, "
+        "\"inprocess_us\": %s}, \"rows\": [",
         a.world, a.hidden, a.algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", a.ops, a.queue,
-        a.pdl ? "true" : "false", a.poll_us, absl::ToDoubleMicroseconds(po.max_poll_interval),
-        a.resident_ms, resident_looks_per_s, resident_cpu_percent, mps.active() ? "true" : "false",
-        hop.measured ? "true" : "false", hop.hop_us, hop.doorbell_us_per_op,
-        hop.inprocess_us_per_op);
+        JsonBool(a.pdl), a.poll_us, JsonNumber(absl::ToDoubleMicroseconds(po.max_poll_interval), 0),
+        a.resident_ms, JsonNumber(resident_looks_per_s, 1), JsonNumber(resident_cpu_percent, 2),
+        JsonBool(mps.active()), JsonBool(hop.measured), JsonNumber(hop.hop_us, 3),
+        JsonNumber(hop.doorbell_us_per_op, 3), JsonNumber(hop.inprocess_us_per_op, 3));
     for (size_t i = 0; i < rows.size(); ++i) {
       absl::StrAppendFormat(&j,
-                            "%s{\"tokens\": %u, \"inprocess_us\": %.3f, \"doorbell_us\": %.3f, "
-                            "\"hop_us\": %.3f, \"correct\": %s, \"idle_waiters\": %u}",
-                            i == 0 ? "" : ", ", rows[i].tokens, rows[i].inprocess_us,
-                            rows[i].doorbell_us, rows[i].doorbell_us - rows[i].inprocess_us,
-                            rows[i].correct ? "true" : "false",
-                            static_cast<unsigned>(rows[i].idle));
+                            "%s{\"tokens\": %u, \"inprocess_us\": %s, \"doorbell_us\": %s, "
+                            "\"hop_us\": %s, \"correct\": %s, \"idle_waiters\": %u}",
+                            i == 0 ? "" : ", ", rows[i].tokens, JsonNumber(rows[i].inprocess_us, 3),
+                            JsonNumber(rows[i].doorbell_us, 3),
+                            JsonNumber(rows[i].doorbell_us - rows[i].inprocess_us, 3),
+                            JsonBool(rows[i].correct), static_cast<unsigned>(rows[i].idle));
     }
     j += "]}\n";
     std::ofstream(a.json) << j;

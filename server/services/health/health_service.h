@@ -1,6 +1,7 @@
 // grpc.health.v1 for both of arfused's servers, from one shared state. gRPC's built-in default
-// health service cannot run on a server that serves nothing else (the probe port), and two
-// copies of it would drift apart; so both servers register a HealthService over one HealthState.
+// health service keeps one state per server (two copies that could drift apart), cannot be read
+// back (the supervisor reads readiness) and is switched on for every server of the process; so
+// both servers register a HealthService over one HealthState (docs/architecture.md, "Health").
 // Entries: "" (liveness: the process answers) and "arfuse.v1.Fusion" (readiness).
 #pragma once
 
