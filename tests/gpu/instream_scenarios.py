@@ -19,6 +19,9 @@ stream) on one GPU (MPS, as scripts/gpu-run starts it) or one GPU each. Scenario
              within the spin deadline; after SIGCONT both ranks re-attach and fuse again.
   kill       rank 1's process is SIGKILLed between ops: rank 0's next op ends in a clear error
              within the spin deadline; a new rank 1 attaches, both fuse again.
+  sidecar    rank 1's sidecar is SIGKILLed between ops (backend mnnvl: VMM memory outlives it):
+             rank 1's client stays alive and its next op is refused ("sidecar gone"), rank 0's
+             ends in a clear error; the sidecar is started again and both ranks re-attach.
 
 Exit status 0 when every scenario passed. JSON with every figure: --json.
   python3 tests/gpu/instream_scenarios.py --arfused BIN --arfusectl BIN [--scenarios ...]
@@ -39,7 +42,7 @@ import traceback
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "client" / "python"))
 
-SCENARIOS = ("piecewise", "pdl", "switch", "stop", "kill")
+SCENARIOS = ("piecewise", "pdl", "switch", "stop", "kill", "sidecar")
 SPIN_TIMEOUT_S = 2.0
 EPS = 1e-6
 
@@ -125,12 +128,12 @@ class Rank:
                 raise RuntimeError(f"barrier {name}: the other rank did not arrive in {timeout} s")
             time.sleep(0.01)
 
-    def recover(self, name, newer_than):
+    def recover(self, name, newer_than, fresh=False):
         """After a failed op: this rank re-attaches to a workspace newer than the failed one,
         then the ranks meet until none holds a disabled context (a re-formation that came after
         an attach disables it: that rank re-attaches again). Every rank decides from the same
         meeting files, so all take the same number of rounds."""
-        if newer_than is not None:
+        if newer_than is not None or fresh:
             self.ctx = self.aft.reattach(timeout=90.0, newer_than=newer_than)
         for attempt in range(10):
             time.sleep(0.5)  # an event on its way (a re-initialization) arrives first
@@ -143,7 +146,9 @@ class Rank:
             if not any(disabled):
                 return
             if disabled[self.rank]:
-                self.ctx = self.aft.reattach(timeout=90.0, newer_than=self.ctx.info.generation)
+                gone = self.ctx.disabled == "sidecar gone"
+                self.ctx = self.aft.reattach(
+                    timeout=90.0, newer_than=None if gone else self.ctx.info.generation)
         raise RuntimeError(f"{name}: the ranks did not all hold a usable context in 10 rounds")
 
     def dist(self):
@@ -409,7 +414,10 @@ def faulted(rk):
             rk.result["problems"].append("more than three failed ops")
             break
         recoveries += 1
-        rk.recover(f"recovered{recoveries}", newer_than=rk.ctx.info.generation)
+        # A restarted sidecar counts its generations from the start again: any will do.
+        gone = rk.ctx.disabled == "sidecar gone"
+        rk.recover(f"recovered{recoveries}", newer_than=None if gone else rk.ctx.info.generation,
+                   fresh=gone)
         # Both ranks restart their step count at the meeting point, so they pair again.
         step = 1000 * recoveries
     rk.result.update(ok=not rk.result["problems"] and steps_after >= 20 and wrong == 0,
@@ -421,7 +429,7 @@ def worker(args):
     try:
         rk = Rank(args)
         {"piecewise": piecewise, "pdl": pdl, "switch": switch, "stop": faulted,
-         "kill": faulted}[args.scenario](rk)
+         "kill": faulted, "sidecar": faulted}[args.scenario](rk)
         result = rk.result
     except BaseException as e:  # noqa: BLE001: reported to the launcher
         result = (rk.result if rk else {"rank": args.rank})
@@ -437,20 +445,25 @@ def worker(args):
 # ---------------------------------------------------------------- the launcher
 
 class Sidecars:
-    def __init__(self, args, d):
-        self.args, self.dir, self.procs = args, d, []
+    def __init__(self, args, d, backend="trtllm"):
+        self.args, self.dir, self.procs, self.argv = args, d, [], []
         (d / "peers").mkdir(exist_ok=True)
         for r in range(args.world):
-            log = open(d / f"arfused.{r}.log", "w")
             gpu = r % args.gpus
             where = ["--device=cuda", f"--gpu={gpu}"] if args.device == "cuda" else \
                 ["--device=host", "--sm=90"]  # host mode decides as an H200 group: fusion on
-            self.procs.append(subprocess.Popen(
+            self.argv.append(
                 [args.arfused, *where, f"--rank={r}",
                  f"--world-size={args.world}", f"--peer-dir={d}/peers", f"--socket={d}/r{r}.sock",
                  "--health-port=0", f"--hidden={args.hidden}", "--max-tokens=256", "--dtype=bf16",
-                 "--flashinfer-allreduce-fusion-backend=trtllm", f"--spin-timeout={SPIN_TIMEOUT_S}",
-                 "--log-level=info"], stdout=log, stderr=subprocess.STDOUT))
+                 f"--flashinfer-allreduce-fusion-backend={backend}",
+                 f"--spin-timeout={SPIN_TIMEOUT_S}", "--log-level=info"])
+            self.procs.append(None)
+            self.start(r)
+
+    def start(self, r):
+        log = open(self.dir / f"arfused.{r}.log", "a")
+        self.procs[r] = subprocess.Popen(self.argv[r], stdout=log, stderr=subprocess.STDOUT)
 
     def addr(self):
         return ",".join(f"unix:{self.dir}/r{r}.sock" for r in range(self.args.world))
@@ -535,6 +548,21 @@ def run_scenario(args, sc, d, scenario):
                     verdict["problems"].append(f"set-backend {backend}: exit {p.returncode}")
             verdict["switches"] = runs
             (d / "switch.done").write_text("")
+        elif scenario == "sidecar":
+            if wait_for(lambda: all(progress(r).get("step", 0) >= 20 for r in range(args.world)),
+                        120, procs):
+                s0 = time.monotonic()
+                sc.procs[1].kill()
+                sc.procs[1].wait(10)
+                seen = wait_for(lambda: all(progress(r).get("errors", 0) >= 1
+                                            for r in range(args.world)), 60)
+                verdict["errors_after_kill_s"] = time.monotonic() - s0
+                if not seen:
+                    verdict["problems"].append("a rank saw no error within 60 s of its peer's "
+                                               "sidecar kill (hang)")
+                sc.start(1)
+            else:
+                verdict["problems"].append("the ranks did not reach step 20")
         elif scenario in ("stop", "kill"):
             if wait_for(lambda: all(progress(r).get("step", 0) >= 20 for r in range(args.world)),
                         120, procs):
@@ -575,7 +603,7 @@ def run_scenario(args, sc, d, scenario):
             verdict["problems"].append(f"rank {r} wrote no result (log {d}/{scenario}.{r}.log)")
         elif not res.get("ok"):
             verdict["problems"].append(f"rank {r}: {res.get('exception') or res.get('problems')}")
-    if scenario in ("stop", "kill") and ranks.get(0):
+    if scenario in ("stop", "kill", "sidecar") and ranks.get(0):
         errs = ranks[0].get("errors") or []
         if not errs:
             verdict["problems"].append("rank 0 ran through the fault without an error")
@@ -625,7 +653,7 @@ def main():
     d = pathlib.Path(tempfile.mkdtemp(prefix="arfuse-scenarios-"))
     verdicts = []
     for scenario in names:
-        sc = Sidecars(args, d)
+        sc = Sidecars(args, d, backend="mnnvl" if scenario == "sidecar" else "trtllm")
         try:
             sc.wait_ready()
             v = run_scenario(args, sc, d, scenario)
