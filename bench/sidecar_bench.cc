@@ -88,14 +88,14 @@
 #include <dlfcn.h>
 
 #include "bench/layer_standin.h"
+#include "client/cpp/instream_attach.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/mps.h"
 #include "server/gpu/nccl_comm.h"
-#include "client/cpp/instream_attach.h"
-#include "server/gpu/doorbell_dispatch.h"
 #if __has_include("client/ring/arfuse_ring.h")
 #include "client/ring/arfuse_ring.h"
 #define ARFUSE_BENCH_HAVE_RING_HEADER 1

@@ -41,12 +41,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/engine/instream_host.h"
 #include "server/gpu/dispatch_table.h"
-#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/peer_memory.h"
 #include "server/instream/cuda/kernel_image.h"
 
