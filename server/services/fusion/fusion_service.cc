@@ -5,6 +5,7 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -71,6 +72,7 @@ FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
       engine_(std::move(engine)),
       events_(std::move(events)),
       registry_(LimitsOf(options_), std::move(opener), boot_nonce),
+      doorbells_(registry_, [this] { return CurrentDoorbellHost(); }),
       // One op thread: one op in flight per workspace, in arrival order.
       ops_(1, options_.max_queued_ops),
       // Two control threads, so one unregister draining a long op does not stall every
@@ -479,15 +481,15 @@ grpc::ServerUnaryReactor* FusionService::DestroyPlan(grpc::CallbackServerContext
   absl::Status destroyed = registry_.DestroyPlan(*session, req->plan_id(), req->generation());
   if (!destroyed.ok()) return FinishNow(ctx, destroyed);
   // A doorbell plan answers once the engine's kernels let go of its memory.
-  DoorbellPlans doorbell = TakeDoorbellPlans(*session, req->plan_id());
+  DoorbellPlanTable::Plans doorbell = doorbells_.Take(*session, req->plan_id());
   if (doorbell.empty()) return FinishNow(ctx, absl::OkStatus());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time deadline = DeadlineOf(*ctx);
   absl::Status queued = control_.Submit([this, reactor, doorbell, deadline](bool cancelled) {
-    reactor->Finish(ToGrpcStatus(RemoveDoorbellPlans(
+    reactor->Finish(ToGrpcStatus(doorbells_.Remove(
         doorbell, cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)));
   });
-  if (!queued.ok()) reactor->Finish(ToGrpcStatus(RemoveDoorbellPlans(doorbell, deadline)));
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(doorbells_.Remove(doorbell, deadline)));
   return reactor;
 }
 
@@ -632,21 +634,10 @@ grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerCo
 
 // ---- doorbell plane ----
 
-struct FusionService::DoorbellPlan {
-  DoorbellPlan(uint64_t session, const PlanInfo& plan, ResolvedOp held)
-      : session(session),
-        plan_id(plan.plan_id),
-        generation(plan.generation),
-        max_tokens(plan.shape.max_tokens),
-        hold(std::move(held)) {}
-  const uint64_t session;
-  const uint64_t plan_id;
-  const uint64_t generation;
-  const uint32_t max_tokens;
-  // The plan's tensors at max_tokens; holds its regions.
-  ResolvedOp hold;
-  DoorbellGrant grant;
-};
+DoorbellHost* FusionService::CurrentDoorbellHost() const {
+  Engine* engine = engine_ ? engine_() : nullptr;
+  return engine != nullptr ? engine->doorbell_host() : nullptr;
+}
 
 grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServerContext* ctx,
                                                             uint64_t session,
@@ -675,7 +666,7 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
     registry_.DestroyPlan(session, plan->plan_id, plan->generation).IgnoreError();
     return FinishNow(ctx, held.status());
   }
-  auto entry = std::make_shared<DoorbellPlan>(session, *plan, std::move(*held));
+  auto entry = std::make_shared<DoorbellPlanTable::Plan>(session, *plan, std::move(*held));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time deadline = DeadlineOf(*ctx);
   // Registering may wait: for the op running now (the engine serves one at a time) and for the
@@ -692,35 +683,20 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
       status = absl::FailedPreconditionError(
           "this sidecar's engine has no doorbell plane; use the eager plane (Execute)");
     } else {
-      absl::StatusOr<DoorbellGrant> grant =
-          host->AddDoorbellPlan(entry->hold.args(), entry->max_tokens, deadline);
-      status = grant.status();
-      if (grant.ok()) {
-        entry->grant = *std::move(grant);
-        bool session_open = false;
-        {
-          // A session that ended meanwhile has had its doorbell plans taken already.
-          std::lock_guard<std::mutex> lock(doorbell_mu_);
-          session_open = registry_.CheckSession(entry->session).ok();
-          if (session_open) doorbell_plans_[{entry->session, entry->plan_id}] = entry;
-        }
-        if (!session_open) {
-          RemoveDoorbellPlans({entry}, deadline).IgnoreError();
-          status = absl::FailedPreconditionError("the session ended; the plan was removed");
-        } else {
-          resp->set_plan_id(entry->plan_id);
-          resp->set_generation(entry->generation);
-          v1::Doorbell* d = resp->mutable_doorbell();
-          d->set_ipc_handle(entry->grant.ipc_handle);
-          d->set_offset(entry->grant.offset);
-          d->set_request_value(entry->grant.request_value);
-          d->set_complete_value(entry->grant.complete_value);
-          d->set_reset_value(entry->grant.reset_value);
-          resp->set_path(ToProtoPath(entry->grant.path_at_max));
-          resp->set_reason(entry->grant.reason);
-          spdlog::info("event=doorbell_plan_created plan={} slot={} max_tokens={}", entry->plan_id,
-                       entry->grant.slot, entry->max_tokens);
-        }
+      status = doorbells_.Add(*host, entry, deadline);
+      if (status.ok()) {
+        resp->set_plan_id(entry->plan_id);
+        resp->set_generation(entry->generation);
+        v1::Doorbell* d = resp->mutable_doorbell();
+        d->set_ipc_handle(entry->grant.ipc_handle);
+        d->set_offset(entry->grant.offset);
+        d->set_request_value(entry->grant.request_value);
+        d->set_complete_value(entry->grant.complete_value);
+        d->set_reset_value(entry->grant.reset_value);
+        resp->set_path(ToProtoPath(entry->grant.path_at_max));
+        resp->set_reason(entry->grant.reason);
+        spdlog::info("event=doorbell_plan_created plan={} slot={} max_tokens={}", entry->plan_id,
+                     entry->grant.slot, entry->max_tokens);
       }
     }
     if (!status.ok()) {
@@ -738,57 +714,18 @@ grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServer
   return reactor;
 }
 
-FusionService::DoorbellPlans FusionService::TakeDoorbellPlans(uint64_t session,
-                                                              std::optional<uint64_t> plan_id) {
-  DoorbellPlans out;
-  std::lock_guard<std::mutex> lock(doorbell_mu_);
-  auto it = doorbell_plans_.lower_bound({session, plan_id.value_or(0)});
-  while (it != doorbell_plans_.end() && it->first.first == session &&
-         (!plan_id.has_value() || it->first.second == *plan_id)) {
-    out.push_back(std::move(it->second));
-    it = doorbell_plans_.erase(it);
-  }
-  return out;
-}
-
-absl::Status FusionService::RemoveDoorbellPlans(const DoorbellPlans& plans, absl::Time deadline) {
-  absl::Status first;
-  for (const std::shared_ptr<DoorbellPlan>& p : plans) {
-    Engine* engine = engine_ ? engine_() : nullptr;
-    DoorbellHost* host = engine != nullptr ? engine->doorbell_host() : nullptr;
-    // No engine or no plane: the plane that held the plan is gone, and its kernels with it.
-    absl::Status removed =
-        host != nullptr ? host->RemoveDoorbellPlan(p->grant, deadline) : absl::OkStatus();
-    if (removed.ok()) {
-      p->hold.Release();
-      spdlog::info("event=doorbell_plan_removed plan={} slot={}", p->plan_id, p->grant.slot);
-      continue;
-    }
-    // The plane's kernels may still use the memory: keep it mapped rather than risk a write
-    // into memory the client reuses.
-    spdlog::warn("event=doorbell_plan_parked plan={} slot={} error=\"{}\"", p->plan_id,
-                 p->grant.slot, std::string(removed.message()));
-    {
-      std::lock_guard<std::mutex> lock(doorbell_mu_);
-      doorbell_parked_.push_back(p);
-    }
-    if (first.ok()) first = removed;
-  }
-  return first;
-}
-
 void FusionService::EndSessionDoorbells(uint64_t session) {
-  DoorbellPlans plans = TakeDoorbellPlans(session, std::nullopt);
+  DoorbellPlanTable::Plans plans = doorbells_.Take(session, std::nullopt);
   if (plans.empty()) return;
   const absl::Time deadline = absl::Now() + options_.default_deadline;
   absl::Status queued = control_.Submit([this, plans, deadline](bool cancelled) {
-    RemoveDoorbellPlans(plans,
-                        cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)
+    doorbells_
+        .Remove(plans, cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)
         .IgnoreError();
   });
   // Shutting down or a full queue: remove now, briefly (this runs on a gRPC thread).
   if (!queued.ok()) {
-    RemoveDoorbellPlans(plans, std::min(deadline, absl::Now() + absl::Seconds(1))).IgnoreError();
+    doorbells_.Remove(plans, std::min(deadline, absl::Now() + absl::Seconds(1))).IgnoreError();
   }
 }
 

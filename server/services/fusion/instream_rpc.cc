@@ -78,14 +78,11 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
                               absl::StrCat("at most ", instream::kMaxAttachHiddens,
                                            " hidden sizes per attach, got ", req->hidden_size())));
   }
-  {
-    // One plane per workspace: doorbell launches would interleave with the client's.
-    std::lock_guard<std::mutex> lock(doorbell_mu_);
-    if (!doorbell_plans_.empty()) {
-      return FinishNow(ctx, absl::FailedPreconditionError(absl::StrCat(
-                                "the workspace serves ", doorbell_plans_.size(),
-                                " doorbell plan(s): destroy them before attaching in-stream")));
-    }
+  // One plane per workspace: doorbell launches would interleave with the client's.
+  if (const size_t doorbell_plans = doorbells_.size(); doorbell_plans != 0) {
+    return FinishNow(ctx, absl::FailedPreconditionError(absl::StrCat(
+                              "the workspace serves ", doorbell_plans,
+                              " doorbell plan(s): destroy them before attaching in-stream")));
   }
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
