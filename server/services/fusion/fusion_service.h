@@ -169,7 +169,7 @@ class FusionService final : public v1::Fusion::CallbackService {
   // The watcher's sample of the engine (InStreamAttachments::Probe).
   InStreamProbe ProbeInStream() const;
 
-  // ---- doorbell plane (docs/doorbell.md; the plans: server/doorbell/plan_table.h) ----
+  // ---- doorbell plane (docs/doorbell.md): doorbell_rpc.cc; the plans: server/doorbell ----
   // The engine's doorbell plane now, or null (no engine, or one without a doorbell plane).
   DoorbellHost* CurrentDoorbellHost() const;
   // CreatePlan{doorbell: true}: registers the plan with the engine's doorbell plane on a
