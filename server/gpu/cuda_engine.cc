@@ -19,6 +19,7 @@
 #include "server/gpu/group_step.h"
 #include "server/gpu/nccl_comm.h"
 #include "server/gpu/op_agreement.h"
+#include "server/instream/cuda/workspace_export.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
@@ -751,73 +752,16 @@ absl::StatusOr<InStreamExport> CudaEngine::ExportInStream(const std::vector<uint
   if (image_ == nullptr) {
     ARFUSE_ASSIGN_OR_RETURN(image_, InStreamKernelImage::Load(static_cast<uint32_t>(sm_)));
   }
-  const WorkspaceLayout& layout = workspace_->layout();
-  std::vector<uint32_t> wanted = hiddens.empty() ? std::vector<uint32_t>{layout.hidden} : hiddens;
-  if (wanted.size() > instream::kMaxAttachHiddens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "at most ", instream::kMaxAttachHiddens, " hidden sizes per attach, got ", wanted.size()));
-  }
-  for (uint32_t h : wanted) {
-    if (h > layout.hidden) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden ", h, " exceeds the workspace's hidden ", layout.hidden, " (--hidden)"));
-    }
-  }
-  InStreamExport e;
-  e.device = instream::DeviceKind::kCuda;
-  e.rank = static_cast<uint32_t>(options_.rank);
-  e.world_size = static_cast<uint32_t>(options_.world_size);
-  e.generation = workspace_->generation();
-  cudaDeviceProp prop;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
-  static_assert(sizeof(prop.uuid.bytes) == sizeof(e.gpu_uuid));
-  std::memcpy(e.gpu_uuid, prop.uuid.bytes, sizeof(e.gpu_uuid));
-  e.sm = static_cast<uint32_t>(sm_);
-  e.sm_budget = workspace_->options().sm_budget;
-  e.spin_timeout_ns =
-      static_cast<uint64_t>(absl::ToInt64Nanoseconds(workspace_->options().spin_timeout));
-  bool pdl = false;
-  CurrentFusionKernelConfig(e.kernel_config, &pdl);
-  // As the sidecar's own launches: programmatic dependents only on a GPU of one rank.
-  e.pdl = pdl && e.sm_budget == 0;
-  e.dtype = options_.dtype;
-  switch (cuda_options_.forced) {
-    case ForcedPath::kOneShot:
-      e.oneshot_max_bytes = e.twoshot_max_bytes = UINT64_MAX;
-      break;
-    case ForcedPath::kTwoShot:
-      e.twoshot_max_bytes = UINT64_MAX;
-      break;
-    case ForcedPath::kUnfused:
-      return absl::FailedPreconditionError(
-          "the dispatch is forced to the unfused path: no op would run in-stream");
-    case ForcedPath::kAuto: {
-      const DispatchEntry* entry = cuda_options_.table.Find(sm_, options_.world_size);
-      if (entry == nullptr || (entry->oneshot_max_bytes == 0 && entry->twoshot_max_bytes == 0)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("the dispatch table has no fused range for sm_", sm_, " at world size ",
-                         options_.world_size, ": every op would run unfused"));
-      }
-      e.oneshot_max_bytes = entry->oneshot_max_bytes;
-      e.twoshot_max_bytes = std::max(entry->oneshot_max_bytes, entry->twoshot_max_bytes);
-      break;
-    }
-  }
-  static_assert(sizeof(WorkspaceLayout) == sizeof(e.layout));
-  std::memcpy(e.layout, &layout, sizeof(e.layout));
-  e.max_tokens = layout.max_tokens;
-  e.hidden = layout.hidden;
-  int sms = 0;
-  ARFUSE_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  ARFUSE_ASSIGN_OR_RETURN(
-      e.entries, image_->Entries(options_.dtype, options_.world_size, wanted, e.sm_budget, sms));
-  for (int r = 0; r < options_.world_size; ++r) {
-    ARFUSE_ASSIGN_OR_RETURN(InStreamRankMemory m, workspace_->ExportForClient(r));
-    e.ranks.push_back(std::move(m));
-  }
-  e.image = image_->bytes();
-  e.image_bytes = image_->size();
+  InStreamExportSpec spec;
+  spec.device = device_;
+  spec.sm = sm_;
+  spec.rank = options_.rank;
+  spec.world_size = options_.world_size;
+  spec.dtype = options_.dtype;
+  spec.forced = cuda_options_.forced;
+  spec.table = &cuda_options_.table;
+  ARFUSE_ASSIGN_OR_RETURN(InStreamExport e,
+                          ExportWorkspaceInStream(*workspace_, *image_, spec, hiddens));
   exported_.store(true);
   return e;
 }
