@@ -1,5 +1,5 @@
-// Small helpers shared by the Fusion service's source files (fusion_service.cc, doorbell_rpc.cc,
-// instream_rpc.cc).
+// Small helpers shared by the Fusion service's source files (fusion_service.cc, eager_rpc.cc,
+// doorbell_rpc.cc, instream_rpc.cc).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
