@@ -41,8 +41,8 @@
 #if ARFUSE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "server/cuda_engine/cuda_engine.h"
 #include "server/doorbell/self_test.h"
-#include "server/gpu/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/device_error.h"
 #endif

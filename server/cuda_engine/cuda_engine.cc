@@ -1,4 +1,4 @@
-#include "server/gpu/cuda_engine.h"
+#include "server/cuda_engine/cuda_engine.h"
 
 #include <algorithm>
 #include <atomic>
