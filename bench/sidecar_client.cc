@@ -39,7 +39,7 @@
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/gpu/cuda_status.h"
-#include "server/gpu/doorbell_dispatch.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/mps_driver.h"
 #include "server/gpu/nccl_comm.h"

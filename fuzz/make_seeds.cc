@@ -18,12 +18,12 @@
 #include "arfuse/v1/config.pb.h"
 #include "arfuse/v1/peer.pb.h"
 #include "fuzz/fusion_driver.h"
+#include "server/config/config_convert.h"
 #include "server/config/fusion_config.h"
 #include "server/fdpass/fd_wire.h"
 #include "server/fdpass/ticket_broker.h"
 #include "server/instream/attach_blob.h"
 #include "server/peers/wire.h"
-#include "server/services/config/config_convert.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse::fuzz {

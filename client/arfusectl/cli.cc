@@ -25,10 +25,10 @@
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/args.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "server/config/config_convert.h"
 #include "server/config/fusion_config.h"
 #include "server/core/json.h"
 #include "server/core/version.h"
-#include "server/services/config/config_convert.h"
 
 namespace arfuse::cli {
 namespace {

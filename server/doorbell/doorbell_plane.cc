@@ -6,8 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
-#include "server/doorbell/cuda_check.h"
+#include "server/doorbell/scoped_device.h"
 #include "server/engine/doorbell_host.h"
+#include "server/gpu/cuda_status.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -15,7 +16,6 @@ namespace arfuse {
 static_assert(kDoorbellPlaneSlots == kMaxDoorbellSlots);
 namespace {
 
-using doorbell_internal::CudaStatus;
 using doorbell_internal::ScopedDevice;
 
 constexpr uint32_t kMaxQueueDepth = 64;
@@ -136,85 +136,70 @@ DoorbellPlane::DoorbellPlane(const DoorbellPlaneOptions& options)
 absl::Status DoorbellPlane::Allocate() {
   ScopedDevice device(options_.device);
   // Before any of the plane's kernels can be resident and spinning (kernels/doorbell/doorbell.h).
-  ARFUSE_DOORBELL_CUDA(PrepareDoorbellSidecarKernels(), "doorbell kernel load");
-  ARFUSE_DOORBELL_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
-                       "doorbell side stream creation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(PrepareDoorbellSidecarKernels());
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   void* raw = nullptr;
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellBlock)), "doorbell slot block allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellBlock)));
   block_ = static_cast<DoorbellBlock*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry)),
-                       "doorbell plan table allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry)));
   plan_table_ = static_cast<DoorbellPlanEntry*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellOp)), "doorbell op record allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellOp)));
   op_ = static_cast<DoorbellOp*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(block_, 0, sizeof(DoorbellBlock), side_stream_),
-                       "doorbell slot block reset");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(block_, 0, sizeof(DoorbellBlock), side_stream_));
   {
     // Every slot names the GPU that holds it: a client ringing from this GPU orders the op at GPU
     // scope (DoorbellRingScopeFor). Written once; no kernel touches these bytes.
     cudaDeviceProp prop;
-    ARFUSE_DOORBELL_CUDA(cudaGetDeviceProperties(&prop, options_.device),
-                         "doorbell device properties");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options_.device));
     uint8_t uuids[kMaxDoorbellSlots][sizeof(DoorbellSlot::owner_uuid)];
     static_assert(sizeof(prop.uuid.bytes) == sizeof(DoorbellSlot::owner_uuid));
     for (auto& u : uuids) std::memcpy(u, prop.uuid.bytes, sizeof(u));
-    ARFUSE_DOORBELL_CUDA(cudaMemcpy2DAsync(&block_->slots[0].owner_uuid, sizeof(DoorbellSlot),
-                                           uuids, sizeof(uuids[0]), sizeof(uuids[0]),
-                                           kMaxDoorbellSlots, cudaMemcpyHostToDevice, side_stream_),
-                         "doorbell slot owner");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+        &block_->slots[0].owner_uuid, sizeof(DoorbellSlot), uuids, sizeof(uuids[0]),
+        sizeof(uuids[0]), kMaxDoorbellSlots, cudaMemcpyHostToDevice, side_stream_));
     // The copy reads `uuids` (pageable, on this stack) until it completes.
-    ARFUSE_DOORBELL_CUDA(cudaStreamSynchronize(side_stream_), "doorbell slot owner");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
   }
-  ARFUSE_DOORBELL_CUDA(
-      cudaMemsetAsync(plan_table_, 0, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry), side_stream_),
-      "doorbell plan table reset");
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(op_, 0, sizeof(DoorbellOp), side_stream_),
-                       "doorbell op record reset");
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellServeState)),
-                       "doorbell serving state allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(plan_table_, 0, kMaxDoorbellSlots * sizeof(DoorbellPlanEntry), side_stream_));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(op_, 0, sizeof(DoorbellOp), side_stream_));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellServeState)));
   serve_state_ = static_cast<DoorbellServeState*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(serve_state_, 0, sizeof(DoorbellServeState), side_stream_),
-                       "doorbell serving state reset");
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(serve_state_, 0, sizeof(DoorbellServeState), side_stream_));
   if (options_.trace_ops > 0) {
     const size_t bytes = options_.trace_ops * sizeof(DoorbellTraceRecord);
-    ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, bytes), "doorbell trace allocation");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, bytes));
     trace_ = static_cast<DoorbellTraceRecord*>(raw);
-    ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(trace_, 0, bytes, side_stream_), "doorbell trace reset");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(trace_, 0, bytes, side_stream_));
   }
 
-  ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped),
-                       "doorbell control words allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped));
   control_host_ = static_cast<DoorbellControl*>(raw);
   std::memset(control_host_, 0, sizeof(DoorbellControl));
   control_host_->generation = 1;
   void* device_view = nullptr;
-  ARFUSE_DOORBELL_CUDA(cudaHostGetDevicePointer(&device_view, control_host_, 0),
-                       "doorbell control words mapping");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_view, control_host_, 0));
   control_device_ = static_cast<const DoorbellControl*>(device_view);
-  ARFUSE_DOORBELL_CUDA(
-      cudaHostAlloc(&raw, options_.queue_depth * sizeof(DoorbellReport), cudaHostAllocMapped),
-      "doorbell reports allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(&raw, options_.queue_depth * sizeof(DoorbellReport), cudaHostAllocMapped));
   reports_host_ = static_cast<DoorbellReport*>(raw);
   std::memset(reports_host_, 0, options_.queue_depth * sizeof(DoorbellReport));
-  ARFUSE_DOORBELL_CUDA(cudaHostGetDevicePointer(&device_view, reports_host_, 0),
-                       "doorbell reports mapping");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_view, reports_host_, 0));
   reports_device_ = static_cast<DoorbellReport*>(device_view);
-  ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellPlanEntry), cudaHostAllocDefault),
-                       "doorbell staging allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&raw, sizeof(DoorbellPlanEntry), cudaHostAllocDefault));
   staging_ = static_cast<DoorbellPlanEntry*>(raw);
 
   events_.resize(options_.queue_depth, nullptr);
   for (uint32_t i = 0; i < options_.queue_depth; ++i) {
-    ARFUSE_DOORBELL_CUDA(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming),
-                         "doorbell event creation");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming));
   }
   {
     absl::MutexLock lock(&mu_);
     for (uint32_t i = options_.queue_depth; i > 0; --i) free_entries_.push_back(i - 1);
   }
   cudaIpcMemHandle_t handle;
-  ARFUSE_DOORBELL_CUDA(cudaIpcGetMemHandle(&handle, block_),
-                       "cudaIpcGetMemHandle (doorbell block)");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, block_));
   static_assert(sizeof(handle) == 64, "the Doorbell message carries a 64-byte handle");
   ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   return WaitSideStream(absl::Now() + kSideStreamWait, "doorbell memory reset");
@@ -281,10 +266,9 @@ absl::StatusOr<std::vector<DoorbellTraceRecord>> DoorbellPlane::ReadTrace() {
   ARFUSE_RETURN_IF_ERROR(HasTrace());
   std::vector<DoorbellTraceRecord> records(options_.trace_ops);
   ScopedDevice device(options_.device);
-  ARFUSE_DOORBELL_CUDA(
-      cudaMemcpyAsync(records.data(), trace_, records.size() * sizeof(DoorbellTraceRecord),
-                      cudaMemcpyDeviceToHost, side_stream_),
-      "doorbell trace copy");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(records.data(), trace_,
+                                              records.size() * sizeof(DoorbellTraceRecord),
+                                              cudaMemcpyDeviceToHost, side_stream_));
   ARFUSE_RETURN_IF_ERROR(WaitSideStream(absl::Now() + kSideStreamWait, "doorbell trace copy"));
   return records;
 }
@@ -292,9 +276,8 @@ absl::StatusOr<std::vector<DoorbellTraceRecord>> DoorbellPlane::ReadTrace() {
 absl::Status DoorbellPlane::ClearTrace() {
   ARFUSE_RETURN_IF_ERROR(HasTrace());
   ScopedDevice device(options_.device);
-  ARFUSE_DOORBELL_CUDA(
-      cudaMemsetAsync(trace_, 0, options_.trace_ops * sizeof(DoorbellTraceRecord), side_stream_),
-      "doorbell trace reset");
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(trace_, 0, options_.trace_ops * sizeof(DoorbellTraceRecord), side_stream_));
   return WaitSideStream(absl::Now() + kSideStreamWait, "doorbell trace reset");
 }
 
@@ -302,7 +285,7 @@ absl::Status DoorbellPlane::WaitSideStream(absl::Time deadline, const char* what
   while (true) {
     const cudaError_t err = cudaStreamQuery(side_stream_);
     if (err == cudaSuccess) return absl::OkStatus();
-    if (err != cudaErrorNotReady) return CudaStatus(err, what);
+    if (err != cudaErrorNotReady) return CudaResultToStatus(err, what, __FILE__, __LINE__);
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time"));
     }
@@ -407,12 +390,10 @@ absl::StatusOr<DoorbellHandle> DoorbellPlane::AddPlan(const FusionParams& plan,
   *staging_ = entry;
   // The slot enters no waiter's mask before this upload and reset finished: a waiter never reads
   // a half-written entry, and the client gets an armed slot.
-  ARFUSE_DOORBELL_CUDA(cudaMemcpyAsync(plan_table_ + slot, staging_, sizeof(entry),
-                                       cudaMemcpyHostToDevice, side_stream_),
-                       "doorbell plan upload");
-  ARFUSE_DOORBELL_CUDA(
-      LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_), 1u << slot, side_stream_),
-      "doorbell slot reset");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(plan_table_ + slot, staging_, sizeof(entry),
+                                              cudaMemcpyHostToDevice, side_stream_));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_), 1u << slot, side_stream_));
   ARFUSE_RETURN_IF_ERROR(WaitSideStream(absl::Now() + kSideStreamWait, "doorbell plan upload"));
   Plan& p = plans_[slot];
   p.active = true;
@@ -448,10 +429,10 @@ absl::Status DoorbellPlane::RemovePlan(uint32_t slot) {
   RebuildSignaturesLocked();
   KickLocked();
   // A client still ringing this slot stops polling (and does not ring again).
-  const absl::Status st = CudaStatus(
+  const absl::Status st = CudaResultToStatus(
       LaunchDoorbellSetError(reinterpret_cast<DoorbellSlot*>(block_), 1u << slot,
                              static_cast<uint32_t>(DoorbellError::kStopped), side_stream_),
-      "doorbell slot close");
+      "doorbell slot close", __FILE__, __LINE__);
   PumpLocked();
   spdlog::info("event=doorbell_plan_removed slot={}", slot);
   return st;
@@ -529,9 +510,8 @@ absl::Status DoorbellPlane::ResetSlots(absl::Time deadline) {
   if (!inflight_.empty()) {
     return absl::FailedPreconditionError("doorbell ops still queued: Pause until they finished");
   }
-  ARFUSE_DOORBELL_CUDA(LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_),
-                                                ActiveMaskLocked(), side_stream_),
-                       "doorbell slot reset");
+  ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellResetSlots(reinterpret_cast<DoorbellSlot*>(block_),
+                                                       ActiveMaskLocked(), side_stream_));
   ARFUSE_RETURN_IF_ERROR(WaitSideStream(deadline, "doorbell slot reset"));
   counters_.health = absl::OkStatus();
   counters_.last_error = 0;
@@ -672,7 +652,7 @@ void DoorbellPlane::PumpLocked() {
     const cudaError_t err = cudaEventQuery(events_[entry]);
     if (err == cudaErrorNotReady) break;
     if (err != cudaSuccess) {
-      FailLocked(CudaStatus(err, "doorbell op (event query)"));
+      FailLocked(CudaResultToStatus(err, "doorbell op (event query)", __FILE__, __LINE__));
       return;
     }
     inflight_.pop_front();
@@ -776,24 +756,22 @@ absl::Status DoorbellPlane::EnqueueTripleLocked() {
     sp.report = reports_device_ + entry;
     sp.trace = trace_;
     sp.trace_ops = trace_ != nullptr ? options_.trace_ops : 0u;
-    ARFUSE_DOORBELL_CUDA(LaunchDoorbellServe(sp, options_.stream, pdl), "doorbell serving launch");
+    ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellServe(sp, options_.stream, pdl));
   } else {
-    ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, options_.stream, pdl), "doorbell waiter launch");
+    ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellWait(w, options_.stream, pdl));
   }
   for (size_t i = 0; i < signatures_.size(); ++i) {
-    ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(signatures_[i].grid_template,
-                                                       reinterpret_cast<const FusionParams*>(op_),
-                                                       options_.stream, pdl && i == 0),
-                         "doorbell fused launch");
+    ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAllReduceFusionIndirect(
+        signatures_[i].grid_template, reinterpret_cast<const FusionParams*>(op_), options_.stream,
+        pdl && i == 0));
   }
   DoorbellCompleteParams c{};
   c.slots = slots;
   c.op = op_;
   c.workspace_error = WorkspaceErrorWord(options_.local_workspace, options_.layout);
   c.report = reports_device_ + entry;
-  ARFUSE_DOORBELL_CUDA(LaunchDoorbellComplete(c, options_.stream, pdl),
-                       "doorbell completion launch");
-  ARFUSE_DOORBELL_CUDA(cudaEventRecord(events_[entry], options_.stream), "doorbell event record");
+  ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellComplete(c, options_.stream, pdl));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[entry], options_.stream));
   free_entries_.pop_back();
   inflight_.emplace_back(next_seq_++, entry);
   return absl::OkStatus();

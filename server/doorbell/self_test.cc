@@ -10,13 +10,12 @@
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
 #include "server/core/status_macros.h"
-#include "server/doorbell/cuda_check.h"
+#include "server/doorbell/scoped_device.h"
+#include "server/gpu/cuda_status.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
 namespace {
-
-using doorbell_internal::CudaStatus;
 
 // Everything the self-test allocates. Teardown sets the stop word (queued waiters leave at once),
 // waits a bounded time for both streams and leaks rather than blocks.
@@ -73,7 +72,7 @@ absl::Status WaitEventBounded(cudaEvent_t event, absl::Time deadline, const char
   while (true) {
     const cudaError_t err = cudaEventQuery(event);
     if (err == cudaSuccess) return absl::OkStatus();
-    if (err != cudaErrorNotReady) return CudaStatus(err, what);
+    if (err != cudaErrorNotReady) return CudaResultToStatus(err, what, __FILE__, __LINE__);
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time"));
     }
@@ -85,7 +84,7 @@ absl::Status WaitStreamBounded(cudaStream_t stream, absl::Time deadline, const c
   while (true) {
     const cudaError_t err = cudaStreamQuery(stream);
     if (err == cudaSuccess) return absl::OkStatus();
-    if (err != cudaErrorNotReady) return CudaStatus(err, what);
+    if (err != cudaErrorNotReady) return CudaResultToStatus(err, what, __FILE__, __LINE__);
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time"));
     }
@@ -96,18 +95,17 @@ absl::Status WaitStreamBounded(cudaStream_t stream, absl::Time deadline, const c
 // Captures `ops` launches made by `launch` on `stream` into an executable graph.
 template <typename Launch>
 absl::StatusOr<cudaGraphExec_t> Capture(cudaStream_t stream, int ops, Launch launch) {
-  ARFUSE_DOORBELL_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
-                       "self-test capture begin");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   cudaError_t launch_err = cudaSuccess;
   for (int i = 0; i < ops && launch_err == cudaSuccess; ++i) launch_err = launch();
   cudaGraph_t graph = nullptr;
   const cudaError_t end_err = cudaStreamEndCapture(stream, &graph);
-  ARFUSE_DOORBELL_CUDA(launch_err, "self-test launch during capture");
-  ARFUSE_DOORBELL_CUDA(end_err, "self-test capture end");
+  ARFUSE_CUDA_RETURN_IF_ERROR(launch_err);
+  ARFUSE_CUDA_RETURN_IF_ERROR(end_err);
   cudaGraphExec_t exec = nullptr;
   const cudaError_t inst_err = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
-  ARFUSE_DOORBELL_CUDA(inst_err, "self-test graph instantiation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(inst_err);
   return exec;
 }
 
@@ -127,31 +125,27 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
   }
   const uint64_t timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options.timeout));
 
-  ARFUSE_DOORBELL_CUDA(cudaSetDevice(options.device), "cudaSetDevice");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   SelfTestResources r;
-  ARFUSE_DOORBELL_CUDA(cudaStreamCreateWithFlags(&r.sidecar, cudaStreamNonBlocking),
-                       "self-test stream");
-  ARFUSE_DOORBELL_CUDA(cudaStreamCreateWithFlags(&r.client, cudaStreamNonBlocking),
-                       "self-test stream");
-  ARFUSE_DOORBELL_CUDA(cudaEventCreate(&r.start), "self-test event");
-  ARFUSE_DOORBELL_CUDA(cudaEventCreate(&r.stop), "self-test event");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.sidecar, cudaStreamNonBlocking));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.client, cudaStreamNonBlocking));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&r.start));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&r.stop));
   void* raw = nullptr;
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellBlock)), "self-test allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellBlock)));
   r.block = static_cast<DoorbellBlock*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellPlanEntry)), "self-test allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellPlanEntry)));
   r.plans = static_cast<DoorbellPlanEntry*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(DoorbellOp)), "self-test allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(DoorbellOp)));
   r.op = static_cast<DoorbellOp*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaMalloc(&raw, sizeof(FusionParams)), "self-test allocation");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&raw, sizeof(FusionParams)));
   r.idle_params = static_cast<FusionParams*>(raw);
-  ARFUSE_DOORBELL_CUDA(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped),
-                       "self-test control words");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&raw, sizeof(DoorbellControl), cudaHostAllocMapped));
   r.control_host = static_cast<DoorbellControl*>(raw);
   std::memset(r.control_host, 0, sizeof(DoorbellControl));
   r.control_host->generation = 1;
   void* device_view = nullptr;
-  ARFUSE_DOORBELL_CUDA(cudaHostGetDevicePointer(&device_view, r.control_host, 0),
-                       "self-test control words mapping");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_view, r.control_host, 0));
   r.control_device = static_cast<const DoorbellControl*>(device_view);
 
   // A plan whose ops carry no tokens: the fused launch has its real grid and block for this
@@ -170,14 +164,11 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
   entry.params = tmpl;
   entry.max_tokens = 0;  // rings carry 0 tokens
   entry.twoshot_min_tokens = 0xffffffffu;
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(r.block, 0, sizeof(DoorbellBlock), r.sidecar),
-                       "self-test reset");
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(r.op, 0, sizeof(DoorbellOp), r.sidecar), "self-test reset");
-  ARFUSE_DOORBELL_CUDA(cudaMemsetAsync(r.idle_params, 0, sizeof(FusionParams), r.sidecar),
-                       "self-test reset");
-  ARFUSE_DOORBELL_CUDA(
-      cudaMemcpyAsync(r.plans, &entry, sizeof(entry), cudaMemcpyHostToDevice, r.sidecar),
-      "self-test plan upload");
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.block, 0, sizeof(DoorbellBlock), r.sidecar));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.op, 0, sizeof(DoorbellOp), r.sidecar));
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.idle_params, 0, sizeof(FusionParams), r.sidecar));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(r.plans, &entry, sizeof(entry), cudaMemcpyHostToDevice, r.sidecar));
   const absl::Time setup_deadline = absl::Now() + options.timeout;
   ARFUSE_RETURN_IF_ERROR(WaitStreamBounded(r.sidecar, setup_deadline, "self-test setup"));
 
@@ -186,10 +177,9 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
   // spins: the completion kernel first launched behind a running waiter would be loaded then,
   // and that load may wait for the waiter, which waits for a ring queued behind the load (every
   // self-test in a fresh process failed so, until the waiter's timeout).
-  ARFUSE_DOORBELL_CUDA(PrepareDoorbellRing(), "self-test ring kernel load");
-  ARFUSE_DOORBELL_CUDA(PrepareDoorbellSidecarKernels(), "self-test kernel load");
-  ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(tmpl, r.idle_params, r.client),
-                       "self-test fused launch");
+  ARFUSE_CUDA_RETURN_IF_ERROR(PrepareDoorbellRing());
+  ARFUSE_CUDA_RETURN_IF_ERROR(PrepareDoorbellSidecarKernels());
+  ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAllReduceFusionIndirect(tmpl, r.idle_params, r.client));
   ARFUSE_RETURN_IF_ERROR(WaitStreamBounded(r.client, setup_deadline, "self-test setup"));
   ARFUSE_ASSIGN_OR_RETURN(r.ring_exec, Capture(r.client, options.ops, [&] {
                             return LaunchDoorbellRing(slot, 0, timeout_ns, r.client);
@@ -216,22 +206,20 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
     if (doorbell) {
       for (int i = 0; i < options.ops; ++i) {
         const bool pdl = options.programmatic_launch;
-        ARFUSE_DOORBELL_CUDA(LaunchDoorbellWait(w, r.sidecar, pdl), "self-test waiter launch");
-        ARFUSE_DOORBELL_CUDA(LaunchAllReduceFusionIndirect(
-                                 tmpl, reinterpret_cast<const FusionParams*>(r.op), r.sidecar, pdl),
-                             "self-test fused launch");
-        ARFUSE_DOORBELL_CUDA(LaunchDoorbellComplete(c, r.sidecar, pdl),
-                             "self-test completion launch");
+        ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellWait(w, r.sidecar, pdl));
+        ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAllReduceFusionIndirect(
+            tmpl, reinterpret_cast<const FusionParams*>(r.op), r.sidecar, pdl));
+        ARFUSE_CUDA_RETURN_IF_ERROR(LaunchDoorbellComplete(c, r.sidecar, pdl));
       }
     }
-    ARFUSE_DOORBELL_CUDA(cudaEventRecord(r.start, r.client), "self-test event record");
-    ARFUSE_DOORBELL_CUDA(cudaGraphLaunch(exec, r.client), "self-test graph launch");
-    ARFUSE_DOORBELL_CUDA(cudaEventRecord(r.stop, r.client), "self-test event record");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(r.start, r.client));
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, r.client));
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(r.stop, r.client));
     const absl::Time deadline = absl::Now() + options.timeout;
     ARFUSE_RETURN_IF_ERROR(WaitEventBounded(r.stop, deadline, "self-test replay"));
     ARFUSE_RETURN_IF_ERROR(WaitStreamBounded(r.sidecar, deadline, "self-test sidecar stream"));
     float ms = 0;
-    ARFUSE_DOORBELL_CUDA(cudaEventElapsedTime(&ms, r.start, r.stop), "self-test timing");
+    ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, r.start, r.stop));
     return static_cast<double>(ms) * 1000.0 / options.ops;
   };
 
@@ -245,8 +233,8 @@ absl::StatusOr<DoorbellHopReport> RunDoorbellSelfTest(const DoorbellSelfTestOpti
     best_doorbell = std::min(best_doorbell, bell_us);
   }
   DoorbellSlot host_slot;
-  ARFUSE_DOORBELL_CUDA(cudaMemcpy(&host_slot, slot, sizeof(host_slot), cudaMemcpyDeviceToHost),
-                       "self-test slot read");
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&host_slot, slot, sizeof(host_slot), cudaMemcpyDeviceToHost));
   if (host_slot.error != 0) {
     return absl::InternalError(
         absl::StrCat("doorbell self-test: a ring failed: ", DoorbellErrorName(host_slot.error)));

@@ -48,10 +48,11 @@
 #include "server/core/flags.h"
 #include "server/core/json.h"
 #include "server/core/version.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
-#include "server/gpu/doorbell_dispatch.h"
+#include "server/gpu/mps.h"
 #include "server/gpu/mps_driver.h"
 #include "tests/doorbell/doorbell_test_util.h"
 
@@ -181,7 +182,7 @@ bool Parse(int argc, char** argv, Args* a) {
   if (a->resident_ms < 0 || a->resident_ms >= 1000) return bad("--resident_ms (0..999)");
   if (a->serve_blocks > kSharedGpuDoorbellServeBlocks) {
     // Every simulated rank's serving launch shares this GPU: above the sidecars' cap for a shared
-    // GPU the rows stalled (server/gpu/doorbell_dispatch.h).
+    // GPU the rows stalled (server/doorbell/doorbell_dispatch.h).
     std::fprintf(stderr,
                  "doorbell_bench: --serve_blocks must be at most %u (ranks share one GPU)\n",
                  kSharedGpuDoorbellServeBlocks);

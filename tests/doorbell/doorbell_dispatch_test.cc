@@ -1,6 +1,6 @@
 // The doorbell plane's algorithm threshold and its refusal of shapes the dispatcher sends to the
-// unfused path (server/gpu/doorbell_dispatch.h). CUDA-free: runs in CI.
-#include "server/gpu/doorbell_dispatch.h"
+// unfused path (server/doorbell/doorbell_dispatch.h). CUDA-free: runs in CI.
+#include "server/doorbell/doorbell_dispatch.h"
 
 #include <vector>
 

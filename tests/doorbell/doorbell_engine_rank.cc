@@ -33,7 +33,7 @@
 #include "kernels/doorbell/doorbell.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
-#include "server/gpu/cuda_engine.h"
+#include "server/cuda_engine/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/mps.h"
 #include "server/peers/peer_exchange.h"

@@ -23,7 +23,7 @@
 #include "kernels/cpu/reference_op.h"
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
-#include "server/gpu/cuda_engine.h"
+#include "server/cuda_engine/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/device_error.h"
 #include "server/gpu/mps.h"

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -21,18 +22,6 @@
 
 namespace arfuse {
 namespace {
-
-v1::ExecPath ToProtoPath(ExecPath p) { return static_cast<v1::ExecPath>(p); }
-
-// Why an op failed is what an operator needs when a group misbehaves (a rank whose client never
-// gets an op in, a peer that keeps timing out): warning level, rate-limited per code.
-void LogExecuteFailure(LogRateLimiter& limiter, const absl::Status& status) {
-  const std::string code = absl::StatusCodeToString(status.code());
-  uint64_t held_back = 0;
-  if (!limiter.Allow(code, absl::Now(), &held_back)) return;
-  spdlog::warn("event=execute_failed code={} held_back={} message=\"{}\"", code, held_back,
-               std::string(status.message()));
-}
 
 absl::Status ShuttingDown() {
   return absl::UnavailableError(
@@ -71,6 +60,7 @@ FusionService::FusionService(FusionServiceOptions options, EngineGetter engine,
       engine_(std::move(engine)),
       events_(std::move(events)),
       registry_(LimitsOf(options_), std::move(opener), boot_nonce),
+      doorbells_(registry_, [this] { return CurrentDoorbellHost(); }),
       // One op thread: one op in flight per workspace, in arrival order.
       ops_(1, options_.max_queued_ops),
       // Two control threads, so one unregister draining a long op does not stall every
@@ -479,120 +469,15 @@ grpc::ServerUnaryReactor* FusionService::DestroyPlan(grpc::CallbackServerContext
   absl::Status destroyed = registry_.DestroyPlan(*session, req->plan_id(), req->generation());
   if (!destroyed.ok()) return FinishNow(ctx, destroyed);
   // A doorbell plan answers once the engine's kernels let go of its memory.
-  DoorbellPlans doorbell = TakeDoorbellPlans(*session, req->plan_id());
+  DoorbellPlanTable::Plans doorbell = doorbells_.Take(*session, req->plan_id());
   if (doorbell.empty()) return FinishNow(ctx, absl::OkStatus());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time deadline = DeadlineOf(*ctx);
   absl::Status queued = control_.Submit([this, reactor, doorbell, deadline](bool cancelled) {
-    reactor->Finish(ToGrpcStatus(RemoveDoorbellPlans(
+    reactor->Finish(ToGrpcStatus(doorbells_.Remove(
         doorbell, cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)));
   });
-  if (!queued.ok()) reactor->Finish(ToGrpcStatus(RemoveDoorbellPlans(doorbell, deadline)));
-  return reactor;
-}
-
-// ---- Execute (eager plane) ----
-
-grpc::ServerUnaryReactor* FusionService::Execute(grpc::CallbackServerContext* ctx,
-                                                 const v1::ExecuteRequest* req,
-                                                 v1::ExecuteResponse* resp) {
-  auto finish_failed = [&](const absl::Status& s) {
-    LogExecuteFailure(execute_failures_, s);
-    return FinishNow(ctx, s);
-  };
-  auto session = SessionOf(*ctx);
-  if (!session.ok()) return finish_failed(session.status());
-  if (absl::Status busy = RefuseWhileAttached(); !busy.ok()) return finish_failed(busy);
-  Engine* engine = engine_ ? engine_() : nullptr;
-  if (engine == nullptr) return finish_failed(EngineUnavailable());
-  if (!req->wait_event().empty() && events_ == nullptr) {
-    return finish_failed(
-        absl::InvalidArgumentError("wait_event is only for --device=cuda; this sidecar runs host "
-                                   "mode, where ops complete before the reply"));
-  }
-  if (!req->wait_event().empty() && req->wait_event().size() != kCudaIpcHandleBytes) {
-    return finish_failed(
-        absl::InvalidArgumentError(absl::StrCat("wait_event must be exactly ", kCudaIpcHandleBytes,
-                                                " bytes, got ", req->wait_event().size())));
-  }
-  if (req->workspace_generation() != 0) {
-    uint64_t current = engine->Status().generation;
-    if (req->workspace_generation() != current) {
-      return finish_failed(absl::FailedPreconditionError(
-          "workspace: stale generation (the workspace was re-initialized "
-          "since); read GetWorkspaceInfo and retry"));
-    }
-  }
-  absl::StatusOr<ResolvedOp> resolved;
-  switch (req->target_case()) {
-    case v1::ExecuteRequest::kPlanId:
-      resolved = registry_.ResolvePlan(*session, req->plan_id(), req->plan_generation(),
-                                       req->num_tokens());
-      break;
-    case v1::ExecuteRequest::kOp:
-      resolved = registry_.ResolveOp(*session, ToOpRequest(req->op()), req->num_tokens());
-      break;
-    case v1::ExecuteRequest::TARGET_NOT_SET:
-      resolved = absl::InvalidArgumentError("set plan_id or op");
-      break;
-  }
-  if (!resolved.ok()) return finish_failed(resolved.status());
-
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const absl::Time deadline = DeadlineOf(*ctx);
-  // std::function needs a copyable callable: the op's hold on its regions travels in a
-  // shared_ptr and is released right after the engine returns.
-  auto op = std::make_shared<ResolvedOp>(std::move(*resolved));
-  std::string wait_handle = req->wait_event();
-  const bool synchronous = req->synchronous() || options_.device == MemoryKind::kHostShm;
-  Executor::Task task = [this, reactor, resp, op, deadline, wait_handle,
-                         synchronous](bool cancelled) {
-    absl::Status status;
-    if (cancelled) {
-      status = absl::UnavailableError("sidecar is shutting down; the op did not run");
-    } else if (absl::Now() >= deadline) {
-      status = absl::DeadlineExceededError(
-          "the op waited for the workspace past its deadline and did not run");
-    } else if (Engine* engine = engine_ ? engine_() : nullptr; engine == nullptr) {
-      status = EngineUnavailable();
-    } else {
-      std::unique_ptr<OpEvents> events;
-      if (events_ != nullptr) {
-        auto prepared = events_->Prepare(wait_handle);
-        status = prepared.status();
-        if (prepared.ok()) events = std::move(*prepared);
-      }
-      if (status.ok()) {
-        ExecContext ec;
-        ec.deadline = deadline;
-        ec.synchronous = synchronous;
-        if (events) {
-          ec.wait_event = events->wait_event();
-          ec.done_event = events->done_event();
-        }
-        absl::StatusOr<OpOutcome> outcome = engine->Execute(op->args(), ec);
-        status = outcome.status();
-        if (outcome.ok()) {
-          resp->set_path(ToProtoPath(outcome->path));
-          resp->set_reason(outcome->reason);
-          if (events && !synchronous) resp->set_done_event(events->done_handle());
-          resp->set_workspace_generation(engine->Status().generation);
-        }
-      }
-    }
-    // Release before replying: a client that unregisters right after the reply must not wait.
-    op->Release();
-    if (!status.ok()) LogExecuteFailure(execute_failures_, status);
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  // Nothing running or waiting: run here and reply from this thread (header: the fast path).
-  if (ops_.RunInlineIfIdle(task)) return reactor;
-  absl::Status queued = ops_.Submit(std::move(task));
-  if (!queued.ok()) {
-    op->Release();
-    LogExecuteFailure(execute_failures_, queued);
-    reactor->Finish(ToGrpcStatus(queued));
-  }
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(doorbells_.Remove(doorbell, deadline)));
   return reactor;
 }
 
@@ -628,168 +513,6 @@ grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerCo
   resp->set_generation(st.generation);
   resp->set_workspace_bytes(st.workspace_bytes);
   return FinishNow(ctx, absl::OkStatus());
-}
-
-// ---- doorbell plane ----
-
-struct FusionService::DoorbellPlan {
-  DoorbellPlan(uint64_t session, const PlanInfo& plan, ResolvedOp held)
-      : session(session),
-        plan_id(plan.plan_id),
-        generation(plan.generation),
-        max_tokens(plan.shape.max_tokens),
-        hold(std::move(held)) {}
-  const uint64_t session;
-  const uint64_t plan_id;
-  const uint64_t generation;
-  const uint32_t max_tokens;
-  // The plan's tensors at max_tokens; holds its regions.
-  ResolvedOp hold;
-  DoorbellGrant grant;
-};
-
-grpc::ServerUnaryReactor* FusionService::CreateDoorbellPlan(grpc::CallbackServerContext* ctx,
-                                                            uint64_t session,
-                                                            const v1::CreatePlanRequest* req,
-                                                            v1::CreatePlanResponse* resp) {
-  if (options_.device == MemoryKind::kHostShm) {
-    return FinishNow(ctx, absl::FailedPreconditionError(
-                              "the doorbell plane needs --device=cuda (this sidecar runs "
-                              "--device=host, where the CPU implementation runs every op); "
-                              "create the plan without doorbell and use Execute (eager plane)"));
-  }
-  if (absl::Status busy = RefuseWhileAttached(); !busy.ok()) return FinishNow(ctx, busy);
-  Engine* engine = engine_ ? engine_() : nullptr;
-  if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
-  if (engine->doorbell_host() == nullptr) {
-    return FinishNow(ctx, absl::FailedPreconditionError(
-                              "this sidecar's engine has no doorbell plane; create the plan "
-                              "without doorbell and use Execute (eager plane)"));
-  }
-  auto plan = registry_.CreatePlan(session, ToOpRequest(req->op()));
-  if (!plan.ok()) return FinishNow(ctx, plan.status());
-  // The plane's kernels write the plan's tensors until it is removed: its regions stay held.
-  auto held =
-      registry_.ResolvePlan(session, plan->plan_id, plan->generation, plan->shape.max_tokens);
-  if (!held.ok()) {
-    registry_.DestroyPlan(session, plan->plan_id, plan->generation).IgnoreError();
-    return FinishNow(ctx, held.status());
-  }
-  auto entry = std::make_shared<DoorbellPlan>(session, *plan, std::move(*held));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const absl::Time deadline = DeadlineOf(*ctx);
-  // Registering may wait: for the op running now (the engine serves one at a time) and for the
-  // plane's device memory.
-  auto run = [this, reactor, resp, entry, deadline](bool cancelled) {
-    absl::Status status;
-    Engine* engine = nullptr;
-    DoorbellHost* host = nullptr;
-    if (cancelled) {
-      status = absl::UnavailableError("sidecar is shutting down; the plan was not created");
-    } else if (engine = engine_ ? engine_() : nullptr; engine == nullptr) {
-      status = EngineUnavailable();
-    } else if (host = engine->doorbell_host(); host == nullptr) {
-      status = absl::FailedPreconditionError(
-          "this sidecar's engine has no doorbell plane; use the eager plane (Execute)");
-    } else {
-      absl::StatusOr<DoorbellGrant> grant =
-          host->AddDoorbellPlan(entry->hold.args(), entry->max_tokens, deadline);
-      status = grant.status();
-      if (grant.ok()) {
-        entry->grant = *std::move(grant);
-        bool session_open = false;
-        {
-          // A session that ended meanwhile has had its doorbell plans taken already.
-          std::lock_guard<std::mutex> lock(doorbell_mu_);
-          session_open = registry_.CheckSession(entry->session).ok();
-          if (session_open) doorbell_plans_[{entry->session, entry->plan_id}] = entry;
-        }
-        if (!session_open) {
-          RemoveDoorbellPlans({entry}, deadline).IgnoreError();
-          status = absl::FailedPreconditionError("the session ended; the plan was removed");
-        } else {
-          resp->set_plan_id(entry->plan_id);
-          resp->set_generation(entry->generation);
-          v1::Doorbell* d = resp->mutable_doorbell();
-          d->set_ipc_handle(entry->grant.ipc_handle);
-          d->set_offset(entry->grant.offset);
-          d->set_request_value(entry->grant.request_value);
-          d->set_complete_value(entry->grant.complete_value);
-          d->set_reset_value(entry->grant.reset_value);
-          resp->set_path(ToProtoPath(entry->grant.path_at_max));
-          resp->set_reason(entry->grant.reason);
-          spdlog::info("event=doorbell_plan_created plan={} slot={} max_tokens={}", entry->plan_id,
-                       entry->grant.slot, entry->max_tokens);
-        }
-      }
-    }
-    if (!status.ok()) {
-      registry_.DestroyPlan(entry->session, entry->plan_id, entry->generation).IgnoreError();
-      entry->hold.Release();
-    }
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  absl::Status queued = control_.Submit(run);
-  if (!queued.ok()) {
-    registry_.DestroyPlan(session, entry->plan_id, entry->generation).IgnoreError();
-    entry->hold.Release();
-    reactor->Finish(ToGrpcStatus(queued));
-  }
-  return reactor;
-}
-
-FusionService::DoorbellPlans FusionService::TakeDoorbellPlans(uint64_t session,
-                                                              std::optional<uint64_t> plan_id) {
-  DoorbellPlans out;
-  std::lock_guard<std::mutex> lock(doorbell_mu_);
-  auto it = doorbell_plans_.lower_bound({session, plan_id.value_or(0)});
-  while (it != doorbell_plans_.end() && it->first.first == session &&
-         (!plan_id.has_value() || it->first.second == *plan_id)) {
-    out.push_back(std::move(it->second));
-    it = doorbell_plans_.erase(it);
-  }
-  return out;
-}
-
-absl::Status FusionService::RemoveDoorbellPlans(const DoorbellPlans& plans, absl::Time deadline) {
-  absl::Status first;
-  for (const std::shared_ptr<DoorbellPlan>& p : plans) {
-    Engine* engine = engine_ ? engine_() : nullptr;
-    DoorbellHost* host = engine != nullptr ? engine->doorbell_host() : nullptr;
-    // No engine or no plane: the plane that held the plan is gone, and its kernels with it.
-    absl::Status removed =
-        host != nullptr ? host->RemoveDoorbellPlan(p->grant, deadline) : absl::OkStatus();
-    if (removed.ok()) {
-      p->hold.Release();
-      spdlog::info("event=doorbell_plan_removed plan={} slot={}", p->plan_id, p->grant.slot);
-      continue;
-    }
-    // The plane's kernels may still use the memory: keep it mapped rather than risk a write
-    // into memory the client reuses.
-    spdlog::warn("event=doorbell_plan_parked plan={} slot={} error=\"{}\"", p->plan_id,
-                 p->grant.slot, std::string(removed.message()));
-    {
-      std::lock_guard<std::mutex> lock(doorbell_mu_);
-      doorbell_parked_.push_back(p);
-    }
-    if (first.ok()) first = removed;
-  }
-  return first;
-}
-
-void FusionService::EndSessionDoorbells(uint64_t session) {
-  DoorbellPlans plans = TakeDoorbellPlans(session, std::nullopt);
-  if (plans.empty()) return;
-  const absl::Time deadline = absl::Now() + options_.default_deadline;
-  absl::Status queued = control_.Submit([this, plans, deadline](bool cancelled) {
-    RemoveDoorbellPlans(plans,
-                        cancelled ? std::min(deadline, absl::Now() + absl::Seconds(1)) : deadline)
-        .IgnoreError();
-  });
-  // Shutting down or a full queue: remove now, briefly (this runs on a gRPC thread).
-  if (!queued.ok()) {
-    RemoveDoorbellPlans(plans, std::min(deadline, absl::Now() + absl::Seconds(1))).IgnoreError();
-  }
 }
 
 }  // namespace arfuse

@@ -20,10 +20,8 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -33,11 +31,12 @@
 #include "absl/time/time.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "server/core/log.h"
+#include "server/doorbell/plan_table.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
-#include "server/instream/attachments.h"
 #include "server/fdpass/caller_credentials.h"
 #include "server/fdpass/ticket_broker.h"
+#include "server/instream/attachments.h"
 #include "server/registry/opener.h"
 #include "server/registry/registry.h"
 #include "server/services/fusion/event_ipc.h"
@@ -170,22 +169,14 @@ class FusionService final : public v1::Fusion::CallbackService {
   // The watcher's sample of the engine (InStreamAttachments::Probe).
   InStreamProbe ProbeInStream() const;
 
-  // ---- doorbell plane (docs/doorbell.md) ----
-  // One registered doorbell plan: the engine's grant and the hold on the plan's regions, kept
-  // (mapped, counted in flight) until the engine confirmed its kernels let go of them.
-  struct DoorbellPlan;
-  using DoorbellPlans = std::vector<std::shared_ptr<DoorbellPlan>>;
+  // ---- doorbell plane (docs/doorbell.md): doorbell_rpc.cc; the plans: server/doorbell ----
+  // The engine's doorbell plane now, or null (no engine, or one without a doorbell plane).
+  DoorbellHost* CurrentDoorbellHost() const;
   // CreatePlan{doorbell: true}: registers the plan with the engine's doorbell plane on a
   // control thread and answers with the Doorbell message.
   grpc::ServerUnaryReactor* CreateDoorbellPlan(grpc::CallbackServerContext* ctx, uint64_t session,
                                                const v1::CreatePlanRequest* req,
                                                v1::CreatePlanResponse* resp);
-  // Takes the session's doorbell plans (all of them, or plan_id's) out of the table.
-  DoorbellPlans TakeDoorbellPlans(uint64_t session, std::optional<uint64_t> plan_id);
-  // Removes them from the engine (may wait until `deadline`) and releases their regions; plans
-  // whose removal was not confirmed keep their regions mapped until the service is destroyed.
-  // Returns the first error.
-  absl::Status RemoveDoorbellPlans(const DoorbellPlans& plans, absl::Time deadline);
   // Session end: removes the session's doorbell plans on a control thread.
   void EndSessionDoorbells(uint64_t session);
 
@@ -200,9 +191,7 @@ class FusionService final : public v1::Fusion::CallbackService {
   mutable std::mutex sessions_mu_;
   std::set<SessionReactor*> sessions_;  // not owned: each deletes itself after OnDone
   // Declared before the executors, so that it outlives their threads.
-  std::mutex doorbell_mu_;
-  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DoorbellPlan>> doorbell_plans_;
-  DoorbellPlans doorbell_parked_;
+  DoorbellPlanTable doorbells_;
   Executor ops_;
   Executor control_;
   // Last: its watcher thread calls back into the members above.

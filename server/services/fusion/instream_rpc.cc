@@ -2,10 +2,6 @@
 // client library launches the sidecar's kernels in the client's own stream; these calls hand it
 // the workspace (the attach blob and its descriptors) and take it back. Nothing here is on the
 // per-op path.
-#include <fcntl.h>
-
-#include <cerrno>
-#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -14,6 +10,7 @@
 #include "kernels/instream/attach_abi.h"
 #include "server/engine/instream_host.h"
 #include "server/instream/attach_blob.h"
+#include "server/instream/attach_fds.h"
 #include "server/services/fusion/fusion_service.h"
 #include "server/services/fusion/service_helpers.h"
 #include "spdlog/spdlog.h"
@@ -78,14 +75,11 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
                               absl::StrCat("at most ", instream::kMaxAttachHiddens,
                                            " hidden sizes per attach, got ", req->hidden_size())));
   }
-  {
-    // One plane per workspace: doorbell launches would interleave with the client's.
-    std::lock_guard<std::mutex> lock(doorbell_mu_);
-    if (!doorbell_plans_.empty()) {
-      return FinishNow(ctx, absl::FailedPreconditionError(absl::StrCat(
-                                "the workspace serves ", doorbell_plans_.size(),
-                                " doorbell plan(s): destroy them before attaching in-stream")));
-    }
+  // One plane per workspace: doorbell launches would interleave with the client's.
+  if (const size_t doorbell_plans = doorbells_.size(); doorbell_plans != 0) {
+    return FinishNow(ctx, absl::FailedPreconditionError(absl::StrCat(
+                              "the workspace serves ", doorbell_plans,
+                              " doorbell plan(s): destroy them before attaching in-stream")));
   }
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) return FinishNow(ctx, EngineUnavailable());
@@ -123,40 +117,16 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
         }
         absl::StatusOr<std::string> blob = BuildAttachBlob(*exported, *id);
         absl::Status done = blob.status();
-        const std::vector<int> fd_refs = AttachBlobFds(*exported);
-        if (done.ok() && !fd_refs.empty()) {
+        if (done.ok()) {
           std::optional<SocketCredentials> caller;
           if (options_.callers != nullptr) caller = options_.callers->ForPeer(ctx->peer());
-          if (options_.fd_tickets == nullptr || options_.fd_socket.empty()) {
-            done = absl::FailedPreconditionError(
-                "this workspace's memory reaches clients as file descriptors, and this sidecar "
-                "serves no fd channel");
-          } else if (!caller.has_value()) {
-            // The descriptors go to the caller's uid only: a call whose credentials are not
-            // known (not accepted on the Unix socket) gets none.
-            done = absl::PermissionDeniedError(
-                "the caller's credentials are not known (not a Unix-socket client of this "
-                "sidecar): the workspace's descriptors are handed only to a known uid");
-          } else {
-            // The export keeps its descriptors; the fd channel hands out duplicates.
-            std::vector<UniqueFd> fds;
-            for (int fd : fd_refs) {
-              fds.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-              if (!fds.back()) {
-                done = absl::ResourceExhaustedError(absl::StrCat(
-                    "cannot duplicate a workspace descriptor: ", std::strerror(errno)));
-                break;
-              }
-            }
-            absl::StatusOr<std::string> ticket =
-                done.ok() ? options_.fd_tickets->Offer(caller->uid, std::move(fds), kOfferTtl)
-                          : absl::StatusOr<std::string>(done);
-            done = ticket.status();
-            if (ticket.ok()) {
-              resp->set_fd_ticket(*ticket);
-              resp->set_fd_count(static_cast<uint32_t>(fd_refs.size()));
-              resp->set_fd_socket(options_.fd_socket);
-            }
+          absl::StatusOr<AttachFdOffer> offer =
+              OfferAttachFds(*exported, options_.fd_tickets, options_.fd_socket, caller, kOfferTtl);
+          done = offer.status();
+          if (offer.ok() && offer->count != 0) {
+            resp->set_fd_ticket(offer->ticket);
+            resp->set_fd_count(offer->count);
+            resp->set_fd_socket(offer->socket);
           }
         }
         if (!done.ok()) {

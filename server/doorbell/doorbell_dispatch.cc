@@ -1,4 +1,4 @@
-#include "server/gpu/doorbell_dispatch.h"
+#include "server/doorbell/doorbell_dispatch.h"
 
 #include <algorithm>
 

@@ -21,13 +21,10 @@
 // engine then leaves the communicator alone (its abort would wait for that kernel forever) and
 // marks the device wedged (MarkDeviceWedged), so the daemon exits to be restarted.
 //
-// The doorbell plane (docs/doorbell.md): the engine owns one DoorbellPlane over its workspace,
-// created on the first AddDoorbellPlan (so a sidecar that never serves a doorbell pays nothing),
-// on the engine's stream. Eager ops pause it while they are enqueued (queued waiters leave at
-// once) and resume it after. An in-place re-initialization pauses it, re-initializes the
-// workspace, re-arms the slots (ResetSlots) and resumes it: plans survive. A workspace that is
-// rebuilt or dropped takes the plane with it (aborted first, then stopped, then the workspace
-// freed): its plans are gone and their rings fail with kStopped.
+// The doorbell plane (docs/doorbell.md): the engine holds one over its workspace, on the
+// engine's stream (server/doorbell/engine_doorbell.h: when it is made, paused, re-armed and
+// dropped). A workspace that is rebuilt or dropped takes the plane with it (aborted first, then
+// stopped, then the workspace freed): its plans are gone and their rings fail with kStopped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,12 +38,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
+#include "server/doorbell/engine_doorbell.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/engine/instream_host.h"
 #include "server/gpu/dispatch_table.h"
-#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/peer_memory.h"
 #include "server/instream/cuda/kernel_image.h"
 
@@ -139,17 +137,10 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Aborts the workspace's spins, stops and frees the doorbell plane, then frees the workspace.
   void ResetWorkspaceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Stops and frees the doorbell plane (never blocks long: see ~DoorbellPlane); its plans are
-  // gone.
-  void DropDoorbellLocked(const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Creates and starts the plane over the current workspace when there is none yet.
-  absl::Status EnsureDoorbellLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The doorbell plane's options over the current workspace.
+  DoorbellPlaneOptions DoorbellOptionsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<DoorbellGrant> AddDoorbellPlanLocked(const OpArgs& op_template,
                                                       uint32_t max_tokens)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Pauses the plane until `deadline` so that nothing queued ahead of the engine's stream runs
-  // any more; `*resume` says whether Resume must follow (it was running).
-  absl::Status PauseDoorbellLocked(absl::Time deadline, bool* resume)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   DispatchRequest DispatchRequestLocked(const OpArgs& op) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -174,11 +165,9 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
   // The exchange of the last Initialize: unfused ops agree over it.
   Exchange* exchange_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // The doorbell plane over workspace_ (null until the first doorbell plan, and without a
-  // workspace); plane ids are unique in the process, so grants of a dropped plane are told apart.
-  std::unique_ptr<DoorbellPlane> doorbell_ ABSL_GUARDED_BY(mu_);
-  uint64_t doorbell_id_ ABSL_GUARDED_BY(mu_) = 0;
-  uint32_t doorbell_plans_ ABSL_GUARDED_BY(mu_) = 0;
+  // The doorbell plane over workspace_ (none until the first doorbell plan, and without a
+  // workspace).
+  EngineDoorbell doorbell_ ABSL_GUARDED_BY(mu_);
   // Status() and Abort() must not wait for an op: their state lives under a second lock.
   mutable absl::Mutex state_mu_;
   mutable EngineStatus status_ ABSL_GUARDED_BY(state_mu_);

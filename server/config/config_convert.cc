@@ -1,4 +1,4 @@
-#include "server/services/config/config_convert.h"
+#include "server/config/config_convert.h"
 
 #include <cstdint>
 #include <limits>

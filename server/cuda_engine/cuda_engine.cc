@@ -1,4 +1,4 @@
-#include "server/gpu/cuda_engine.h"
+#include "server/cuda_engine/cuda_engine.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,12 +13,13 @@
 #include "absl/strings/str_split.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "server/doorbell/doorbell_dispatch.h"
 #include "server/gpu/cuda_status.h"
-#include "server/gpu/doorbell_dispatch.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/group_step.h"
 #include "server/gpu/nccl_comm.h"
 #include "server/gpu/op_agreement.h"
+#include "server/instream/cuda/workspace_export.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
@@ -82,19 +83,12 @@ absl::Time HalfwayTo(absl::Time deadline) {
   return now + (deadline - now) / 2;
 }
 
-// Doorbell plane ids: unique in the process, never 0.
-std::atomic<uint64_t> g_next_doorbell_id{1};
-
-// How long an eager op (or a plan removal) waits for doorbell ops already taken to finish: they
-// end within the spin timeout even when a peer never comes.
-absl::Time DoorbellPauseDeadline(absl::Time deadline, absl::Duration spin_timeout) {
-  return std::min(deadline, absl::Now() + spin_timeout + absl::Seconds(1));
-}
-
 }  // namespace
 
 CudaEngine::CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options)
-    : options_(options), cuda_options_(cuda_options) {
+    : options_(options),
+      cuda_options_(cuda_options),
+      doorbell_(options.rank, options.spin_timeout) {
   status_.state = WorkspaceState::kInitializing;
   status_.backend = options.backend;
   status_.reason = "not initialized";
@@ -117,7 +111,7 @@ CudaEngine::~CudaEngine() {
     MarkDeviceWedged(
         "an NCCL kernel waits for a peer rank that agreed to the op and is gone; restart this "
         "sidecar");
-    static_cast<void>(doorbell_.release());
+    doorbell_.Leak();
     static_cast<void>(workspace_.release());
     static_cast<void>(sym_nccl_.release());
     static_cast<void>(nccl_.release());
@@ -127,7 +121,7 @@ CudaEngine::~CudaEngine() {
   // fused op spinning on a peer), then the plane stops; workspace teardown then waits a bounded
   // time for its spins; NCCL aborts its communicator.
   if (workspace_ != nullptr) workspace_->Abort();
-  doorbell_.reset();
+  doorbell_.Close();
   workspace_.reset();
   sym_nccl_.reset();
   nccl_.reset();
@@ -220,15 +214,7 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
   // The doorbell plane stops queuing and its waiters leave before the workspace is touched
   // (docs/doorbell.md: Pause, re-initialize, ResetSlots, Resume). A doorbell op that waits for a
   // peer ends at the latest when Reinitialize aborts the workspace.
-  if (doorbell_ != nullptr) {
-    bool was_running = false;
-    absl::Status paused =
-        PauseDoorbellLocked(DoorbellPauseDeadline(deadline, options_.spin_timeout), &was_running);
-    if (!paused.ok()) {
-      spdlog::warn("event=doorbell_pause_slow rank={} error=\"{}\"", options_.rank,
-                   std::string(paused.message()));
-    }
-  }
+  doorbell_.PauseForReinitialize(deadline);
   {
     absl::MutexLock state(&state_mu_);
     status_.state = WorkspaceState::kInitializing;
@@ -374,17 +360,8 @@ absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadlin
       fuse_reason = absl::StrCat("fused workspace unavailable: ", VoteReasons(voted));
     }
   }
-  if (doorbell_ != nullptr) {
-    // Re-initialized in place: the plans stay; their slots are re-armed (sticky errors cleared)
-    // and the plane runs again (also when an abort had paused it).
-    absl::Status reset = doorbell_->ResetSlots(deadline);
-    if (reset.ok()) reset = doorbell_->Resume();
-    if (!reset.ok()) {
-      spdlog::error("event=doorbell_reset_failed rank={} error=\"{}\"", options_.rank,
-                    std::string(reset.message()));
-      DropDoorbellLocked("its slots could not be re-armed after the re-initialization");
-    }
-  }
+  // Re-initialized in place: the plans stay; their slots are re-armed and the plane runs again.
+  doorbell_.ReArm(deadline);
 
   absl::MutexLock state(&state_mu_);
   status_.generation = generation;
@@ -570,29 +547,8 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
 
   // Doorbell waiters queued ahead on the stream would hold this op back until their idle
   // timeout: they leave first, and are queued again behind it.
-  bool doorbell_resume = false;
-  if (doorbell_ != nullptr && doorbell_plans_ > 0) {
-    absl::Status paused = PauseDoorbellLocked(
-        DoorbellPauseDeadline(ctx.deadline, options_.spin_timeout), &doorbell_resume);
-    if (!paused.ok()) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("doorbell ops still running on the engine's stream; the op did not run: ",
-                       paused.message()));
-    }
-  }
-  struct ResumeDoorbell {
-    DoorbellPlane* plane;
-    bool armed;
-    void Now() {
-      if (!armed) return;
-      armed = false;
-      absl::Status resumed = plane->Resume();
-      if (!resumed.ok()) {
-        spdlog::warn("event=doorbell_resume_failed error=\"{}\"", std::string(resumed.message()));
-      }
-    }
-    ~ResumeDoorbell() { Now(); }
-  } resume_doorbell{doorbell_.get(), doorbell_resume};
+  EngineDoorbell::ResumeGuard resume_doorbell;
+  ARFUSE_RETURN_IF_ERROR(doorbell_.PauseForOp(ctx.deadline, &resume_doorbell));
 
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (ctx.wait_event != nullptr) {
@@ -804,73 +760,16 @@ absl::StatusOr<InStreamExport> CudaEngine::ExportInStream(const std::vector<uint
   if (image_ == nullptr) {
     ARFUSE_ASSIGN_OR_RETURN(image_, InStreamKernelImage::Load(static_cast<uint32_t>(sm_)));
   }
-  const WorkspaceLayout& layout = workspace_->layout();
-  std::vector<uint32_t> wanted = hiddens.empty() ? std::vector<uint32_t>{layout.hidden} : hiddens;
-  if (wanted.size() > instream::kMaxAttachHiddens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "at most ", instream::kMaxAttachHiddens, " hidden sizes per attach, got ", wanted.size()));
-  }
-  for (uint32_t h : wanted) {
-    if (h > layout.hidden) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden ", h, " exceeds the workspace's hidden ", layout.hidden, " (--hidden)"));
-    }
-  }
-  InStreamExport e;
-  e.device = instream::DeviceKind::kCuda;
-  e.rank = static_cast<uint32_t>(options_.rank);
-  e.world_size = static_cast<uint32_t>(options_.world_size);
-  e.generation = workspace_->generation();
-  cudaDeviceProp prop;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
-  static_assert(sizeof(prop.uuid.bytes) == sizeof(e.gpu_uuid));
-  std::memcpy(e.gpu_uuid, prop.uuid.bytes, sizeof(e.gpu_uuid));
-  e.sm = static_cast<uint32_t>(sm_);
-  e.sm_budget = workspace_->options().sm_budget;
-  e.spin_timeout_ns =
-      static_cast<uint64_t>(absl::ToInt64Nanoseconds(workspace_->options().spin_timeout));
-  bool pdl = false;
-  CurrentFusionKernelConfig(e.kernel_config, &pdl);
-  // As the sidecar's own launches: programmatic dependents only on a GPU of one rank.
-  e.pdl = pdl && e.sm_budget == 0;
-  e.dtype = options_.dtype;
-  switch (cuda_options_.forced) {
-    case ForcedPath::kOneShot:
-      e.oneshot_max_bytes = e.twoshot_max_bytes = UINT64_MAX;
-      break;
-    case ForcedPath::kTwoShot:
-      e.twoshot_max_bytes = UINT64_MAX;
-      break;
-    case ForcedPath::kUnfused:
-      return absl::FailedPreconditionError(
-          "the dispatch is forced to the unfused path: no op would run in-stream");
-    case ForcedPath::kAuto: {
-      const DispatchEntry* entry = cuda_options_.table.Find(sm_, options_.world_size);
-      if (entry == nullptr || (entry->oneshot_max_bytes == 0 && entry->twoshot_max_bytes == 0)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("the dispatch table has no fused range for sm_", sm_, " at world size ",
-                         options_.world_size, ": every op would run unfused"));
-      }
-      e.oneshot_max_bytes = entry->oneshot_max_bytes;
-      e.twoshot_max_bytes = std::max(entry->oneshot_max_bytes, entry->twoshot_max_bytes);
-      break;
-    }
-  }
-  static_assert(sizeof(WorkspaceLayout) == sizeof(e.layout));
-  std::memcpy(e.layout, &layout, sizeof(e.layout));
-  e.max_tokens = layout.max_tokens;
-  e.hidden = layout.hidden;
-  int sms = 0;
-  ARFUSE_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  ARFUSE_ASSIGN_OR_RETURN(
-      e.entries, image_->Entries(options_.dtype, options_.world_size, wanted, e.sm_budget, sms));
-  for (int r = 0; r < options_.world_size; ++r) {
-    ARFUSE_ASSIGN_OR_RETURN(InStreamRankMemory m, workspace_->ExportForClient(r));
-    e.ranks.push_back(std::move(m));
-  }
-  e.image = image_->bytes();
-  e.image_bytes = image_->size();
+  InStreamExportSpec spec;
+  spec.device = device_;
+  spec.sm = sm_;
+  spec.rank = options_.rank;
+  spec.world_size = options_.world_size;
+  spec.dtype = options_.dtype;
+  spec.forced = cuda_options_.forced;
+  spec.table = &cuda_options_.table;
+  ARFUSE_ASSIGN_OR_RETURN(InStreamExport e,
+                          ExportWorkspaceInStream(*workspace_, *image_, spec, hiddens));
   exported_.store(true);
   return e;
 }
@@ -892,23 +791,12 @@ void CudaEngine::ResetWorkspaceLocked() {
   if (workspace_ != nullptr) {
     // A doorbell op spinning on a peer ends now; the plane's waiters leave.
     workspace_->Abort();
-    DropDoorbellLocked("its workspace is rebuilt or dropped");
+    doorbell_.Drop("its workspace is rebuilt or dropped");
   }
   workspace_.reset();
 }
 
-void CudaEngine::DropDoorbellLocked(const char* why) {
-  if (doorbell_ == nullptr) return;
-  spdlog::warn("event=doorbell_plane_dropped rank={} plane_id={} plans={} reason=\"{}\"",
-               options_.rank, doorbell_id_, doorbell_plans_, why);
-  // Stop + bounded teardown: rings on its slots fail with kStopped.
-  doorbell_.reset();
-  doorbell_id_ = 0;
-  doorbell_plans_ = 0;
-}
-
-absl::Status CudaEngine::EnsureDoorbellLocked() {
-  if (doorbell_ != nullptr) return absl::OkStatus();
+DoorbellPlaneOptions CudaEngine::DoorbellOptionsLocked() const {
   DoorbellPlaneOptions o;
   o.device = device_;
   o.stream = stream_;
@@ -925,33 +813,7 @@ absl::Status CudaEngine::EnsureDoorbellLocked() {
         "this GPU\"",
         cuda_options_.doorbell_serve_blocks, o.serve_blocks);
   }
-  absl::StatusOr<std::unique_ptr<DoorbellPlane>> plane = DoorbellPlane::Create(o);
-  if (!plane.ok()) {
-    return absl::Status(plane.status().code(), absl::StrCat("cannot create the doorbell plane: ",
-                                                            plane.status().message()));
-  }
-  ARFUSE_RETURN_IF_ERROR((*plane)->Start());
-  doorbell_ = std::move(*plane);
-  doorbell_id_ = g_next_doorbell_id.fetch_add(1);
-  doorbell_plans_ = 0;
-  spdlog::info("event=doorbell_plane_ready rank={} plane_id={} generation={}", options_.rank,
-               doorbell_id_, workspace_->generation());
-  return absl::OkStatus();
-}
-
-absl::Status CudaEngine::PauseDoorbellLocked(absl::Time deadline, bool* resume) {
-  *resume = doorbell_->Status().running;
-  absl::Status paused = doorbell_->Pause(deadline);
-  if (!paused.ok() && *resume) {
-    // Nothing was launched: let the plane serve again rather than leave it paused.
-    *resume = false;
-    absl::Status resumed = doorbell_->Resume();
-    if (!resumed.ok()) {
-      spdlog::warn("event=doorbell_resume_failed rank={} error=\"{}\"", options_.rank,
-                   std::string(resumed.message()));
-    }
-  }
-  return paused;
+  return o;
 }
 
 DispatchRequest CudaEngine::DispatchRequestLocked(const OpArgs& op) const {
@@ -1018,30 +880,10 @@ absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op
   ARFUSE_ASSIGN_OR_RETURN(const FusionParams params,
                           workspace_->MakeParams(op, FusionAlgo::kOneShot));
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  ARFUSE_RETURN_IF_ERROR(EnsureDoorbellLocked());
-  DoorbellPlanOptions plan_options;
-  plan_options.max_tokens = max_tokens;
-  plan_options.twoshot_min_tokens = dispatch.twoshot_min_tokens;
-  ARFUSE_ASSIGN_OR_RETURN(const DoorbellHandle handle, doorbell_->AddPlan(params, plan_options));
-  ++doorbell_plans_;
-  DoorbellGrant grant;
-  grant.plane_id = doorbell_id_;
-  grant.slot = handle.slot;
-  grant.ipc_handle = handle.ipc_handle;
-  grant.offset = handle.offset;
-  grant.request_value = handle.request_value;
-  grant.complete_value = handle.complete_value;
-  grant.reset_value = handle.reset_value;
-  grant.max_tokens = max_tokens;
-  grant.twoshot_min_tokens = dispatch.twoshot_min_tokens;
-  grant.path_at_max = dispatch.path_at_max;
-  grant.reason = dispatch.reason;
-  spdlog::info(
-      "event=doorbell_plan_registered rank={} plane_id={} slot={} hidden={} max_tokens={} "
-      "twoshot_min_tokens={} plans={}",
-      options_.rank, doorbell_id_, handle.slot, op.hidden, max_tokens, dispatch.twoshot_min_tokens,
-      doorbell_plans_);
-  return grant;
+  if (!doorbell_.active()) {
+    ARFUSE_RETURN_IF_ERROR(doorbell_.Ensure(DoorbellOptionsLocked(), workspace_->generation()));
+  }
+  return doorbell_.AddPlan(params, max_tokens, dispatch, op.hidden);
 }
 
 absl::Status CudaEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) {
@@ -1050,49 +892,20 @@ absl::Status CudaEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Ti
     return absl::DeadlineExceededError(
         "an op held the engine until the deadline; the doorbell plan was not removed");
   }
-  absl::Status out = absl::OkStatus();
-  if (doorbell_ != nullptr && grant.plane_id == doorbell_id_) {
-    cudaSetDevice(device_);
-    absl::Status removed = doorbell_->RemovePlan(grant.slot);
-    if (removed.ok()) {
-      --doorbell_plans_;
-    } else if (!absl::IsNotFound(removed)) {
-      out = removed;
-    }
-    if (removed.ok() || !absl::IsNotFound(removed)) {
-      // Triples queued before the removal may still run the plan's op: wait until they are gone,
-      // so that the caller may unmap the plan's memory.
-      bool resume = false;
-      absl::Status paused =
-          PauseDoorbellLocked(DoorbellPauseDeadline(deadline, options_.spin_timeout), &resume);
-      if (resume) {
-        absl::Status resumed = doorbell_->Resume();
-        if (!resumed.ok()) {
-          spdlog::warn("event=doorbell_resume_failed rank={} error=\"{}\"", options_.rank,
-                       std::string(resumed.message()));
-        }
-      }
-      if (!paused.ok()) {
-        out = absl::DeadlineExceededError(absl::StrCat(
-            "doorbell plan removed, but doorbell ops were still running at the deadline (",
-            paused.message(), "): its memory must stay mapped"));
-      }
-    }
-  }
+  cudaSetDevice(device_);
+  absl::Status out = doorbell_.RemovePlan(grant, deadline);
   mu_.Unlock();
   return out;
 }
 
 DoorbellSlot* CudaEngine::doorbell_slot_for_testing(const DoorbellGrant& grant) const {
   absl::MutexLock lock(&mu_);
-  if (doorbell_ == nullptr || grant.plane_id != doorbell_id_) return nullptr;
-  return doorbell_->slot_for_testing(grant.slot);
+  return doorbell_.slot_for_testing(grant);
 }
 
 absl::StatusOr<DoorbellPlaneStatus> CudaEngine::DoorbellStatus() const {
   absl::MutexLock lock(&mu_);
-  if (doorbell_ == nullptr) return absl::NotFoundError("no doorbell plane");
-  return doorbell_->Status();
+  return doorbell_.Status();
 }
 
 }  // namespace arfuse
