@@ -15,6 +15,9 @@ for run in "$@"; do
   case $run in
     instream) "$here/gpu-run" instream ;;
     scenarios) "$here/gpu-run" instream-scenarios ;;
+    demo-doorbell) "$here/gpu-run" demo-doorbell ;;
+    doorbell-engine) "$here/gpu-run" doorbell-engine ;;
+    sidecar-short) BENCH_LIMIT=150 SB_ARGS="--iters=200 --warmup=50 --timeout=120" "$here/gpu-run" sidecar ;;
     kernels) "$here/gpu-run" kernels ;;
     demo) "$here/gpu-run" demo ;;
     doorbell) "$here/gpu-run" doorbell ;;
