@@ -17,6 +17,7 @@ for run in "$@"; do
     scenarios) "$here/gpu-run" instream-scenarios ;;
     demo-doorbell) "$here/gpu-run" demo-doorbell ;;
     multiproc) "$here/gpu-run" multiproc ;;
+    doorbell-ipc) "$here/gpu-run" doorbell-ipc ;;
     reliability) REL_LIMIT=220 ARFUSE_LOAD_SECONDS=10 "$here/gpu-run" reliability ;;
     doorbell-engine) "$here/gpu-run" doorbell-engine ;;
     sidecar-short) BENCH_LIMIT=150 SB_ARGS="--iters=200 --warmup=50 --timeout=120" "$here/gpu-run" sidecar ;;
