@@ -2,76 +2,85 @@
 
 #include <algorithm>
 
-#include "absl/strings/match.h"
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "server/core/status_macros.h"
+
+// Every option of every subcommand, once: a subcommand's FlagSet names the ones it takes, and
+// its table in cli.cc holds their help. The values are text; the subcommands parse them.
+ABSL_FLAG(std::string, arfusectl_addr, "", "arfused address(es)");
+ABSL_FLAG(std::string, arfusectl_timeout_ms, "", "deadline of each call in ms");
+ABSL_FLAG(bool, arfusectl_json, false, "print one JSON object");
+ABSL_FLAG(std::string, arfusectl_rank, "", "the sidecar of one rank");
+ABSL_FLAG(std::string, arfusectl_ranks, "", "the sidecars of these ranks");
+ABSL_FLAG(bool, arfusectl_all, false, "every local rank");
+ABSL_FLAG(std::string, arfusectl_service, "", "health: the service name");
+ABSL_FLAG(std::string, arfusectl_backend, "", "set-backend: the backend");
+ABSL_FLAG(std::string, arfusectl_sm, "", "compute capability");
+ABSL_FLAG(std::string, arfusectl_nnodes, "", "nodes in the group");
+ABSL_FLAG(std::string, arfusectl_tp, "", "tensor-parallel size");
+ABSL_FLAG(std::string, arfusectl_flashinfer_allreduce_fusion_backend, "", "fusion backend");
+ABSL_FLAG(bool, arfusectl_enable_flashinfer_allreduce_fusion, false, "deprecated enable");
+ABSL_FLAG(bool, arfusectl_enforce_disable_flashinfer_allreduce_fusion, false, "fusion off");
+ABSL_FLAG(bool, arfusectl_enable_deterministic_inference, false, "deterministic inference");
+ABSL_FLAG(std::string, arfusectl_fusion_rules, "", "the upstream rule set");
+ABSL_FLAG(std::string, arfusectl_model_architecture, "", "the model's architecture");
+ABSL_FLAG(bool, arfusectl_enable_dp_attention, false, "DP attention");
+ABSL_FLAG(std::string, arfusectl_moe_a2a_backend, "", "MoE all-to-all backend");
+ABSL_FLAG(std::string, arfusectl_cuda_graph_mode, "", "CUDA-graph mode, every phase");
+ABSL_FLAG(std::string, arfusectl_prefill_cuda_graph_mode, "", "CUDA-graph mode, prefill");
+ABSL_FLAG(std::string, arfusectl_decode_cuda_graph_mode, "", "CUDA-graph mode, decode");
+ABSL_FLAG(std::string, arfusectl_fused_op_in_graph, "", "the fused op in graphs");
+ABSL_FLAG(std::string, arfusectl_mnnvl_capture_safe, "", "mnnvl kernels capture-safe");
 
 namespace arfuse::cli {
 namespace {
 
-std::string Clip(const std::string& s) { return s.size() > 64 ? s.substr(0, 64) + "..." : s; }
+constexpr char kFlagPrefix[] = "arfusectl_";
+
+std::string Underscored(const std::string& name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }
 
 }  // namespace
 
-std::optional<std::string> ParsedArgs::Get(const std::string& name) const {
-  auto it = values_.find(name);
-  if (it == values_.end()) return std::nullopt;
-  return it->second;
+bool ParsedArgs::Has(const std::string& name) const {
+  return flags::WasGiven(given_, Underscored(name));
 }
 
-bool ParsedArgs::Switch(const std::string& name) const {
-  auto it = values_.find(name);
-  return it != values_.end() && it->second == "true";
+std::optional<std::string> ParsedArgs::Get(const std::string& name) const {
+  if (!Has(name)) return std::nullopt;
+  return set_.Find(Underscored(name))->CurrentValue();
 }
+
+bool ParsedArgs::Switch(const std::string& name) const { return Get(name) == "true"; }
 
 absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
                                      const std::vector<OptionSpec>& specs,
                                      const std::vector<std::string>& args) {
-  ParsedArgs parsed;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (!absl::StartsWith(arg, "--") || arg.size() == 2) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", Clip(arg),
-                                                     "\" for 'arfusectl ", command,
-                                                     "': options are --name value"));
-    }
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
-    std::optional<std::string> value;
-    if (eq != std::string::npos) value = arg.substr(eq + 1);
-
-    auto spec = std::find_if(specs.begin(), specs.end(),
-                             [&](const OptionSpec& s) { return s.name == name; });
-    if (spec == specs.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown option --", Clip(name),
-                                                     " for 'arfusectl ", command,
-                                                     "' (see arfusectl ", command, " --help)"));
-    }
-    if (parsed.values_.count(name) && !spec->last_wins) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " given more than once"));
-    }
-    if (spec->kind == OptionSpec::Kind::kSwitch) {
-      if (!value) {
-        value = "true";
-      } else if (*value != "true" && *value != "false") {
-        return absl::InvalidArgumentError(absl::StrCat("--", name, "=", Clip(*value),
-                                                       ": expected --", name, ", --", name,
-                                                       "=true or --", name, "=false"));
-      }
-    } else if (!value) {
-      // "--tp 2": the value is the next argument, unless that is another option.
-      if (i + 1 >= args.size() || absl::StartsWith(args[i + 1], "--")) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, " needs a value (--", name, " ", spec->value_hint, ")"));
-      }
-      value = args[++i];
-    }
-    if (spec->check) {
-      absl::Status checked = spec->check(*value);
-      if (!checked.ok()) return checked;
-    }
-    parsed.values_[name] = *value;
+  std::vector<std::string> names;
+  flags::Strict strict;
+  strict.single = true;
+  strict.bool_words = true;
+  strict.value_not_flag = true;
+  strict.name_program = true;
+  for (const OptionSpec& s : specs) {
+    names.push_back(Underscored(s.name));
+    if (s.last_wins) strict.repeatable.push_back(names.back());
   }
-  return parsed;
+  flags::FlagSet set(absl::StrCat("arfusectl ", command), names, kFlagPrefix, strict);
+  std::vector<std::string> argv_text = {command};
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : argv_text) argv.push_back(a.data());
+  ARFUSE_ASSIGN_OR_RETURN(std::vector<flags::GivenFlag> given,
+                          set.Tokenize(static_cast<int>(argv.size()), argv.data()));
+  for (const flags::GivenFlag& g : given) {
+    auto spec = std::find_if(specs.begin(), specs.end(),
+                             [&](const OptionSpec& s) { return Underscored(s.name) == g.name; });
+    if (spec->check) ARFUSE_RETURN_IF_ERROR(spec->check(g.value));
+    ARFUSE_RETURN_IF_ERROR(set.Set(g.name, g.value, "command line"));
+  }
+  return ParsedArgs(std::move(set), std::move(given));
 }
 
 std::string OptionsHelp(const std::vector<OptionSpec>& specs) {

@@ -1,22 +1,26 @@
-// A small argv parser for arfusectl: long options with hyphens, as the serving frameworks spell
-// them (abseil flags cannot), "--name value" or "--name=value", boolean switches "--name" or
-// "--name=true|false". No positional arguments. An option given twice is an error, except the
-// serving frameworks' fusion flags, which take the last value as argparse does.
+// arfusectl's options, parsed by the binaries' one command-line library (server/core/flags.h):
+// one FlagSet per subcommand over abseil flags named arfusectl_<name>, with the library's
+// spellings ("--name value", "--name=value", hyphens or underscores, "--switch", "--noswitch")
+// and its Strict rules: no positional arguments, a switch takes true or false only, and an
+// option given twice is an error, except the serving frameworks' fusion flags, which take the
+// last value as argparse does. No ARFUSE_<NAME> variables: an operator's shell is not a config.
 #pragma once
 
 #include <functional>
-#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/core/flags.h"
 
 namespace arfuse::cli {
 
 struct OptionSpec {
+  // A switch is an abseil bool flag, a valued option a string flag (its spec's check and the
+  // command's run parse it).
   enum class Kind { kSwitch, kValue };
-  std::string name;  // without the leading "--"
+  std::string name;  // without the leading "--", hyphenated
   Kind kind = Kind::kValue;
   std::string value_hint;  // "N", "B", "true|false"; empty for switches
   std::string help;
@@ -28,9 +32,11 @@ struct OptionSpec {
   std::function<absl::Status(const std::string&)> check = nullptr;
 };
 
+// What one command line gave: read from the subcommand's flags, and only for the options given
+// (the flags keep values of an earlier in-process run otherwise).
 class ParsedArgs {
  public:
-  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  bool Has(const std::string& name) const;
   std::optional<std::string> Get(const std::string& name) const;
   // Switches: false when absent, else the parsed value ("--x" is true).
   bool Switch(const std::string& name) const;
@@ -38,7 +44,10 @@ class ParsedArgs {
  private:
   friend absl::StatusOr<ParsedArgs> ParseArgs(const std::string&, const std::vector<OptionSpec>&,
                                               const std::vector<std::string>&);
-  std::map<std::string, std::string> values_;
+  ParsedArgs(flags::FlagSet set, std::vector<flags::GivenFlag> given)
+      : set_(std::move(set)), given_(std::move(given)) {}
+  flags::FlagSet set_;
+  std::vector<flags::GivenFlag> given_;
 };
 
 // `command` names the subcommand in messages. INVALID_ARGUMENT, one line, for an unknown option,

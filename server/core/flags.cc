@@ -1,5 +1,6 @@
 #include "server/core/flags.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "server/core/status_macros.h"
 
 namespace arfuse::flags {
 
@@ -28,8 +30,12 @@ bool WasGiven(const std::vector<GivenFlag>& given, absl::string_view name) {
   return false;
 }
 
-FlagSet::FlagSet(std::string program, std::vector<std::string> names, std::string prefix)
-    : program_(std::move(program)), names_(std::move(names)), prefix_(std::move(prefix)) {}
+FlagSet::FlagSet(std::string program, std::vector<std::string> names, std::string prefix,
+                 Strict strict)
+    : program_(std::move(program)),
+      names_(std::move(names)),
+      prefix_(std::move(prefix)),
+      strict_(std::move(strict)) {}
 
 bool FlagSet::Owns(absl::string_view name) const {
   for (const auto& n : names_) {
@@ -80,11 +86,25 @@ absl::Status FlagSet::ApplyEnvironment(
 
 absl::StatusOr<std::vector<GivenFlag>> FlagSet::Tokenize(int argc, char** argv) const {
   std::vector<GivenFlag> out;
+  // Appends one flag; under Strict::single refuses a second one of a name not repeatable.
+  auto given = [&](std::string name, std::string value) -> absl::Status {
+    if (strict_.single && WasGiven(out, name) &&
+        std::find(strict_.repeatable.begin(), strict_.repeatable.end(), name) ==
+            strict_.repeatable.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", Hyphenated(name), " given more than once"));
+    }
+    out.push_back({std::move(name), std::move(value)});
+    return absl::OkStatus();
+  };
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg, "\" (",
-                                                     program_, " takes only flags; see --help)"));
+      return absl::InvalidArgumentError(
+          strict_.name_program ? absl::StrCat("unexpected argument \"", arg, "\" for '", program_,
+                                              "': options are --name value")
+                               : absl::StrCat("unexpected argument \"", arg, "\" (", program_,
+                                              " takes only flags; see --help)"));
     }
     if (arg.empty()) {
       return absl::InvalidArgumentError("empty flag \"--\" (see --help)");
@@ -97,26 +117,34 @@ absl::StatusOr<std::vector<GivenFlag>> FlagSet::Tokenize(int argc, char** argv) 
       std::string base = name.substr(2);
       absl::CommandLineFlag* b = Find(base);
       if (b != nullptr && b->IsOfType<bool>()) {
-        out.push_back({std::move(base), "false"});
+        ARFUSE_RETURN_IF_ERROR(given(std::move(base), "false"));
         continue;
       }
     }
     if (f == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", Hyphenated(name), " (see --help)"));
+          strict_.name_program
+              ? absl::StrCat("unknown option --", Hyphenated(name), " for '", program_, "' (see ",
+                             program_, " --help)")
+              : absl::StrCat("unknown flag --", Hyphenated(name), " (see --help)"));
     }
     std::string value;
     if (eq != absl::string_view::npos) {
       value = std::string(arg.substr(eq + 1));
+      if (strict_.bool_words && f->IsOfType<bool>() && value != "true" && value != "false") {
+        const std::string flag = absl::StrCat("--", Hyphenated(name));
+        return absl::InvalidArgumentError(absl::StrCat(flag, "=", value, ": expected ", flag, ", ",
+                                                       flag, "=true or ", flag, "=false"));
+      }
     } else if (f->IsOfType<bool>()) {
       value = "true";
-    } else if (i + 1 < argc) {
+    } else if (i + 1 < argc && !(strict_.value_not_flag && absl::StartsWith(argv[i + 1], "--"))) {
       value = argv[++i];
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("flag --", Hyphenated(name), " needs a value"));
     }
-    out.push_back({std::move(name), std::move(value)});
+    ARFUSE_RETURN_IF_ERROR(given(std::move(name), std::move(value)));
   }
   return out;
 }

@@ -3,7 +3,8 @@
 // which parses the spellings the serving frameworks use (abseil's own parser cannot):
 // "--name=value", "--name value", "--bool", "--nobool", with hyphens or underscores
 // (--world-size and --world_size are one flag). Values may also come from ARFUSE_<NAME>
-// environment variables. A flag given twice takes the last value, as argparse does.
+// environment variables. A flag given twice takes the last value, as argparse does, unless the
+// FlagSet is Strict.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,24 @@ struct GivenFlag {
   std::string value;
 };
 
+// Stricter rules for a command line that refuses what argparse lets through (arfusectl's
+// subcommands), for a FlagSet. Every one is off by default.
+struct Strict {
+  // A flag given twice is INVALID_ARGUMENT "--name given more than once", except the ones named
+  // in `repeatable`, which take the last value.
+  bool single = false;
+  std::vector<std::string> repeatable;
+  // A boolean takes "--name", "--noname", "--name=true" or "--name=false" only; any other value
+  // is "--name=V: expected --name, --name=true or --name=false" (abseil also takes 1, yes, t).
+  bool bool_words = false;
+  // "--name value" does not take a next argument that starts with "--" as the value: that is
+  // "--name needs a value".
+  bool value_not_flag = false;
+  // Messages call flags options and name `program` ("unknown option --x for 'arfusectl
+  // resolve' (see arfusectl resolve --help)").
+  bool name_program = false;
+};
+
 // The flags one binary (or subcommand) owns, by their command-line names with underscores, in the
 // order its --help lists them. Flags of linked libraries (abseil's, gRPC's) are not on the command
 // line unless named here.
@@ -33,7 +52,8 @@ class FlagSet {
   // `program` names the binary in messages about positional arguments. The abseil flag of name N
   // is `prefix` + N: subcommands of one binary keep their flags apart in abseil's one registry
   // (ABSL_FLAG(int, kernels_world, ...) is `arfuse-bench kernels --world`).
-  FlagSet(std::string program, std::vector<std::string> names, std::string prefix = "");
+  FlagSet(std::string program, std::vector<std::string> names, std::string prefix = "",
+          Strict strict = {});
 
   const std::vector<std::string>& names() const { return names_; }
   bool Owns(absl::string_view name) const;
@@ -41,7 +61,8 @@ class FlagSet {
   absl::CommandLineFlag* Find(absl::string_view name) const;
 
   // Splits argv[1..] into flags, checking each name (not its value). INVALID_ARGUMENT, one line,
-  // for a positional argument, an unknown flag or a non-boolean flag without a value.
+  // for a positional argument, an unknown flag or a non-boolean flag without a value (and what
+  // Strict refuses).
   absl::StatusOr<std::vector<GivenFlag>> Tokenize(int argc, char** argv) const;
 
   // Sets one flag from text; `origin` (a file and line, a variable, "command line") starts the
@@ -60,6 +81,7 @@ class FlagSet {
   std::string program_;
   std::vector<std::string> names_;
   std::string prefix_;
+  Strict strict_;
 };
 
 // "world_size" -> "world-size", as --help and messages spell a flag.

@@ -351,6 +351,20 @@ TEST(ArfusectlResolve, InvalidInputExitsTwoWithOneClearLine) {
   }
 }
 
+// The binaries' one flag library's spellings (underscores, --noswitch); in process, one run's
+// options do not carry into the next (the abseil flags behind them are global).
+TEST(ArfusectlResolve, TakesTheFlagLibrarysSpellings) {
+  Result underscored =
+      RunInProcess({"resolve", "--sm=90", "--nnodes", "1", "--tp", "2",
+                    "--flashinfer_allreduce_fusion_backend", "trtllm", "--enable_dp_attention"});
+  EXPECT_EQ(underscored.code, 0) << underscored.err;
+  EXPECT_THAT(underscored.out, StartsWith("{\"backend\":\"trtllm\",\"fusion_enabled\":false"));
+  Result next = RunInProcess({"resolve", "--sm=90", "--nnodes", "1", "--tp", "2",
+                              "--flashinfer-allreduce-fusion-backend=trtllm", "--nojson"});
+  EXPECT_EQ(next.code, 0) << next.err;
+  EXPECT_THAT(next.out, StartsWith("{\"backend\":\"trtllm\",\"fusion_enabled\":true"));
+}
+
 // argparse semantics for the frameworks' fusion flags: the last value wins.
 TEST(ArfusectlResolve, RepeatedFusionFlagTakesTheLastValue) {
   const std::vector<std::string> topo = {"resolve", "--sm", "90", "--nnodes", "1", "--tp", "2"};

@@ -119,6 +119,45 @@ TEST(FlagSetPrefix, MapsNamesToPrefixedFlags) {
             "here: bad value \"x\" for --count: Illegal value 'x' specified for flag 'count'");
 }
 
+// Strict rules (arfusectl's): a flag given once, booleans as words, a value that is not the next
+// flag, messages that name the command.
+TEST(FlagSetStrict, RefusesWhatArgparseLetsThrough) {
+  Strict strict;
+  strict.single = true;
+  strict.repeatable = {"list"};
+  strict.bool_words = true;
+  strict.value_not_flag = true;
+  strict.name_program = true;
+  FlagSet sub("prog sub", {"count", "switch", "list"}, "flags_test_", strict);
+  auto parse = [&](std::vector<std::string> args) {
+    std::vector<char*> argv = {const_cast<char*>("sub")};
+    for (auto& a : args) argv.push_back(a.data());
+    return sub.Tokenize(static_cast<int>(argv.size()), argv.data());
+  };
+  EXPECT_EQ(parse({"--count=1", "--count", "2"}).status().message(),
+            "--count given more than once");
+  EXPECT_EQ(parse({"--switch", "--noswitch"}).status().message(), "--switch given more than once");
+  auto lists = parse({"--list=1", "--list=2"});
+  ASSERT_TRUE(lists.ok()) << lists.status();
+  EXPECT_EQ(lists->size(), 2u);
+  EXPECT_EQ(parse({"--switch=yes"}).status().message(),
+            "--switch=yes: expected --switch, --switch=true or --switch=false");
+  EXPECT_TRUE(parse({"--switch=false"}).ok());
+  EXPECT_EQ(parse({"--count", "--switch"}).status().message(), "flag --count needs a value");
+  EXPECT_EQ(parse({"--bogus"}).status().message(),
+            "unknown option --bogus for 'prog sub' (see prog sub --help)");
+  EXPECT_EQ(parse({"extra"}).status().message(),
+            "unexpected argument \"extra\" for 'prog sub': options are --name value");
+  // Without Strict the same command lines pass.
+  FlagSet loose("prog sub", {"count", "switch"}, "flags_test_");
+  std::vector<std::string> args = {"--count=1", "--count", "--switch", "--switch=yes"};
+  std::vector<char*> argv = {const_cast<char*>("sub")};
+  for (auto& a : args) argv.push_back(a.data());
+  auto given = loose.Tokenize(static_cast<int>(argv.size()), argv.data());
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ((*given)[1].value, "--switch");
+}
+
 TEST(FlagNames, Spellings) {
   EXPECT_EQ(Hyphenated("world_size"), "world-size");
   EXPECT_EQ(EnvName("world_size"), "ARFUSE_WORLD_SIZE");
