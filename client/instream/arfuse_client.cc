@@ -294,17 +294,13 @@ int arfuse_disable(arfuse_ctx* ctx, const char* reason) {
 
 const char* arfuse_error_name(uint32_t code) {
   switch (code) {
-    case 0:
-      return "none";
     // FusionError's codes (the host collective's HostWsError shares them).
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kNone):
     case static_cast<uint32_t>(arfuse::host::HostWsError::kTimeout):
-      return "timeout";
     case static_cast<uint32_t>(arfuse::host::HostWsError::kHostAbort):
-      return "host_abort";
     case static_cast<uint32_t>(arfuse::host::HostWsError::kPeerAbort):
-      return "peer_abort";
     case static_cast<uint32_t>(arfuse::host::HostWsError::kPoisoned):
-      return "poisoned";
+      return arfuse::host::HostWsErrorName(code);
     case lib::kErrorOpMismatch:
       return "op_mismatch";
     case arfuse::instream::kErrorStaleGeneration:

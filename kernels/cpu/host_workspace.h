@@ -85,6 +85,23 @@ enum class HostWsError : uint32_t {
   kPoisoned = 4,   // (reported, never stored) the workspace was poisoned for a reason not recorded
 };
 
+// The name of a HostWsError code, as FusionErrorName names the kernels' ("poisoned" for a code
+// host mode never stores).
+inline const char* HostWsErrorName(uint32_t code) {
+  switch (static_cast<HostWsError>(code)) {
+    case HostWsError::kNone:
+      return "none";
+    case HostWsError::kTimeout:
+      return "timeout";
+    case HostWsError::kHostAbort:
+      return "host_abort";
+    case HostWsError::kPeerAbort:
+      return "peer_abort";
+    default:
+      return "poisoned";
+  }
+}
+
 // Whether a rank that found every rank's input for op `seq` must drop it because a rank gave up:
 // only when the failure was at this op or an earlier one. (A rank that gave up on a later op
 // completed this one with everyone's input; dropping it here would make the ranks disagree on its

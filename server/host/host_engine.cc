@@ -318,8 +318,8 @@ class HostEngine final : public Engine, public InStreamHost {
     if (const uint32_t error = InStreamErrorLocked(); state_ == WorkspaceState::kReady && error) {
       s.state = WorkspaceState::kPoisoned;
       s.fusion_enabled = false;
-      s.reason =
-          absl::StrCat("host workspace poisoned by an in-stream op (", HostWsErrorName(error), ")");
+      s.reason = absl::StrCat("host workspace poisoned by an in-stream op (",
+                              host::HostWsErrorName(error), ")");
     }
     s.workspace_bytes = state_ == WorkspaceState::kInitializing
                             ? 0
@@ -370,8 +370,8 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     if (const uint32_t error = InStreamErrorLocked(); error != 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("host workspace is poisoned by an in-stream op (", HostWsErrorName(error),
-                       "); attach after every rank re-initialized"));
+          absl::StrCat("host workspace is poisoned by an in-stream op (",
+                       host::HostWsErrorName(error), "); attach after every rank re-initialized"));
     }
     if (state_ != WorkspaceState::kReady || !ws_.fd.valid()) {
       return absl::UnavailableError(absl::StrCat("host workspace is not initialized: ", reason_));
@@ -403,7 +403,7 @@ class HostEngine final : public Engine, public InStreamHost {
     // A stale client op touches nothing, not even a counter: there is none to report.
     c.stale = 0;
     c.error = view.header()->error.load(std::memory_order_acquire);
-    if (c.error != 0) c.error_name = HostWsErrorName(c.error);
+    if (c.error != 0) c.error_name = host::HostWsErrorName(c.error);
     return c;
   }
 
@@ -418,21 +418,6 @@ class HostEngine final : public Engine, public InStreamHost {
   }
 
  private:
-  static const char* HostWsErrorName(uint32_t error) {
-    switch (static_cast<host::HostWsError>(error)) {
-      case host::HostWsError::kNone:
-        return "none";
-      case host::HostWsError::kTimeout:
-        return "timeout";
-      case host::HostWsError::kHostAbort:
-        return "host_abort";
-      case host::HostWsError::kPeerAbort:
-        return "peer_abort";
-      default:
-        return "poisoned";
-    }
-  }
-
   // The shared header's error word (0 while no op failed), under state_mu_.
   uint32_t InStreamErrorLocked() const {
     if (!ws_.mapping.valid()) return 0;
