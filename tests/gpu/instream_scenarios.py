@@ -662,8 +662,9 @@ def main():
         finally:
             sc.stop()
         for r in range(args.world):
-            (d / f"arfused.{r}.log").replace(d / f"arfused.{scenario}.{r}.log") \
-                if (d / f"arfused.{r}.log").exists() else None
+            log = d / f"arfused.{r}.log"
+            if log.exists():
+                log.replace(d / f"arfused.{scenario}.{r}.log")
         print(f"{scenario}: {'PASS' if v['ok'] else 'FAIL'} in {v.get('seconds', 0):.1f} s"
               + ("" if v["ok"] else f": {v['problems']}"), flush=True)
         if scenario == "pdl" and v.get("ranks", {}).get(0):
