@@ -723,9 +723,22 @@ void Sidecar::SuperviseGroup() {
   // This thread's device: DeviceHealth() inspects the current device's context.
   if (options_.device == "cuda") cudaSetDevice(options_.gpu);
 #endif
+  // The in-stream workspace the last re-form dropped (0: none yet), and the one serving now.
+  uint64_t dropped_instream = 0;
+  auto instream_generation = [this]() -> uint64_t {
+    absl::StatusOr<InStreamCounters> c = gate_.InStreamStatus();
+    return c.ok() ? c->generation : 0;
+  };
   while (!ShutdownRequested()) {
     reinit_requested_ = false;
     absl::Status formed = FormGroup();
+    if (formed.ok() && fusion_ != nullptr) {
+      // Attachments to the dropped workspace hear REINITIALIZED now, after the POISONED queued
+      // before it was dropped (generations only grow, so the dropped one's successor is newer).
+      const uint64_t serving =
+          std::max(instream_generation(), dropped_instream == 0 ? 0 : dropped_instream + 1);
+      if (serving != 0) fusion_->instream().Reinitialized(serving);
+    }
     if (!formed.ok()) {
       {
         std::lock_guard<std::mutex> lock(state_mu_);
@@ -784,6 +797,14 @@ void Sidecar::SuperviseGroup() {
       spdlog::warn("event=group_reform reason=peer_lost error=\"{}\"", link.message());
     } else {
       spdlog::warn("event=group_reform reason=requested");
+    }
+    // Recorded while the workspace and its error word still exist, so that the attached clients
+    // hear POISONED with its cause however soon the group re-forms.
+    dropped_instream = instream_generation();
+    if (fusion_ != nullptr && (poisoned || !link.ok())) {
+      fusion_->instream().Poisoned(
+          dropped_instream,
+          poisoned ? gate_.Status().reason : absl::StrCat("peer link lost (", link.message(), ")"));
     }
     SetReadiness(false);
     // The group is gone until it re-forms: no rank counts as joined meanwhile.

@@ -1,5 +1,6 @@
 #include "server/instream/attachments.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,7 +19,7 @@ InStreamAttachments::~InStreamAttachments() {
     stop_ = true;
   }
   cv_.notify_all();
-  watcher_.join();  // the watcher waits at most one probe (a bounded copy) before it sees stop_
+  watcher_.join();  // the thread waits at most one probe (a bounded copy) before it sees stop_
 }
 
 absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t generation) {
@@ -27,6 +28,17 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
     return absl::FailedPreconditionError(
         "the workspace is draining (backend switch or shutdown); attach again after it");
   }
+  // An attach whose export raced a poisoning or a re-form: its workspace can run no op, and it
+  // would miss the events already sent for it.
+  if (generation < serving_generation_) {
+    return absl::FailedPreconditionError(
+        "the workspace was rebuilt while this attach was prepared; attach again");
+  }
+  if (generation != 0 && generation == poisoned_generation_) {
+    return absl::FailedPreconditionError(absl::StrCat("the workspace is poisoned (",
+                                                      poisoned_cause_,
+                                                      "); attach again after the group re-forms"));
+  }
   for (const auto& [id, e] : entries_) {
     if (e.session == session) {
       return absl::AlreadyExistsError(
@@ -34,8 +46,7 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
     }
   }
   const uint64_t id = next_id_++;
-  entries_[id] = Entry{session, generation, false};
-  poisoned_reported_ = false;
+  entries_[id] = Entry{session, generation, false, false};
   cv_.notify_all();  // the watcher starts probing
   return id;
 }
@@ -87,81 +98,123 @@ uint64_t InStreamAttachments::stale() const {
   return stale_base_ + last_stale_;
 }
 
-size_t InStreamAttachments::Drain(const std::string& reason, absl::Time deadline) {
-  std::vector<std::pair<uint64_t, AttachEventData>> events;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    draining_ = true;
-    for (auto& [id, e] : entries_) {
-      e.draining = true;
-      events.push_back({e.session, AttachEventData{AttachEventKind::kDrain, id, reason}});
+void InStreamAttachments::QueueLocked(uint64_t session, AttachEventData event) {
+  queue_.push_back(Pending{session, std::move(event)});
+  ++queued_;
+  cv_.notify_all();
+}
+
+void InStreamAttachments::Poisoned(uint64_t generation, const std::string& cause) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PoisonedLocked(generation, cause);
+}
+
+void InStreamAttachments::PoisonedLocked(uint64_t generation, const std::string& cause) {
+  if (generation == 0 || generation < serving_generation_) return;  // gone already
+  if (generation != poisoned_generation_) {
+    poisoned_generation_ = generation;
+    poisoned_cause_ = cause;
+  }
+  for (auto& [id, e] : entries_) {
+    if (e.generation != generation || e.told_poisoned) continue;
+    e.told_poisoned = true;
+    QueueLocked(e.session, AttachEventData{AttachEventKind::kPoisoned, id,
+                                           absl::StrCat(poisoned_cause_, "; the group re-forms")});
+  }
+}
+
+void InStreamAttachments::Reinitialized(uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReinitializedLocked(generation);
+}
+
+void InStreamAttachments::ReinitializedLocked(uint64_t generation) {
+  serving_generation_ = std::max(serving_generation_, generation);
+  // Attachments made for a workspace that is gone (the engine was replaced) end here; their
+  // clients must attach again.
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.generation < serving_generation_) {
+      QueueLocked(it->second.session, AttachEventData{AttachEventKind::kReinitialized, it->first,
+                                                      "the workspace was rebuilt; attach again"});
+      it = entries_.erase(it);
+    } else {
+      ++it;
     }
   }
-  Deliver(std::move(events));
+  cv_.notify_all();  // a drain waiting for the table to empty
+}
+
+size_t InStreamAttachments::Drain(const std::string& reason, absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
+  draining_ = true;
+  for (auto& [id, e] : entries_) {
+    e.draining = true;
+    QueueLocked(e.session, AttachEventData{AttachEventKind::kDrain, id, reason});
+  }
+  const uint64_t mine = queued_;
   cv_.wait_until(lock, absl::ToChronoTime(deadline), [this] { return entries_.empty(); });
   const size_t left = entries_.size();
   if (left != 0) {
     spdlog::warn("event=instream_drain_incomplete attachments={} action=abort_workspace", left);
   }
   entries_.clear();
+  // Attaches stay refused until the drain's own events are out (delivery never blocks: each is
+  // queued on its session's stream), so none of them reaches an attachment made after it.
+  cv_.wait_until(lock, absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))),
+                 [this, mine] { return delivered_ >= mine || stop_; });
   draining_ = false;
   return left;
 }
 
-void InStreamAttachments::Deliver(std::vector<std::pair<uint64_t, AttachEventData>> events) {
-  for (const auto& [session, event] : events) notify_(session, event);
+void InStreamAttachments::ApplyProbeLocked(const InStreamProbe& p) {
+  if (!p.ok) return;
+  if (p.generation != probed_generation_) {
+    launches_base_ += last_launches_;
+    stale_base_ += last_stale_;
+    last_launches_ = last_stale_ = 0;
+    probed_generation_ = p.generation;
+  }
+  last_launches_ = p.launches;
+  last_stale_ = p.stale;
+  // The kernels' error word is sticky for the workspace's life, so a probe cannot miss it while
+  // the workspace lives; the supervisor records the poisoning itself before it drops one.
+  if (p.error != 0) {
+    PoisonedLocked(p.generation, absl::StrCat("the workspace is poisoned by an in-stream op (",
+                                              p.error_name, ")"));
+  }
+  ReinitializedLocked(p.generation);
 }
 
 void InStreamAttachments::Watch() {
   std::unique_lock<std::mutex> lock(mu_);
+  absl::Time next_probe = absl::Now();
   while (!stop_) {
-    if (entries_.empty()) {
-      cv_.wait(lock, [this] { return stop_ || !entries_.empty(); });
+    if (!queue_.empty()) {
+      // In order, one at a time, without the lock: notify_ may call back into this table.
+      Pending next = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      notify_(next.session, next.event);
+      lock.lock();
+      ++delivered_;
+      cv_.notify_all();
       continue;
     }
-    lock.unlock();
-    const InStreamProbe p = probe_();
-    lock.lock();
-    if (stop_) break;
-    std::vector<std::pair<uint64_t, AttachEventData>> events;
-    if (p.ok) {
-      if (p.generation != probed_generation_) {
-        launches_base_ += last_launches_;
-        stale_base_ += last_stale_;
-        last_launches_ = last_stale_ = 0;
-        probed_generation_ = p.generation;
-      }
-      last_launches_ = p.launches;
-      last_stale_ = p.stale;
+    if (entries_.empty()) {
+      cv_.wait(lock, [this] { return stop_ || !entries_.empty() || !queue_.empty(); });
+      continue;
     }
-    // Attachments made for a workspace that is gone (the engine was replaced) end here; their
-    // clients must attach again.
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (p.ok && it->second.generation != p.generation) {
-        events.push_back(
-            {it->second.session, AttachEventData{AttachEventKind::kReinitialized, it->first,
-                                                 "the workspace was rebuilt; attach again"}});
-        it = entries_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (p.ok && p.error != 0 && !poisoned_reported_) {
-      poisoned_reported_ = true;
-      for (const auto& [id, e] : entries_) {
-        events.push_back(
-            {e.session, AttachEventData{AttachEventKind::kPoisoned, id,
-                                        absl::StrCat("the workspace is poisoned (", p.error_name,
-                                                     "); the group re-forms")}});
-      }
-    }
-    if (!events.empty()) {
+    if (absl::Now() >= next_probe) {
       lock.unlock();
-      Deliver(std::move(events));
+      const InStreamProbe p = probe_();
       lock.lock();
+      if (stop_) break;
+      ApplyProbeLocked(p);
+      next_probe = absl::Now() + interval_;
+      continue;
     }
-    cv_.wait_for(lock, absl::ToChronoNanoseconds(interval_), [this] { return stop_; });
+    cv_.wait_until(lock, absl::ToChronoTime(next_probe),
+                   [this] { return stop_ || !queue_.empty(); });
   }
 }
 

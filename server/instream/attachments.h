@@ -7,6 +7,12 @@
 // or when the workspace it was made for is gone (the engine was replaced after a poisoning:
 // REINITIALIZED tells the client to attach again).
 //
+// Events are transitions, not samples: whoever sees a workspace change (the group supervisor
+// before it drops a poisoned workspace, the watcher's probe of the kernels' error word, a drain)
+// records it here, and each record queues its events at once, in the order the transitions
+// happened. One thread delivers the queue in order, so a session always hears POISONED (with its
+// reason) before the REINITIALIZED that follows it, however soon the group re-forms.
+//
 // While any attachment exists the workspace belongs to the in-stream plane: the sidecar runs no
 // op of its own on it (Busy()), since its launches and the clients' would interleave in the
 // kernels' per-workspace sequence.
@@ -14,6 +20,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -35,8 +42,8 @@ struct AttachEventData {
   std::string reason;
 };
 
-// What the watcher samples from the engine: the workspace generation the attachments were made
-// for, and its error word.
+// What the watcher samples from the engine: the generation of the workspace serving now, and its
+// error word.
 struct InStreamProbe {
   bool ok = false;  // false: no engine or no workspace right now
   uint64_t generation = 0;
@@ -49,17 +56,18 @@ struct InStreamProbe {
 class InStreamAttachments {
  public:
   // `notify` delivers an event to a session (called without the table's lock held, from the
-  // watcher thread or the caller of Drain). `probe` samples the engine; it is called from the
-  // watcher thread every `interval` while attachments exist.
+  // delivery thread, one event at a time in the order they were queued). `probe` samples the
+  // engine; it is called from that thread every `interval` while attachments exist.
   using Notify = std::function<void(uint64_t session, const AttachEventData& event)>;
   using Probe = std::function<InStreamProbe()>;
   InStreamAttachments(Notify notify, Probe probe, absl::Duration interval = absl::Milliseconds(50));
-  ~InStreamAttachments();  // stops the watcher (never waits for clients)
+  ~InStreamAttachments();  // stops the thread (never waits for clients); undelivered events go
   InStreamAttachments(const InStreamAttachments&) = delete;
   InStreamAttachments& operator=(const InStreamAttachments&) = delete;
 
   // A new attachment of `session` to the workspace of `generation`. ALREADY_EXISTS when the
-  // session holds one; FAILED_PRECONDITION while a drain is in progress.
+  // session holds one; FAILED_PRECONDITION while a drain is in progress, for a workspace known to
+  // be poisoned (with the poisoning's reason) and for one already replaced by a newer one.
   absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation);
   // NOT_FOUND for an id the session does not hold.
   absl::Status Remove(uint64_t session, uint64_t attach_id);
@@ -68,14 +76,23 @@ class InStreamAttachments {
   // The client's SessionRequest.drained_attach_id.
   void Acknowledge(uint64_t session, uint64_t attach_id);
 
+  // The workspace of `generation` is poisoned because of `cause`: every attachment made for it is
+  // told POISONED once (the first cause recorded wins), and later attaches to it are refused.
+  // Idempotent; never blocks.
+  void Poisoned(uint64_t generation, const std::string& cause);
+  // The workspace of `generation` serves now: every attachment made for an older one is told
+  // REINITIALIZED (after any POISONED queued before) and ends, and later attaches to an older one
+  // are refused. Never blocks.
+  void Reinitialized(uint64_t generation);
+
   // Whether the workspace belongs to the in-stream plane now (an attachment exists).
   bool Busy() const;
   size_t size() const;
 
-  // Asks every attachment to drain (DRAIN on its session) and waits until each acknowledged or
-  // its session ended, at most until `deadline`; new attachments are refused meanwhile. Returns
-  // how many did not answer in time (their clients' launches end at the workspace's abort, when
-  // the caller drops it). Every attachment is gone when it returns.
+  // Asks every attachment to drain (DRAIN on its session, after the events queued before) and
+  // waits until each acknowledged or its session ended, at most until `deadline`; new attachments
+  // are refused meanwhile. Returns how many did not answer in time (their clients' launches end at
+  // the workspace's abort, when the caller drops it). Every attachment is gone when it returns.
   size_t Drain(const std::string& reason, absl::Time deadline);
 
   // Sums of the kernels' counters as last probed, for metrics (monotonic across workspaces).
@@ -87,9 +104,20 @@ class InStreamAttachments {
     uint64_t session = 0;
     uint64_t generation = 0;
     bool draining = false;
+    bool told_poisoned = false;
   };
+  struct Pending {
+    uint64_t session = 0;
+    AttachEventData event;
+  };
+  // mu_ held: queues one event (delivered in queue order) and wakes the delivery thread.
+  void QueueLocked(uint64_t session, AttachEventData event);
+  void PoisonedLocked(uint64_t generation, const std::string& cause);
+  void ReinitializedLocked(uint64_t generation);
+  // The delivery thread: delivers the queue in order and probes every interval_ while
+  // attachments exist.
   void Watch();
-  void Deliver(std::vector<std::pair<uint64_t, AttachEventData>> events);
+  void ApplyProbeLocked(const InStreamProbe& p);
 
   const Notify notify_;
   const Probe probe_;
@@ -100,7 +128,15 @@ class InStreamAttachments {
   uint64_t next_id_ = 1;
   bool draining_ = false;
   bool stop_ = false;
-  bool poisoned_reported_ = false;
+  // Events not yet delivered, oldest first; `queued_` counts every event ever queued and
+  // `delivered_` those handed to notify_ (a drain waits for its own).
+  std::deque<Pending> queue_;
+  uint64_t queued_ = 0, delivered_ = 0;
+  // The newest poisoned workspace and why; the newest workspace known to serve (older ones are
+  // gone). Generations only grow within a process.
+  uint64_t poisoned_generation_ = 0;
+  std::string poisoned_cause_;
+  uint64_t serving_generation_ = 0;
   // Counters: those of workspaces gone, plus the last probe of the current one.
   uint64_t launches_base_ = 0, stale_base_ = 0, last_launches_ = 0, last_stale_ = 0;
   uint64_t probed_generation_ = 0;

@@ -1,5 +1,6 @@
 // The sidecar's in-stream attachments (server/instream/attachments.h): one per session, drains
-// with acknowledgements, and the events the watcher sends when the workspace changes.
+// with acknowledgements, and the events sent when the workspace changes: queued where the change
+// is seen (the supervisor, the watcher's probe, a drain) and delivered in that order.
 #include "server/instream/attachments.h"
 
 #include <atomic>
@@ -142,6 +143,167 @@ TEST(InStreamAttachments, WatcherReportsPoisoningOnceAndARebuiltWorkspace) {
   EXPECT_THAT(rec.events[1].second.reason, HasSubstr("attach again"));
   EXPECT_FALSE(a.Busy());
   EXPECT_TRUE(WaitFor([&] { return a.launches() == 13u; }));  // counters carry across workspaces
+}
+
+// The kinds and attach ids a session heard, in order.
+std::vector<std::pair<AttachEventKind, uint64_t>> Heard(Recorder& rec, uint64_t session) {
+  std::lock_guard<std::mutex> lock(rec.mu);
+  std::vector<std::pair<AttachEventKind, uint64_t>> out;
+  for (const auto& [s, e] : rec.events) {
+    if (s == session) out.push_back({e.kind, e.attach_id});
+  }
+  return out;
+}
+
+// A poisoning the probe never sees (the supervisor drops the workspace and the group re-forms
+// between two probes) still reaches every session as POISONED with its cause, then
+// REINITIALIZED; round after round.
+TEST(InStreamAttachments, PoisonedIsDeliveredBeforeReinitializedHoweverFastTheGroupReforms) {
+  Recorder rec;
+  FakeEngine engine;  // always healthy: the probe never sees an error word
+  // A probe interval far longer than the test: only the recorded transitions can deliver.
+  InStreamAttachments a([&](uint64_t s, const AttachEventData& e) { rec(s, e); },
+                        [&] { return engine.Get(); }, absl::Seconds(3600));
+  uint64_t generation = 5;
+  for (int round = 0; round < 20; ++round) {
+    absl::StatusOr<uint64_t> id1 = a.Add(1, generation);
+    absl::StatusOr<uint64_t> id2 = a.Add(2, generation);
+    ASSERT_TRUE(id1.ok() && id2.ok()) << "round " << round;
+    a.Poisoned(generation, "host workspace poisoned by an in-stream op (timeout)");
+    a.Reinitialized(generation + 1);  // at once: the re-formed group serves
+    ASSERT_TRUE(WaitFor([&] { return rec.size() == 4u * (round + 1); })) << "round " << round;
+    EXPECT_FALSE(a.Busy());
+    for (auto [session, id] : {std::pair<uint64_t, uint64_t>{1, *id1}, {2, *id2}}) {
+      auto heard = Heard(rec, session);
+      ASSERT_EQ(heard.size(), 2u * (round + 1));
+      EXPECT_EQ(heard[2 * round], std::make_pair(AttachEventKind::kPoisoned, id));
+      EXPECT_EQ(heard[2 * round + 1], std::make_pair(AttachEventKind::kReinitialized, id));
+    }
+    {
+      std::lock_guard<std::mutex> lock(rec.mu);
+      const AttachEventData& poisoned = rec.events[4 * round].second;
+      EXPECT_EQ(poisoned.kind, AttachEventKind::kPoisoned);
+      EXPECT_EQ(poisoned.reason,
+                "host workspace poisoned by an in-stream op (timeout); the group re-forms");
+    }
+    ++generation;
+  }
+}
+
+// One thread delivers, in queue order, even when a delivery is slow and transitions keep coming
+// meanwhile (a session whose stream is busy).
+TEST(InStreamAttachments, DeliveryKeepsTheOrderOfTheTransitions) {
+  Recorder rec;
+  FakeEngine engine;
+  std::atomic<int> in_notify{0};
+  std::atomic<bool> overlapped{false};
+  InStreamAttachments a(
+      [&](uint64_t s, const AttachEventData& e) {
+        if (in_notify.fetch_add(1) != 0) overlapped = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        rec(s, e);
+        in_notify.fetch_sub(1);
+      },
+      [&] { return engine.Get(); }, absl::Seconds(3600));
+  std::vector<uint64_t> ids;
+  for (uint64_t g = 10; g < 20; ++g) {
+    absl::StatusOr<uint64_t> id = a.Add(7, g);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+    a.Poisoned(g, absl::StrCat("cause ", g));
+    a.Reinitialized(g + 1);
+  }
+  ASSERT_TRUE(WaitFor([&] { return rec.size() == 20u; }));
+  EXPECT_FALSE(overlapped);
+  std::lock_guard<std::mutex> lock(rec.mu);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(rec.events[2 * i].second.kind, AttachEventKind::kPoisoned);
+    EXPECT_EQ(rec.events[2 * i].second.attach_id, ids[i]);
+    EXPECT_EQ(rec.events[2 * i].second.reason,
+              absl::StrCat("cause ", 10 + i, "; the group re-forms"));
+    EXPECT_EQ(rec.events[2 * i + 1].second.kind, AttachEventKind::kReinitialized);
+    EXPECT_EQ(rec.events[2 * i + 1].second.attach_id, ids[i]);
+  }
+}
+
+// The supervisor and the probe both see the same poisoning: each session hears it once, with the
+// cause recorded first.
+TEST(InStreamAttachments, APoisoningSeenTwiceIsToldOnce) {
+  Recorder rec;
+  FakeEngine engine;
+  InStreamAttachments a([&](uint64_t s, const AttachEventData& e) { rec(s, e); },
+                        [&] { return engine.Get(); }, absl::Milliseconds(5));
+  ASSERT_TRUE(a.Add(1, 5).ok());
+  a.Poisoned(5, "peer link lost (rank 1 went away)");
+  {
+    std::lock_guard<std::mutex> lock(engine.mu);
+    engine.probe.error = 1;
+    engine.probe.error_name = "timeout";
+  }
+  ASSERT_TRUE(WaitFor([&] { return rec.size() >= 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));  // several probes see the error
+  a.Poisoned(5, "again");
+  a.Reinitialized(6);
+  ASSERT_TRUE(WaitFor([&] { return rec.size() >= 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::lock_guard<std::mutex> lock(rec.mu);
+  ASSERT_EQ(rec.events.size(), 2u);
+  EXPECT_EQ(rec.events[0].second.kind, AttachEventKind::kPoisoned);
+  EXPECT_EQ(rec.events[0].second.reason, "peer link lost (rank 1 went away); the group re-forms");
+  EXPECT_EQ(rec.events[1].second.kind, AttachEventKind::kReinitialized);
+}
+
+// An attach whose export raced the poisoning or the re-form is refused: it would never hear the
+// events already sent for its workspace.
+TEST(InStreamAttachments, RefusesAnAttachToAPoisonedOrReplacedWorkspace) {
+  Recorder rec;
+  FakeEngine engine;
+  InStreamAttachments a([&](uint64_t s, const AttachEventData& e) { rec(s, e); },
+                        [&] { return engine.Get(); }, absl::Seconds(3600));
+  a.Poisoned(5, "host workspace poisoned by an in-stream op (timeout)");
+  absl::StatusOr<uint64_t> poisoned = a.Add(1, 5);
+  EXPECT_EQ(poisoned.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(poisoned.status().message(), HasSubstr("poisoned (host workspace poisoned by an "
+                                                     "in-stream op (timeout))"));
+  a.Reinitialized(6);
+  absl::StatusOr<uint64_t> old = a.Add(1, 5);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(old.status().message(), HasSubstr("rebuilt"));
+  EXPECT_TRUE(a.Add(1, 6).ok());
+  // A poisoning recorded for a workspace already gone changes nothing.
+  a.Poisoned(5, "late");
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(rec.size(), 0u);
+  EXPECT_TRUE(a.Busy());
+}
+
+// A drain's events follow the ones queued before it, and a re-form without a poisoning (a
+// requested re-initialization) is REINITIALIZED alone.
+TEST(InStreamAttachments, ADrainFollowsEarlierEventsAndAPlainReformIsReinitializedOnly) {
+  Recorder rec;
+  FakeEngine engine;
+  InStreamAttachments a([&](uint64_t s, const AttachEventData& e) { rec(s, e); },
+                        [&] { return engine.Get(); }, absl::Seconds(3600));
+  ASSERT_TRUE(a.Add(1, 5).ok());
+  ASSERT_TRUE(a.Add(2, 5).ok());
+  a.Poisoned(5, "cause");
+  EXPECT_EQ(a.Drain("shutdown", absl::Now() + absl::Milliseconds(30)), 2u);
+  {
+    std::lock_guard<std::mutex> lock(rec.mu);
+    ASSERT_EQ(rec.events.size(), 4u);  // the drain waited for its own events' delivery
+    EXPECT_EQ(rec.events[0].second.kind, AttachEventKind::kPoisoned);
+    EXPECT_EQ(rec.events[1].second.kind, AttachEventKind::kPoisoned);
+    EXPECT_EQ(rec.events[2].second.kind, AttachEventKind::kDrain);
+    EXPECT_EQ(rec.events[3].second.kind, AttachEventKind::kDrain);
+  }
+  absl::StatusOr<uint64_t> id = a.Add(3, 7);
+  ASSERT_TRUE(id.ok());
+  a.Reinitialized(8);
+  ASSERT_TRUE(WaitFor([&] { return rec.size() == 5u; }));
+  std::lock_guard<std::mutex> lock(rec.mu);
+  EXPECT_EQ(rec.events[4].first, 3u);
+  EXPECT_EQ(rec.events[4].second.kind, AttachEventKind::kReinitialized);
+  EXPECT_EQ(rec.events[4].second.attach_id, *id);
 }
 
 }  // namespace
