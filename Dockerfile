@@ -77,6 +77,7 @@ RUN apt-get update \
       libprometheus-cpp-core1.0 \
       libprometheus-cpp-pull1.0 \
       libyaml-cpp0.8 \
+      libssl3t64 \
  && rm -rf /var/lib/apt/lists/*
 
 # A fixed numeric uid/gid so Kubernetes can verify runAsNonRoot, and so the model server's container

@@ -56,6 +56,14 @@ ABSL_FLAG(std::string, peer_dir, "",
           "Default: the socket's directory.");
 ABSL_FLAG(std::string, peer_addr, "",
           "host:port where rank 0 serves the peer rendezvous over TCP (groups across nodes).");
+ABSL_FLAG(std::string, peer_tls_cert, "",
+          "PEM certificate chain this sidecar shows its peers on the TCP peer channel (groups "
+          "across nodes, which run it with mutual TLS only); signed by the group's CA. Default: "
+          "--tls-cert.");
+ABSL_FLAG(std::string, peer_tls_key, "", "PEM private key of --peer-tls-cert. Default: --tls-key.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "PEM CA bundle every peer's certificate must chain to on the TCP peer channel; it "
+          "should sign the group's sidecars and nothing else. Default: --tls-client-ca.");
 ABSL_FLAG(std::string, group, "arfuse", "Name of the group; sidecars of one group share it.");
 ABSL_FLAG(double, peer_timeout, 60,
           "Seconds to wait for every peer to join; past it the missing ranks are named.");
@@ -165,6 +173,9 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "nnodes",
                                                  "peer_dir",
                                                  "peer_addr",
+                                                 "peer_tls_cert",
+                                                 "peer_tls_key",
+                                                 "peer_tls_ca",
                                                  "group",
                                                  "peer_timeout",
                                                  "peer_heartbeat_timeout",
@@ -470,6 +481,22 @@ absl::Status Validate(const DaemonOptions& o) {
         "--listen serves the main API over TCP only with mutual TLS: give --tls-cert, --tls-key "
         "and --tls-client-ca");
   }
+  const bool peer_tls_given =
+      !o.peer_tls.cert.empty() || !o.peer_tls.key.empty() || !o.peer_tls.ca.empty();
+  if (peer_tls_given &&
+      (o.peer_tls.cert.empty() || o.peer_tls.key.empty() || o.peer_tls.ca.empty())) {
+    return absl::InvalidArgumentError(
+        "the peer channel's mutual TLS needs all of --peer-tls-cert, --peer-tls-key and "
+        "--peer-tls-ca (or none, to use --tls-cert, --tls-key and --tls-client-ca)");
+  }
+  if (const peers::PeerTlsFiles f = o.peer_tls_files();
+      o.nnodes > 1 && (f.cert.empty() || f.key.empty() || f.ca.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nnodes=", o.nnodes,
+        ": the peer channel across nodes runs over TCP with mutual TLS only: give "
+        "--peer-tls-cert, --peer-tls-key and --peer-tls-ca (or --tls-cert, --tls-key and "
+        "--tls-client-ca), a certificate of the group's CA for every sidecar"));
+  }
   return absl::OkStatus();
 }
 
@@ -530,6 +557,9 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.nnodes = absl::GetFlag(FLAGS_nnodes);
   o.peer_dir = absl::GetFlag(FLAGS_peer_dir);
   o.peer_addr = absl::GetFlag(FLAGS_peer_addr);
+  o.peer_tls.cert = absl::GetFlag(FLAGS_peer_tls_cert);
+  o.peer_tls.key = absl::GetFlag(FLAGS_peer_tls_key);
+  o.peer_tls.ca = absl::GetFlag(FLAGS_peer_tls_ca);
   o.group = absl::GetFlag(FLAGS_group);
   o.peer_timeout_s = absl::GetFlag(FLAGS_peer_timeout);
   o.peer_heartbeat_timeout_s = absl::GetFlag(FLAGS_peer_heartbeat_timeout);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/peers/peer_tls.h"
 
 namespace arfuse {
 
@@ -29,6 +30,8 @@ struct DaemonOptions {
   int nnodes = 1;
   std::string peer_dir;
   std::string peer_addr;  // rank 0's host:port for groups across nodes
+  // The TCP peer channel's mutual TLS (--peer-tls-*); empty: --listen's files stand in.
+  peers::PeerTlsFiles peer_tls;
   std::string group;
   double peer_timeout_s = 60;
   // Silence after which a peer counts as lost (heartbeats every fifth of it); 0: no heartbeats.
@@ -65,6 +68,12 @@ struct DaemonOptions {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // What the TCP peer channel authenticates with: --peer-tls-* when given, else --listen's
+  // --tls-cert, --tls-key and --tls-client-ca.
+  peers::PeerTlsFiles peer_tls_files() const {
+    if (peer_tls.any()) return peer_tls;
+    return peers::PeerTlsFiles{tls_cert, tls_key, tls_client_ca};
+  }
   // name -> "cli", "env", "file" or "default", for the start-up log line.
   std::map<std::string, std::string> sources;
   // Said once logging is set up (an older --config format, say).

@@ -156,6 +156,15 @@ config::FusionFlags Sidecar::OwnFlags() const {
 }
 
 absl::Status Sidecar::Start() {
+  // The peer channel across nodes authenticates with these every time the group forms: a
+  // certificate that cannot load stops the sidecar now instead of leaving a group that never
+  // forms.
+  if (options_.nnodes > 1) {
+    absl::StatusOr<std::shared_ptr<const peers::PeerTls>> tls =
+        peers::PeerTls::Load(options_.peer_tls_files());
+    if (!tls.ok()) return tls.status();
+  }
+
   const bool default_socket = options_.sources["socket"] == "default";
   ARFUSE_RETURN_IF_ERROR(PrepareUnixSocketPath(options_.socket, default_socket));
   const std::string fd_socket = FdChannelPath(options_.socket);
@@ -585,6 +594,8 @@ absl::Status Sidecar::FormGroup() {
                       ? std::filesystem::path(options_.socket).parent_path().string()
                       : options_.peer_dir;
     po.rank0_address = options_.peer_addr;
+    // Read again at every formation, so a renewed certificate counts from the next one on.
+    if (options_.nnodes > 1) po.tls = options_.peer_tls_files();
     po.group = options_.group;
     po.timeout = absl::Seconds(options_.peer_timeout_s);
     // A frozen peer keeps its connection open: heartbeats let the watch below notice it while no

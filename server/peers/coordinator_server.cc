@@ -29,7 +29,12 @@ namespace arfuse::peers {
 
 struct CoordinatorServer::Conn {
   uint64_t id = 0;
-  UniqueFd fd;
+  std::unique_ptr<PeerStream> io;
+  // TLS connections (the TCP listener with tls): `io` itself, and whether the handshake finished;
+  // no frame is read before it has.
+  TlsStream* tls = nullptr;
+  bool authenticated = true;
+  absl::Time accepted;
   std::string in;
   std::deque<UniqueFd> in_fds;
   // I/O thread only: when a byte last arrived, and how long the peer said it may stay silent
@@ -73,6 +78,10 @@ absl::Status SplitHostPort(const std::string& address, std::string* host, std::s
 }
 
 namespace {
+
+// How long a TCP connection may take to authenticate before it is closed: a handshake is a few
+// round trips, and a connection that never starts one must not hold a descriptor.
+constexpr absl::Duration kTlsHandshakeTimeout = absl::Seconds(10);
 
 // Pre-formed groups answer joins only until the earliest of their deadlines; answering a little
 // before the sender's own deadline lets the sender hear which ranks were missing instead of
@@ -328,10 +337,20 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
 absl::Time CoordinatorServer::ExpireSilentConns(absl::Time now) {
   std::vector<std::pair<uint64_t, std::string>> silent;
   absl::Time next = absl::InfiniteFuture();
+  std::vector<std::shared_ptr<Conn>> unauthenticated;
   for (auto& [id, c] : conns_) {
+    if (!c->authenticated) {
+      const absl::Time due = c->accepted + kTlsHandshakeTimeout;
+      if (due <= now) {
+        unauthenticated.push_back(c);
+      } else {
+        next = std::min(next, due);
+      }
+      continue;
+    }
     if (c->heartbeat_timeout == absl::InfiniteDuration()) continue;
     const absl::Time due = c->last_heard + c->heartbeat_timeout;
-    pollfd pending{c->fd.get(), POLLIN, 0};
+    pollfd pending{c->io->fd(), POLLIN, 0};
     if (due > now || ::poll(&pending, 1, 0) != 0) {
       // Bytes (or the close) waiting to be read mean it did not stop answering: this thread did
       // not run (the process was stopped) and reads them on its next turn.
@@ -350,7 +369,81 @@ absl::Time CoordinatorServer::ExpireSilentConns(absl::Time now) {
                  reason);
     CloseConn(id, reason);
   }
+  for (auto& c : unauthenticated) {
+    RefuseUnauthenticated(
+        c, absl::UnauthenticatedError(absl::StrCat("the TLS handshake did not complete within ",
+                                                   absl::FormatDuration(kTlsHandshakeTimeout))));
+  }
   return next;
+}
+
+void CoordinatorServer::RefuseUnauthenticated(const std::shared_ptr<Conn>& c,
+                                              const absl::Status& why) {
+  unauthenticated_.fetch_add(1, std::memory_order_relaxed);
+  spdlog::warn("event=peer_connection_unauthenticated group={} conn={} reason=\"{}\"",
+               options_.group, c->id, std::string(why.message()));
+  // Whatever the peer sent is read and dropped first: closing a socket with unread bytes resets
+  // the connection, and the reset can overtake the TLS alert that tells the joiner why.
+  char sink[4096];
+  while (::recv(c->io->fd(), sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+  }
+  ::shutdown(c->io->fd(), SHUT_WR);
+  CloseConn(c->id, absl::StrCat("unauthenticated: ", why.message()));
+}
+
+bool CoordinatorServer::AdvanceHandshake(const std::shared_ptr<Conn>& c) {
+  if (c->in.empty() && c->tls == nullptr) {
+    // Not yet handed to TLS: a joiner that speaks the plain protocol is told, in that protocol,
+    // why it is not served (its join fails at once instead of retrying until its timeout).
+    char head[4];
+    const ssize_t n = ::recv(c->io->fd(), head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) {
+      CloseConn(c->id, "connection closed before the TLS handshake");
+      return false;
+    }
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      CloseConn(c->id,
+                absl::StrCat("connection reset before the TLS handshake: ", strerror(errno)));
+      return false;
+    }
+    const std::optional<bool> plain =
+        LooksLikePlainFrame(std::string(head, static_cast<size_t>(n)));
+    if (!plain.has_value()) return true;  // more bytes decide it
+    if (*plain) {
+      const absl::Status why = absl::UnauthenticatedError(absl::StrCat(
+          "rank 0 of peer group '", options_.group,
+          "' accepts peers over TCP only with mutual TLS: give every rank the group's peer "
+          "certificate, key and CA (arfused: --peer-tls-cert, --peer-tls-key, --peer-tls-ca)"));
+      std::string reply = EncodeFrame(FrameType::kError, 1, 0, EncodeError(why));
+      size_t offset = 0;
+      (void)SendSome(c->io->fd(), reply, &offset, {});
+      RefuseUnauthenticated(c, absl::UnauthenticatedError("a plain (not TLS) peer connection"));
+      return false;
+    }
+    UniqueFd fd(::dup(c->io->fd()));
+    absl::StatusOr<std::unique_ptr<TlsStream>> tls =
+        fd ? TlsStream::Accept(*options_.tls, std::move(fd))
+           : absl::StatusOr<std::unique_ptr<TlsStream>>(
+                 absl::ResourceExhaustedError(strerror(errno)));
+    if (!tls.ok()) {
+      CloseConn(c->id, absl::StrCat("cannot start TLS: ", tls.status().message()));
+      return false;
+    }
+    c->tls = tls->get();
+    c->io = *std::move(tls);
+  }
+  bool done = false;
+  absl::Status s = c->tls->Handshake(&done);
+  if (!s.ok()) {
+    RefuseUnauthenticated(c, s);
+    return false;
+  }
+  if (done) {
+    c->authenticated = true;
+    spdlog::debug("event=peer_connection_authenticated group={} conn={}", options_.group, c->id);
+  }
+  return true;
 }
 
 void CoordinatorServer::Loop() {
@@ -377,7 +470,12 @@ void CoordinatorServer::Loop() {
         std::lock_guard<std::mutex> lock(c->out_mu);
         if (!c->out.empty()) ev |= POLLOUT;
       }
-      fds.push_back({c->fd.get(), ev, 0});
+      if (!c->authenticated) {
+        ev = c->tls != nullptr ? c->tls->PollEvents(false) : POLLIN;
+      } else {
+        ev = c->io->PollEvents(ev & POLLOUT);
+      }
+      fds.push_back({c->io->fd(), ev, 0});
       ids.push_back(id);
     }
     absl::Duration wait = std::min(coordinator_->NextDeadline(), heartbeat_due) - absl::Now();
@@ -438,8 +536,10 @@ void CoordinatorServer::Loop() {
         }
         auto c = std::make_shared<Conn>();
         c->id = next_conn_id_++;
-        c->fd.reset(cfd);
+        c->io = std::make_unique<PlainStream>(UniqueFd(cfd));
         c->last_heard = woke;
+        c->accepted = woke;
+        c->authenticated = !(l == 2 && options_.tls != nullptr);
         conns_[c->id] = c;
       }
     }
@@ -449,10 +549,15 @@ void CoordinatorServer::Loop() {
       auto it = conns_.find(ids[i]);
       if (it == conns_.end()) continue;
       std::shared_ptr<Conn> c = it->second;
-      if (p.revents & (POLLIN | POLLHUP | POLLERR)) {
+      if (!c->authenticated) {
+        if (!AdvanceHandshake(c) || !c->authenticated) continue;
+        c->last_heard = woke;
+        // Bytes the handshake already decrypted are read below.
+      }
+      if (p.revents & (POLLIN | POLLHUP | POLLERR | POLLOUT)) {
         bool eof = false;
         const size_t before = c->in.size();
-        absl::Status s = ReadAvailable(c->fd.get(), c->in, c->in_fds, &eof);
+        absl::Status s = c->io->ReadAvailable(c->in, c->in_fds, &eof);
         // Any byte is a sign of life, a heartbeat or the slice of a large collective alike.
         // Heartbeats that queued up while this process was stopped count too: ExpireSilentConns
         // skips a connection with bytes waiting until this has read them.
@@ -465,7 +570,7 @@ void CoordinatorServer::Loop() {
             // A peer on another wire version hears why before the connection closes.
             if (std::optional<std::string> reply = WrongVersionReply(c->in)) {
               size_t offset = 0;
-              (void)SendSome(c->fd.get(), *reply, &offset, {});
+              (void)c->io->SendSome(*reply, &offset, {});
             }
             break;
           }
@@ -485,7 +590,7 @@ void CoordinatorServer::Loop() {
     std::vector<uint64_t> dead;
     for (auto& [id, c] : conns_) {
       std::lock_guard<std::mutex> lock(c->out_mu);
-      if (!FlushFrames(c->fd.get(), c->out).ok()) dead.push_back(id);
+      if (c->authenticated && !FlushFrames(*c->io, c->out).ok()) dead.push_back(id);
     }
     for (uint64_t id : dead) CloseConn(id, "connection reset");
   }

@@ -23,6 +23,7 @@
 #include "server/fdpass/unique_fd.h"
 #include "server/fdpass/wake_fd.h"
 #include "server/peers/coordinator.h"
+#include "server/peers/peer_tls.h"
 #include "server/peers/wire.h"
 
 namespace arfuse::peers {
@@ -33,6 +34,10 @@ struct CoordinatorServerOptions {
   int nnodes = 1;
   std::string unix_path;    // empty: no Unix listener
   std::string tcp_address;  // "host:port"; empty: no TCP listener
+  // Mutual TLS on the TCP listener (peer_tls.h): every connection must complete it with a
+  // certificate of the CA before a byte of the peer protocol is read; a plain joiner is answered
+  // with an UNAUTHENTICATED error frame. Null: plain TCP (a network the deployment isolates).
+  std::shared_ptr<const PeerTls> tls;
 };
 
 class CoordinatorServer {
@@ -52,6 +57,11 @@ class CoordinatorServer {
   // Connections to the Unix socket closed at once because their process runs as another user
   // (peer_credentials.h).
   uint64_t refused_connections() const { return refused_.load(std::memory_order_relaxed); }
+  // TCP connections closed because they did not authenticate (no TLS, no certificate or one the
+  // CA did not sign, a handshake that did not finish in time).
+  uint64_t unauthenticated_connections() const {
+    return unauthenticated_.load(std::memory_order_relaxed);
+  }
 
   struct Conn;
   using Wake = WakeFd;
@@ -61,6 +71,10 @@ class CoordinatorServer {
   void Loop();
   void HandleFrame(const std::shared_ptr<Conn>& conn, Frame frame);
   void CloseConn(uint64_t id, const std::string& reason);
+  // Advances a TLS connection's handshake; false when the connection was closed.
+  bool AdvanceHandshake(const std::shared_ptr<Conn>& c);
+  // Closes a connection that did not authenticate, after telling it why where it can hear it.
+  void RefuseUnauthenticated(const std::shared_ptr<Conn>& c, const absl::Status& why);
   // Closes every connection whose heartbeat timeout passed without a byte from it; returns the
   // earliest time another one can.
   absl::Time ExpireSilentConns(absl::Time now);
@@ -76,6 +90,7 @@ class CoordinatorServer {
   uint64_t next_conn_id_ = 1;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> unauthenticated_{0};
   // Out of descriptors: the spare that sheds a pending connection, and when to accept again.
   AcceptReserve accept_reserve_;
   absl::Time accept_paused_until_ = absl::InfinitePast();

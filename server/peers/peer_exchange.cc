@@ -192,7 +192,7 @@ class SocketExchange final : public PeerExchange {
         req.set_reason("exchange closed");
         std::string data = peers::EncodeFrame(FrameType::kLeave, 0, 0, req.SerializeAsString());
         size_t offset = 0;
-        (void)peers::SendSome(conn_.get(), data, &offset, {});
+        (void)conn_->SendSome(data, &offset, {});
       }
       conn_.reset();
     }
@@ -200,6 +200,9 @@ class SocketExchange final : public PeerExchange {
   }
 
   absl::Status Start(absl::Time deadline) {
+    if (!unix_ && options_.tls.any()) {
+      ARFUSE_ASSIGN_OR_RETURN(tls_, peers::PeerTls::Load(options_.tls));
+    }
     if (options_.rank == 0) {
       peers::CoordinatorServerOptions so;
       so.group = options_.group;
@@ -209,7 +212,10 @@ class SocketExchange final : public PeerExchange {
         ARFUSE_ASSIGN_OR_RETURN(so.unix_path, PeerSocketPath(options_.peer_dir, options_.group));
       }
       // TCP only when some rank connects through it.
-      if (!unix_) so.tcp_address = options_.rank0_address;
+      if (!unix_) {
+        so.tcp_address = options_.rank0_address;
+        so.tls = tls_;
+      }
       ARFUSE_ASSIGN_OR_RETURN(server_, peers::CoordinatorServer::Start(so));
     }
     ARFUSE_RETURN_IF_ERROR(wake_.Open());
@@ -459,7 +465,8 @@ class SocketExchange final : public PeerExchange {
       absl::Time now = absl::Now();
       absl::Time wake_at = now + absl::Seconds(1);
       if (beat) wake_at = std::min({wake_at, next_beat, last_heard + timeout});
-      pollfd fds[2] = {{wake_.fd(), POLLIN, 0}, {conn_.get(), events, 0}};
+      pollfd fds[2] = {{wake_.fd(), POLLIN, 0},
+                       {conn_->fd(), conn_->PollEvents((events & POLLOUT) != 0), 0}};
       int n = ::poll(fds, 2, PollTimeoutMs(wake_at - now));
       if (n < 0 && errno != EINTR) {
         return LinkLost(absl::InternalError(absl::StrCat("poll failed: ", strerror(errno))));
@@ -471,7 +478,7 @@ class SocketExchange final : public PeerExchange {
 
       const size_t before = in_.size();
       bool eof = false;
-      absl::Status read = peers::ReadAvailable(conn_.get(), in_, in_fds_, &eof);
+      absl::Status read = conn_->ReadAvailable(in_, in_fds_, &eof);
       if (in_.size() != before) last_heard = now;
       for (;;) {
         auto frame = peers::TakeFrame(in_, in_fds_);
@@ -490,7 +497,7 @@ class SocketExchange final : public PeerExchange {
           if (out_.empty()) out_.push_back(Heartbeat());
           next_beat = now + interval;
         }
-        absl::Status sent = peers::FlushFrames(conn_.get(), out_);
+        absl::Status sent = peers::FlushFrames(*conn_, out_);
         if (!sent.ok()) return LinkLostLocked(sent);
       }
       if (beat && now - last_heard > timeout) return RankZeroSilent(now - last_heard);
@@ -525,16 +532,16 @@ class SocketExchange final : public PeerExchange {
     // Retries cover rank 0 not listening yet and a broken group being re-formed (ABORTED);
     // everything else the coordinator says is final.
     while (absl::Now() < deadline) {
-      absl::StatusOr<UniqueFd> fd = unix_ ? ConnectUnix(target) : ConnectTcp(target, deadline);
+      absl::StatusOr<std::unique_ptr<peers::PeerStream>> fd = Open(target, deadline);
       if (fd.ok()) {
         reached = true;
         std::string in;
         std::deque<UniqueFd> in_fds;
         absl::Status s = peers::SendAll(
-            fd->get(), peers::EncodeFrame(FrameType::kJoin, 1, peers::RemainingMs(deadline), body),
-            {}, deadline);
+            **fd, peers::EncodeFrame(FrameType::kJoin, 1, peers::RemainingMs(deadline), body), {},
+            deadline);
         absl::StatusOr<Frame> f =
-            s.ok() ? peers::RecvFrame(fd->get(), in, in_fds, deadline) : absl::StatusOr<Frame>(s);
+            s.ok() ? peers::RecvFrame(**fd, in, in_fds, deadline) : absl::StatusOr<Frame>(s);
         if (f.ok() && f->type == FrameType::kJoinOk) {
           v1::JoinResponse resp;
           if (!resp.ParseFromString(f->body) || resp.members_size() != options_.world_size) {
@@ -577,6 +584,12 @@ class SocketExchange final : public PeerExchange {
       } else {
         last = fd.status();
         if (absl::IsInvalidArgument(last) || absl::IsPermissionDenied(last)) return last;
+        if (absl::IsUnauthenticated(last)) {
+          // A certificate either side refuses stays refused: retrying cannot change it.
+          return absl::UnauthenticatedError(
+              absl::StrCat("rank ", options_.rank, " cannot join group '", options_.group,
+                           "' at tcp:", target, ": ", last.message()));
+        }
       }
       absl::SleepFor(std::min(backoff, deadline - absl::Now()));  // retry pacing, not sync
       backoff = std::min(backoff * 2, absl::Milliseconds(200));
@@ -594,10 +607,30 @@ class SocketExchange final : public PeerExchange {
             : ""));
   }
 
+  // One connection attempt to rank 0: the Unix socket, or TCP (with the TLS handshake when the
+  // group uses TLS: done, including rank 0's acceptance of this rank's certificate, before the
+  // join is sent).
+  absl::StatusOr<std::unique_ptr<peers::PeerStream>> Open(const std::string& target,
+                                                          absl::Time deadline) {
+    if (unix_) {
+      ARFUSE_ASSIGN_OR_RETURN(UniqueFd fd, ConnectUnix(target));
+      return std::unique_ptr<peers::PeerStream>(new peers::PlainStream(std::move(fd)));
+    }
+    ARFUSE_ASSIGN_OR_RETURN(UniqueFd fd, ConnectTcp(target, deadline));
+    if (tls_ == nullptr) {
+      return std::unique_ptr<peers::PeerStream>(new peers::PlainStream(std::move(fd)));
+    }
+    ARFUSE_ASSIGN_OR_RETURN(std::unique_ptr<peers::TlsStream> tls,
+                            peers::TlsStream::Connect(*tls_, std::move(fd)));
+    ARFUSE_RETURN_IF_ERROR(tls->HandshakeUntil(deadline));
+    return std::unique_ptr<peers::PeerStream>(std::move(tls));
+  }
+
   const PeerOptions options_;
   const bool unix_;
+  std::shared_ptr<const peers::PeerTls> tls_;  // TCP with TLS only
   std::unique_ptr<peers::CoordinatorServer> server_;
-  UniqueFd conn_;  // the link thread's alone while it runs
+  std::unique_ptr<peers::PeerStream> conn_;  // the link thread's alone while it runs
   // Link thread only.
   std::string in_;
   std::deque<UniqueFd> in_fds_;

@@ -3,7 +3,8 @@
 //
 // Discovery: on one node (nnodes == 1 and a peer directory), rank 0 listens on the Unix socket
 // <peer_dir>/<group>-rank0.sock and every rank connects there (descriptors can travel). Across
-// nodes every rank connects to rank 0's TCP address (AllgatherFd is then UNIMPLEMENTED).
+// nodes every rank connects to rank 0's TCP address (AllgatherFd is then UNIMPLEMENTED), with
+// mutual TLS when options.tls names certificates.
 // docs/peers.md has the protocol and the failure behaviour.
 #pragma once
 
@@ -16,6 +17,7 @@
 #include "absl/time/time.h"
 #include "server/peers/coordinator.h"
 #include "server/peers/exchange.h"
+#include "server/peers/peer_tls.h"
 
 namespace arfuse {
 
@@ -27,6 +29,10 @@ struct PeerOptions {
   std::string peer_dir;
   // Several nodes (or no peer_dir): "host:port" where rank 0 listens and every rank connects.
   std::string rank0_address;
+  // The TCP channel's mutual TLS (peer_tls.h): this rank's certificate and key and the group's
+  // CA, read when the group forms. All empty: plain TCP, which authenticates nobody (arfused
+  // always gives them for a group across nodes). Not used on the Unix-socket channel.
+  peers::PeerTlsFiles tls;
   // Tells groups sharing a directory or port apart: [A-Za-z0-9_.-], 1..64 characters.
   std::string group = "arfuse";
   // How long the join waits for every rank (--peer-timeout).
@@ -60,9 +66,11 @@ class PeerExchange : public Exchange {
 };
 
 // Collective: every rank calls it. Returns when the whole group has joined. Errors:
-// INVALID_ARGUMENT (bad options, path too long, group mismatch), FAILED_PRECONDITION (duplicate
-// rank, a live coordinator already owns the path), UNAVAILABLE naming the ranks that did not
-// join (or rank 0 when its coordinator was never reachable) within options.timeout.
+// INVALID_ARGUMENT (bad options, path too long, group mismatch, TLS files that do not load),
+// FAILED_PRECONDITION (duplicate rank, a live coordinator already owns the path), UNAUTHENTICATED
+// (TCP: rank 0 refused this rank's certificate, or its own did not verify, or one side runs
+// without TLS), UNAVAILABLE naming the ranks that did not join (or rank 0 when its coordinator
+// was never reachable) within options.timeout.
 absl::StatusOr<std::unique_ptr<PeerExchange>> ConnectPeers(const PeerOptions& options);
 
 }  // namespace arfuse

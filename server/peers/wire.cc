@@ -137,16 +137,55 @@ absl::Status SendSome(int fd, const std::string& data, size_t* offset,
   return SendWithFds(fd, data, offset, fds, "peer socket");
 }
 
-absl::Status FlushFrames(int fd, std::deque<OutFrame>& queue) {
+short PeerStream::PollEvents(bool sending) const {
+  return static_cast<short>(POLLIN | (sending ? POLLOUT : 0));
+}
+
+absl::Status PlainStream::ReadAvailable(std::string& buf, std::deque<UniqueFd>& fds, bool* eof) {
+  return peers::ReadAvailable(fd_.get(), buf, fds, eof);
+}
+
+absl::Status PlainStream::SendSome(const std::string& data, size_t* offset,
+                                   const std::vector<int>& fds) {
+  return peers::SendSome(fd_.get(), data, offset, fds);
+}
+
+namespace {
+
+// A plain socket the caller owns, as a stream.
+class BorrowedStream final : public PeerStream {
+ public:
+  explicit BorrowedStream(int fd) : fd_(fd) {}
+  int fd() const override { return fd_; }
+  absl::Status ReadAvailable(std::string& buf, std::deque<UniqueFd>& fds, bool* eof) override {
+    return peers::ReadAvailable(fd_, buf, fds, eof);
+  }
+  absl::Status SendSome(const std::string& data, size_t* offset,
+                        const std::vector<int>& fds) override {
+    return peers::SendSome(fd_, data, offset, fds);
+  }
+
+ private:
+  const int fd_;
+};
+
+}  // namespace
+
+absl::Status FlushFrames(PeerStream& stream, std::deque<OutFrame>& queue) {
   while (!queue.empty()) {
     OutFrame& o = queue.front();
     std::vector<int> raw;
     for (auto& f : o.fds) raw.push_back(f.get());
-    ARFUSE_RETURN_IF_ERROR(SendSome(fd, o.data, &o.offset, raw));
+    ARFUSE_RETURN_IF_ERROR(stream.SendSome(o.data, &o.offset, raw));
     if (o.offset < o.data.size()) return absl::OkStatus();  // the socket is full
     queue.pop_front();
   }
   return absl::OkStatus();
+}
+
+absl::Status FlushFrames(int fd, std::deque<OutFrame>& queue) {
+  BorrowedStream stream(fd);
+  return FlushFrames(stream, queue);
 }
 
 void EnableKeepalive(int fd) {
@@ -164,27 +203,27 @@ uint32_t RemainingMs(absl::Time deadline) {
   return static_cast<uint32_t>(std::min<int64_t>(ms, (int64_t{1} << 31) - 1));
 }
 
-absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
+absl::Status SendAll(PeerStream& stream, const std::string& data, const std::vector<int>& fds,
                      absl::Time deadline) {
   size_t offset = 0;
   for (;;) {
-    absl::Status s = SendSome(fd, data, &offset, fds);
+    absl::Status s = stream.SendSome(data, &offset, fds);
     if (!s.ok()) return s;
     if (offset == data.size()) return absl::OkStatus();
-    auto ready = WaitForSocket(fd, POLLOUT, deadline);
+    auto ready = WaitForSocket(stream.fd(), stream.PollEvents(true), deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out sending to the peer channel");
   }
 }
 
-absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& fds,
+absl::StatusOr<Frame> RecvFrame(PeerStream& stream, std::string& buf, std::deque<UniqueFd>& fds,
                                 absl::Time deadline) {
   for (;;) {
     auto frame = TakeFrame(buf, fds);
     if (!frame.ok()) return frame.status();
     if (frame->has_value()) return std::move(**frame);
     bool eof = false;
-    absl::Status s = ReadAvailable(fd, buf, fds, &eof);
+    absl::Status s = stream.ReadAvailable(buf, fds, &eof);
     if (!s.ok()) return s;
     if (eof) {
       auto last = TakeFrame(buf, fds);
@@ -194,10 +233,22 @@ absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& 
     frame = TakeFrame(buf, fds);
     if (!frame.ok()) return frame.status();
     if (frame->has_value()) return std::move(**frame);
-    auto ready = WaitForSocket(fd, POLLIN, deadline);
+    auto ready = WaitForSocket(stream.fd(), stream.PollEvents(false), deadline);
     if (!ready.ok()) return ready.status();
     if (!*ready) return absl::DeadlineExceededError("timed out waiting on the peer channel");
   }
+}
+
+absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
+                     absl::Time deadline) {
+  BorrowedStream stream(fd);
+  return SendAll(stream, data, fds, deadline);
+}
+
+absl::StatusOr<Frame> RecvFrame(int fd, std::string& buf, std::deque<UniqueFd>& fds,
+                                absl::Time deadline) {
+  BorrowedStream stream(fd);
+  return RecvFrame(stream, buf, fds, deadline);
 }
 
 }  // namespace arfuse::peers

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -121,7 +122,40 @@ absl::Status ReadAvailable(int fd, std::string& buf, std::deque<UniqueFd>& fds, 
 // Advances *offset; returns OK with *offset < size when the socket is full.
 absl::Status SendSome(int fd, const std::string& data, size_t* offset, const std::vector<int>& fds);
 
+// The bytes of one peer connection, non-blocking: the socket itself (PlainStream), or TLS over a
+// TCP socket (peer_tls.h). The fd functions above are the plain stream's.
+class PeerStream {
+ public:
+  virtual ~PeerStream() = default;
+  virtual int fd() const = 0;
+  // As ReadAvailable / SendSome above; descriptors travel on plain Unix sockets only.
+  virtual absl::Status ReadAvailable(std::string& buf, std::deque<UniqueFd>& fds, bool* eof) = 0;
+  virtual absl::Status SendSome(const std::string& data, size_t* offset,
+                                const std::vector<int>& fds) = 0;
+  // The poll events to wait for: POLLIN, and POLLOUT while `sending` (TLS may want more).
+  virtual short PollEvents(bool sending) const;
+};
+
+class PlainStream final : public PeerStream {
+ public:
+  explicit PlainStream(UniqueFd fd) : fd_(std::move(fd)) {}
+  int fd() const override { return fd_.get(); }
+  absl::Status ReadAvailable(std::string& buf, std::deque<UniqueFd>& fds, bool* eof) override;
+  absl::Status SendSome(const std::string& data, size_t* offset,
+                        const std::vector<int>& fds) override;
+
+ private:
+  UniqueFd fd_;
+};
+
+absl::Status FlushFrames(PeerStream& stream, std::deque<OutFrame>& queue);
+
 // Blocking (poll-based) helpers bounded by `deadline`, for the client side.
+absl::Status SendAll(PeerStream& stream, const std::string& data, const std::vector<int>& fds,
+                     absl::Time deadline);
+absl::StatusOr<Frame> RecvFrame(PeerStream& stream, std::string& buf, std::deque<UniqueFd>& fds,
+                                absl::Time deadline);
+// The same on a plain socket.
 absl::Status SendAll(int fd, const std::string& data, const std::vector<int>& fds,
                      absl::Time deadline);
 // DEADLINE_EXCEEDED when no complete frame arrived in time; UNAVAILABLE when the peer closed.

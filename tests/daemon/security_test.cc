@@ -115,6 +115,26 @@ TEST(DaemonSecurity, TcpWithoutTlsIsRefused) {
       ExitsWith2({ArfusedPath(), "--device=host", "--listen=127.0.0.1:0"}, "only with mutual TLS"));
 }
 
+// Across nodes the peer channel runs over TCP with mutual TLS only (docs/peers.md).
+TEST(DaemonSecurity, PeersAcrossNodesWithoutTlsAreRefused) {
+  EXPECT_TRUE(ExitsWith2(
+      {ArfusedPath(), "--device=host", "--world-size=2", "--nnodes=2", "--peer-addr=127.0.0.1:1"},
+      "runs over TCP with mutual TLS only"));
+  // Some of the peer flags but not all.
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--device=host", "--peer-tls-cert=/x.pem"},
+                         "needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca"));
+  // Files that do not load stop the sidecar at start, named.
+  EXPECT_TRUE(
+      ExitsWith2({ArfusedPath(), "--device=host", "--world-size=2", "--nnodes=2",
+                  "--peer-addr=127.0.0.1:1", "--peer-tls-cert=/nonexistent/peer.pem",
+                  "--peer-tls-key=/nonexistent/peer.key", "--peer-tls-ca=/nonexistent/ca.pem"},
+                 "cannot read the peer TLS certificate /nonexistent/peer.pem"));
+  // --listen's files stand in only when all three are there.
+  EXPECT_TRUE(ExitsWith2({ArfusedPath(), "--device=host", "--world-size=2", "--nnodes=2",
+                          "--peer-addr=127.0.0.1:1", "--tls-cert=/x.pem", "--tls-key=/x.key"},
+                         "runs over TCP with mutual TLS only"));
+}
+
 class MutualTls : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -1017,6 +1017,32 @@ def check_manifests(docs: list[dict], flags: dict[str, Flag], image: Image,
                 declared = {p.get("containerPort") for s in sidecars for p in s.container.get("ports") or []}
                 if port not in declared:
                     problems.append(f"{where}: --peer-addr port {port} is not a containerPort")
+            # The TCP peer channel takes only mutual TLS (docs/peers.md): every sidecar names a
+            # certificate, its key and the group's CA (--peer-tls-*, else --listen's --tls-*),
+            # each inside a Secret volume it mounts, and the group's sidecars share that Secret.
+            secrets = set()
+            for s, r in zip(sidecars, resolved):
+                cname = f"{where} {s.container['name']}"
+                mounts = _mounts(s.container)
+                pairs = (("peer-tls-cert", "tls-cert"), ("peer-tls-key", "tls-key"),
+                         ("peer-tls-ca", "tls-client-ca"))
+                own = any(r(peer, views[0])[0] for peer, _ in pairs)
+                for peer, listen in pairs:
+                    path = r(peer if own else listen, views[0])[0]
+                    if not path:
+                        problems.append(f"{cname}: no --{peer}: the peer channel across nodes "
+                                        "takes only mutual TLS")
+                        continue
+                    vol = next((v for m, v in mounts.items() if path.startswith(m + "/")), None)
+                    secret = ((volumes.get(vol) or {}).get("secret") or {}).get("secretName")
+                    if secret is None:
+                        problems.append(f"{cname}: --{peer} {path} is not in a Secret volume "
+                                        "this container mounts")
+                    else:
+                        secrets.add(secret)
+            if len(secrets) > 1:
+                problems.append(f"{where}: the sidecars' peer TLS comes from different Secrets "
+                                f"{sorted(secrets)}: one group, one CA")
             if t.lws is not None and t.lws.get("startupPolicy") == "LeaderReady":
                 problems.append(f"{where}: startupPolicy LeaderReady deadlocks (the leader's sidecars "
                                 "become ready only once the workers' have joined)")

@@ -277,7 +277,16 @@ def lws_size_changed(docs):
     next(d for d in docs if d["kind"] == "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"] = 4
 
 
+def lws_peer_tls_off(docs):
+    data = _configmap(docs, "arfuse-config")["data"]
+    for key in ("ARFUSE_PEER_TLS_CERT", "ARFUSE_PEER_TLS_KEY", "ARFUSE_PEER_TLS_CA"):
+        data.pop(key)
+
+
 LWS_DOCTORED = {
+    "peer channel without TLS": (lws_peer_tls_off, "no --peer-tls-cert: the peer channel across"),
+    "peer TLS secret not mounted": (unmount("arfused-2", "/etc/arfuse/peer-tls"),
+                                    "is not in a Secret volume this container mounts"),
     "leader ready deadlock": (lws_leader_ready, "LeaderReady deadlocks"),
     "peer address missing": (lws_peer_addr_missing, "the same --peer-addr"),
     "ranks overlap across pods": (lws_rank_overlap, "ranks across the group are not"),

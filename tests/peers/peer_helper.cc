@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
   o.peer_dir = flags["dir"];
   o.rank0_address = flags["tcp"];
   o.group = flags.count("group") ? flags["group"] : "test";
+  // The TCP channel's mutual TLS (peer_tls.h): files made by the test.
+  o.tls.cert = flags["tls_cert"];
+  o.tls.key = flags["tls_key"];
+  o.tls.ca = flags["tls_ca"];
   o.timeout = absl::Milliseconds(std::stoi(flags["join_ms"]));
   // Heartbeats: the library's defaults unless given (--hb_ms=0 turns them off).
   if (flags.count("hb_ms")) o.heartbeat_timeout = absl::Milliseconds(std::stoi(flags["hb_ms"]));

@@ -130,6 +130,129 @@ TEST_F(PeersProcessTest, TwoNodesOverTcpWithoutDescriptorPassing) {
   }
 }
 
+// Across nodes the TCP channel runs mutual TLS (server/peers/peer_tls.h). Two CAs, made fresh
+// with openssl for every test: the group's (A) and another one (B).
+class PeersTlsTest : public PeersProcessTest {
+ protected:
+  void SetUp() override {
+    PeersProcessTest::SetUp();
+    std::string script = "set -e; cd " + dir_;
+    auto key = [](const std::string& name) {
+      return " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + name + ".key";
+    };
+    for (const char* ca : {"ca-a", "ca-b"}) {
+      absl::StrAppend(&script, "; openssl req -x509", key(ca), " -days 1 -subj /CN=", ca, " -out ",
+                      ca, ".pem 2>/dev/null");
+    }
+    for (const auto& [leaf, ca] : std::vector<std::pair<std::string, std::string>>{
+             {"rank0", "ca-a"}, {"rank1", "ca-a"}, {"stranger", "ca-b"}}) {
+      absl::StrAppend(&script, "; openssl req", key(leaf), " -subj /CN=", leaf, " -out ", leaf,
+                      ".csr 2>/dev/null; openssl x509 -req -in ", leaf, ".csr -CA ", ca,
+                      ".pem -CAkey ", ca, ".key -CAcreateserial -days 1 -out ", leaf,
+                      ".pem 2>/dev/null");
+    }
+    ASSERT_EQ(std::system(script.c_str()), 0) << script;
+    tcp_ = absl::StrCat("--tcp=127.0.0.1:", FreeTcpPort());
+  }
+  // peer_helper's TLS flags: `leaf`'s certificate and key, trusting `ca`.
+  std::vector<std::string> Tls(const std::string& leaf, const std::string& ca) const {
+    return {"--tls_cert=" + dir_ + "/" + leaf + ".pem", "--tls_key=" + dir_ + "/" + leaf + ".key",
+            "--tls_ca=" + dir_ + "/" + ca + ".pem"};
+  }
+  std::vector<std::string> Args(std::vector<std::string> tls) const {
+    tls.push_back(tcp_);
+    tls.push_back("--nnodes=2");
+    return tls;
+  }
+  std::string tcp_;
+};
+
+TEST_F(PeersTlsTest, AGroupWithCertificatesOfItsCaForms) {
+  Spawn(0, 2, "basic", Args(Tls("rank0", "ca-a")));
+  Spawn(1, 2, "basic", Args(Tls("rank1", "ca-a")));
+  for (auto& p : procs_) {
+    EXPECT_THAT(p->Await("JOINED"), StartsWith("JOINED "));
+    EXPECT_EQ(p->Await("ALLGATHER"), "ALLGATHER payload-from-0|payload-from-1");
+    EXPECT_EQ(p->Await("VOTE"), "VOTE no rank 1: not enough memory");
+    EXPECT_EQ(p->Await("BARRIER"), "BARRIER ok");
+    EXPECT_EQ(p->Await("DONE"), "DONE");
+  }
+}
+
+// Joiners that do not authenticate are refused at once, each with its reason, and the group
+// still forms with the rank that does.
+TEST_F(PeersTlsTest, UnauthenticatedJoinersAreRefusedWithTheReason) {
+  Proc& rank0 = Spawn(0, 2, "basic", Args(Tls("rank0", "ca-a")));
+  // Plain TCP: rank 0 answers in the plain protocol why it does not serve it.
+  Proc& plain = Spawn(1, 2, "basic", Args({}));
+  StatusLine s = ParseStatus(plain.Await("JOIN"));
+  EXPECT_EQ(s.code, "UNAUTHENTICATED") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("accepts peers over TCP only with mutual TLS"));
+  EXPECT_LT(s.elapsed_ms, 30000);  // refused, not timed out
+  // A certificate of another CA (the joiner trusts the group's CA, so it accepts rank 0).
+  Proc& stranger =
+      Spawn(1, 2, "basic",
+            Args({"--tls_cert=" + dir_ + "/stranger.pem", "--tls_key=" + dir_ + "/stranger.key",
+                  "--tls_ca=" + dir_ + "/ca-a.pem"}));
+  s = ParseStatus(stranger.Await("JOIN"));
+  EXPECT_EQ(s.code, "UNAUTHENTICATED") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("rank 0 refused this sidecar's certificate"));
+  EXPECT_THAT(s.message, HasSubstr("unknown ca"));
+  EXPECT_THAT(s.message, HasSubstr("cannot join group"));
+  // A joiner that trusts another CA does not accept rank 0 either.
+  Proc& distrust = Spawn(1, 2, "basic", Args(Tls("rank1", "ca-b")));
+  s = ParseStatus(distrust.Await("JOIN"));
+  EXPECT_EQ(s.code, "UNAUTHENTICATED") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("rank 0's certificate did not verify"));
+  // TLS without a certificate (openssl's own client): rank 0 ends the handshake with an alert.
+  const std::string port = tcp_.substr(tcp_.rfind(':') + 1);
+  const std::string probe = "sleep 2 | openssl s_client -connect 127.0.0.1:" + port +
+                            " -tls1_3 -CAfile " + dir_ + "/ca-a.pem > " + dir_ +
+                            "/s_client.out 2>&1";
+  (void)std::system(probe.c_str());
+  std::string out;
+  {
+    FILE* f = std::fopen((dir_ + "/s_client.out").c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+    std::fclose(f);
+  }
+  EXPECT_THAT(out, HasSubstr("certificate required")) << out;
+  // The group's own rank 1 still joins: nothing above took its place.
+  Proc& rank1 = Spawn(1, 2, "basic", Args(Tls("rank1", "ca-a")));
+  for (Proc* p : {&rank0, &rank1}) {
+    EXPECT_THAT(p->Await("JOINED"), StartsWith("JOINED "));
+    EXPECT_EQ(p->Await("ALLGATHER"), "ALLGATHER payload-from-0|payload-from-1");
+    EXPECT_EQ(p->Await("DONE"), "DONE");
+  }
+}
+
+// Files that do not load are named before anything connects.
+TEST_F(PeersTlsTest, CertificateFilesThatDoNotLoadAreNamed) {
+  Proc& missing =
+      Spawn(0, 2, "basic",
+            Args({"--tls_cert=" + dir_ + "/nope.pem", "--tls_key=" + dir_ + "/rank0.key",
+                  "--tls_ca=" + dir_ + "/ca-a.pem"}));
+  StatusLine s = ParseStatus(missing.Await("JOIN"));
+  EXPECT_EQ(s.code, "INVALID_ARGUMENT") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("cannot read the peer TLS certificate " + dir_ + "/nope.pem"));
+  Proc& mismatched =
+      Spawn(0, 2, "basic",
+            Args({"--tls_cert=" + dir_ + "/rank0.pem", "--tls_key=" + dir_ + "/rank1.key",
+                  "--tls_ca=" + dir_ + "/ca-a.pem"}));
+  s = ParseStatus(mismatched.Await("JOIN"));
+  EXPECT_EQ(s.code, "INVALID_ARGUMENT") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("does not belong to the certificate"));
+  Proc& no_ca =
+      Spawn(0, 2, "basic",
+            Args({"--tls_cert=" + dir_ + "/rank0.pem", "--tls_key=" + dir_ + "/rank0.key"}));
+  s = ParseStatus(no_ca.Await("JOIN"));
+  EXPECT_EQ(s.code, "INVALID_ARGUMENT") << s.message;
+  EXPECT_THAT(s.message, HasSubstr("the CA bundle is missing"));
+}
+
 TEST_F(PeersProcessTest, MissingRankIsNamedByEveryRankThatJoined) {
   Spawn(0, 3, "basic", {"--join_ms=2000"});
   Spawn(1, 3, "basic", {"--join_ms=2000"});
