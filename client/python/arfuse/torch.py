@@ -26,6 +26,11 @@ torch.cuda.current_stream()):
     torch.ops.arfuse.fused_allreduce_residual_rmsnorm_(input, residual, weight, eps, norm_out)
         -> ()                                           residual updated in place, norm_out set
     torch.ops.arfuse.fused_allreduce(input) -> output   mutates nothing
+    torch.ops.arfuse.allreduce_residual_rmsnorm(input, residual, weight, eps)
+        -> (norm_out, residual_out)                     any token count: consecutive chunks of
+                                                        at most max_fused_tokens() rows, one
+                                                        fused launch each (what framework
+                                                        integrations call)
 
 Called directly they raise Unavailable for an op not served fused: under torch.compile decide
 eligibility before compiling (max_fused_tokens() for the token range, as vLLM's fusion pass
@@ -97,13 +102,14 @@ def _default_cuda():
 
 
 def get_context(device=None) -> Optional["instream.InStreamContext"]:
+    # Reads take no lock: set_context() swaps entries under _lock, and a dict read is atomic in
+    # CPython. The ops' real implementations call this on every launch.
     if device is None:
-        with _lock:
-            if len(_contexts) == 1:
-                return next(iter(_contexts.values()))
+        values = list(_contexts.values())
+        if len(values) == 1:
+            return values[0]
         device = _default_cuda()
-    with _lock:
-        return _contexts.get(_key(device))
+    return _contexts.get(_key(device))
 
 
 def attach(client, hiddens=None, device=None, **kwargs) -> "instream.InStreamContext":
@@ -227,6 +233,67 @@ def _in_place(input, residual, weight, eps, norm_out):
     _launch(input, residual, residual, norm_out, weight, float(eps))
 
 
+def _stream_of(input) -> Optional[int]:
+    if input.device.type == "cpu":
+        return None
+    return _torch().cuda.current_stream(input.device).cuda_stream
+
+
+def _served_tokens(ctx, hidden: int, name: str, pattern: int, what: str) -> int:
+    per_launch = ctx.max_fused_tokens(hidden, name, pattern)
+    if per_launch <= 0:
+        ctx.poll()
+        if ctx.disabled:
+            raise instream.Unavailable(instream.UNAVAILABLE, ctx.disabled_reason, ctx.disabled)
+        raise instream.Unavailable(instream.OUT_OF_RANGE,
+                                   f"{what} is not served at hidden {hidden} {name}")
+    return per_launch
+
+
+def _chunked(input, residual, weight, eps):
+    """allreduce + residual add + RMSNorm over any number of tokens: consecutive chunks of at
+    most max_fused_tokens() rows, one fused launch each. Exact: the allreduce is elementwise and
+    RMSNorm works per row, and every rank cuts the same chunks from the same shapes. With a
+    residual or weight of another dtype than the input, the allreduce runs fused in the input's
+    dtype (chunked alike) and the add and norm run here in fp32, as RMSNorm's reference does."""
+    torch = _torch()
+    ctx = get_context(input.device)
+    if ctx is None:
+        raise instream.Unavailable(instream.UNAVAILABLE,
+                                   f"no in-stream context attached for {input.device}")
+    name = dtype_name(input.dtype)
+    if name is None:
+        raise instream.Unavailable(instream.OUT_OF_RANGE, f"dtype {input.dtype} is not served")
+    hidden = int(input.shape[-1])
+    tokens = input.numel() // hidden if hidden else 0
+    x = input.reshape(tokens, hidden)
+    r = residual.reshape(tokens, hidden)
+    stream = _stream_of(input)
+    norm_out = torch.empty_like(x)
+    residual_out = torch.empty_like(r)
+    same = residual.dtype == input.dtype and weight.dtype == input.dtype
+    if same:
+        step = _served_tokens(ctx, hidden, name, instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM,
+                              "allreduce + residual + RMSNorm")
+        for s in range(0, tokens, step):
+            e = min(tokens, s + step)
+            ctx.fused_allreduce_residual_rmsnorm(
+                stream, x[s:e].data_ptr(), r[s:e].data_ptr(), residual_out[s:e].data_ptr(),
+                norm_out[s:e].data_ptr(), weight.data_ptr(), e - s, hidden, name, float(eps))
+    else:
+        step = _served_tokens(ctx, hidden, name, instream.PATTERN_ALLREDUCE, "allreduce")
+        reduced = torch.empty_like(x)
+        for s in range(0, tokens, step):
+            e = min(tokens, s + step)
+            ctx.fused_allreduce(stream, x[s:e].data_ptr(), reduced[s:e].data_ptr(), e - s,
+                                hidden, name)
+        total = reduced.float() + r.float()
+        residual_out.copy_(total)
+        var = total.pow(2).mean(dim=-1, keepdim=True)
+        norm_out.copy_(total * torch.rsqrt(var + float(eps)) * weight.float())
+    return norm_out.view(input.shape), residual_out.view(residual.shape)
+
+
 def _allreduce(input):
     torch = _torch()
     out = torch.empty_like(input)
@@ -242,6 +309,9 @@ _SCHEMAS = {
         ("(Tensor input, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) norm_out) "
          "-> ()", ("residual", "norm_out"), _in_place),
     "fused_allreduce": ("(Tensor input) -> Tensor", (), _allreduce),
+    "allreduce_residual_rmsnorm":
+        ("(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+         (), _chunked),
 }
 
 
@@ -256,6 +326,7 @@ def _fake(name):
         return input.new_empty(input.shape)
 
     return {"fused_allreduce_residual_rmsnorm": fake_functional,
+            "allreduce_residual_rmsnorm": fake_functional,
             "fused_allreduce_residual_rmsnorm_": fake_in_place,
             "fused_allreduce": fake_allreduce}[name]
 
@@ -293,10 +364,16 @@ def fused_allreduce_residual_rmsnorm(input, residual, weight, eps: float = 1e-6
     """(norm_out, residual_out): residual_out = allreduce(input) + residual, norm_out =
     rmsnorm(residual_out) * weight; fresh tensors, nothing mutated. (None, None) when this op
     is not served fused (the module docstring says when); raises Unavailable for a failed
-    workspace and InStreamError for bad arguments."""
+    workspace and InStreamError for bad arguments.
+
+    Under torch.compile nothing is decided here (the eligibility checks talk to the library):
+    the graph gets torch.ops.arfuse.allreduce_residual_rmsnorm, which serves every token count
+    and raises Unavailable for a shape it cannot serve. Decide eligibility before compiling."""
+    torch = _torch()
+    if torch.compiler.is_compiling():
+        return torch.ops.arfuse.allreduce_residual_rmsnorm(input, residual, weight, float(eps))
     if _why_not(input, residual, weight) is not None:
         return None, None
-    torch = _torch()
     register_ops()
     try:
         return torch.ops.arfuse.fused_allreduce_residual_rmsnorm(input, residual, weight,

@@ -1,0 +1,478 @@
+"""arfuse in SGLang's place for FlashInfer's fused allreduce + residual add + RMSNorm.
+
+SGLang loads it by itself: the arfuse package ships an `sglang.srt.plugins` entry point
+(arfuse.integrations.sglang:plugin) that every SGLang process runs first, the tensor-parallel
+scheduler processes included. Configure it with the environment:
+
+    ARFUSE_SOCKET=/run/arfuse/rank{rank}.sock     # this rank's sidecar; {rank}: the rank in
+                                                  # SGLang's TP group ({global_rank}, {gpu} too)
+    ARFUSE_SGLANG=1                               # on (the default when ARFUSE_SOCKET is set);
+                                                  # 0: off whatever else is set
+    python -m sglang.launch_server ... --tp 2 --flashinfer-allreduce-fusion-backend auto
+
+install() picks an adapter by SGLang's module layout (layouts.py), never by version string, and
+replaces what SGLang's callers use:
+
+- in sglang.srt.layers.flashinfer_comm_fusion: flashinfer_allreduce_residual_rmsnorm (same
+  signature; SGLang's layernorm imports it at call time), is_flashinfer_allreduce_unavailable,
+  ensure_workspace_initialized, pre_initialize_workspaces (SGLang calls it on every rank before
+  graph capture: the attach and the vote happen there) and cleanup_flashinfer_workspace;
+- in the gate's module (communicator.py up to 0.5.20, layer_boundary/residual/add_norm.py from
+  0.5.21): its binding of is_flashinfer_allreduce_unavailable, and the globals its gate reads for
+  FlashInfer's presence and the SM check (set True: FlashInfer is not needed). SGLang's own gate
+  function runs unchanged, with every caller's binding of it: it still applies SGLang's batch
+  limit (FUSE_ALLREDUCE_MAX_BATCH_SIZE), DP attention and the backend flag.
+
+What the gate and the op agree on. SGLang's gate sees only the batch size. So everything else
+is decided once, at setup, and voted across the TP group: this rank's sidecar attached; the
+model's hidden size and dtype served fused; the attention TP group and the post-experts group
+(use_attn_tp_group=False) both exactly the TP group the sidecars form (checked against SGLang's
+group objects: not so under DP attention, attention context parallelism or expert parallelism
+narrower than TP). Not served on any rank: the gate says no on every rank, for every call, and
+SGLang runs its own path. Served: the op serves every batch the gate admits. Batches larger than
+the sidecar's fused range run as consecutive fused launches over token chunks
+(torch.ops.arfuse.allreduce_residual_rmsnorm; exact, since the allreduce is elementwise and
+RMSNorm per row), a residual or weight of another dtype than the input runs the fused allreduce
+and an fp32 add + RMSNorm. The op never answers (None, None) after a yes gate; a workspace that
+fails while serving (poisoned, its sidecar gone) raises arfuse.instream.Unavailable, never
+hangs. A shape the setup did not decide (another hidden size or input dtype) raises too.
+
+torch.compile: what SGLang calls is a plain function that reads one attribute and calls the
+opaque custom op torch.ops.arfuse.allreduce_residual_rmsnorm (fake implementation registered):
+no locks, ctypes or dict lookups on the traced path, so fullgraph=True traces through it.
+
+status() says what was decided and why; the setup logs one line per rank saying which path
+serves.
+"""
+import importlib
+import logging
+import os
+import sys
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import layouts
+from .layouts import FUSION_MODULE, OP_NAME, Layout
+
+logger = logging.getLogger("arfuse.integrations.sglang")
+
+
+class UnknownLayout(RuntimeError):
+    """The installed SGLang's modules match no layout arfuse knows: nothing is patched."""
+
+    def __init__(self, version: str, why: str):
+        super().__init__(f"SGLang {version}: {why}")
+        self.version, self.why = version, why
+
+
+class _State:
+    """Read by the op and the gate on SGLang's hot (and traced) path: plain attributes only."""
+
+    def __init__(self):
+        self.served = False          # the gate's answer: set only by setup(), after the vote
+        self.op = None               # torch.ops.arfuse.allreduce_residual_rmsnorm once set up
+        self.reason = "not set up (SGLang calls pre_initialize_workspaces before capture)"
+        self.ctx = None
+        self.client = None
+        self.owns_client = False
+        self.decided = None          # (hidden, dtype name) the vote decided
+        self.world_size = 1
+        self.rank = 0
+        self.layout: Optional[Layout] = None
+        self.gate_name = ""
+        self.version = ""
+        self.socket = None
+        self.setup_kwargs = {}
+        self.installed = []          # (owner, attribute, original, had_attribute)
+        self.patched_names: List[str] = []
+        self.lock = threading.Lock()  # install/setup/teardown only, never the op
+
+
+_state = _State()
+
+
+# ---- what SGLang's callers get ----
+
+def flashinfer_allreduce_residual_rmsnorm(
+        input_tensor, residual, weight, eps: float = 1e-6, max_token_num: int = 2048,
+        use_oneshot: Optional[bool] = None, trigger_completion_at_end: bool = False,
+        fp32_acc: bool = False, use_attn_tp_group: bool = True):
+    """SGLang's op through arfuse: (norm_out, residual_out), fresh tensors; (None, None) only
+    when the gate says no on every call (not set up, voted off). use_oneshot,
+    trigger_completion_at_end and fp32_acc are accepted and not needed: the sidecar's dispatch
+    picks one-shot or two-shot alike on every rank and accumulates in fp32. Both groups are
+    the sidecars' group (setup checked it) and max_token_num is SGLang's bookkeeping (the op
+    serves any token count)."""
+    if not _state.served:
+        return None, None
+    return _state.op(input_tensor, residual, weight, float(eps))
+
+
+def is_flashinfer_allreduce_unavailable() -> bool:
+    return not _state.served
+
+
+def ensure_workspace_initialized(max_token_num: int = 2048, hidden_dim: int = 4096,
+                                 use_fp32_lamport: bool = False, dtype=None, token_num=None,
+                                 use_oneshot=None, use_attn_tp_group: bool = True) -> bool:
+    """True when the op serves (setup happens in pre_initialize_workspaces, on every rank)."""
+    return _state.served
+
+
+def pre_initialize_workspaces(max_token_num: int, hidden_dim: int, dtype, use_oneshot=None):
+    """SGLang calls this on every rank before graph capture: attach and vote here."""
+    setup(hidden=hidden_dim, dtype=dtype, max_token_num=max_token_num)
+
+
+def cleanup_flashinfer_workspace():
+    teardown()
+
+
+REPLACEMENTS = tuple(layouts.FUSION_FUNCTIONS)
+
+
+# ---- setup: attach, decide, vote ----
+
+def _dtype_name(dtype) -> Optional[str]:
+    if isinstance(dtype, str):
+        return dtype if dtype in ("bf16", "fp16", "fp32") else None
+    import arfuse.torch as aft
+    return aft.dtype_name(dtype)
+
+
+def sglang_groups(layout: Optional[Layout] = None):
+    """SGLang's (TP, attention TP, post-experts) group coordinators, as the layout finds them."""
+    layout = layout or _state.layout
+    from sglang.srt.distributed import parallel_state as ps
+
+    tp, attn = ps.get_tp_group(), ps.get_attn_tp_group()
+    if layout is not None and layout.post_experts_group == "reduction_group":
+        from sglang.srt.layers.moe.utils import post_experts_reduction_group
+        moe = post_experts_reduction_group()
+    else:
+        ep = ps.get_moe_ep_group()
+        moe = ep if ep.world_size > 1 else ps.get_moe_tp_group()
+    return tp, attn, moe
+
+
+def _socket_for(template: str, rank: int, device_index: int) -> str:
+    import torch.distributed as dist
+    glob = dist.get_rank() if dist.is_initialized() else rank
+    return template.format(rank=rank, global_rank=glob, gpu=device_index)
+
+
+def _gather(local: Optional[str], group, world: int) -> List[Optional[str]]:
+    """Every rank's reason not to serve (None: this rank can), over the TP CPU group."""
+    import torch.distributed as dist
+    if world <= 1 or not dist.is_initialized():
+        return [local]
+    out: List[Optional[str]] = [None] * world
+    dist.all_gather_object(out, local, group=group)
+    return out
+
+
+def _vote_unavailable(local_unavailable: bool, group) -> bool:
+    """MAX all-reduce of an "unavailable" flag over `group`: True when any rank is."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) <= 1:
+        return local_unavailable
+    on_cpu = dist.get_backend(group) != "nccl"
+    flag = torch.tensor([1 if local_unavailable else 0], dtype=torch.int32,
+                        device="cpu" if on_cpu else torch.device("cuda",
+                                                                 torch.cuda.current_device()))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(int(flag.item()))
+
+
+def _local_decision(hidden: int, name: Optional[str], tp, attn, moe, socket: Optional[str],
+                    client, timeout: float) -> Optional[str]:
+    """Why this rank cannot serve (None: it can). Attaches as a side effect."""
+    import arfuse
+    import arfuse.torch as aft
+    from arfuse import instream
+
+    if list(attn.ranks) != list(tp.ranks):
+        return (f"the attention TP group (ranks {list(attn.ranks)}) is not the TP group "
+                f"(ranks {list(tp.ranks)}): DP attention or attention context parallelism")
+    if list(moe.ranks) != list(tp.ranks):
+        return (f"the post-experts group (ranks {list(moe.ranks)}) is not the TP group "
+                f"(ranks {list(tp.ranks)}): expert parallelism narrower than TP")
+    if name is None:
+        return "the model's dtype is not bf16, fp16 or fp32"
+    ctx = _state.ctx
+    if ctx is None or int(hidden) not in ctx.hiddens:
+        if ctx is not None:
+            return (f"already attached for hidden {ctx.hiddens}; a second model with hidden "
+                    f"{hidden} is not served")
+        template = socket or os.environ.get("ARFUSE_SOCKET")
+        if not template and client is None:
+            return "no sidecar socket (set ARFUSE_SOCKET, {rank} allowed)"
+        import torch
+        use_cuda = torch.cuda.is_available()
+        device_index = torch.cuda.current_device() if use_cuda else 0
+        owns = client is None
+        try:
+            if client is None:
+                target = _socket_for(template, tp.rank_in_group, device_index)
+                client = arfuse.Client(target, client_name="sglang", connect_timeout=timeout)
+                client.wait_ready(timeout)
+            if (client.rank, client.world_size) != (tp.rank_in_group, tp.world_size):
+                raise arfuse.ArfuseError(
+                    instream.status_code(instream.FAILED_PRECONDITION),
+                    f"the sidecar at {client.target} is rank {client.rank} of "
+                    f"{client.world_size}, this process rank {tp.rank_in_group} of "
+                    f"{tp.world_size} of SGLang's TP group (wrong socket?)")
+            ctx = client.attach([int(hidden)])
+            device = "cpu" if ctx.device == "host" else torch.device("cuda", device_index)
+            aft.set_context(ctx, device)
+        except (arfuse.ArfuseError, ValueError, KeyError, IndexError, OSError) as e:
+            if owns and client is not None:
+                client.close()
+            return f"{type(e).__name__}: {e}"
+        _state.ctx, _state.client, _state.owns_client = ctx, client, owns
+    ctx.poll(at_agreement=True)
+    if ctx.disabled:
+        return ctx.disabled_reason
+    fused = ctx.max_fused_tokens(hidden, name, instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM)
+    plain = ctx.max_fused_tokens(hidden, name, instream.PATTERN_ALLREDUCE)
+    if fused <= 0 or plain <= 0:
+        return (f"the sidecar does not serve hidden {hidden} {name} fused "
+                f"({ctx.why_not(1, hidden, name) or 'allreduce-only pattern not served'})")
+    return None
+
+
+def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] = None,
+          groups=None, client=None, timeout: Optional[float] = None) -> bool:
+    """Attaches this rank to its sidecar, decides whether the op serves SGLang's model
+    (hidden, dtype, groups) and votes with the TP group; True when it serves. Every rank calls
+    it at the same point, outside graph capture (pre_initialize_workspaces does).
+
+    groups: (tp, attention tp, post-experts) coordinators with .ranks, .rank_in_group,
+    .world_size, .cpu_group (default: SGLang's, sglang_groups()); client: an arfuse.Client to
+    attach through instead of connecting to the socket."""
+    import arfuse.torch as aft
+
+    with _state.lock:
+        if timeout is None:
+            timeout = float(os.environ.get("ARFUSE_TIMEOUT", "30"))
+        socket = socket or _state.socket
+        tp, attn, moe = groups if groups is not None else sglang_groups()
+        world, rank = int(tp.world_size), int(tp.rank_in_group)
+        _state.world_size, _state.rank = world, rank
+        name = _dtype_name(dtype)
+        if (int(hidden), name) == _state.decided and _state.served:
+            return True
+        if world <= 1:
+            _disable(f"world size {world}: nothing to reduce")
+            logger.info("arfuse: rank %d/%d: %s; SGLang's own path serves", rank, world,
+                        _state.reason)
+            return False
+        local = _local_decision(int(hidden), name, tp, attn, moe, socket, client, timeout)
+        reasons = _gather(local, tp.cpu_group, world)
+        bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
+        _state.decided = (int(hidden), name)
+        if bad:
+            _disable("; ".join(f"rank {r}: {why}" for r, why in bad))
+            logger.warning("arfuse: fused allreduce + RMSNorm off on every rank, SGLang's own "
+                           "path serves (rank %d/%d): %s", rank, world, _state.reason)
+            return False
+        aft.register_ops()
+        import torch
+        _state.op = torch.ops.arfuse.allreduce_residual_rmsnorm
+        from arfuse import instream
+        per_launch = _state.ctx.max_fused_tokens(hidden, name,
+                                                 instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM)
+        _state.served, _state.reason = True, ""
+        logger.info("arfuse: rank %d/%d: SGLang's fused allreduce + residual + RMSNorm served "
+                    "by arfuse (%s adapter, SGLang %s): hidden %d %s, both groups, every batch "
+                    "the gate admits (up to %d tokens per fused launch, larger batches in "
+                    "chunks); %r", rank, world, _state.layout.name if _state.layout else "-",
+                    _state.version or "?", hidden, name, per_launch, _state.ctx)
+        return True
+
+
+def _disable(reason: str):
+    """Under _state.lock: the gate says no from now on; detaches what setup attached."""
+    import arfuse
+    import arfuse.torch as aft
+
+    _state.served, _state.reason = False, reason
+    ctx, _state.ctx = _state.ctx, None
+    if ctx is not None:
+        aft.set_context(None, "cpu" if ctx.device == "host" else None)
+        try:
+            ctx.detach()
+        except arfuse.ArfuseError:
+            pass
+    if _state.client is not None and _state.owns_client:
+        _state.client.close()
+    _state.client = None
+
+
+def teardown():
+    """Detaches (SGLang's cleanup_flashinfer_workspace, once installed)."""
+    with _state.lock:
+        _disable("not set up (torn down)")
+        _state.decided = None
+
+
+def status() -> Dict[str, object]:
+    """What was decided: served, why not, the adapter, the context's launches so far."""
+    ctx = _state.ctx
+    return {"served": _state.served, "reason": _state.reason,
+            "adapter": _state.layout.name if _state.layout else None,
+            "gate": _state.gate_name, "sglang": _state.version,
+            "rank": _state.rank, "world_size": _state.world_size,
+            "decided": _state.decided, "launches": ctx.launches if ctx is not None else 0,
+            "patched": list(_state.patched_names)}
+
+
+# ---- install ----
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("sglang")
+    except Exception:
+        pass
+    try:
+        return importlib.import_module("sglang.version").__version__
+    except Exception:
+        return "unknown"
+
+
+def detect_layout(import_module=importlib.import_module) -> Tuple[Layout, str]:
+    """(layout, gate name) of the installed SGLang, by what its modules contain; raises
+    UnknownLayout naming what is missing."""
+    misses = []
+    for layout in layouts.LAYOUTS:
+        why = None
+        for mod_name in (layout.gate_module, *layout.requires):
+            try:
+                mod = import_module(mod_name)
+            except ImportError as e:
+                why = f"no module {mod_name} ({e})"
+                break
+            for attr in layout.requires.get(mod_name, ()):
+                if not hasattr(mod, attr):
+                    why = f"{mod_name} has no {attr}"
+                    break
+            if why:
+                break
+        if why is None:
+            gate_mod = import_module(layout.gate_module)
+            gate = next((g for g in layout.gate_names if callable(getattr(gate_mod, g, None))),
+                        None)
+            if gate is None:
+                why = f"{layout.gate_module} has none of {', '.join(layout.gate_names)}"
+            else:
+                missing = [g for g in layout.gate_true_globals if g not in vars(gate_mod)]
+                if missing:
+                    why = f"{layout.gate_module} has no {', '.join(missing)}"
+                else:
+                    return layout, gate
+        misses.append(f"{layout.name} layout: {why}")
+    raise UnknownLayout(sglang_version(), "unknown module layout (" + "; ".join(misses) + ")")
+
+
+def _patch(owner, name, value):
+    had = name in vars(owner)
+    _state.installed.append((owner, name, getattr(owner, name, None), had))
+    setattr(owner, name, value)
+    _state.patched_names.append(f"{owner.__name__}.{name}")
+
+
+def installed() -> bool:
+    return bool(_state.installed)
+
+
+def install(socket: Optional[str] = None, import_module=importlib.import_module) -> List[str]:
+    """Puts this package's functions in SGLang's place (module docstring) and returns the
+    patched names ("module.attribute"). `socket` ("{rank}" allowed; default $ARFUSE_SOCKET) is
+    what the setup at pre_initialize_workspaces connects to. Raises UnknownLayout (nothing
+    patched) when SGLang's modules match no known layout. Idempotent."""
+    with _state.lock:
+        if _state.installed:
+            return list(_state.patched_names)
+        layout, gate = detect_layout(import_module)
+        me = sys.modules[__name__]
+        fusion = import_module(FUSION_MODULE)
+        for name in REPLACEMENTS:
+            _patch(fusion, name, getattr(me, name))
+        gate_mod = import_module(layout.gate_module)
+        for name in layout.gate_true_globals:
+            _patch(gate_mod, name, True)
+        for mod_name in layout.unavailable_bindings:
+            mod = import_module(mod_name)
+            if "is_flashinfer_allreduce_unavailable" in vars(mod):
+                _patch(mod, "is_flashinfer_allreduce_unavailable",
+                       is_flashinfer_allreduce_unavailable)
+        for mod_name in layout.callers:
+            import_module(mod_name)  # bound now, so that nothing imports an unpatched name
+        _state.layout, _state.gate_name = layout, f"{layout.gate_module}.{gate}"
+        _state.version = sglang_version()
+        _state.socket = socket
+        logger.info("arfuse: SGLang %s: %s adapter (gate %s); patched %s", _state.version,
+                    layout.name, _state.gate_name, ", ".join(_state.patched_names))
+        return list(_state.patched_names)
+
+
+def uninstall():
+    """Restores every attribute install() replaced (in reverse order) and detaches."""
+    teardown()
+    with _state.lock:
+        while _state.installed:
+            owner, name, original, had = _state.installed.pop()
+            if had:
+                setattr(owner, name, original)
+            else:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+        _state.patched_names.clear()
+        _state.layout, _state.gate_name, _state.op = None, "", None
+        _state.reason = "not installed"
+
+
+# ---- the sglang.srt.plugins entry point ----
+
+_OFF = ("0", "off", "false", "no")
+_ON = ("1", "on", "true", "yes")
+
+
+def _log_to_stderr():
+    """SGLang configures logging after it loads plugins: arfuse's lines get their own handler,
+    so the INFO lines of the install and the setup show."""
+    root = logging.getLogger("arfuse")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
+        root.addHandler(h)
+        root.setLevel(os.environ.get("ARFUSE_LOG_LEVEL", "INFO").upper())
+        root.propagate = False
+
+
+def plugin():
+    """Entry point of the `sglang.srt.plugins` group: SGLang runs it first in every process.
+    Installs when ARFUSE_SGLANG=1, or ARFUSE_SGLANG is unset and ARFUSE_SOCKET is set."""
+    mode = os.environ.get("ARFUSE_SGLANG", "").strip().lower()
+    socket = os.environ.get("ARFUSE_SOCKET", "").strip()
+    if mode in _OFF or (not mode and not socket):
+        return
+    _log_to_stderr()
+    if mode and mode not in _ON:
+        logger.error("arfuse: ARFUSE_SGLANG=%s is not 1 or 0: fused allreduce off", mode)
+        return
+    if not socket:
+        logger.error("arfuse: ARFUSE_SGLANG=1 but ARFUSE_SOCKET is not set (e.g. "
+                     "/run/arfuse/rank{rank}.sock): fused allreduce off")
+        return
+    try:
+        install(socket=socket)
+    except UnknownLayout as e:
+        logger.error("arfuse: %s; arfuse's fused allreduce is off on every rank and SGLang "
+                     "runs its own path. Supported: SGLang 0.5.14-0.5.23 "
+                     "(docs/integration.md)", e)
