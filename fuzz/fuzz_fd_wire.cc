@@ -87,8 +87,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::deque<UniqueFd> fds;
     for (int i = 0; i < arriving; ++i) fds.emplace_back(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     FdTicketBrokerOptions caps;
-    caps.max_pending_per_uid = 4;
-    caps.max_pending = 6;
+    caps.max_fds_per_uid = 20;
+    caps.max_fds = 24;
     FdTicketBroker broker(caps);
     SocketCredentials client;
     client.uid = 1000;
@@ -115,7 +115,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       FdReply reply = AnswerFdRequest(broker, client, std::move(request), absl::Seconds(30));
       CheckReply(reply, op, nfds, broker, client.uid);
-      Check(broker.pending() <= caps.max_pending);
+      Check(broker.charged() <= caps.max_fds);
       if (reply.close_after) break;
     }
   }

@@ -36,10 +36,20 @@ ABSL_FLAG(int, metrics_port, -1,
 ABSL_FLAG(std::string, metrics_host, "",
           "Address the metrics port binds to. Default: the same as --health-host.");
 ABSL_FLAG(int, max_connections_per_uid, 64,
-          "Connections one user may hold open on the Unix sockets (the main socket and the fd "
-          "channel together); more are closed at once and logged. 0: no cap. Connections in all "
-          "are also capped below RLIMIT_NOFILE, so that descriptors stay in reserve for the "
-          "health port.");
+          "Connections one user may hold open on the main Unix socket; more are closed at once "
+          "and logged. 0: no cap. Connections in all (both Unix sockets) are also capped below "
+          "RLIMIT_NOFILE, so that descriptors stay in reserve for the health port.");
+ABSL_FLAG(int, max_fd_connections_per_uid, 16,
+          "Connections one user may hold open on the fd channel (<socket>.fd), counted apart "
+          "from --max-connections-per-uid; more are closed at once and logged. 0: no cap.");
+ABSL_FLAG(int, max_pending_fds, 0,
+          "Descriptors the fd channel holds for all users together (deposited or offered and "
+          "not yet claimed or picked up, or on their way); a DEPOSIT or an attach beyond it gets "
+          "RESOURCE_EXHAUSTED. 0: half the descriptor reserve (RLIMIT_NOFILE / 8, at least 32; "
+          "128 at 1024).");
+ABSL_FLAG(int, max_pending_fds_per_uid, 0,
+          "The same for one user. 0: a quarter of --max-pending-fds, at least 16 (one full "
+          "DEPOSIT); 32 at RLIMIT_NOFILE 1024.");
 ABSL_FLAG(std::string, device, "",
           "cuda (fused kernels on this rank's GPU) or host (host shared memory and the CPU "
           "implementation, for machines without a GPU). Default: cuda when a GPU is present.");
@@ -203,6 +213,9 @@ const std::vector<std::string>& OwnFlagNames() {
                                                  "allowed_uids",
                                                  "allowed_gids",
                                                  "max_connections_per_uid",
+                                                 "max_fd_connections_per_uid",
+                                                 "max_pending_fds",
+                                                 "max_pending_fds_per_uid",
                                                  "listen",
                                                  "tls_cert",
                                                  "tls_key",
@@ -404,6 +417,29 @@ absl::Status Validate(const DaemonOptions& o) {
         absl::StrCat("--max-connections-per-uid must be 0 (no cap) or positive, got ",
                      o.max_connections_per_uid));
   }
+  if (o.max_fd_connections_per_uid < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-fd-connections-per-uid must be 0 (no cap) or positive, got ",
+                     o.max_fd_connections_per_uid));
+  }
+  if (o.max_pending_fds < 0 || o.max_pending_fds_per_uid < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-pending-fds and --max-pending-fds-per-uid must be 0 (derived from RLIMIT_NOFILE) "
+        "or positive, got ",
+        o.max_pending_fds, " and ", o.max_pending_fds_per_uid));
+  }
+  if ((o.max_pending_fds > 0 && o.max_pending_fds < 16) ||
+      (o.max_pending_fds_per_uid > 0 && o.max_pending_fds_per_uid < 16)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-pending-fds and --max-pending-fds-per-uid must be at least 16 (one DEPOSIT's "
+        "descriptors), got ",
+        o.max_pending_fds, " and ", o.max_pending_fds_per_uid));
+  }
+  if (o.max_pending_fds > 0 && o.max_pending_fds_per_uid > o.max_pending_fds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-pending-fds-per-uid (", o.max_pending_fds_per_uid,
+                     ") must not exceed --max-pending-fds (", o.max_pending_fds, ")"));
+  }
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--metrics-port must be -1 (off) or between 0 and 65535, got ", o.metrics_port));
@@ -550,6 +586,9 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   if (o.metrics_host.empty()) o.metrics_host = o.health_host;
   o.max_connections_per_uid = absl::GetFlag(FLAGS_max_connections_per_uid);
+  o.max_fd_connections_per_uid = absl::GetFlag(FLAGS_max_fd_connections_per_uid);
+  o.max_pending_fds = absl::GetFlag(FLAGS_max_pending_fds);
+  o.max_pending_fds_per_uid = absl::GetFlag(FLAGS_max_pending_fds_per_uid);
   o.device = absl::GetFlag(FLAGS_device);
   o.rank = absl::GetFlag(FLAGS_rank);
   o.gpu = absl::GetFlag(FLAGS_gpu);

@@ -21,8 +21,14 @@ struct DaemonOptions {
   std::string health_host = "0.0.0.0";
   int metrics_port = -1;     // -1: off
   std::string metrics_host;  // empty: the same as health_host
-  // Open connections one uid may hold on the Unix sockets (main and fd channel); 0: no cap.
+  // Open connections one uid may hold on the main Unix socket, and on the fd channel (counted
+  // apart); 0: no cap.
   int max_connections_per_uid = 64;
+  int max_fd_connections_per_uid = 16;
+  // Budgets of the descriptors the fd channel holds, in all and per uid; 0: derived from
+  // RLIMIT_NOFILE (PendingFdBudget).
+  int max_pending_fds = 0;
+  int max_pending_fds_per_uid = 0;
   std::string device;  // "cuda" or "host"
   int rank = 0;
   int gpu = -1;  // -1: rank % visible GPUs

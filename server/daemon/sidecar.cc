@@ -22,6 +22,8 @@
 #include "server/core/log.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
+#include "server/daemon/tcp_listener.h"
+#include "server/daemon/tcp_server_keeper.h"
 #include "server/daemon/unix_listener.h"
 #include "server/daemon/unix_socket.h"
 #include "server/doorbell/doorbell_report.h"
@@ -301,7 +303,10 @@ absl::Status Sidecar::Start() {
   if (options_.dtype == "fp16") fusion_options.dtype = DType::kFP16;
   if (options_.dtype == "fp32") fusion_options.dtype = DType::kFP32;
   connections_ = std::make_unique<ConnectionTable>();
-  fd_tickets_ = std::make_unique<FdTicketBroker>();
+  // Pending descriptors are budgeted inside the reserve the connection caps leave.
+  fd_tickets_ = std::make_unique<FdTicketBroker>(
+      PendingFdBudget(NofileSoftLimit(), static_cast<size_t>(options_.max_pending_fds),
+                      static_cast<size_t>(options_.max_pending_fds_per_uid)));
   fusion_options.callers = connections_.get();
   fusion_options.fd_tickets = fd_tickets_.get();
   fusion_options.fd_socket = fd_socket;
@@ -315,22 +320,27 @@ absl::Status Sidecar::Start() {
   services_.push_back(
       std::make_unique<AdminService>(this, absl::Seconds(options_.default_deadline_s)));
 
-  // The health-only server: plaintext TCP for Kubernetes probes, nothing but grpc.health.v1.
+  // The health-only server: plaintext TCP for Kubernetes probes, nothing but grpc.health.v1. The
+  // project accepts its connections (TcpListener): gRPC 1.51's own TCP listener stops for good
+  // after an accept that fails with EMFILE, and the port would never answer again.
   {
+    absl::StatusOr<std::unique_ptr<TcpListener>> listener =
+        TcpListener::Bind(options_.health_host, options_.health_port);
+    if (!listener.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen on health port ", options_.health_host, ":", options_.health_port,
+          " (in use or not permitted): ", listener.status().message()));
+    }
     grpc::ServerBuilder builder;
-    // gRPC sets SO_REUSEPORT by default, which would let a second process share a port in use.
-    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.AddListeningPort(absl::StrCat(options_.health_host, ":", options_.health_port),
-                             grpc::InsecureServerCredentials(), &health_port_);
     builder.SetOption(std::make_unique<ReflectionOption>(false));
     builder.RegisterService(health_probe_.get());
     health_server_ = builder.BuildAndStart();
-    if (health_server_ == nullptr || health_port_ == 0) {
-      health_server_.reset();
-      return absl::UnavailableError(absl::StrCat("cannot listen on health port ",
-                                                 options_.health_host, ":", options_.health_port,
-                                                 " (in use or not permitted)"));
-    }
+    if (health_server_ == nullptr) return absl::UnavailableError("cannot start the health server");
+    health_listener_ = *std::move(listener);
+    health_port_ = health_listener_->port();
+    health_listener_->Serve([server = health_server_.get()](UniqueFd conn) {
+      grpc::AddInsecureChannelFromFd(server, conn.release());
+    });
   }
 
   {
@@ -350,12 +360,15 @@ absl::Status Sidecar::Start() {
       return listener.status();
     }
     unix_listener_ = *std::move(listener);
-    // The fd channel: the same users, the same caps, its own socket and thread.
+    // The fd channel: the same users, its own socket and thread, and its own per-uid cap, so that
+    // idle fd-channel connections never lock a user out of the main socket.
     absl::StatusOr<std::unique_ptr<FdChannelServer>> fd_channel =
         FdChannelServer::Start(fd_tickets_.get(), FdChannelServerOptions{});
     UnixListenerOptions fd_listen = listen;
     fd_listen.channel = ConnectionTable::Channel::kFd;
     fd_listen.label = "fd";
+    fd_listen.max_connections_per_uid = static_cast<size_t>(options_.max_fd_connections_per_uid);
+    fd_listen.per_uid_flag = "--max-fd-connections-per-uid";
     absl::StatusOr<std::unique_ptr<UnixListener>> fd_listener =
         fd_channel.ok() ? UnixListener::Bind(fd_socket, fd_listen)
                         : absl::StatusOr<std::unique_ptr<UnixListener>>(fd_channel.status());
@@ -365,52 +378,71 @@ absl::Status Sidecar::Start() {
     }
     fd_channel_ = *std::move(fd_channel);
     fd_listener_ = *std::move(fd_listener);
-    grpc::ServerBuilder builder;
-    int tcp_port = 0;
+    std::shared_ptr<grpc::ServerCredentials> tls;
     if (!options_.listen.empty()) {
-      absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> tls = MutualTlsCredentials();
-      if (!tls.ok()) {
+      absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = MutualTlsCredentials();
+      if (!creds.ok()) {
         health_server_->Shutdown();
-        return tls.status();
+        return creds.status();
       }
-      builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-      builder.AddListeningPort(options_.listen, *tls, &tcp_port);
+      tls = *std::move(creds);
     }
-    // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
-    builder.SetMaxReceiveMessageSize(1 << 20);
-    // Metadata: gRPC 1.51 closes the whole connection (not just the call) when a call's metadata
-    // exceeds this limit, and with it the caller's session, regions and plans. Its default of
-    // 8 KiB is within reach of a client's own tracing headers; 64 KiB is not, and still bounds
-    // what one header block may make the sidecar hold (docs/security.md).
-    builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
-    // Clients ping every 10 s (at most every 1 s) to keep an idle session stream open. gRPC's
-    // default ping policy (one ping per 5 min while the server sends no data, three strikes)
-    // closes such a connection after ~30 s of idleness, and with it the session and every region
-    // the client registered. A sidecar thawed after a stall (SIGSTOP, a debugger, a frozen
-    // cgroup) also reads every ping queued meanwhile at once. So: pings as often as the clients
-    // may send them, also with no call open, and no strike limit. Callers are authenticated
-    // (SO_PEERCRED on the socket, mTLS on TCP), so unlimited pings are no abuse vector.
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-    {
+    // What every server of the main API has: the Unix sockets' (which listens on nothing: the
+    // listeners hand it their connections) and, with --listen, the TLS servers.
+    auto configure = [this](grpc::ServerBuilder& builder) {
+      // Requests are small (handles, shapes, ids); nothing legitimate comes near 1 MiB.
+      builder.SetMaxReceiveMessageSize(1 << 20);
+      // Metadata: gRPC 1.51 closes the whole connection (not just the call) when a call's
+      // metadata exceeds this limit, and with it the caller's session, regions and plans. Its
+      // default of 8 KiB is within reach of a client's own tracing headers; 64 KiB is not, and
+      // still bounds what one header block may make the sidecar hold (docs/security.md).
+      builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
+      // Clients ping every 10 s (at most every 1 s) to keep an idle session stream open. gRPC's
+      // default ping policy (one ping per 5 min while the server sends no data, three strikes)
+      // closes such a connection after ~30 s of idleness, and with it the session and every
+      // region the client registered. A sidecar thawed after a stall (SIGSTOP, a debugger, a
+      // frozen cgroup) also reads every ping queued meanwhile at once. So: pings as often as the
+      // clients may send them, also with no call open, and no strike limit. Callers are
+      // authenticated (SO_PEERCRED on the socket, mTLS on TCP), so unlimited pings are no abuse
+      // vector.
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+      builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
       counters.push_back(std::make_unique<UnaryCallCounterFactory>(&unary_calls_));
       builder.experimental().SetInterceptorCreators(std::move(counters));
-    }
-    builder.SetOption(std::make_unique<ReflectionOption>(true));
-    builder.RegisterService(health_main_.get());
-    builder.RegisterService(fusion_.get());
-    for (auto& service : services_) builder.RegisterService(service.get());
+      builder.SetOption(std::make_unique<ReflectionOption>(true));
+      // Callback services only: one service object serves several servers.
+      builder.RegisterService(health_main_.get());
+      builder.RegisterService(fusion_.get());
+      for (auto& service : services_) builder.RegisterService(service.get());
+    };
+    grpc::ServerBuilder builder;
+    configure(builder);
     main_server_ = builder.BuildAndStart();
-    if (main_server_ == nullptr || (!options_.listen.empty() && tcp_port == 0)) {
+    if (main_server_ == nullptr) {
       health_server_->Shutdown();
-      if (main_server_ != nullptr) main_server_->Shutdown();
-      main_server_.reset();
-      return absl::UnavailableError(
-          options_.listen.empty()
-              ? std::string("cannot start the main gRPC server")
-              : absl::StrCat("cannot listen on ", options_.listen, " (in use or not permitted)"));
+      return absl::UnavailableError("cannot start the main gRPC server");
+    }
+    int tcp_port = 0;
+    if (tls != nullptr) {
+      absl::StatusOr<std::unique_ptr<TcpServerKeeper>> keeper = TcpServerKeeper::Start(
+          options_.listen, [configure, tls](const std::string& address, int* bound) {
+            grpc::ServerBuilder b;
+            // gRPC sets SO_REUSEPORT by default, which would let a second process share the port.
+            b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+            b.AddListeningPort(address, tls, bound);
+            configure(b);
+            return b.BuildAndStart();
+          });
+      if (!keeper.ok()) {
+        health_server_->Shutdown();
+        main_server_->Shutdown();
+        main_server_.reset();
+        return keeper.status();
+      }
+      tls_servers_ = *std::move(keeper);
+      tcp_port = tls_servers_->port();
     }
     unix_listener_->Serve([server = main_server_.get()](UniqueFd conn, const SocketCredentials&) {
       // gRPC owns the descriptor from here on and names the connection "fd:<n>".
@@ -426,9 +458,11 @@ absl::Status Sidecar::Start() {
 
   spdlog::info(
       "event=listening socket={} fd_socket={} health_port={} metrics_port={} device={} gpu={} "
-      "rank={} world_size={} nnodes={} sm={} max_connections={}",
+      "rank={} world_size={} nnodes={} sm={} max_connections={} max_pending_fds={} "
+      "max_pending_fds_per_uid={}",
       options_.socket, fd_socket, health_port_, metrics_port(), options_.device, options_.gpu,
-      options_.rank, options_.world_size, options_.nnodes, OwnTopology().sm, ConnectionBudget());
+      options_.rank, options_.world_size, options_.nnodes, OwnTopology().sm, ConnectionBudget(),
+      fd_tickets_->options().max_fds, fd_tickets_->options().max_fds_per_uid);
   if (OwnTopology().sm == 0) {
     spdlog::warn("event=no_gpu_architecture reason=\"{}\"", kNoGpuArchitectureReason);
   }
@@ -504,15 +538,19 @@ void Sidecar::ShutdownNow() {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   if (main_server_ != nullptr) {
-    main_server_->Shutdown(
-        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(100)));
+    const auto soon =
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    if (tls_servers_ != nullptr) tls_servers_->Shutdown(soon);
+    main_server_->Shutdown(soon);
   }
   if (fusion_ != nullptr) fusion_->Shutdown();
   gate_.Abort();
   health_.Shutdown();
+  if (health_listener_ != nullptr) health_listener_->Stop();
   if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   {
     std::lock_guard<std::mutex> lock(mu_);
+    tls_servers_.reset();
     main_server_.reset();
     cv_.notify_all();
   }

@@ -32,6 +32,8 @@ class ConnectionTable;
 class Exchange;
 class FdChannelServer;
 class FdTicketBroker;
+class TcpListener;
+class TcpServerKeeper;
 class FusionService;
 class Metrics;
 class UnixListener;
@@ -127,6 +129,12 @@ class Sidecar final : public AdminControl {
   // Unary calls in flight on main_server_ (an interceptor counts them); shutdown waits for 0.
   std::atomic<int64_t> unary_calls_{0};
   std::unique_ptr<grpc::Server> health_server_;
+  // The health port: the project's own TCP listener (tcp_listener.h) hands each connection to
+  // health_server_, which listens on nothing itself. Declared after it: stopped first.
+  std::unique_ptr<TcpListener> health_listener_;
+  // --listen: the main API over mutual TLS, on servers of its own that the keeper builds again
+  // when gRPC's listener stopped accepting (tcp_server_keeper.h).
+  std::unique_ptr<TcpServerKeeper> tls_servers_;
   std::unique_ptr<FusionService> fusion_;
   std::vector<std::unique_ptr<grpc::Service>> services_;
   GatedEngine gate_;

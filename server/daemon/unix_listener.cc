@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/core/log.h"
+#include "server/fdpass/fd_wire.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -27,17 +28,34 @@ bool PeerCredentialPolicy::Allows(const SocketCredentials& creds) const {
   return false;
 }
 
+uint64_t DescriptorReserve(uint64_t nofile_soft_limit) {
+  return std::max<uint64_t>(64, nofile_soft_limit / 4);
+}
+
 size_t ConnectionBudget(uint64_t nofile_soft_limit) {
-  const uint64_t reserve = std::max<uint64_t>(64, nofile_soft_limit / 4);
+  const uint64_t reserve = DescriptorReserve(nofile_soft_limit);
   return nofile_soft_limit > reserve ? static_cast<size_t>(nofile_soft_limit - reserve) : 1;
 }
 
-size_t ConnectionBudget() {
+uint64_t NofileSoftLimit() {
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) {
-    return ConnectionBudget(uint64_t{1} << 20);
+    return uint64_t{1} << 20;
   }
-  return ConnectionBudget(static_cast<uint64_t>(lim.rlim_cur));
+  return static_cast<uint64_t>(lim.rlim_cur);
+}
+
+size_t ConnectionBudget() { return ConnectionBudget(NofileSoftLimit()); }
+
+FdTicketBrokerOptions PendingFdBudget(uint64_t nofile_soft_limit, size_t flag_total,
+                                      size_t flag_per_uid) {
+  FdTicketBrokerOptions o;
+  o.max_fds_per_ticket = kMaxFdChannelFds;
+  o.max_fds =
+      flag_total != 0 ? flag_total : static_cast<size_t>(DescriptorReserve(nofile_soft_limit) / 2);
+  o.max_fds_per_uid =
+      flag_per_uid != 0 ? flag_per_uid : std::max<size_t>(kMaxFdChannelFds, o.max_fds / 4);
+  return o;
 }
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path,
@@ -156,9 +174,10 @@ void UnixListener::AcceptLoop() {
       refusal = absl::StrCat("the sidecar holds ", options_.max_connections,
                              " connections, its limit (RLIMIT_NOFILE less a reserve)");
     } else if (options_.max_connections_per_uid > 0 &&
-               options_.table->LiveFor(creds->uid) >= options_.max_connections_per_uid) {
+               options_.table->LiveFor(creds->uid, options_.channel) >=
+                   options_.max_connections_per_uid) {
       refusal = absl::StrCat("this uid holds ", options_.max_connections_per_uid,
-                             " connections (--max-connections-per-uid)");
+                             " connections on ", options_.label, " (", options_.per_uid_flag, ")");
     }
     if (!refusal.empty()) {
       refused_.fetch_add(1, std::memory_order_relaxed);

@@ -24,6 +24,7 @@
 #include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/connection_table.h"
 #include "server/fdpass/socket_credentials.h"
+#include "server/fdpass/ticket_broker.h"
 #include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
@@ -41,8 +42,11 @@ struct UnixListenerOptions {
   // Shared by every listener of the process: caps count connections on all of them.
   ConnectionTable* table = nullptr;
   ConnectionTable::Channel channel = ConnectionTable::Channel::kMain;
-  // Open connections one uid may hold (0: no cap).
+  // Open connections one uid may hold on this listener's channel (0: no cap). Each channel has
+  // its own: fd-channel connections never count against the main socket's cap.
   size_t max_connections_per_uid = 64;
+  // The flag that sets it, for the refusal's log line.
+  std::string per_uid_flag = "--max-connections-per-uid";
   // Open connections in all (0: no cap); see ConnectionBudget().
   size_t max_connections = 0;
   // For logs: "main" or "fd".
@@ -55,6 +59,17 @@ struct UnixListenerOptions {
 size_t ConnectionBudget(uint64_t nofile_soft_limit);
 // The same for this process's current limit.
 size_t ConnectionBudget();
+// That reserve: a quarter of the limit, at least 64.
+uint64_t DescriptorReserve(uint64_t nofile_soft_limit);
+// This process's RLIMIT_NOFILE soft limit (2^20 when unlimited or unknown).
+uint64_t NofileSoftLimit();
+
+// The budgets of pending descriptors (FdTicketBroker: deposited, offered, in transit) inside that
+// reserve: in all, half of it; per uid, a quarter of that, at least one full ticket
+// (kMaxFdChannelFds). RLIMIT_NOFILE 1024: 128 in all, 32 per uid. A flag's value other than 0
+// replaces the figure it names.
+FdTicketBrokerOptions PendingFdBudget(uint64_t nofile_soft_limit, size_t flag_total = 0,
+                                      size_t flag_per_uid = 0);
 
 class UnixListener {
  public:

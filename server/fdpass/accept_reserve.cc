@@ -21,4 +21,17 @@ bool AcceptReserve::Shed(int listen_fd) {
   return shed;
 }
 
+UniqueFd AcceptReserve::AcceptWithSpare(int listen_fd) {
+  if (!spare_.valid()) return UniqueFd();
+  spare_.reset();
+  UniqueFd conn(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  spare_ = OpenSpare();
+  return conn;
+}
+
+bool AcceptReserve::Replenish() {
+  if (!spare_.valid()) spare_ = OpenSpare();
+  return spare_.valid();
+}
+
 }  // namespace arfuse

@@ -53,11 +53,11 @@ size_t ConnectionTable::Live() {
   return entries_.size();
 }
 
-size_t ConnectionTable::LiveFor(uid_t uid) {
+size_t ConnectionTable::LiveFor(uid_t uid, Channel channel) {
   Live();
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
-  for (const auto& [fd, e] : entries_) n += e.creds.uid == uid ? 1 : 0;
+  for (const auto& [fd, e] : entries_) n += e.creds.uid == uid && e.channel == channel ? 1 : 0;
   return n;
 }
 

@@ -30,9 +30,11 @@ class ConnectionTable final : public CallerCredentials {
   // Records the connection just accepted at `fd`, replacing what the number held.
   void Record(int fd, Channel channel, const SocketCredentials& creds);
 
-  // Connections still open, in all and of `uid`; entries of closed ones are dropped here.
+  // Connections still open, in all and of `uid` on `channel`; entries of closed ones are dropped
+  // here. The per-uid caps count each channel apart: idle fd-channel connections never lock a
+  // user out of the main socket.
   size_t Live();
-  size_t LiveFor(uid_t uid);
+  size_t LiveFor(uid_t uid, Channel channel);
 
   // "fd:N" of a main-socket connection still open; nullopt otherwise.
   std::optional<SocketCredentials> ForPeer(absl::string_view peer) const override;

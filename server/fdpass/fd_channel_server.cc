@@ -1,7 +1,9 @@
 #include "server/fdpass/fd_channel_server.h"
 
 #include <errno.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 
 #include <algorithm>
 #include <cstring>
@@ -29,10 +31,16 @@ struct FdChannelServer::Conn {
   absl::Time last_progress;
   std::string in;
   std::deque<UniqueFd> in_fds;
+  // in_fds, charged to the client's uid from the moment they arrived.
+  FdCharge in_charge;
   // The reply being sent; its descriptors go with its first byte and are dropped once it left.
   std::string out;
   size_t out_offset = 0;
   std::vector<UniqueFd> out_fds;
+  FdCharge out_charge;
+  // Descriptors of replies sent that the client has not read yet (the socket's output queue is
+  // not empty).
+  FdCharge unread;
   // A protocol error was answered: close once the reply is out.
   bool close_after_reply = false;
 };
@@ -68,7 +76,7 @@ void FdChannelServer::Adopt(UniqueFd conn, const SocketCredentials& creds) {
 }
 
 FdReply AnswerFdRequest(FdTicketBroker& broker, const SocketCredentials& client, FdMessage request,
-                        absl::Duration ticket_ttl) {
+                        absl::Duration ticket_ttl, FdCharge inbound) {
   FdReply reply;
   absl::Status status;
   switch (request.op) {
@@ -80,7 +88,7 @@ FdReply AnswerFdRequest(FdTicketBroker& broker, const SocketCredentials& client,
       } else {
         const size_t n = request.fds.size();
         absl::StatusOr<std::string> ticket =
-            broker.Deposit(client.uid, std::move(request.fds), ticket_ttl);
+            broker.Deposit(client.uid, std::move(request.fds), ticket_ttl, std::move(inbound));
         if (ticket.ok()) {
           // Never the ticket itself: it is a capability.
           spdlog::debug("event=fd_deposit uid={} fds={}", client.uid, n);
@@ -95,14 +103,16 @@ FdReply AnswerFdRequest(FdTicketBroker& broker, const SocketCredentials& client,
       if (!request.fds.empty()) {
         status = absl::InvalidArgumentError("PICKUP carries no descriptors");
       } else {
-        absl::StatusOr<std::vector<UniqueFd>> fds = broker.Pickup(request.body, client.uid);
-        if (fds.ok()) {
-          spdlog::debug("event=fd_pickup uid={} fds={}", client.uid, fds->size());
-          reply.bytes = EncodeFdMessage(FdOp::kPickupOk, "", static_cast<uint16_t>(fds->size()));
-          reply.fds = *std::move(fds);
+        absl::StatusOr<FdPickup> picked = broker.PickupCharged(request.body, client.uid);
+        if (picked.ok()) {
+          spdlog::debug("event=fd_pickup uid={} fds={}", client.uid, picked->fds.size());
+          reply.bytes =
+              EncodeFdMessage(FdOp::kPickupOk, "", static_cast<uint16_t>(picked->fds.size()));
+          reply.fds = std::move(picked->fds);
+          reply.charge = std::move(picked->charge);
           return reply;
         }
-        status = fds.status();
+        status = picked.status();
       }
       break;
     }
@@ -124,6 +134,17 @@ bool FdChannelServer::OnReadable(Conn& c, absl::Time now) {
                                   FdMessageBytesMissing(c.in), kMaxFdChannelFds);
   if (c.in.size() != before) c.last_progress = now;
   absl::Status problem = read;
+  // Descriptors that arrived count against the client's budget at once, before the message they
+  // belong to is complete: a client cannot park descriptors in a half-sent request.
+  if (problem.ok() && c.in_fds.size() > c.in_charge.count()) {
+    absl::StatusOr<FdCharge> more =
+        broker_->Charge(c.creds.uid, c.in_fds.size() - c.in_charge.count());
+    if (more.ok()) {
+      c.in_charge.Absorb(*std::move(more));
+    } else {
+      problem = more.status();
+    }
+  }
   if (problem.ok()) {
     absl::StatusOr<std::optional<FdMessage>> m = TakeFdMessage(c.in, c.in_fds);
     if (!m.ok()) {
@@ -135,10 +156,13 @@ bool FdChannelServer::OnReadable(Conn& c, absl::Time now) {
             "fd channel message came with more descriptors than it announced");
       } else {
         requests_.fetch_add(1, std::memory_order_relaxed);
-        FdReply reply = AnswerFdRequest(*broker_, c.creds, std::move(**m), options_.ticket_ttl);
+        FdReply reply = AnswerFdRequest(*broker_, c.creds, std::move(**m), options_.ticket_ttl,
+                                        std::move(c.in_charge));
+        c.in_charge.Reset();
         c.out = std::move(reply.bytes);
         c.out_offset = 0;
         c.out_fds = std::move(reply.fds);
+        c.out_charge = std::move(reply.charge);
         c.close_after_reply = reply.close_after;
         return true;
       }
@@ -150,6 +174,7 @@ bool FdChannelServer::OnReadable(Conn& c, absl::Time now) {
                   std::string(problem.message()));
     c.in.clear();
     c.in_fds.clear();
+    c.in_charge.Reset();
     if (problem.code() == absl::StatusCode::kUnavailable) return false;
     c.out = EncodeFdError(problem);
     c.out_offset = 0;
@@ -164,13 +189,29 @@ bool FdChannelServer::OnWritable(Conn& c) {
   for (const UniqueFd& f : c.out_fds) raw.push_back(f.get());
   absl::Status sent = SendWithFds(c.fd.get(), c.out, &c.out_offset, raw, kWhat);
   if (!sent.ok()) return false;
-  // The descriptors left with the first byte: the kernel holds its own references now.
-  if (c.out_offset > 0) c.out_fds.clear();
+  // The descriptors left with the first byte: the kernel holds its own references now, which
+  // stay charged until the client has read them (UnreadDrained).
+  if (c.out_offset > 0) {
+    c.out_fds.clear();
+    c.unread.Absorb(std::move(c.out_charge));
+    c.out_charge.Reset();
+  }
   if (c.out_offset < c.out.size()) return true;
   c.out.clear();
   c.out_offset = 0;
   return !c.close_after_reply;
 }
+
+namespace {
+
+// Whether the client has read everything sent on `fd` (its descriptors included): a Unix socket's
+// output queue holds what the other end has not consumed yet.
+bool UnreadDrained(int fd) {
+  int queued = 0;
+  return ::ioctl(fd, SIOCOUTQ, &queued) != 0 || queued == 0;
+}
+
+}  // namespace
 
 void FdChannelServer::Loop() {
   std::list<Conn> conns;
@@ -205,13 +246,25 @@ void FdChannelServer::Loop() {
       next_expiry = now + absl::Seconds(1);
     }
 
+    // A client's read makes no event on our side of the socket: while any reply's descriptors
+    // are unread, the loop looks again every few milliseconds.
+    size_t unread = 0;
+    for (Conn& c : conns) {
+      if (c.unread.count() != 0 && UnreadDrained(c.fd.get())) c.unread.Reset();
+      unread += c.unread.count();
+    }
+    unread_fds_.store(unread, std::memory_order_relaxed);
+
     std::vector<pollfd> fds;
     fds.reserve(conns.size() + 1);
     fds.push_back({wake_.fd(), POLLIN, 0});
     absl::Time wake_by = next_expiry;
+    if (unread != 0) wake_by = std::min(wake_by, now + absl::Milliseconds(10));
     for (const Conn& c : conns) {
       fds.push_back({c.fd.get(), static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
-      wake_by = std::min(wake_by, c.last_progress + options_.idle_timeout);
+      if (c.unread.count() == 0) {
+        wake_by = std::min(wake_by, c.last_progress + options_.idle_timeout);
+      }
     }
     const int64_t wait_ms =
         std::clamp<int64_t>(absl::ToInt64Milliseconds(wake_by - absl::Now()) + 1, 0, 1000);
@@ -237,7 +290,9 @@ void FdChannelServer::Loop() {
         // An answer is ready: try to send it at once.
         if (keep && !c.out.empty()) keep = OnWritable(c);
       }
-      if (keep && woke - c.last_progress >= options_.idle_timeout) {
+      // Not while the client has descriptors unread: closing would leave them in its queue,
+      // uncounted.
+      if (keep && c.unread.count() == 0 && woke - c.last_progress >= options_.idle_timeout) {
         spdlog::debug("event=fd_channel_idle_closed uid={}", c.creds.uid);
         keep = false;
       }
@@ -246,6 +301,7 @@ void FdChannelServer::Loop() {
     open_.store(conns.size(), std::memory_order_relaxed);
   }
   open_.store(0, std::memory_order_relaxed);
+  unread_fds_.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace arfuse

@@ -16,7 +16,7 @@ namespace arfuse {
 absl::StatusOr<AttachFdOffer> OfferAttachFds(const InStreamExport& exported,
                                              FdTicketBroker* tickets, const std::string& fd_socket,
                                              const std::optional<SocketCredentials>& caller,
-                                             absl::Duration ttl) {
+                                             absl::Duration ttl, FdTicketScope scope) {
   AttachFdOffer offer;
   const std::vector<int> fd_refs = AttachBlobFds(exported);
   if (fd_refs.empty()) return offer;
@@ -41,7 +41,8 @@ absl::StatusOr<AttachFdOffer> OfferAttachFds(const InStreamExport& exported,
           absl::StrCat("cannot duplicate a workspace descriptor: ", std::strerror(errno)));
     }
   }
-  absl::StatusOr<std::string> ticket = tickets->Offer(caller->uid, std::move(fds), ttl);
+  absl::StatusOr<std::string> ticket =
+      tickets->Offer(caller->uid, std::move(fds), ttl, std::move(scope));
   if (!ticket.ok()) return ticket.status();
   offer.ticket = *std::move(ticket);
   offer.count = static_cast<uint32_t>(fd_refs.size());

@@ -28,9 +28,11 @@ struct AttachFdOffer {
 // without descriptors gets an empty offer. FAILED_PRECONDITION without an fd channel,
 // PERMISSION_DENIED when the caller's credentials are not known, RESOURCE_EXHAUSTED when a
 // descriptor cannot be duplicated.
+// `scope` names the attachment the offer is for: the ticket dies with it
+// (FdTicketBroker::RevokeAttachment, RevokeSession).
 absl::StatusOr<AttachFdOffer> OfferAttachFds(const InStreamExport& exported,
                                              FdTicketBroker* tickets, const std::string& fd_socket,
                                              const std::optional<SocketCredentials>& caller,
-                                             absl::Duration ttl);
+                                             absl::Duration ttl, FdTicketScope scope = {});
 
 }  // namespace arfuse

@@ -118,6 +118,16 @@ TEST(DaemonFlags, RangeAndChoiceChecksExit2) {
        "--default-deadline must be a positive number of seconds, got nan"},
       {{"--max-connections-per-uid=-1"},
        "--max-connections-per-uid must be 0 (no cap) or positive, got -1"},
+      {{"--max-fd-connections-per-uid=-1"},
+       "--max-fd-connections-per-uid must be 0 (no cap) or positive, got -1"},
+      {{"--max-pending-fds=-1"},
+       "--max-pending-fds and --max-pending-fds-per-uid must be 0 (derived from RLIMIT_NOFILE) "
+       "or positive, got -1 and 0"},
+      {{"--max-pending-fds-per-uid=8"},
+       "--max-pending-fds and --max-pending-fds-per-uid must be at least 16 (one DEPOSIT's "
+       "descriptors), got 0 and 8"},
+      {{"--max-pending-fds=32", "--max-pending-fds-per-uid=64"},
+       "--max-pending-fds-per-uid (64) must not exceed --max-pending-fds (32)"},
       // Not an address of this host: the metrics port cannot bind it.
       {{"--metrics-port=0", "--metrics-host=192.0.2.1"}, "cannot serve metrics on 192.0.2.1:0"},
   };

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -26,6 +27,7 @@
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/instream/attach_abi.h"
 #include "server/fdpass/fd_channel_client.h"
 #include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
@@ -539,6 +541,226 @@ TEST(DaemonSecurity, IdleConnectionsUnderALowDescriptorLimitLeaveHealthAnswering
   }
   EXPECT_TRUE(served);
   std::filesystem::remove_all(dir);
+}
+
+int OpenFdsOf(pid_t pid) {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    ++n;
+  }
+  return n;
+}
+
+v1::AttachRequest HostAttachRequest() {
+  v1::AttachRequest req;
+  req.set_attach_abi_version(instream::kAttachAbiVersion);
+  req.set_launch_abi_version(instream::kLaunchAbiVersion);
+  req.set_launch_args_bytes(instream::kLaunchArgsBytes);
+  return req;
+}
+
+// A host-mode group of two ranks deciding as an H200 group with fusion on (an attach needs a
+// workspace to hand out); rank 0 runs under `ulimit -n <nofile>` (0: as this process does).
+struct TwoRanks {
+  explicit TwoRanks(int nofile, const std::string& extra = "") : dir(MakeTempDir()) {
+    ::chmod(dir.c_str(), 0755);
+    std::filesystem::create_directories(dir + "/peers");
+    for (int r = 0; r < 2; ++r) {
+      sockets[r] = absl::StrCat(dir, "/rank", r, ".sock");
+      const std::string limit =
+          r == 0 && nofile > 0 ? absl::StrCat("ulimit -n ", nofile, " && ") : "";
+      procs[r] = std::make_unique<Subprocess>(std::vector<std::string>{
+          "/bin/sh", "-c",
+          absl::StrCat(limit, "exec ", ArfusedPath(), " --device=host --rank=", r,
+                       " --world-size=2 --peer-dir=", dir, "/peers --socket=", sockets[r],
+                       " --health-port=0 --health-host=127.0.0.1 --dtype=fp32 --hidden=64",
+                       " --max-tokens=4 --peer-timeout=30 --sm=90",
+                       " --flashinfer-allreduce-fusion-backend=auto ", extra)});
+    }
+  }
+  ~TwoRanks() { std::filesystem::remove_all(dir); }
+  // Both ranks serve and the group is ready (readiness SERVING on both).
+  bool Ready() {
+    for (int r = 0; r < 2; ++r) {
+      if (!procs[r]->WaitForOutput("ready to accept", 30s)) return false;
+    }
+    for (int r = 0; r < 2; ++r) {
+      bool serving = false;
+      for (absl::Time until = absl::Now() + absl::Seconds(30); !serving && absl::Now() < until;) {
+        grpc::health::v1::HealthCheckResponse resp;
+        serving = HealthCheck("unix:" + sockets[r], "arfuse.v1.Fusion", &resp).ok() &&
+                  resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+        if (!serving) absl::SleepFor(absl::Milliseconds(50));
+      }
+      if (!serving) return false;
+    }
+    return true;
+  }
+  std::string dir;
+  std::string sockets[2];
+  std::unique_ptr<Subprocess> procs[2];
+};
+
+// Under RLIMIT_NOFILE 1024, one admitted uid's 64 unclaimed DEPOSITs of 16 descriptors and 64
+// idle fd-channel connections took the sidecar to 1024 open descriptors: health timed out, new
+// sessions failed, another user's Attach got RESOURCE_EXHAUSTED; and those idle connections locked
+// the uid out of the main socket. Now descriptors are budgeted (32 per uid, 128 in all at 1024,
+// inside the reserve the connection caps leave) and the fd channel has its own per-uid cap: the
+// flood stays inside its budget, and everything else is served.
+TEST(DaemonSecurity, OneUsersDescriptorFloodStaysInsideItsBudget) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  TwoRanks g(1024, "--allowed-uids=65534");
+  ASSERT_TRUE(g.Ready()) << g.procs[0]->Stderr() << g.procs[1]->Stderr();
+  Subprocess& proc = *g.procs[0];
+  const std::string& socket = g.sockets[0];
+  std::smatch m;
+  const std::string out = proc.Stdout();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("health_port=(\\d+)"))) << out;
+  const std::string health = "127.0.0.1:" + std::string(m[1]);
+  EXPECT_THAT(proc.Stderr(), HasSubstr("max_pending_fds=128 max_pending_fds_per_uid=32"));
+  ASSERT_EQ(::chmod(socket.c_str(), 0666), 0);
+  ASSERT_EQ(::chmod(FdChannelPath(socket).c_str(), 0666), 0);
+  const int baseline = OpenFdsOf(proc.pid());
+
+  const std::string flood = ClientAsNobody({"flood", socket, "64", "16", "64"});
+  EXPECT_THAT(flood, HasSubstr("deposits_ok=2 refused=62 "));
+  EXPECT_THAT(flood, HasSubstr("idle_open=16 "));  // --max-fd-connections-per-uid
+  EXPECT_THAT(flood, HasSubstr("main=0 "));        // not locked out of the main socket
+  EXPECT_THAT(flood, HasSubstr("code=8 "));        // RESOURCE_EXHAUSTED
+  EXPECT_THAT(flood, HasSubstr("budget of 32 (--max-pending-fds-per-uid)"));
+  // Its two tickets stay pending (30 s): 32 descriptors, far from the limit.
+  EXPECT_LT(OpenFdsOf(proc.pid()), baseline + 32 + 16) << "baseline " << baseline;
+
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status live = HealthCheck(health, "", &resp);
+  EXPECT_TRUE(live.ok()) << live.error_message();
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  // Another user: sessions, regions and a paired op on both ranks, a DEPOSIT of its own.
+  std::unique_ptr<client::Client> a[2] = {ConnectOrFail(g.sockets[0]), ConnectOrFail(g.sockets[1])};
+  ASSERT_NE(a[0], nullptr);
+  ASSERT_NE(a[1], nullptr);
+  absl::StatusOr<client::HostShmBuffer> bufs[2] = {client::HostShmBuffer::Create(4096, "r0"),
+                                                   client::HostShmBuffer::Create(4096, "r1")};
+  std::optional<client::Plan> plans[2];
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(bufs[r].ok());
+    float* in = static_cast<float*>(bufs[r]->data());
+    for (int i = 0; i < 256; ++i) in[i] = static_cast<float>(i);
+    auto region = a[r]->RegisterHostBuffer("r", *bufs[r]);
+    ASSERT_TRUE(region.ok()) << region.status();
+    auto plan = a[r]->CreatePlan(SumOp(*region));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    plans[r] = *plan;
+  }
+  absl::Status ran[2];
+  std::thread peer([&] { ran[1] = a[1]->Execute(*plans[1], 4).status(); });
+  ran[0] = a[0]->Execute(*plans[0], 4).status();
+  peer.join();
+  EXPECT_TRUE(ran[0].ok()) << ran[0];
+  EXPECT_TRUE(ran[1].ok()) << ran[1];
+  EXPECT_EQ(static_cast<float*>(bufs[0]->data())[256 + 255], 510.0f);
+  std::vector<int> sixteen(16, bufs[0]->fd());
+  absl::StatusOr<std::string> own = DepositFds(FdChannelPath(socket), sixteen);
+  EXPECT_TRUE(own.ok()) << own.status();
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(a[r]->DestroyPlan(*plans[r]).ok());
+  // ... and its Attach: offered, picked up, detached.
+  absl::StatusOr<v1::AttachResponse> att = a[0]->Attach(HostAttachRequest());
+  ASSERT_TRUE(att.ok()) << att.status();
+  ASSERT_GT(att->fd_count(), 0u);
+  absl::StatusOr<std::vector<UniqueFd>> picked = PickupFds(att->fd_socket(), att->fd_ticket());
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ(picked->size(), att->fd_count());
+  EXPECT_TRUE(a[0]->Detach(att->attach_id()).ok());
+  // The flooding uid is still held to its budget.
+  EXPECT_THAT(ClientAsNobody({"flood", socket, "1", "1", "0"}), HasSubstr("deposits_ok=0 "));
+  EXPECT_EQ(proc.Wait(0ms), std::nullopt) << "arfused exited";
+}
+
+// A ticket an Attach offered dies with that attachment's Detach, and with the session's end:
+// picking it up afterwards finds nothing (its descriptors are closed in the sidecar).
+TEST(DaemonSecurity, AnAttachsTicketDiesWithItsDetachAndItsSession) {
+  TwoRanks g(0);
+  ASSERT_TRUE(g.Ready()) << g.procs[0]->Stderr() << g.procs[1]->Stderr();
+  std::unique_ptr<client::Client> a = ConnectOrFail(g.sockets[0]);
+  ASSERT_NE(a, nullptr);
+  absl::StatusOr<v1::AttachResponse> att = a->Attach(HostAttachRequest());
+  ASSERT_TRUE(att.ok()) << att.status();
+  ASSERT_GT(att->fd_count(), 0u);
+  ASSERT_TRUE(a->Detach(att->attach_id()).ok());
+  absl::StatusOr<std::vector<UniqueFd>> after = PickupFds(att->fd_socket(), att->fd_ticket());
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kNotFound) << after.status();
+
+  absl::StatusOr<v1::AttachResponse> again = a->Attach(HostAttachRequest());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_GT(again->fd_count(), 0u);
+  a.reset();  // the session ends
+  // Its tickets are revoked right after the registry closes it (which it logs).
+  ASSERT_TRUE(g.procs[0]->WaitForOutput("event=session_close", 10s)) << g.procs[0]->Stderr();
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::StatusCode code = PickupFds(again->fd_socket(), again->fd_ticket()).status().code();
+  EXPECT_EQ(code, absl::StatusCode::kNotFound);
+}
+
+// A plaintext grpc.health.v1 Check on a fresh channel, with a short deadline.
+bool AnswersNow(const std::shared_ptr<grpc::Channel>& channel, absl::Duration timeout) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, {}, &resp).ok();
+}
+
+// The health port and --listen (mutual TLS) after the process ran out of descriptors: with
+// gRPC's own listeners, both stopped accepting for good at the first accept that failed with
+// EMFILE. The sidecar's RLIMIT_NOFILE is lowered to what it holds (prlimit), both ports are
+// probed meanwhile, and the limit is raised again: each answers within a second.
+TEST_F(MutualTls, HealthAndTlsAnswerWithinASecondOfDescriptorsComingBack) {
+  Daemon d({"--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
+            "--tls-key=" + dir_ + "/server.key", "--tls-client-ca=" + dir_ + "/ca.pem",
+            "--health-host=127.0.0.1"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  std::smatch m;
+  std::string log = d.proc->Stderr();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("event=listening_tls \\S+ port=(\\d+)"))) << log;
+  const int tls_port = std::stoi(m[1]);
+  auto health = [&] {
+    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", d.health_port),
+                               grpc::InsecureChannelCredentials());
+  };
+  ASSERT_TRUE(AnswersNow(health(), absl::Seconds(10)));
+  ASSERT_TRUE(AnswersNow(Channel(tls_port, true), absl::Seconds(10)));
+
+  rlimit saved{};
+  ASSERT_EQ(::prlimit(d.proc->pid(), RLIMIT_NOFILE, nullptr, &saved), 0);
+  rlimit low = saved;
+  // Below what it holds: a descriptor it closes meanwhile gives it no room either.
+  low.rlim_cur = static_cast<rlim_t>(OpenFdsOf(d.proc->pid()) - 8);
+  ASSERT_EQ(::prlimit(d.proc->pid(), RLIMIT_NOFILE, &low, nullptr), 0);
+  // Probes while it is out of descriptors: gRPC's accept fails with EMFILE on the TLS port.
+  for (int i = 0; i < 3; ++i) {
+    AnswersNow(Channel(tls_port, true), absl::Milliseconds(300));
+    AnswersNow(health(), absl::Milliseconds(300));
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(::prlimit(d.proc->pid(), RLIMIT_NOFILE, &saved, nullptr), 0);
+  const absl::Time back = absl::Now();
+  absl::Duration health_took = absl::InfiniteDuration(), tls_took = absl::InfiniteDuration();
+  while (absl::Now() - back < absl::Seconds(10) &&
+         (health_took == absl::InfiniteDuration() || tls_took == absl::InfiniteDuration())) {
+    if (health_took == absl::InfiniteDuration() && AnswersNow(health(), absl::Milliseconds(200))) {
+      health_took = absl::Now() - back;
+    }
+    if (tls_took == absl::InfiniteDuration() &&
+        AnswersNow(Channel(tls_port, true), absl::Milliseconds(200))) {
+      tls_took = absl::Now() - back;
+    }
+  }
+  EXPECT_LT(health_took, absl::Seconds(1)) << "health port";
+  EXPECT_LT(tls_took, absl::Seconds(1)) << "--listen";
+  log = d.proc->Stderr();
+  EXPECT_THAT(log, HasSubstr("event=tcp_listener_rebuilt")) << log;
+  EXPECT_EQ(d.proc->Wait(0ms), std::nullopt) << "arfused exited";
 }
 
 }  // namespace

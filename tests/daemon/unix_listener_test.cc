@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/server_posix.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -23,6 +24,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
+#include "server/daemon/tcp_listener.h"
 #include "server/services/health/health_service.h"
 #include "tests/support/out_of_descriptors.h"
 
@@ -185,6 +187,43 @@ TEST(UnixListener, ConnectionsOverThePerUidCapAreClosedAtOnce) {
   EXPECT_FALSE(ClosedByServer(d.get(), absl::Milliseconds(100)));
 }
 
+// Idle fd-channel connections of a uid never lock it out of the main socket: each channel's
+// per-uid cap counts that channel's connections only.
+TEST(UnixListener, FdChannelConnectionsDoNotCountAgainstTheMainSocketsPerUidCap) {
+  HeldListener l("perchannel", /*per_uid=*/2, /*total=*/0);
+  ASSERT_NE(l.listener, nullptr);
+  std::vector<UniqueFd> fd_channel;
+  for (int i = 0; i < 4; ++i) {
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    fd_channel.emplace_back(sv[0]);
+    fd_channel.emplace_back(sv[1]);
+    l.table.Record(sv[1], ConnectionTable::Channel::kFd, OwnCredentials());
+  }
+  UniqueFd a = ConnectTo(l.path), b = ConnectTo(l.path);
+  ASSERT_TRUE(l.held.WaitFor(2));
+  EXPECT_FALSE(ClosedByServer(a.get(), absl::Milliseconds(100)));
+  EXPECT_FALSE(ClosedByServer(b.get(), absl::Milliseconds(100)));
+  UniqueFd c = ConnectTo(l.path);  // the main socket's own cap still holds
+  EXPECT_TRUE(ClosedByServer(c.get(), absl::Seconds(5)));
+}
+
+TEST(UnixListener, PendingDescriptorBudgetsSitInsideTheReserve) {
+  FdTicketBrokerOptions b = PendingFdBudget(1024);
+  EXPECT_EQ(b.max_fds, 128u);
+  EXPECT_EQ(b.max_fds_per_uid, 32u);
+  EXPECT_LE(b.max_fds, DescriptorReserve(1024));
+  b = PendingFdBudget(128);
+  EXPECT_EQ(b.max_fds, 32u);
+  EXPECT_EQ(b.max_fds_per_uid, 16u);  // one full DEPOSIT
+  b = PendingFdBudget(1u << 20);
+  EXPECT_EQ(b.max_fds, 1u << 17);
+  EXPECT_EQ(b.max_fds_per_uid, 1u << 15);
+  b = PendingFdBudget(1024, 64, 20);
+  EXPECT_EQ(b.max_fds, 64u);
+  EXPECT_EQ(b.max_fds_per_uid, 20u);
+}
+
 TEST(UnixListener, ConnectionsOverTheTotalBudgetAreClosedAtOnce) {
   HeldListener l("total", /*per_uid=*/0, /*total=*/1);
   ASSERT_NE(l.listener, nullptr);
@@ -249,6 +288,106 @@ TEST(UnixListener, OutOfDescriptorsShedsAndDoesNotSpin) {
   // Descriptors are back: connections are accepted again.
   UniqueFd later = ConnectTo(path);
   EXPECT_TRUE(held.WaitFor(1));
+}
+
+// One grpc.health.v1 Check on a fresh plaintext channel to 127.0.0.1:`port`.
+bool HealthAnswers(int port, absl::Duration timeout) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, {}, &resp).ok() &&
+         resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+// The health port is the project's listener handing connections to gRPC: out of descriptors
+// (RLIMIT_NOFILE lowered and every descriptor taken, as under prlimit) it answers a probe with
+// its spare descriptor instead of stopping for good, as gRPC 1.51's own listener does, and it
+// answers again within a second of descriptors coming back.
+TEST(TcpListener, HealthAnswersWithinASecondOfDescriptorsComingBack) {
+  HealthState state;
+  state.Set("", true);
+  HealthService health(&state);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&health);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto listener = TcpListener::Bind("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  const int port = (*listener)->port();
+  ASSERT_GT(port, 0);
+  (*listener)->Serve(
+      [&](UniqueFd conn) { grpc::AddInsecureChannelFromFd(server.get(), conn.release()); });
+  ASSERT_TRUE(HealthAnswers(port, absl::Seconds(10)));
+
+  // Client sockets first: connecting later needs no new descriptor.
+  std::vector<UniqueFd> probes;
+  for (int i = 0; i < 3; ++i) {
+    probes.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_TRUE(probes.back().valid());
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  {
+    ::arfuse::testing::OutOfDescriptors out;
+    ASSERT_TRUE(out.exhausted());
+    const uint64_t calls_before = (*listener)->accept_calls();
+    for (UniqueFd& p : probes) {
+      ASSERT_EQ(::connect(p.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    EXPECT_GE((*listener)->served_with_spare(), 1u);  // one probe got the spare's place
+    EXPECT_LT((*listener)->accept_calls() - calls_before, 100u) << "the accept loop spun";
+  }
+  probes.clear();
+  const absl::Time back = absl::Now();
+  bool answered = false;
+  while (!answered && absl::Now() - back < absl::Seconds(5)) {
+    answered = HealthAnswers(port, absl::Milliseconds(250));
+  }
+  const absl::Duration took = absl::Now() - back;
+  EXPECT_TRUE(answered);
+  EXPECT_LT(took, absl::Seconds(1)) << "health answered " << took << " after descriptors came back";
+  (*listener)->Stop();
+  server->Shutdown(std::chrono::system_clock::now());
+}
+
+TEST(TcpListener, ConnectionsOverTheCapAreClosedAtOnce) {
+  TcpListenerOptions o;
+  o.max_connections = 2;
+  auto listener = TcpListener::Bind("127.0.0.1", 0, o);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  std::mutex mu;
+  std::vector<UniqueFd> held;
+  (*listener)->Serve([&](UniqueFd conn) {
+    std::lock_guard<std::mutex> lock(mu);
+    held.push_back(std::move(conn));
+  });
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>((*listener)->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<UniqueFd> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_EQ(::connect(clients.back().get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(ClosedByServer(clients[2].get(), absl::Seconds(5)));
+  EXPECT_FALSE(ClosedByServer(clients[0].get(), absl::Milliseconds(50)));
+  EXPECT_EQ((*listener)->refused(), 1u);
+  (*listener)->Stop();
+}
+
+TEST(TcpListener, AnAddressInUseIsRefused) {
+  auto first = TcpListener::Bind("127.0.0.1", 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = TcpListener::Bind("127.0.0.1", (*first)->port());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("cannot listen on"));
 }
 
 }  // namespace

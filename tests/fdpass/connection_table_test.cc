@@ -36,8 +36,8 @@ TEST(ConnectionTable, KnowsAnOpenConnectionAndForgetsAClosedOne) {
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(got->uid, 1000u);
   EXPECT_EQ(table.Live(), 1u);
-  EXPECT_EQ(table.LiveFor(1000), 1u);
-  EXPECT_EQ(table.LiveFor(1001), 0u);
+  EXPECT_EQ(table.LiveFor(1000, ConnectionTable::Channel::kMain), 1u);
+  EXPECT_EQ(table.LiveFor(1001, ConnectionTable::Channel::kMain), 0u);
   const int number = sp.b.get();
   sp.b.reset();
   EXPECT_FALSE(table.ForPeer(PeerOf(number)).has_value());
@@ -70,8 +70,22 @@ TEST(ConnectionTable, FdChannelConnectionsCountButAreNoGrpcCaller) {
   ConnectionTable table;
   SocketPair sp;
   table.Record(sp.b.get(), ConnectionTable::Channel::kFd, Creds(5));
-  EXPECT_EQ(table.LiveFor(5), 1u);
+  EXPECT_EQ(table.LiveFor(5, ConnectionTable::Channel::kFd), 1u);
+  EXPECT_EQ(table.Live(), 1u);
   EXPECT_FALSE(table.ForPeer(PeerOf(sp.b.get())).has_value());
+}
+
+// Each channel's per-uid count is its own: fd-channel connections never count against the main
+// socket's cap (nor the other way round); the total counts both.
+TEST(ConnectionTable, PerUidCountsAreKeptPerChannel) {
+  ConnectionTable table;
+  SocketPair a, b, c;
+  table.Record(a.b.get(), ConnectionTable::Channel::kFd, Creds(5));
+  table.Record(b.b.get(), ConnectionTable::Channel::kFd, Creds(5));
+  table.Record(c.b.get(), ConnectionTable::Channel::kMain, Creds(5));
+  EXPECT_EQ(table.LiveFor(5, ConnectionTable::Channel::kFd), 2u);
+  EXPECT_EQ(table.LiveFor(5, ConnectionTable::Channel::kMain), 1u);
+  EXPECT_EQ(table.Live(), 3u);
 }
 
 TEST(ConnectionTable, OwnProcessCredentialsAnswerForAnyPeer) {

@@ -14,6 +14,7 @@
 #include "server/fdpass/fd_channel_client.h"
 #include "server/fdpass/fd_channel_server.h"
 #include "server/fdpass/fd_wire.h"
+#include "server/fdpass/scm_rights.h"
 #include "tests/fdpass/fd_test_util.h"
 
 namespace arfuse {
@@ -95,6 +96,113 @@ TEST_F(FdChannelTest, PickupHandsAnOfferToItsOwnerOnly) {
   absl::StatusOr<FdMessage> again = Ask(owner.get(), FdOp::kPickup, ticket);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(DecodeFdError(again->body).code(), absl::StatusCode::kNotFound);
+}
+
+// Polls `done` for up to 5 s.
+template <typename F>
+bool Eventually(F done) {
+  for (absl::Time until = absl::Now() + absl::Seconds(5); absl::Now() < until;) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return done();
+}
+
+// A DEPOSIT's descriptors count against their uid's budget from the moment they arrive: a client
+// that sends a header's first byte with 16 descriptors and stalls holds its budget, not the
+// daemon's descriptor table. Other uids keep theirs until all uids together reach the total.
+TEST(FdChannelBudget, DescriptorsOfAHalfSentDepositAreChargedAtOnce) {
+  FdTicketBrokerOptions o;
+  o.max_fds_per_uid = 16;
+  o.max_fds = 20;
+  FdTicketBroker broker(o);
+  auto server = FdChannelServer::Start(&broker, FdChannelServerOptions{});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto connect = [&](uid_t uid) {
+    SocketPair sp;
+    SocketCredentials creds = OwnCredentials();
+    creds.uid = uid;
+    (*server)->Adopt(std::move(sp.b), creds);
+    int flags = ::fcntl(sp.a.get(), F_GETFL);
+    ::fcntl(sp.a.get(), F_SETFL, flags & ~O_NONBLOCK);
+    return std::move(sp.a);
+  };
+  UniqueFd stalled = connect(10);
+  const std::string header = EncodeFdMessage(FdOp::kDeposit, "", 16);
+  std::vector<Pipe> pipes(16);
+  std::vector<int> raw;
+  for (Pipe& p : pipes) raw.push_back(p.write_end.get());
+  size_t offset = 0;
+  ASSERT_TRUE(SendWithFds(stalled.get(), header.substr(0, 1), &offset, raw, "test").ok());
+  ASSERT_TRUE(Eventually([&] { return broker.charged_for(10) == 16; })) << broker.charged_for(10);
+  for (Pipe& p : pipes) p.write_end.reset();
+  // The same uid's next DEPOSIT is over its budget.
+  Pipe one;
+  UniqueFd again = connect(10);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(SendFdMessage(again.get(), FdOp::kDeposit, "", {one.write_end.get()}, deadline).ok());
+  absl::StatusOr<FdMessage> refused = RecvFdMessage(again.get(), deadline);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  ASSERT_EQ(refused->op, FdOp::kError);
+  absl::Status why = DecodeFdError(refused->body);
+  EXPECT_EQ(why.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(why.message(), HasSubstr("--max-pending-fds-per-uid"));
+  // Another uid deposits within what is left of the total, and then the total is reached.
+  UniqueFd other = connect(11);
+  std::vector<Pipe> four(4);
+  std::vector<int> four_raw;
+  for (Pipe& p : four) four_raw.push_back(p.write_end.get());
+  ASSERT_TRUE(SendFdMessage(other.get(), FdOp::kDeposit, "", four_raw, deadline).ok());
+  absl::StatusOr<FdMessage> ok = RecvFdMessage(other.get(), deadline);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->op, FdOp::kDepositOk);
+  UniqueFd third = connect(12);
+  ASSERT_TRUE(SendFdMessage(third.get(), FdOp::kDeposit, "", {one.write_end.get()}, deadline).ok());
+  absl::StatusOr<FdMessage> full = RecvFdMessage(third.get(), deadline);
+  ASSERT_TRUE(full.ok()) << full.status();
+  ASSERT_EQ(full->op, FdOp::kError);
+  EXPECT_THAT(DecodeFdError(full->body).message(), HasSubstr("--max-pending-fds)"));
+  // The stalled client goes: its descriptors close and its share comes back.
+  stalled.reset();
+  EXPECT_TRUE(Eventually([&] { return broker.charged_for(10) == 0; }));
+  EXPECT_TRUE(Eventually([&] { return pipes[0].WriteEndClosedEverywhere(); }));
+  server->reset();
+}
+
+// A PICKUP's descriptors stay charged while they sit unread in the client's socket (they are
+// still open files of the daemon's user there), and the connection is not closed for idleness
+// meanwhile; once the client reads the reply, the charge ends and the idle timeout applies.
+TEST(FdChannelBudget, AnUnreadPickupStaysChargedUntilTheClientReadsIt) {
+  FdTicketBroker broker;
+  FdChannelServerOptions so;
+  so.idle_timeout = absl::Milliseconds(200);
+  auto server = FdChannelServer::Start(&broker, so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<Pipe> pipes(2);
+  std::vector<UniqueFd> fds;
+  for (Pipe& p : pipes) fds.push_back(std::move(p.write_end));
+  const std::string ticket = *broker.Offer(9, std::move(fds), absl::Seconds(30));
+  SocketPair sp;
+  SocketCredentials creds = OwnCredentials();
+  creds.uid = 9;
+  (*server)->Adopt(std::move(sp.b), creds);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(SendFdMessage(sp.a.get(), FdOp::kPickup, ticket, {}, deadline).ok());
+  ASSERT_TRUE(Eventually([&] { return (*server)->unread_fds() == 2; }));
+  EXPECT_EQ(broker.pending(), 0u);
+  EXPECT_EQ(broker.charged_for(9), 2u);
+  absl::SleepFor(absl::Milliseconds(500));  // past the idle timeout
+  EXPECT_EQ((*server)->connections(), 1u);
+  EXPECT_EQ(broker.charged_for(9), 2u);
+  int flags = ::fcntl(sp.a.get(), F_GETFL);
+  ::fcntl(sp.a.get(), F_SETFL, flags & ~O_NONBLOCK);
+  absl::StatusOr<FdMessage> got = RecvFdMessage(sp.a.get(), deadline);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->op, FdOp::kPickupOk);
+  EXPECT_EQ(got->fds.size(), 2u);
+  EXPECT_TRUE(Eventually([&] { return broker.charged_for(9) == 0; }));
+  EXPECT_TRUE(Eventually([&] { return (*server)->connections() == 0; }));
+  server->reset();
 }
 
 TEST_F(FdChannelTest, MalformedRequestsAreAnsweredAndTheConnectionCloses) {

@@ -4,6 +4,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/fdpass/fd_test_util.h"
@@ -103,22 +104,125 @@ TEST(FdTicketBroker, DestroyingTheBrokerClosesPendingDescriptors) {
   EXPECT_TRUE(p.WriteEndClosedEverywhere());
 }
 
-TEST(FdTicketBroker, PendingTicketsAreCappedPerUidAndInAll) {
+std::vector<UniqueFd> Several(std::vector<Pipe>& pipes, size_t from, size_t n) {
+  std::vector<UniqueFd> v;
+  for (size_t i = from; i < from + n; ++i) v.push_back(std::move(pipes[i].write_end));
+  return v;
+}
+
+// Descriptors, not tickets, count: a ticket of three costs three of the budget.
+TEST(FdTicketBroker, PendingDescriptorsAreBudgetedPerUidAndInAll) {
   FdTicketBrokerOptions o;
-  o.max_pending_per_uid = 2;
-  o.max_pending = 3;
+  o.max_fds_per_uid = 4;
+  o.max_fds = 6;
   FdTicketBroker broker(o);
-  std::vector<Pipe> pipes(6);
-  ASSERT_TRUE(broker.Deposit(1, One(pipes[0]), absl::Seconds(30)).ok());
-  ASSERT_TRUE(broker.Offer(1, One(pipes[1]), absl::Seconds(30)).ok());
-  absl::StatusOr<std::string> third = broker.Deposit(1, One(pipes[2]), absl::Seconds(30));
-  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(third.status().message(), HasSubstr("uid 1 already has 2 pending fd tickets"));
-  EXPECT_TRUE(pipes[2].WriteEndClosedEverywhere());  // refused descriptors are closed
-  ASSERT_TRUE(broker.Deposit(2, One(pipes[3]), absl::Seconds(30)).ok());
-  absl::StatusOr<std::string> over = broker.Deposit(3, One(pipes[4]), absl::Seconds(30));
+  std::vector<Pipe> pipes(12);
+  absl::StatusOr<std::string> three = broker.Deposit(1, Several(pipes, 0, 3), absl::Seconds(30));
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ(broker.charged_for(1), 3u);
+  absl::StatusOr<std::string> two = broker.Deposit(1, Several(pipes, 3, 2), absl::Seconds(30));
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(two.status().message(),
+              HasSubstr("uid 1 holds 3 pending descriptors and 2 more exceed its budget of 4 "
+                        "(--max-pending-fds-per-uid)"));
+  EXPECT_TRUE(pipes[3].WriteEndClosedEverywhere());  // refused descriptors are closed
+  EXPECT_TRUE(pipes[4].WriteEndClosedEverywhere());
+  // An offer counts against the same budget.
+  ASSERT_TRUE(broker.Offer(1, Several(pipes, 5, 1), absl::Seconds(30)).ok());
+  absl::StatusOr<std::string> offer = broker.Offer(1, Several(pipes, 6, 1), absl::Seconds(30));
+  EXPECT_EQ(offer.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(offer.status().message(), HasSubstr("--max-pending-fds-per-uid"));
+  // Another uid has a budget of its own, until all uids together reach theirs.
+  ASSERT_TRUE(broker.Deposit(2, Several(pipes, 7, 2), absl::Seconds(30)).ok());
+  absl::StatusOr<std::string> over = broker.Deposit(3, Several(pipes, 9, 1), absl::Seconds(30));
   EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(over.status().message(), HasSubstr("holds 3 pending fd tickets, its limit"));
+  EXPECT_THAT(over.status().message(),
+              HasSubstr("holds 6 pending descriptors and 1 more exceed its budget of 6 for all "
+                        "users (--max-pending-fds)"));
+  EXPECT_EQ(broker.charged(), 6u);
+  // A claim gives its descriptors' share back.
+  ASSERT_TRUE(broker.Claim(*three, 1).ok());
+  EXPECT_EQ(broker.charged_for(1), 1u);
+  EXPECT_TRUE(broker.Deposit(3, Several(pipes, 10, 1), absl::Seconds(30)).ok());
+  EXPECT_EQ(broker.charged(), 4u);
+}
+
+TEST(FdTicketBroker, ExpiryGivesTheBudgetBack) {
+  FdTicketBrokerOptions o;
+  o.max_fds_per_uid = 2;
+  o.max_fds = 2;
+  FdTicketBroker broker(o);
+  std::vector<Pipe> pipes(4);
+  ASSERT_TRUE(broker.Deposit(5, Several(pipes, 0, 2), absl::Milliseconds(1)).ok());
+  absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(broker.ExpireNow(), 1u);
+  EXPECT_EQ(broker.charged(), 0u);
+  EXPECT_TRUE(broker.Deposit(5, Several(pipes, 2, 2), absl::Seconds(30)).ok());
+}
+
+// A charge outside any ticket (the fd channel's descriptors on their way in or out) counts too,
+// and a deposit takes over what was charged for its descriptors instead of counting them twice.
+TEST(FdTicketBroker, ChargesCountAndMoveIntoADeposit) {
+  FdTicketBrokerOptions o;
+  o.max_fds_per_uid = 4;
+  o.max_fds = 8;
+  FdTicketBroker broker(o);
+  absl::StatusOr<FdCharge> arriving = broker.Charge(7, 3);
+  ASSERT_TRUE(arriving.ok()) << arriving.status();
+  EXPECT_EQ(broker.charged_for(7), 3u);
+  absl::StatusOr<FdCharge> more = broker.Charge(7, 2);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("--max-pending-fds-per-uid"));
+  std::vector<Pipe> pipes(3);
+  absl::StatusOr<std::string> ticket =
+      broker.Deposit(7, Several(pipes, 0, 3), absl::Seconds(30), *std::move(arriving));
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  EXPECT_EQ(broker.charged_for(7), 3u);
+  ASSERT_TRUE(broker.Claim(*ticket, 7).ok());
+  EXPECT_EQ(broker.charged_for(7), 0u);
+  {
+    absl::StatusOr<FdCharge> held = broker.Charge(7, 4);
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ(broker.charged(), 4u);
+  }
+  EXPECT_EQ(broker.charged(), 0u);  // released with the charge
+}
+
+// A pickup's descriptors stay charged until the fd channel knows the client has them.
+TEST(FdTicketBroker, APickupStaysChargedUntilItsChargeEnds) {
+  FdTicketBroker broker;
+  std::vector<Pipe> pipes(2);
+  std::string ticket = *broker.Offer(9, Several(pipes, 0, 2), absl::Seconds(30));
+  absl::StatusOr<FdPickup> picked = broker.PickupCharged(ticket, 9);
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ(picked->fds.size(), 2u);
+  EXPECT_EQ(broker.pending(), 0u);
+  EXPECT_EQ(broker.charged_for(9), 2u);
+  picked->charge.Reset();
+  EXPECT_EQ(broker.charged_for(9), 0u);
+}
+
+// An attach's offer dies with its attachment's Detach and with its session's end: its
+// descriptors close and its ticket is unknown from then on, even to its owner.
+TEST(FdTicketBroker, OffersDieWithTheirAttachmentAndTheirSession) {
+  FdTicketBroker broker;
+  std::vector<Pipe> pipes(4);
+  std::string a = *broker.Offer(1, Several(pipes, 0, 1), absl::Seconds(30), {"s1", "a1"});
+  std::string b = *broker.Offer(1, Several(pipes, 1, 1), absl::Seconds(30), {"s1", "a2"});
+  std::string c = *broker.Offer(1, Several(pipes, 2, 1), absl::Seconds(30), {"s2", "a3"});
+  std::string d = *broker.Offer(1, Several(pipes, 3, 1), absl::Seconds(30));
+  EXPECT_EQ(broker.RevokeAttachment("s1", "a1"), 1u);
+  EXPECT_TRUE(pipes[0].WriteEndClosedEverywhere());
+  EXPECT_FALSE(pipes[1].WriteEndClosedEverywhere());
+  EXPECT_EQ(broker.Pickup(a, 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.RevokeAttachment("s2", "a1"), 0u);  // another session's attachment id
+  EXPECT_EQ(broker.RevokeSession("s1"), 1u);
+  EXPECT_TRUE(pipes[1].WriteEndClosedEverywhere());
+  EXPECT_EQ(broker.Pickup(b, 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.RevokeSession(""), 0u);  // an offer without a scope belongs to no session
+  EXPECT_EQ(broker.charged_for(1), 2u);
+  EXPECT_TRUE(broker.Pickup(c, 1).ok());
+  EXPECT_TRUE(broker.Pickup(d, 1).ok());
 }
 
 TEST(FdTicketBroker, EmptyAndOversizedDepositsAreRefused) {

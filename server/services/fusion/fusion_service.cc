@@ -243,6 +243,10 @@ class FusionService::SessionReactor final
     if (opened) {
       service_->instream_->RemoveSession(id);
       service_->registry_.CloseSession(id);
+      // After CloseSession: an Attach that offers later sees the session gone and revokes.
+      if (FdTicketBroker* tickets = service_->options_.fd_tickets) {
+        tickets->RevokeSession(AttachTicketScope(id, 0).session);
+      }
       service_->EndSessionDoorbells(id);
     }
     Unref();

@@ -76,6 +76,10 @@ struct FusionServiceOptions {
   std::string fd_socket;
 };
 
+// What an attach's fd ticket belongs to (FdTicketBroker): it dies with that attachment's Detach
+// and with the session's end.
+FdTicketScope AttachTicketScope(uint64_t session, uint64_t attach_id);
+
 class FusionService final : public v1::Fusion::CallbackService {
  public:
   // Returns the engine, or null while the daemon is still initializing it (calls that need it

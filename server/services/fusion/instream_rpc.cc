@@ -120,10 +120,15 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
         if (done.ok()) {
           std::optional<SocketCredentials> caller;
           if (options_.callers != nullptr) caller = options_.callers->ForPeer(ctx->peer());
-          absl::StatusOr<AttachFdOffer> offer =
-              OfferAttachFds(*exported, options_.fd_tickets, options_.fd_socket, caller, kOfferTtl);
+          const FdTicketScope scope = AttachTicketScope(sid, *id);
+          absl::StatusOr<AttachFdOffer> offer = OfferAttachFds(
+              *exported, options_.fd_tickets, options_.fd_socket, caller, kOfferTtl, scope);
           done = offer.status();
           if (offer.ok() && offer->count != 0) {
+            // The session may have ended (and revoked its tickets) before this one existed: the
+            // check follows the offer, so one of the two drops it.
+            done = registry_.CheckSession(sid);
+            if (!done.ok()) options_.fd_tickets->RevokeAttachment(scope.session, scope.attachment);
             resp->set_fd_ticket(offer->ticket);
             resp->set_fd_count(offer->count);
             resp->set_fd_socket(offer->socket);
@@ -152,7 +157,17 @@ grpc::ServerUnaryReactor* FusionService::Detach(grpc::CallbackServerContext* ctx
                                                 v1::DetachResponse* /*resp*/) {
   auto session = SessionOf(*ctx);
   if (!session.ok()) return FinishNow(ctx, session.status());
-  return FinishNow(ctx, instream_->Remove(*session, req->attach_id()));
+  absl::Status removed = instream_->Remove(*session, req->attach_id());
+  // The attachment's descriptors not yet picked up go with it.
+  if (removed.ok() && options_.fd_tickets != nullptr) {
+    const FdTicketScope scope = AttachTicketScope(*session, req->attach_id());
+    options_.fd_tickets->RevokeAttachment(scope.session, scope.attachment);
+  }
+  return FinishNow(ctx, removed);
+}
+
+FdTicketScope AttachTicketScope(uint64_t session, uint64_t attach_id) {
+  return FdTicketScope{absl::StrCat(session), absl::StrCat(attach_id)};
 }
 
 }  // namespace arfuse
