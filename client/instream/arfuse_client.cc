@@ -300,6 +300,7 @@ const char* arfuse_error_name(uint32_t code) {
     case static_cast<uint32_t>(arfuse::host::HostWsError::kHostAbort):
     case static_cast<uint32_t>(arfuse::host::HostWsError::kPeerAbort):
     case static_cast<uint32_t>(arfuse::host::HostWsError::kPoisoned):
+    case static_cast<uint32_t>(arfuse::host::HostWsError::kAbandoned):
       return arfuse::host::HostWsErrorName(code);
     case lib::kErrorOpMismatch:
       return "op_mismatch";

@@ -29,6 +29,8 @@ static_assert(static_cast<uint32_t>(host::HostWsError::kPoisoned) ==
               static_cast<uint32_t>(FusionError::kPoisoned));
 
 static_assert(kErrorOpMismatch == static_cast<uint32_t>(FusionError::kOpMismatch));
+static_assert(static_cast<uint32_t>(host::HostWsError::kAbandoned) ==
+              static_cast<uint32_t>(FusionError::kAbandoned));
 
 namespace {
 

@@ -42,7 +42,10 @@ absl::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
   host::HostWaitLimits limits;
   limits.deadline = absl::Now() + absl::Nanoseconds(static_cast<int64_t>(
                                       std::min<uint64_t>(header_.spin_timeout_ns, INT64_MAX)));
-  host::HostOpResult r = collective_.Run(op, header_.generation, limits, /*client=*/true);
+  // The attach id names this client as the op's launcher: the sidecar retires the op if this
+  // attachment ends before the op completes.
+  host::HostOpResult r = collective_.Run(op, header_.generation, limits, /*client=*/true,
+                                         /*copy_input=*/nullptr, header_.attach_id);
   if (r.error != 0) {
     uint32_t none = 0;
     error_.compare_exchange_strong(none, r.error, std::memory_order_acq_rel);

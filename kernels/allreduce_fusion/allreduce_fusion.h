@@ -40,6 +40,10 @@ enum class FusionError : uint32_t {
   // The ranks launched different ops (num_tokens, hidden, eps, dtype, pattern, algo or world
   // size differ: FusionControl's op descriptors): no rank stores any output of the call.
   kOpMismatch = 5,
+  // Written by the owning sidecar, never by a kernel: an in-stream client's session ended while
+  // an op it launched was in flight on this rank (FusionControl's in-flight counters), so what it
+  // published is retired by poisoning every rank's workspace before a peer's op pairs with it.
+  kAbandoned = 6,
 };
 const char* FusionErrorName(uint32_t code);
 

@@ -38,12 +38,18 @@ struct FusionControl {
   uint32_t abort;
   // One-shot: number of calls so far; buffer epoch % 3 receives this call's data.
   uint32_t lamport_epoch;
-  // One-shot: blocks of the current call that have read the epoch (each counts itself in right
-  // after its first pushes); the last one advances the epoch when it finishes.
+  // One-shot: blocks of the current call that have read the epoch (each counts itself in before
+  // it writes anything of the call into a peer); the last one advances the epoch and resets it
+  // when it finishes. Nonzero while a call is in flight, and after a launch that was killed
+  // mid-op (its process died): the owning sidecar reads it when an in-stream client's session
+  // ends, to retire an op the client left half done (FusionError::kAbandoned).
   uint32_t lamport_arrived;
   // Two-shot: barrier sequence; a call's two barriers wait for seq + 1 and seq + 2.
   uint32_t twoshot_seq;
-  uint32_t twoshot_arrived;  // unused (the two-shot's last block at barrier B advances seq)
+  // Two-shot: blocks of the current call that started (each counts itself in, fire-and-forget,
+  // before it writes anything into a peer); reset with the barrier counters by the last block
+  // at barrier B. Nonzero while a call is in flight (as lamport_arrived for the one-shot).
+  uint32_t twoshot_arrived;
   // Two-shot: blocks of the current call that arrived at barrier A ([0]) and B ([1]); the last
   // at each signals the peers; the last at B resets both.
   uint32_t twoshot_count[2];

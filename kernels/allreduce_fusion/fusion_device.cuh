@@ -362,7 +362,7 @@ __device__ __forceinline__ uint32_t WaitAndSumRanks(Raw16 (&sum)[kVec], const Ra
 //      write it again only in call k + 3, which needs this rank's call-k+2 data, stored only
 //      after this kernel ended), sum in rank order (own input at position `rank`), then the
 //      row's epilogue (the block reduces the sum of squares);
-//   3. every CTA counts itself in right after its first pushes; the last one advances the epoch
+//   3. every CTA counts itself in before it publishes anything; the last one advances the epoch
 //      (every CTA read it before counting itself; the next call is a later kernel).
 // Op agreement: block 0 writes this rank's op descriptor (tag epoch + 1) into every peer's
 // lamport_desc[k % 3][rank] before its first push; thread 0 of every block polls the peers'
@@ -433,11 +433,17 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   // Then the loads that depend on nothing.
   if (unit < tokens) load_row(unit);
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
+  uint32_t arrived = 0;
   if (threadIdx.x == 0) {
     InitWatch(watch);
     s_error = generation != expected_generation ? kStaleGenerationRefusal
                                                 : RefusalOf(control[0], control[1]);
     s_epoch = control[2];
+    // Count this CTA in (step 3) before anything of the call reaches a peer, so that
+    // lamport_arrived is nonzero whenever a call may have published something: the owning
+    // sidecar reads it when an in-stream client's session ends. The epoch was read (s_error
+    // depends on that load); the atomic's result is needed only at the end, so it costs no wait.
+    if (s_error == 0) arrived = atomicAdd(&ctrl->lamport_arrived, 1u);
     uint64_t desc[4];
     MakeOpDesc(p, s_epoch + 1, desc);
 #pragma unroll
@@ -494,7 +500,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     push_vectors(row, x);
   };
 
-  // 1. the first pushes (the first row's input is already here), then count this CTA in.
+  // 1. the first pushes (the first row's input is already here; the CTA counted itself in).
 #pragma unroll
   for (int k = 0; k < kVec; ++k) own[k] = device::SanitizeNegativeZero<DT>(own[k]);
   uint32_t ahead = unit;
@@ -503,8 +509,6 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     ahead += units;
     for (uint32_t j = 1; j < cfg.lookahead && ahead < tokens; ++j, ahead += units) push_row(ahead);
   }
-  uint32_t arrived = 0;
-  if (threadIdx.x == 0) arrived = atomicAdd(&ctrl->lamport_arrived, 1u);
 
   // 2. rows.
   const Raw16 sentinel = device::SentinelVector<DT>();
@@ -661,6 +665,10 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
         expected_generation != 0 ? LoadVolatile32(&ctrl->generation) : expected_generation;
     s_error = generation != expected_generation ? kStaleGenerationRefusal : LaunchRefusal(ctrl);
     s_seq = LoadAcquireGpu32(&ctrl->twoshot_seq);
+    // In flight from here until the last block at barrier B resets it (before this block writes
+    // anything into a peer): what the owning sidecar reads when an in-stream client's session
+    // ends. Fire-and-forget (no result), ordered before that reset by barrier B's acq_rel count.
+    if (s_error == 0) atomicAdd(&ctrl->twoshot_arrived, 1u);
   }
   __syncthreads();
   if (s_error != 0) {
@@ -846,6 +854,7 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
     // Every block counted itself in at both barriers: no more increments in this call.
     StoreVolatile32(&counters[0], 0u);
     StoreVolatile32(&counters[1], 0u);
+    StoreVolatile32(&ctrl->twoshot_arrived, 0u);
     StoreVolatile32(&ctrl->twoshot_seq, seq + 2);
   }
   return 0;

@@ -32,6 +32,8 @@ const char* FusionErrorName(uint32_t code) {
       return "workspace poisoned by an earlier error";
     case FusionError::kOpMismatch:
       return "ranks disagree on the op (tokens, hidden, eps, dtype, pattern or algorithm differ)";
+    case FusionError::kAbandoned:
+      return "abandoned: an attached client ended while an op it launched was in flight";
   }
   return "unknown fusion error";
 }

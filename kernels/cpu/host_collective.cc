@@ -157,8 +157,8 @@ void AbortHostWorkspace(uint8_t* base, int rank) {
 // ---- the collective ----
 
 HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
-                                 const HostWaitLimits& limits, bool client,
-                                 HostCopy copy_input) {
+                                 const HostWaitLimits& limits, bool client, HostCopy copy_input,
+                                 uint64_t launcher) {
   HostWsHeader* h = header();
   // A stale workspace is refused before anything is touched: its slots may belong to nobody.
   if (h->generation != generation) return Stale("the workspace was re-initialized");
@@ -166,7 +166,36 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
     return Stale("the sidecar dropped this workspace");
   }
   HostRankSync* mine = sync(rank_);
-  const uint64_t s = mine->done_seq.load(std::memory_order_acquire) + 1;
+  // 0. Claim the next number. The launchers of a rank take turns, so an op claimed and not
+  // finished while this one starts has lost its launcher (a client that died mid-op): what it
+  // published must never be paired with anything, this op included.
+  uint64_t claimed = mine->launch_seq.load(std::memory_order_acquire);
+  if (claimed != mine->done_seq.load(std::memory_order_acquire)) {
+    return Abandon(claimed,
+                   "its launcher ended before the op completed (a client that died or "
+                   "closed its session mid-op)");
+  }
+  // The launcher first: a sidecar that acquires the claim below sees who made it.
+  mine->launcher.store(launcher, std::memory_order_relaxed);
+  if (!mine->launch_seq.compare_exchange_strong(claimed, claimed + 1, std::memory_order_acq_rel)) {
+    return HostOpResult{
+        absl::FailedPreconditionError(absl::StrCat(
+            "another op of rank ", rank_,
+            " started at the same time: the ops of a rank must take turns (one launcher at a "
+            "time)")),
+        false, 0};
+  }
+  const uint64_t s = claimed + 1;
+  HostOpResult r = RunClaimed(op, s, limits, copy_input);
+  // Release: this rank is done with call s (read it, or gave up on it) and may reuse buffer b.
+  mine->done_seq.store(s, std::memory_order_release);
+  if (client && r.status.ok()) mine->client_ops.fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
+                                        const HostWaitLimits& limits, HostCopy copy_input) {
+  HostRankSync* mine = sync(rank_);
   const int b = static_cast<int>(s & 1);
   // A rank gave up on this op or an earlier one: drop it without touching the buffers, as every
   // rank does (ops before the one given up on still run: see DropsOpAfterAbort).
@@ -205,11 +234,21 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
                 limits, s, "arrive");
     if (!r.status.ok()) return r;
   }
+  // 4. Confirm, then wait for every rank's confirmation before reading any slot. A slot of call s
+  // is published by a launcher that is running call s; one that died after publishing never
+  // confirms, and its slot is never read (it is retired when the workspace is poisoned).
+  mine->ack_seq.store(s, std::memory_order_release);
+  {
+    HostOpResult r =
+        WaitAll([&](int q) { return sync(q)->ack_seq.load(std::memory_order_acquire) >= s; },
+                limits, s, "confirm that they saw every rank's input");
+    if (!r.status.ok()) return r;
+  }
   // A rank that gave up while this one waited may have seen this rank arrive; failing here
   // too keeps the outcome alike on every rank in all but the narrowest race.
   if (std::optional<HostOpResult> dropped = DropIfGivenUp(s)) return *dropped;
-  // 4. Every rank must run the same op; a mismatch is refused alike on every rank, and the
-  // buffer is still released below so the protocol stays in step.
+  // 5. Every rank must run the same op; a mismatch is refused alike on every rank, and the
+  // buffer is still released so the protocol stays in step.
   absl::Status ran = absl::OkStatus();
   for (int q = 0; q < world_size_ && ran.ok(); ++q) {
     if (sync(q)->desc[b].flags & kHostSlotInputFaulted) {
@@ -247,10 +286,27 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
     a.gamma = op.gamma;
     ran = ReferenceFusedOp(a);
   }
-  // 5. Release: this rank is done reading buffer b for call s.
-  mine->done_seq.store(s, std::memory_order_release);
-  if (client && ran.ok()) mine->client_ops.fetch_add(1, std::memory_order_relaxed);
   return HostOpResult{std::move(ran), false, 0};
+}
+
+HostOpResult HostCollective::Abandon(uint64_t seq, absl::string_view why) {
+  // A launcher that confirmed seq saw every rank's input: the other ranks may complete that op
+  // (their reads of its slot were paired with a live launcher), so only later ops are dropped.
+  const bool confirmed = sync(rank_)->ack_seq.load(std::memory_order_acquire) >= seq;
+  return Fail(absl::AbortedError(
+                  absl::StrCat("op ", seq, " of rank ", rank_, " was abandoned: ", why,
+                               "; the workspace is poisoned until every rank re-initializes")),
+              confirmed ? seq + 1 : seq, HostWsError::kAbandoned);
+}
+
+bool HostCollective::RetireAbandoned(uint64_t launcher) {
+  HostRankSync* mine = sync(rank_);
+  // Acquire: the launcher stored with (before) the claim read here is the claim's.
+  const uint64_t claimed = mine->launch_seq.load(std::memory_order_acquire);
+  if (mine->launcher.load(std::memory_order_relaxed) != launcher) return false;
+  if (claimed == mine->done_seq.load(std::memory_order_acquire)) return false;
+  Abandon(claimed, "the attachment that launched it ended before the op completed");
+  return true;
 }
 
 std::optional<HostOpResult> HostCollective::DropIfGivenUp(uint64_t seq) {

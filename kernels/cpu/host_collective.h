@@ -2,16 +2,25 @@
 // the CPU implementation of the op (reference_op.h), as one rank runs it. Two callers share it:
 // the host engine (server/host, --device=host), which owns the workspace, and libarfuse_client's
 // host mode (client/instream), which maps the engine's workspace through an attach and runs ops
-// of the same rank in the caller's process. They take turns on a rank (an op's sequence number
-// comes from the rank's done_seq in shared memory), never run one rank's ops concurrently.
+// of the same rank in the caller's process. They take turns on a rank, never run one rank's ops
+// concurrently.
 //
-// Per op, on rank r, call s = done_seq(r) + 1, buffer b = s & 1:
+// Per op, on rank r:
+//   0. claim: s = launch_seq(r) + 1, compare-exchanged into launch_seq (a number is never claimed
+//      twice, whoever launches). A launch_seq ahead of done_seq means the op before was claimed
+//      and never finished while nobody runs one: its launcher ended mid-op (a client that died).
+//      That op is abandoned: the workspace is poisoned (kAbandoned) and this op fails, so nothing
+//      ever pairs with what the dead launcher published. Buffer b = s & 1;
 //   1. wait until every rank finished reading call s - 2 (its done_seq), which used buffer b;
 //   2. copy the input into r's slot of buffer b with the op's description, then publish
 //      written_seq[b] = s (release);
 //   3. wait until every rank published s (acquire);
-//   4. check every rank runs the same op (else INVALID_ARGUMENT on every rank, not poisoned);
-//   5. run the op over the slots in rank order, then publish done_seq = s (release).
+//   4. confirm: ack_seq = s (release), then wait until every rank confirmed s. No rank reads a slot
+//      of call s before every rank saw every input of s, so a slot whose launcher died before it
+//      confirmed is never read, whichever rank arrives first;
+//   5. check every rank runs the same op (else INVALID_ARGUMENT on every rank, not poisoned);
+//   6. run the op over the slots in rank order, then publish done_seq = s (release; also after a
+//      failure from step 1 on: the rank is finished with s either way).
 // A wait that passes its deadline, or sees the local abort flag or a peer's abort word, gives up:
 // it records the op and its error in the header, raises the abort word (the workspace is then
 // poisoned for every rank until the engines re-initialize) and returns DEADLINE_EXCEEDED or
@@ -26,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/common/op_types.h"
 #include "kernels/cpu/host_workspace.h"
@@ -115,8 +125,16 @@ class HostCollective {
   // it); `generation` is the caller's. Counts the op in client_ops when `client` is set.
   // `copy_input` (optional) copies the input into the slot where it may fault (another
   // process's memory): its error fails the op on this rank, and every other rank drops it too.
+  // `launcher`: who runs the op (the client's attach id; 0 for the rank's host engine), recorded
+  // with the claim for RetireAbandoned.
   HostOpResult Run(const HostOpArgs& op, uint64_t generation, const HostWaitLimits& limits,
-                   bool client = false, HostCopy copy_input = nullptr);
+                   bool client = false, HostCopy copy_input = nullptr, uint64_t launcher = 0);
+
+  // The attachment `launcher` of this rank ended (its client exited or died). When the last op
+  // this rank claimed is its and did not finish, that op is abandoned: poisons the workspace
+  // (kAbandoned, ABORTED on every rank waiting for it) and returns true. Never blocks. Only for
+  // a launcher that can run no more ops (its process or session is gone).
+  bool RetireAbandoned(uint64_t launcher);
 
   HostWsHeader* header() const { return reinterpret_cast<HostWsHeader*>(base_); }
   HostRankSync* sync(int rank) const {
@@ -131,6 +149,12 @@ class HostCollective {
   template <typename Ready>
   HostOpResult WaitAll(Ready ready, const HostWaitLimits& limits, uint64_t seq, const char* what);
   HostOpResult Fail(absl::Status s, uint64_t seq, HostWsError error);
+  // Steps 1-6 of an op whose number `s` this rank claimed.
+  HostOpResult RunClaimed(const HostOpArgs& op, uint64_t s, const HostWaitLimits& limits,
+                          HostCopy copy_input);
+  // Poisons the workspace for op `seq` of this rank, claimed by a launcher that ended before it
+  // finished. An op every rank confirmed may have completed on the others: from seq + 1 then.
+  HostOpResult Abandon(uint64_t seq, absl::string_view why);
   // The op's failure when a rank gave up on it or an earlier one (DropsOpAfterAbort).
   std::optional<HostOpResult> DropIfGivenUp(uint64_t seq);
 

@@ -10,6 +10,13 @@
 // Two buffers alternate by call parity (seq & 1). A rank writes call s into buffer s & 1 only
 // after every rank finished reading call s - 2 from it (done_seq), so a fast rank never
 // overwrites a slot a slow rank still reads.
+//
+// Sequence numbers: every op of a rank, whoever launches it (the rank's host engine or a client
+// attached to it), claims the next number from the rank's launch_seq in shared memory, so a
+// number is never used twice on a rank, not even after its launcher died mid-op. No rank reads
+// any slot of call s until every rank confirmed (ack_seq) that it saw every rank's input of call
+// s: a slot published by a launcher that died before confirming is never consumed, whichever
+// rank arrives first.
 #pragma once
 
 #include <atomic>
@@ -21,8 +28,8 @@ namespace arfuse::host {
 
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
 // 2: abort_seq. 3: retired, error; an op's sequence number comes from done_seq.
-// 4: HostSlotDesc::flags.
-inline constexpr uint32_t kHostWsLayoutVersion = 4;
+// 4: HostSlotDesc::flags. 5: HostRankSync::launch_seq, ack_seq, launcher (two cache lines).
+inline constexpr uint32_t kHostWsLayoutVersion = 5;
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
@@ -83,6 +90,10 @@ enum class HostWsError : uint32_t {
   kHostAbort = 2,  // this process aborted the wait (Engine::Abort, InStreamHost::AbortInStream)
   kPeerAbort = 3,  // another rank gave up first
   kPoisoned = 4,   // (reported, never stored) the workspace was poisoned for a reason not recorded
+  // (5 is the GPU kernels' op_mismatch, which host mode reports as INVALID_ARGUMENT, unstored.)
+  // An op's launcher ended (its process died, or its session closed) after it claimed the op and
+  // before the op completed: its sequence number and published slot are retired by poisoning.
+  kAbandoned = 6,
 };
 
 // The name of a HostWsError code, as FusionErrorName names the kernels' ("poisoned" for a code
@@ -97,6 +108,8 @@ inline const char* HostWsErrorName(uint32_t code) {
       return "host_abort";
     case HostWsError::kPeerAbort:
       return "peer_abort";
+    case HostWsError::kAbandoned:
+      return "abandoned";
     default:
       return "poisoned";
   }
@@ -110,22 +123,38 @@ inline bool DropsOpAfterAbort(uint32_t abort_word, uint64_t abort_seq, uint64_t 
   return abort_word != 0 && (abort_seq == 0 || seq >= abort_seq);
 }
 
-// One cache line per rank so ranks' flags never share a line.
+// Two cache lines per rank so ranks' flags never share a line.
 struct alignas(64) HostRankSync {
   // The call (seq) whose input this rank's slot in buffer b holds; release-stored after the
   // input and desc are written, acquire-loaded by readers.
   std::atomic<uint64_t> written_seq[kHostWsBuffers];
-  // The last call this rank finished reading; release-stored after the op, acquire-loaded by a
-  // writer before it reuses a buffer. The rank's next op is done_seq + 1, whoever runs it (the
-  // host engine or a client attached to this rank: they take turns, never both at once).
+  // The last call this rank is finished with (read, or gave up on); release-stored at the end of
+  // every op that claimed a number, acquire-loaded by a writer before it reuses a buffer. Equal to
+  // launch_seq between ops: a launch_seq ahead of it with nobody running an op is an op whose
+  // launcher ended mid-op (abandoned).
   std::atomic<uint64_t> done_seq;
   // Ops of this rank run by attached clients (libarfuse_client), for the sidecar's metrics.
   std::atomic<uint64_t> client_ops;
   HostSlotDesc desc[kHostWsBuffers];
+  // The last sequence number an op of this rank claimed (compare-exchanged from done_seq by the
+  // launcher before it touches anything else): the rank's next op is launch_seq + 1, whoever
+  // runs it, and a number is never claimed twice.
+  std::atomic<uint64_t> launch_seq;
+  // The last call for which this rank saw every rank's input (release-stored after that wait);
+  // every rank waits for every rank's ack_seq before it reads a slot of the call.
+  std::atomic<uint64_t> ack_seq;
+  // Who claimed launch_seq: the attach id of the client (libarfuse_client), 0 for the rank's host
+  // engine. Stored before the claim, so a sidecar that acquires launch_seq sees the launcher of
+  // that op; the sidecar retires the op when the attachment that launched it ends mid-op.
+  std::atomic<uint64_t> launcher;
+  uint64_t reserved[5];
 };
-static_assert(sizeof(HostRankSync) == 64);
+static_assert(sizeof(HostRankSync) == 128);
 static_assert(offsetof(HostRankSync, done_seq) == 16);
 static_assert(offsetof(HostRankSync, desc) == 32);
+static_assert(offsetof(HostRankSync, launch_seq) == 64);
+static_assert(offsetof(HostRankSync, ack_seq) == 72);
+static_assert(offsetof(HostRankSync, launcher) == 80);
 // Cross-process atomics must be lock-free (a lock would live in one process only).
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);

@@ -18,6 +18,8 @@ const char* DoorbellErrorName(uint32_t code) {
       case FusionError::kOpMismatch:
         return "fused op refused: ranks disagree on the op (tokens, hidden, eps, dtype, pattern "
                "or algorithm differ; workspace poisoned)";
+      case FusionError::kAbandoned:
+        return "fused op not run: an attached client ended mid-op (workspace poisoned)";
       default:
         return "fused op failed (workspace poisoned)";
     }

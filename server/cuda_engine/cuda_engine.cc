@@ -785,6 +785,27 @@ absl::StatusOr<InStreamCounters> CudaEngine::InStreamStatus() {
   return c;
 }
 
+bool CudaEngine::InStreamClientEnded(uint64_t /*attach_id*/) {
+  absl::MutexLock state(&state_mu_);
+  if (abortable_ == nullptr) return false;
+  // The kernels do not record which attachment launched them: an op in flight when a client's
+  // session ends is taken to be that client's (one plane per workspace: the sidecar runs none of
+  // its own while clients are attached). A client killed mid-op leaves the in-flight counts set
+  // (its kernel never finished); one that ended between ops leaves them 0 and poisons nothing.
+  absl::StatusOr<InStreamCounters> c =
+      abortable_->ReadInStreamCounters(absl::Now() + kInStreamReadTimeout);
+  // A control block that cannot be read in time may hide a half-done op: poison to be safe.
+  if (c.ok() && !c->op_in_flight) return false;
+  if (c.ok() && c->error != 0) return false;  // already poisoned; the group re-forms
+  abortable_->PoisonGroup(FusionError::kAbandoned);
+  instream_error_.store(static_cast<uint32_t>(FusionError::kAbandoned));
+  spdlog::error(
+      "event=workspace_poisoned rank={} reason=\"an attached client ended mid-op "
+      "(abandoned)\"",
+      options_.rank);
+  return true;
+}
+
 // ---- doorbell plane ----
 
 void CudaEngine::ResetWorkspaceLocked() {

@@ -92,6 +92,7 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
   absl::StatusOr<InStreamExport> ExportInStream(const std::vector<uint32_t>& hiddens) override;
   absl::StatusOr<InStreamCounters> InStreamStatus() override;
   void AbortInStream() override { Abort(); }
+  bool InStreamClientEnded(uint64_t attach_id) override;
 
   // DoorbellHost. The plan's twoshot_min_tokens comes from the dispatch table (the same on every
   // rank); a shape the dispatcher sends to the unfused path at max_tokens is refused with

@@ -120,6 +120,12 @@ void GatedEngine::AbortInStream() {
   }
 }
 
+bool GatedEngine::InStreamClientEnded(uint64_t attach_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return inner_ != nullptr && inner_->instream_host() != nullptr &&
+         inner_->instream_host()->InStreamClientEnded(attach_id);
+}
+
 void GatedEngine::Abort() {
   std::lock_guard<std::mutex> lock(mu_);
   if (inner_ != nullptr) inner_->Abort();

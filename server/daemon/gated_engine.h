@@ -23,7 +23,7 @@ namespace arfuse {
 // RemoveDoorbellPlan reaches the engine even while the gate is closed (a client leaving while
 // the group re-forms), and is OK when there is no engine (its plane went with it).
 // The in-stream plane likewise: ExportInStream passes the gate like an op; InStreamStatus and
-// AbortInStream reach the engine whenever there is one.
+// AbortInStream and InStreamClientEnded reach the engine whenever there is one.
 class GatedEngine final : public Engine, public DoorbellHost, public InStreamHost {
  public:
   GatedEngine() = default;
@@ -48,6 +48,7 @@ class GatedEngine final : public Engine, public DoorbellHost, public InStreamHos
   absl::StatusOr<InStreamExport> ExportInStream(const std::vector<uint32_t>& hiddens) override;
   absl::StatusOr<InStreamCounters> InStreamStatus() override;
   void AbortInStream() override;
+  bool InStreamClientEnded(uint64_t attach_id) override;
 
   // Refuses new ops; waits until none is in flight or `deadline`. Returns how many ops were in
   // flight when the drain began; DEADLINE_EXCEEDED when some are still running at the deadline

@@ -63,6 +63,9 @@ struct InStreamCounters {
   uint64_t stale = 0;       // launches refused for a stale generation or launch ABI
   uint32_t error = 0;       // the workspace's sticky error word (FusionError), 0 = healthy
   std::string error_name;   // "timeout", ... ("" when healthy)
+  // An op is in flight on this rank (CUDA: the control block's one-shot or two-shot in-flight
+  // counts are nonzero; a launch killed mid-op leaves them so).
+  bool op_in_flight = false;
 };
 
 class InStreamHost {
@@ -81,6 +84,13 @@ class InStreamHost {
   // Writes the workspace's abort word: every in-stream kernel spinning on it exits with an error
   // (the workspace is then poisoned). Never blocks.
   virtual void AbortInStream() = 0;
+
+  // The attachment `attach_id` ended without a Detach (its session ended: the client exited or
+  // died). When it launched an op of this rank that did not complete, that op is abandoned: its
+  // sequence number and what it published are retired by poisoning the workspace, before any
+  // peer's op can pair with them (the group then re-forms). Returns whether it poisoned. Never
+  // blocks.
+  virtual bool InStreamClientEnded(uint64_t attach_id) = 0;
 };
 
 }  // namespace arfuse

@@ -192,7 +192,35 @@ absl::StatusOr<InStreamCounters> FusionWorkspace::ReadInStreamCounters(absl::Tim
   out.launches = c.instream_launches;
   out.stale = c.instream_stale;
   out.error = c.error;
+  out.op_in_flight = c.lamport_arrived != 0 || c.twoshot_arrived != 0;
   return out;
+}
+
+void FusionWorkspace::PoisonGroup(FusionError code) {
+  if (staging_ == nullptr || control_stream_ == nullptr || memory_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(control_mu_);
+  staging_->error = static_cast<uint32_t>(code);
+  staging_->abort = static_cast<uint32_t>(FusionError::kHostAbort);
+  staging_->peer_abort = static_cast<uint32_t>(FusionError::kPeerAbort);
+  char* own = static_cast<char*>(memory_->local()) + layout_.control_offset;
+  // The caller read the error word as 0 just before; a kernel that recorded a code since is
+  // overwritten, which changes only the reason: the workspace is poisoned either way.
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaMemcpyAsync(own + offsetof(FusionControl, error), &staging_->error,
+                                           sizeof(uint32_t), cudaMemcpyHostToDevice,
+                                           control_stream_));
+  ARFUSE_CUDA_LOG_IF_ERROR(cudaMemcpyAsync(own + offsetof(FusionControl, abort), &staging_->abort,
+                                           sizeof(uint32_t), cudaMemcpyHostToDevice,
+                                           control_stream_));
+  // The peers' abort words, over the peer mappings this rank launches with: a peer's next launch
+  // refuses (kPeerAbort) instead of reading what the client published into its buffers.
+  for (int r = 0; r < memory_->world_size(); ++r) {
+    if (r == memory_->rank()) continue;
+    char* peer = static_cast<char*>(memory_->peer(r)) + layout_.control_offset;
+    ARFUSE_CUDA_LOG_IF_ERROR(cudaMemcpyAsync(peer + offsetof(FusionControl, abort),
+                                             &staging_->peer_abort, sizeof(uint32_t),
+                                             cudaMemcpyDefault, control_stream_));
+  }
+  if (host_words_ != nullptr) StoreWord(&host_words_->abort, 1);
 }
 
 absl::Status FusionWorkspace::CheckFits(uint32_t num_tokens, uint32_t hidden, DType dtype) const {

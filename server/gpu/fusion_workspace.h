@@ -90,6 +90,11 @@ class FusionWorkspace {
   // The in-stream kernels' counters and the workspace's error word, copied from the device on a
   // stream of its own (never behind the engine's kernels). DEADLINE_EXCEEDED past `deadline`.
   absl::StatusOr<InStreamCounters> ReadInStreamCounters(absl::Time deadline);
+  // Retires an op a client left half done (FusionError::kAbandoned): writes the code into this
+  // rank's error word and every rank's abort word with a copy engine,
+  // so every launch on any rank from now on refuses at its first control-word load and every
+  // spin exits; the group then re-forms. Never blocks.
+  void PoisonGroup(FusionError code);
   // What a client process needs to map rank r's buffer (PeerMemory::ExportForClient).
   absl::StatusOr<InStreamRankMemory> ExportForClient(int r) const {
     return memory_->ExportForClient(r);
@@ -126,6 +131,8 @@ class FusionWorkspace {
   struct ControlStaging {
     uint32_t tag;
     uint32_t abort;
+    uint32_t error;                   // PoisonGroup's code
+    uint32_t peer_abort;              // FusionError::kPeerAbort, for the peers' abort words
     alignas(16) uint8_t control[96];  // FusionControl's first bytes (error .. instream_stale)
   };
 

@@ -417,6 +417,22 @@ class HostEngine final : public Engine, public InStreamHost {
     }
   }
 
+  bool InStreamClientEnded(uint64_t attach_id) override {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!ws_.mapping.valid()) return false;
+    // A client's ops run in its own thread, synchronously: once its session is gone (the process
+    // exited, or closed the session), an op it claimed and did not finish never will. Retiring it
+    // poisons the workspace, so a peer waiting for its confirmation stops at once and no later op
+    // pairs with its slot; Status() then reports the poisoning and the group re-forms.
+    host::HostCollective view(ws_.mapping.data(), options_.rank, options_.world_size, slot_bytes_);
+    if (!view.RetireAbandoned(attach_id)) return false;
+    spdlog::error(
+        "event=host_workspace_poisoned rank={} generation={} reason=\"an attached client ended "
+        "mid-op (abandoned)\"",
+        options_.rank, generation_);
+    return true;
+  }
+
  private:
   // The shared header's error word (0 while no op failed), under state_mu_.
   uint32_t InStreamErrorLocked() const {

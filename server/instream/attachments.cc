@@ -63,12 +63,19 @@ absl::Status InStreamAttachments::Remove(uint64_t session, uint64_t attach_id) {
   return absl::OkStatus();
 }
 
-void InStreamAttachments::RemoveSession(uint64_t session) {
+std::vector<uint64_t> InStreamAttachments::RemoveSession(uint64_t session) {
+  std::vector<uint64_t> ended;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
-    it = it->second.session == session ? entries_.erase(it) : std::next(it);
+    if (it->second.session == session) {
+      ended.push_back(it->first);
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
   }
   cv_.notify_all();
+  return ended;
 }
 
 void InStreamAttachments::Acknowledge(uint64_t session, uint64_t attach_id) {

@@ -71,8 +71,9 @@ class InStreamAttachments {
   absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation);
   // NOT_FOUND for an id the session does not hold.
   absl::Status Remove(uint64_t session, uint64_t attach_id);
-  // The session ended: its attachment (if any) ends.
-  void RemoveSession(uint64_t session);
+  // The session ended: its attachment (if any) ends. Returns the ids that ended (the caller
+  // retires an op the client left mid-way: InStreamHost::InStreamClientEnded).
+  std::vector<uint64_t> RemoveSession(uint64_t session);
   // The client's SessionRequest.drained_attach_id.
   void Acknowledge(uint64_t session, uint64_t attach_id);
 

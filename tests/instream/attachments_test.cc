@@ -60,7 +60,10 @@ TEST(InStreamAttachments, OnePerSessionAndRemovedBySessionEnd) {
   absl::Status other = a.Remove(2, *id);
   EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(other.message(), HasSubstr("not held by this session"));
-  a.RemoveSession(1);
+  EXPECT_TRUE(a.RemoveSession(2).empty());  // another session's end leaves it alone
+  EXPECT_TRUE(a.Busy());
+  // The session's end names the attachment that ended with it (its op is retired by the engine).
+  EXPECT_EQ(a.RemoveSession(1), std::vector<uint64_t>{*id});
   EXPECT_FALSE(a.Busy());
   EXPECT_EQ(a.Remove(1, *id).code(), absl::StatusCode::kNotFound);
 }

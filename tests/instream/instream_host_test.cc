@@ -2,9 +2,12 @@
 // the blob builder, over a host workspace made by kernels/cpu/host_collective or by real host
 // engines (ExportInStream), as threads of this process or as two processes. Results against the
 // CPU reference bit for bit; turns with the host engine; stale generation after a
-// re-initialization; a peer that never arrives; the sidecar's abort.
+// re-initialization; a peer that never arrives; the sidecar's abort; a client killed mid-op
+// (its op is never paired with anyone's later op, on either rank, in-stream or eager, with the
+// peer early or late).
 #include "server/engine/instream_host.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -380,6 +383,194 @@ TEST(InStreamHostEngine, AClientsFailedOpPoisonsTheWorkspaceUntilItIsRebuilt) {
     EXPECT_EQ(g.eng[r]->Status().state, WorkspaceState::kReady) << "rank " << r;
     EXPECT_TRUE(g.eng[r]->instream_host()->ExportInStream({64}).ok()) << "rank " << r;
   }
+}
+
+// ---- a client killed mid-op ----
+
+// The dead client's rank, which op comes next (the engines' Execute or attached clients), which
+// rank's next op starts first, and whether the sidecar saw the client's session end before.
+struct KillCase {
+  int dead_rank;
+  bool next_in_stream;
+  bool peer_first;
+  bool session_end_seen;
+};
+
+std::string KillCaseName(const ::testing::TestParamInfo<KillCase>& info) {
+  const KillCase& c = info.param;
+  return absl::StrCat("DeadRank", c.dead_rank, c.next_in_stream ? "InStream" : "Eager",
+                      c.peer_first ? "PeerFirst" : "PeerLate",
+                      c.session_end_seen ? "SessionEndSeen" : "SessionEndUnseen");
+}
+
+class ClientKilledMidOp : public ::testing::TestWithParam<KillCase> {};
+
+// A client of one rank starts an op its peer never joins and is SIGKILLed; then both ranks run
+// their next op, one 0.3 s before the other. Without sequence numbers that are never reused and
+// the confirmation before any slot is read, the first rank read the dead client's slot and
+// answered OK with a wrong sum. Now no op of either rank answers OK: the dead rank's next op
+// finds the abandoned op (ABORTED "abandoned"), its peer's op ends ABORTED when the workspace
+// is poisoned, nothing is written, both engines report the poisoning, and after the group
+// re-initializes a paired op is correct again.
+TEST_P(ClientKilledMidOp, NoOpIsPairedWithTheDeadClientsSlot) {
+  const KillCase c = GetParam();
+  const int dead = c.dead_rank, peer = 1 - c.dead_rank;
+  EngineGroup g(2, absl::Seconds(2));
+  ExecContext ec;
+  ec.synchronous = true;
+  constexpr uint32_t kTokens = 2, kHidden = 64;
+  // One paired op on the eager plane first, so the dead client's op is not the first.
+  {
+    std::vector<RankTensors> t;
+    for (int r = 0; r < 2; ++r) t.emplace_back(DType::kBF16, r, 0, kTokens, kHidden);
+    std::vector<absl::Status> st(2);
+    OnRanks(2, [&](int r) {
+      ec.deadline = absl::Now() + absl::Seconds(10);
+      st[r] = g.eng[r]->Execute(EngineArgs(t[r], kTokens, kHidden), ec).status();
+    });
+    ASSERT_TRUE(st[0].ok()) << st[0];
+    ASSERT_TRUE(st[1].ok()) << st[1];
+    ExpectReference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, kTokens, kHidden, t, 0);
+  }
+  // The doomed client: rank `dead` in a child process, attached as a client is (a blob with its
+  // attach id and the workspace descriptor); its op waits for a peer that never comes.
+  constexpr uint64_t kDeadAttachId = 900;
+  absl::StatusOr<InStreamExport> e = g.eng[dead]->instream_host()->ExportInStream({kHidden});
+  ASSERT_TRUE(e.ok()) << e.status();
+  const std::string blob = Blob(*e, kDeadAttachId);
+  const std::vector<int> fds = AttachBlobFds(*e);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    arfuse_ctx* ctx = nullptr;
+    if (arfuse_attach(blob.data(), blob.size(), fds.data(), fds.size(), &ctx) != ARFUSE_OK) {
+      ::_exit(2);
+    }
+    RankTensors t(DType::kBF16, dead, 77, kTokens, kHidden);
+    RunOp(ctx, Pattern::kAllReduceResidualRmsNorm, DType::kBF16, kTokens, kHidden, t);
+    ::_exit(3);  // only after the spin timeout: the parent kills it long before
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(wstatus)) << "the child ended on its own: " << wstatus;
+  // Another attachment's end retires nothing; the dead one's does (when the sidecar saw it).
+  EXPECT_FALSE(g.eng[dead]->instream_host()->InStreamClientEnded(kDeadAttachId + 1));
+  if (c.session_end_seen) {
+    EXPECT_TRUE(g.eng[dead]->instream_host()->InStreamClientEnded(kDeadAttachId));
+  }
+
+  Ctxs ctxs;
+  std::vector<arfuse_ctx*> by_rank(2, nullptr);
+  if (c.next_in_stream) {
+    // The peer's client attached all along (as in a framework); the dead rank's replacement
+    // attaches now, unless the workspace is already known to be poisoned.
+    for (int r : {peer, dead}) {
+      absl::StatusOr<InStreamExport> x = g.eng[r]->instream_host()->ExportInStream({kHidden});
+      if (!x.ok()) {
+        EXPECT_TRUE(c.session_end_seen) << x.status();
+        EXPECT_EQ(x.status().code(), absl::StatusCode::kFailedPrecondition);
+        EXPECT_THAT(x.status().message(), HasSubstr("poisoned by an in-stream op (abandoned)"));
+        continue;
+      }
+      AttachResult a = AttachBlob(Blob(*x, 100 + r), AttachBlobFds(*x));
+      ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+      ctxs.ctx.push_back(a.ctx);
+      by_rank[r] = a.ctx;
+    }
+  }
+  std::vector<RankTensors> t;
+  for (int r = 0; r < 2; ++r) t.emplace_back(DType::kBF16, r, 1, kTokens, kHidden);
+  std::vector<absl::Status> st(2, absl::UnknownError("not run"));
+  const std::vector<uint8_t> untouched = t[0].bytes(2, t[0].tensor_bytes);
+  OnRanks(2, [&](int r) {
+    const bool second = (r == peer) != c.peer_first;
+    if (second) absl::SleepFor(absl::Milliseconds(300));
+    if (!c.next_in_stream) {
+      ExecContext x;
+      x.synchronous = true;
+      x.deadline = absl::Now() + absl::Seconds(10);
+      st[r] = g.eng[r]->Execute(EngineArgs(t[r], kTokens, kHidden), x).status();
+    } else if (by_rank[r] == nullptr) {
+      st[r] = absl::FailedPreconditionError("no attachment (the workspace was poisoned)");
+    } else {
+      st[r] = ToStatus(RunOp(by_rank[r], Pattern::kAllReduceResidualRmsNorm, DType::kBF16, kTokens,
+                             kHidden, t[r]));
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r << " answered OK after the dead client's op";
+    EXPECT_THAT(st[r].code(),
+                ::testing::AnyOf(absl::StatusCode::kAborted, absl::StatusCode::kFailedPrecondition))
+        << "rank " << r << ": " << st[r];
+    // Nothing was written.
+    EXPECT_EQ(t[r].bytes(2, t[r].tensor_bytes), untouched) << "rank " << r;
+  }
+  if (!c.session_end_seen && c.next_in_stream == false) {
+    // The dead rank's own next op is the one that found the abandoned op.
+    EXPECT_THAT(st[dead].message(), HasSubstr("was abandoned")) << st[dead];
+  }
+  for (int r = 0; r < 2; ++r) {
+    const EngineStatus s = g.eng[r]->Status();
+    EXPECT_EQ(s.state, WorkspaceState::kPoisoned) << "rank " << r << ": " << s.reason;
+  }
+  absl::StatusOr<InStreamCounters> counters = g.eng[peer]->instream_host()->InStreamStatus();
+  ASSERT_TRUE(counters.ok());
+  EXPECT_EQ(counters->error, static_cast<uint32_t>(host::HostWsError::kAbandoned));
+  EXPECT_EQ(counters->error_name, "abandoned");
+
+  // The group re-forms; a paired op is correct again.
+  g.Initialize();
+  std::vector<RankTensors> tt;
+  for (int r = 0; r < 2; ++r) tt.emplace_back(DType::kBF16, r, 2, kTokens, kHidden);
+  std::vector<absl::Status> again(2);
+  OnRanks(2, [&](int r) {
+    ExecContext x;
+    x.synchronous = true;
+    x.deadline = absl::Now() + absl::Seconds(10);
+    again[r] = g.eng[r]->Execute(EngineArgs(tt[r], kTokens, kHidden), x).status();
+  });
+  ASSERT_TRUE(again[0].ok()) << again[0];
+  ASSERT_TRUE(again[1].ok()) << again[1];
+  ExpectReference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, kTokens, kHidden, tt, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Variants, ClientKilledMidOp,
+    ::testing::Values(KillCase{0, false, true, false}, KillCase{0, false, false, false},
+                      KillCase{1, false, true, false}, KillCase{1, false, false, false},
+                      KillCase{0, true, true, false}, KillCase{0, true, false, false},
+                      KillCase{1, true, true, false}, KillCase{1, true, false, false},
+                      KillCase{0, false, true, true}, KillCase{1, true, true, true}),
+    KillCaseName);
+
+// A rank's next op after a claimed op that never finished, in one process: the number is not
+// claimed again, and the rank's op fails naming the abandoned op.
+TEST(InStreamHost, AnOpClaimedAndNeverFinishedIsAbandonedNotReused) {
+  auto ws = TestHostWorkspace::Create(2, 8, 64, DType::kBF16, 1);
+  ASSERT_TRUE(ws.ok());
+  host::HostCollective rank0((*ws)->mapping.data(), 0, 2, (*ws)->slot_bytes);
+  // What a launcher that died right after its claim leaves behind.
+  rank0.sync(0)->launcher.store(5);
+  rank0.sync(0)->launch_seq.store(1);
+  EXPECT_FALSE(rank0.RetireAbandoned(6));  // not that launcher's op
+  RankTensors t(DType::kBF16, 0, 0, 2, 64);
+  OpArgs a = EngineArgs(t, 2, 64);
+  host::HostOpResult r = rank0.Run(a, 1, host::HostWaitLimits{});
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(r.status.message(), HasSubstr("op 1 of rank 0 was abandoned"));
+  EXPECT_TRUE(r.poisoned);
+  EXPECT_EQ(r.error, static_cast<uint32_t>(host::HostWsError::kAbandoned));
+  EXPECT_EQ(rank0.sync(0)->launch_seq.load(), 1u);  // nothing claimed
+  EXPECT_EQ(rank0.header()->abort_seq.load(), 1u);
+  // The peer's op 1 is dropped, not paired with the abandoned one.
+  host::HostCollective rank1((*ws)->mapping.data(), 1, 2, (*ws)->slot_bytes);
+  RankTensors t1(DType::kBF16, 1, 0, 2, 64);
+  host::HostOpResult r1 = rank1.Run(EngineArgs(t1, 2, 64), 1, host::HostWaitLimits{});
+  EXPECT_EQ(r1.status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(r1.status.message(), HasSubstr("rank 0 gave up on this op"));
+  EXPECT_EQ(t1.bytes(2, t1.tensor_bytes), std::vector<uint8_t>(t1.tensor_bytes, 0xee));
 }
 
 }  // namespace

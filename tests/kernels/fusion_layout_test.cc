@@ -215,6 +215,7 @@ TEST(FusionErrors, EveryCodeHasAName) {
   EXPECT_THAT(FusionErrorName(3), HasSubstr("peer"));
   EXPECT_THAT(FusionErrorName(4), HasSubstr("poisoned"));
   EXPECT_THAT(FusionErrorName(5), HasSubstr("ranks disagree on the op"));
+  EXPECT_THAT(FusionErrorName(6), HasSubstr("abandoned"));
   EXPECT_THAT(FusionErrorName(99), HasSubstr("unknown"));
 }
 

@@ -241,7 +241,11 @@ class FusionService::SessionReactor final
       id = session_id_;
     }
     if (opened) {
-      service_->instream_->RemoveSession(id);
+      // An attachment that ends with its session (no Detach) may leave an op it launched half
+      // done: the engine retires it before any peer's op can pair with it.
+      for (uint64_t attach_id : service_->instream_->RemoveSession(id)) {
+        service_->RetireEndedAttachment(attach_id);
+      }
       service_->registry_.CloseSession(id);
       // After CloseSession: an Attach that offers later sees the session gone and revokes.
       if (FdTicketBroker* tickets = service_->options_.fd_tickets) {

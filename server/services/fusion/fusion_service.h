@@ -170,6 +170,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   // FAILED_PRECONDITION while clients launch in-stream on the workspace: the sidecar's own ops
   // (eager, doorbell) would interleave with theirs in the kernels' sequence.
   absl::Status RefuseWhileAttached() const;
+  // An attachment ended with its session: the engine retires an op it left half done.
+  void RetireEndedAttachment(uint64_t attach_id) const;
   // The watcher's sample of the engine (InStreamAttachments::Probe).
   InStreamProbe ProbeInStream() const;
 

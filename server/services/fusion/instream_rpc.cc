@@ -48,6 +48,14 @@ absl::Status FusionService::RefuseWhileAttached() const {
       "eager or doorbell plane"));
 }
 
+void FusionService::RetireEndedAttachment(uint64_t attach_id) const {
+  Engine* engine = engine_ ? engine_() : nullptr;
+  InStreamHost* host = engine != nullptr ? engine->instream_host() : nullptr;
+  if (host != nullptr && host->InStreamClientEnded(attach_id)) {
+    spdlog::warn("event=instream_client_ended_mid_op action=poison_workspace");
+  }
+}
+
 InStreamProbe FusionService::ProbeInStream() const {
   InStreamProbe p;
   Engine* engine = engine_ ? engine_() : nullptr;
