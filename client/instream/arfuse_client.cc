@@ -11,13 +11,11 @@
 #include <new>
 #include <string>
 
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "client/instream/blob_reader.h"
 #include "client/instream/host_plane.h"
 #include "client/instream/op_rules.h"
 #include "client/instream/plane.h"
+#include "kernels/common/plain_status.h"
 #include "kernels/cpu/host_workspace.h"
 #include "kernels/instream/attach_abi.h"
 #if ARFUSE_CLIENT_CUDA
@@ -29,6 +27,7 @@
 #endif
 
 namespace lib = ::arfuse::instream::lib;
+namespace plain = ::arfuse::plain;
 
 struct arfuse_ctx {
   lib::ParsedBlob blob;  // image cleared: it was loaded at attach and is not kept
@@ -39,18 +38,18 @@ struct arfuse_ctx {
   std::string disabled_reason;
 };
 
-static_assert(ARFUSE_OK == static_cast<int>(absl::StatusCode::kOk));
-static_assert(ARFUSE_INVALID_ARGUMENT == static_cast<int>(absl::StatusCode::kInvalidArgument));
-static_assert(ARFUSE_DEADLINE_EXCEEDED == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
-static_assert(ARFUSE_NOT_FOUND == static_cast<int>(absl::StatusCode::kNotFound));
-static_assert(ARFUSE_PERMISSION_DENIED == static_cast<int>(absl::StatusCode::kPermissionDenied));
+static_assert(ARFUSE_OK == static_cast<int>(plain::StatusCode::kOk));
+static_assert(ARFUSE_INVALID_ARGUMENT == static_cast<int>(plain::StatusCode::kInvalidArgument));
+static_assert(ARFUSE_DEADLINE_EXCEEDED == static_cast<int>(plain::StatusCode::kDeadlineExceeded));
+static_assert(ARFUSE_NOT_FOUND == static_cast<int>(plain::StatusCode::kNotFound));
+static_assert(ARFUSE_PERMISSION_DENIED == static_cast<int>(plain::StatusCode::kPermissionDenied));
 static_assert(ARFUSE_FAILED_PRECONDITION ==
-              static_cast<int>(absl::StatusCode::kFailedPrecondition));
-static_assert(ARFUSE_ABORTED == static_cast<int>(absl::StatusCode::kAborted));
-static_assert(ARFUSE_OUT_OF_RANGE == static_cast<int>(absl::StatusCode::kOutOfRange));
-static_assert(ARFUSE_UNIMPLEMENTED == static_cast<int>(absl::StatusCode::kUnimplemented));
-static_assert(ARFUSE_INTERNAL == static_cast<int>(absl::StatusCode::kInternal));
-static_assert(ARFUSE_UNAVAILABLE == static_cast<int>(absl::StatusCode::kUnavailable));
+              static_cast<int>(plain::StatusCode::kFailedPrecondition));
+static_assert(ARFUSE_ABORTED == static_cast<int>(plain::StatusCode::kAborted));
+static_assert(ARFUSE_OUT_OF_RANGE == static_cast<int>(plain::StatusCode::kOutOfRange));
+static_assert(ARFUSE_UNIMPLEMENTED == static_cast<int>(plain::StatusCode::kUnimplemented));
+static_assert(ARFUSE_INTERNAL == static_cast<int>(plain::StatusCode::kInternal));
+static_assert(ARFUSE_UNAVAILABLE == static_cast<int>(plain::StatusCode::kUnavailable));
 static_assert(ARFUSE_DTYPE_BF16 == static_cast<int>(arfuse::DType::kBF16));
 static_assert(ARFUSE_DTYPE_FP16 == static_cast<int>(arfuse::DType::kFP16));
 static_assert(ARFUSE_DTYPE_FP32 == static_cast<int>(arfuse::DType::kFP32));
@@ -59,44 +58,44 @@ namespace {
 
 thread_local std::string g_last_error;
 
-int Report(const absl::Status& s) {
+int Report(const plain::Status& s) {
   if (s.ok()) return ARFUSE_OK;
   g_last_error.assign(s.message().data(), s.message().size());
   return static_cast<int>(s.code());
 }
 
-// Runs `body` (returning absl::Status) with nothing thrown across the C ABI.
+// Runs `body` (returning plain::Status) with nothing thrown across the C ABI.
 template <typename Body>
 int Guarded(Body body) {
   try {
     return Report(body());
   } catch (const std::bad_alloc&) {
-    return Report(absl::ResourceExhaustedError("out of host memory"));
+    return Report(plain::ResourceExhaustedError("out of host memory"));
   } catch (...) {
-    return Report(absl::InternalError("unexpected exception in libarfuse_client"));
+    return Report(plain::InternalError("unexpected exception in libarfuse_client"));
   }
 }
 
-absl::Status CheckUsable(const arfuse_ctx* ctx) {
-  if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+plain::Status CheckUsable(const arfuse_ctx* ctx) {
+  if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
   if (ctx->disabled.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(ctx->mu);
-    return absl::UnavailableError(
-        absl::StrCat("the in-stream plane is disabled: ", ctx->disabled_reason));
+    return plain::UnavailableError(
+        plain::StrCat("the in-stream plane is disabled: ", ctx->disabled_reason));
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op) {
-  if (absl::Status s = CheckUsable(ctx); !s.ok()) return s;
-  if (absl::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
+plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op) {
+  if (plain::Status s = CheckUsable(ctx); !s.ok()) return s;
+  if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
   op.pattern = static_cast<arfuse::Pattern>(pattern);
   op.dtype = static_cast<arfuse::DType>(dtype);
-  if (op.num_tokens == 0) return absl::OkStatus();  // nothing to run, on every rank alike
-  absl::StatusOr<lib::Dispatch> d =
+  if (op.num_tokens == 0) return plain::OkStatus();  // nothing to run, on every rank alike
+  plain::StatusOr<lib::Dispatch> d =
       lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.num_tokens, op.hidden, op.dtype);
   if (!d.ok()) return d.status();
-  if (absl::Status s = lib::CheckTensors(op); !s.ok()) return s;
+  if (plain::Status s = lib::CheckTensors(op); !s.ok()) return s;
   const std::pair<const void*, const char*> tensors[] = {{op.input, "input"},
                                                          {op.output, "output"},
                                                          {op.residual_in, "residual_in"},
@@ -105,7 +104,7 @@ absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::O
                                                          {op.gamma, "gamma"}};
   for (const auto& [ptr, name] : tensors) {
     if (ptr == nullptr) continue;  // not a tensor of this pattern (CheckTensors saw the others)
-    if (absl::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) return s;
+    if (plain::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) return s;
   }
   return ctx->plane->Run(op, *d, stream);
 }
@@ -115,49 +114,49 @@ absl::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::O
 // it; where ranks share a GPU the sidecar chooses off, because a dependent grid launched early
 // holds SMs that another rank's grid may need to become resident: forcing it on there is for
 // measurement with grids that fit beside each other.
-absl::Status ApplyPdlOverride(arfuse::instream::AttachHeader* header) {
+plain::Status ApplyPdlOverride(arfuse::instream::AttachHeader* header) {
   const char* v = std::getenv("ARFUSE_INSTREAM_PDL");
-  if (v == nullptr || *v == '\0') return absl::OkStatus();
-  const absl::string_view value(v);
+  if (v == nullptr || *v == '\0') return plain::OkStatus();
+  const std::string_view value(v);
   if (value != "0" && value != "1") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ARFUSE_INSTREAM_PDL must be 0 or 1 (or unset: the sidecar's choice), got \"",
-                     value.substr(0, 32), "\""));
+    return plain::InvalidArgumentError(
+        plain::StrCat("ARFUSE_INSTREAM_PDL must be 0 or 1 (or unset: the sidecar's choice), got \"",
+                      value.substr(0, 32), "\""));
   }
   header->pdl = value == "1" ? 1 : 0;
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
-                    arfuse_ctx** out) {
-  if (out == nullptr) return absl::InvalidArgumentError("out is NULL");
+plain::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t num_fds,
+                     arfuse_ctx** out) {
+  if (out == nullptr) return plain::InvalidArgumentError("out is NULL");
   *out = nullptr;
   if (num_fds > 0 && fds == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("fds is NULL with num_fds ", num_fds));
+    return plain::InvalidArgumentError(plain::StrCat("fds is NULL with num_fds ", num_fds));
   }
-  absl::StatusOr<lib::ParsedBlob> parsed = lib::ParseAttachBlob(blob, blob_bytes, num_fds);
+  plain::StatusOr<lib::ParsedBlob> parsed = lib::ParseAttachBlob(blob, blob_bytes, num_fds);
   if (!parsed.ok()) return parsed.status();
-  if (absl::Status s = ApplyPdlOverride(&parsed->header); !s.ok()) return s;
+  if (plain::Status s = ApplyPdlOverride(&parsed->header); !s.ok()) return s;
   auto ctx = std::make_unique<arfuse_ctx>();
   if (parsed->device() == arfuse::instream::DeviceKind::kHost) {
-    absl::StatusOr<std::unique_ptr<lib::HostPlane>> plane = lib::HostPlane::Attach(*parsed, fds);
+    plain::StatusOr<std::unique_ptr<lib::HostPlane>> plane = lib::HostPlane::Attach(*parsed, fds);
     if (!plane.ok()) return plane.status();
     ctx->plane = std::move(*plane);
   } else {
 #if ARFUSE_CLIENT_CUDA
-    if (absl::Status s = lib::CheckCudaBlob(*parsed); !s.ok()) return s;
-    absl::StatusOr<std::unique_ptr<lib::Plane>> plane = lib::AttachCuda(*parsed, fds);
+    if (plain::Status s = lib::CheckCudaBlob(*parsed); !s.ok()) return s;
+    plain::StatusOr<std::unique_ptr<lib::Plane>> plane = lib::AttachCuda(*parsed, fds);
     if (!plane.ok()) return plane.status();
     ctx->plane = std::move(*plane);
 #else
-    return absl::UnimplementedError(
+    return plain::UnimplementedError(
         "this libarfuse_client was built without CUDA: only host-mode sidecars can be attached");
 #endif
   }
   ctx->blob = std::move(*parsed);
   ctx->blob.image = nullptr;
   *out = ctx.release();
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
 }  // namespace
@@ -182,16 +181,16 @@ int arfuse_attach(const void* blob, size_t blob_bytes, const int* fds, size_t nu
 int arfuse_detach(arfuse_ctx* ctx) {
   return Guarded([&] {
     delete ctx;
-    return absl::OkStatus();
+    return plain::OkStatus();
   });
 }
 
 int arfuse_ctx_get_info(const arfuse_ctx* ctx, arfuse_ctx_info* info) {
-  return Guarded([&]() -> absl::Status {
-    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
-    if (info == nullptr) return absl::InvalidArgumentError("info is NULL");
+  return Guarded([&]() -> plain::Status {
+    if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
+    if (info == nullptr) return plain::InvalidArgumentError("info is NULL");
     if (info->struct_bytes < sizeof(info->struct_bytes)) {
-      return absl::InvalidArgumentError("info->struct_bytes must be sizeof(arfuse_ctx_info)");
+      return plain::InvalidArgumentError("info->struct_bytes must be sizeof(arfuse_ctx_info)");
     }
     const arfuse::instream::AttachHeader& h = ctx->blob.header;
     arfuse_ctx_info full;
@@ -213,15 +212,15 @@ int arfuse_ctx_get_info(const arfuse_ctx* ctx, arfuse_ctx_info* info) {
     full.pdl = h.pdl;
     // An older caller's shorter struct gets the fields it knows.
     std::memcpy(info, &full, full.struct_bytes);
-    return absl::OkStatus();
+    return plain::OkStatus();
   });
 }
 
 int arfuse_supports(const arfuse_ctx* ctx, int pattern, uint32_t tokens, uint32_t hidden,
                     int dtype) {
-  return Guarded([&]() -> absl::Status {
-    if (absl::Status s = CheckUsable(ctx); !s.ok()) return s;
-    if (absl::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
+  return Guarded([&]() -> plain::Status {
+    if (plain::Status s = CheckUsable(ctx); !s.ok()) return s;
+    if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
     return lib::DispatchOp(ctx->blob, *ctx->plane, static_cast<arfuse::Pattern>(pattern), tokens,
                            hidden, static_cast<arfuse::DType>(dtype))
         .status();
@@ -261,34 +260,34 @@ int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, voi
 }
 
 int arfuse_check(arfuse_ctx* ctx, uint32_t* code) {
-  return Guarded([&]() -> absl::Status {
-    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+  return Guarded([&]() -> plain::Status {
+    if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
     const uint32_t c = ctx->plane->ErrorCode();
     if (code != nullptr) *code = c;
-    if (c == 0) return absl::OkStatus();
+    if (c == 0) return plain::OkStatus();
     if (c == arfuse::instream::kErrorStaleGeneration || c == arfuse::instream::kErrorLaunchAbi) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      return plain::FailedPreconditionError(plain::StrCat(
           "a launch was refused (", arfuse_error_name(c),
           c == arfuse::instream::kErrorStaleGeneration
               ? "): the workspace was re-initialized; attach again (and capture graphs again)"
               : "): the kernels read another launch ABI; attach again"));
     }
-    return absl::AbortedError(
-        absl::StrCat("a fused op failed (", arfuse_error_name(c),
-                     "): the workspace is poisoned; attach again once the sidecars "
-                     "re-initialized it"));
+    return plain::AbortedError(
+        plain::StrCat("a fused op failed (", arfuse_error_name(c),
+                      "): the workspace is poisoned; attach again once the sidecars "
+                      "re-initialized it"));
   });
 }
 
 int arfuse_disable(arfuse_ctx* ctx, const char* reason) {
-  return Guarded([&]() -> absl::Status {
-    if (ctx == nullptr) return absl::InvalidArgumentError("ctx is NULL");
+  return Guarded([&]() -> plain::Status {
+    if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
     {
       std::lock_guard<std::mutex> lock(ctx->mu);
       ctx->disabled_reason = reason != nullptr && reason[0] != '\0' ? reason : "disabled";
     }
     ctx->disabled.store(true, std::memory_order_release);
-    return absl::OkStatus();
+    return plain::OkStatus();
   });
 }
 

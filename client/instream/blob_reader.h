@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "kernels/common/op_types.h"
+#include "kernels/common/plain_status.h"
 #include "kernels/instream/attach_abi.h"
 
 namespace arfuse::instream::lib {
@@ -41,7 +41,7 @@ struct ParsedBlob {
 // Checks and copies the blob: INVALID_ARGUMENT for a malformed blob, FAILED_PRECONDITION for a
 // version this library does not read, each naming the field. `num_fds` is how many descriptors
 // the caller picked up (fd_index must be below it).
-absl::StatusOr<ParsedBlob> ParseAttachBlob(const void* blob, size_t blob_bytes, size_t num_fds);
+plain::StatusOr<ParsedBlob> ParseAttachBlob(const void* blob, size_t blob_bytes, size_t num_fds);
 
 bool IsKnownDType(uint32_t dtype);
 

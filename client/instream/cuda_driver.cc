@@ -5,8 +5,6 @@
 #include <mutex>
 #include <string>
 
-#include "absl/strings/str_cat.h"
-
 namespace arfuse::instream::lib {
 namespace {
 
@@ -26,18 +24,18 @@ bool Resolve(GetProcAddressFn get, const char* name, int version, Fn* out) {
   return true;
 }
 
-absl::StatusOr<CudaDriver> Load() {
+plain::StatusOr<CudaDriver> Load() {
   // RTLD_LOCAL: the driver's symbols stay out of the global namespace; the framework's runtime
   // opens the same library and gets the same instance.
   void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = ::dlerror();
-    return absl::UnavailableError(absl::StrCat("cannot load the CUDA driver (libcuda.so.1): ",
-                                               why != nullptr ? why : "not found"));
+    return plain::UnavailableError(plain::StrCat("cannot load the CUDA driver (libcuda.so.1): ",
+                                                 why != nullptr ? why : "not found"));
   }
   auto get = reinterpret_cast<GetProcAddressFn>(::dlsym(lib, "cuGetProcAddress_v2"));
   if (get == nullptr) {
-    return absl::UnavailableError(
+    return plain::UnavailableError(
         "the CUDA driver has no cuGetProcAddress_v2: a driver for CUDA 12 or later is needed");
   }
   CudaDriver d;
@@ -79,23 +77,23 @@ absl::StatusOr<CudaDriver> Load() {
 #undef ARFUSE_RESOLVE
   for (const Want& w : wants) {
     if (!w.ok) {
-      return absl::UnavailableError(
-          absl::StrCat("the CUDA driver lacks ", w.name, " (ABI ", w.version, ")"));
+      return plain::UnavailableError(
+          plain::StrCat("the CUDA driver lacks ", w.name, " (ABI ", w.version, ")"));
     }
   }
   Resolve(get, "cuFuncLoad", 12040, &d.FuncLoad);  // optional
   if (CUresult r = d.Init(0); r != CUDA_SUCCESS) {
-    return absl::UnavailableError(absl::StrCat("cuInit failed: ", d.ErrorName(r)));
+    return plain::UnavailableError(plain::StrCat("cuInit failed: ", d.ErrorName(r)));
   }
   return d;
 }
 
 }  // namespace
 
-absl::StatusOr<const CudaDriver*> CudaDriver::Get() {
+plain::StatusOr<const CudaDriver*> CudaDriver::Get() {
   static std::once_flag once;
-  static absl::StatusOr<CudaDriver>* loaded = nullptr;
-  std::call_once(once, [] { loaded = new absl::StatusOr<CudaDriver>(Load()); });
+  static plain::StatusOr<CudaDriver>* loaded = nullptr;
+  std::call_once(once, [] { loaded = new plain::StatusOr<CudaDriver>(Load()); });
   if (!loaded->ok()) return loaded->status();
   return &**loaded;
 }
@@ -105,7 +103,7 @@ std::string CudaDriver::ErrorName(CUresult r) const {
   if (GetErrorName == nullptr || GetErrorName(r, &name) != CUDA_SUCCESS || name == nullptr) {
     name = "CUDA_ERROR";
   }
-  return absl::StrCat(name, " (", static_cast<int>(r), ")");
+  return plain::StrCat(name, " (", static_cast<int>(r), ")");
 }
 
 }  // namespace arfuse::instream::lib

@@ -7,7 +7,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include "absl/status/statusor.h"
+#include "kernels/common/plain_status.h"
 
 namespace arfuse::instream::lib {
 
@@ -43,7 +43,7 @@ struct CudaDriver {
   // The process's driver, loaded on first use (and never unloaded: function pointers of it may
   // be in use on other threads). UNAVAILABLE when libcuda.so.1 or one of the functions is
   // missing (no driver, or one older than CUDA 12), or cuInit fails.
-  static absl::StatusOr<const CudaDriver*> Get();
+  static plain::StatusOr<const CudaDriver*> Get();
 
   // "CUDA_ERROR_INVALID_VALUE (1)" for messages.
   std::string ErrorName(CUresult r) const;

@@ -7,7 +7,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "client/instream/cuda_driver.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/cpu/host_workspace.h"
@@ -41,16 +40,16 @@ WorkspaceLayout LayoutOf(const AttachHeader& h) {
   return l;
 }
 
-absl::Status DriverError(const CudaDriver& d, CUresult r, absl::string_view what) {
-  const std::string msg = absl::StrCat(what, ": ", d.ErrorName(r));
+plain::Status DriverError(const CudaDriver& d, CUresult r, std::string_view what) {
+  const std::string msg = plain::StrCat(what, ": ", d.ErrorName(r));
   switch (r) {
     case CUDA_ERROR_INVALID_VALUE:
     case CUDA_ERROR_INVALID_HANDLE:
     case CUDA_ERROR_INVALID_CONTEXT:
-      return absl::InvalidArgumentError(msg);
+      return plain::InvalidArgumentError(msg);
     case CUDA_ERROR_OUT_OF_MEMORY:
     case CUDA_ERROR_TOO_MANY_PEERS:
-      return absl::ResourceExhaustedError(msg);
+      return plain::ResourceExhaustedError(msg);
     case CUDA_ERROR_NO_BINARY_FOR_GPU:
     case CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
     case CUDA_ERROR_NOT_SUPPORTED:
@@ -59,17 +58,16 @@ absl::Status DriverError(const CudaDriver& d, CUresult r, absl::string_view what
     case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
     case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
     case CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
-      return absl::FailedPreconditionError(msg);
+      return plain::FailedPreconditionError(msg);
     default:
-      return absl::InternalError(msg);
+      return plain::InternalError(msg);
   }
 }
 
 std::string UuidText(const uint8_t* u) {
   std::string s;
   for (int i = 0; i < 16; ++i) {
-    absl::StrAppend(&s, (i == 4 || i == 6 || i == 8 || i == 10) ? "-" : "",
-                    absl::Hex(u[i], absl::kZeroPad2));
+    plain::StrAppend(&s, (i == 4 || i == 6 || i == 8 || i == 10) ? "-" : "", plain::Hex2(u[i]));
   }
   return s;
 }
@@ -110,8 +108,8 @@ class PeerMapping {
 
 class IpcMapping final : public PeerMapping {
  public:
-  static absl::StatusOr<std::unique_ptr<PeerMapping>> Open(const CudaDriver& d, const RankMemory& m,
-                                                           uint32_t rank) {
+  static plain::StatusOr<std::unique_ptr<PeerMapping>> Open(const CudaDriver& d,
+                                                            const RankMemory& m, uint32_t rank) {
     CUipcMemHandle handle;
     static_assert(sizeof(handle) == sizeof(m.handle));
     std::memcpy(&handle, m.handle, sizeof(handle));
@@ -120,7 +118,7 @@ class IpcMapping final : public PeerMapping {
         r != CUDA_SUCCESS) {
       out->ptr_ = 0;
       return DriverError(d, r,
-                         absl::StrCat("rank ", rank, "'s workspace (CUDA IPC) cannot be opened"));
+                         plain::StrCat("rank ", rank, "'s workspace (CUDA IPC) cannot be opened"));
     }
     return std::unique_ptr<PeerMapping>(std::move(out));
   }
@@ -135,13 +133,13 @@ class IpcMapping final : public PeerMapping {
 
 class VmmMapping final : public PeerMapping {
  public:
-  static absl::StatusOr<std::unique_ptr<PeerMapping>> Import(const CudaDriver& d,
-                                                             const RankMemory& m, uint32_t rank,
-                                                             const int* fds, CUdevice device) {
+  static plain::StatusOr<std::unique_ptr<PeerMapping>> Import(const CudaDriver& d,
+                                                              const RankMemory& m, uint32_t rank,
+                                                              const int* fds, CUdevice device) {
     auto out = std::unique_ptr<VmmMapping>(new VmmMapping(d, m.bytes));
     const bool fabric = static_cast<MemoryKind>(m.kind) == MemoryKind::kVmmFabric;
     const std::string what =
-        absl::StrCat("rank ", rank, "'s workspace (VMM ", fabric ? "FABRIC" : "POSIX FD", ")");
+        plain::StrCat("rank ", rank, "'s workspace (VMM ", fabric ? "FABRIC" : "POSIX FD", ")");
     CUresult r;
     if (fabric) {
       CUmemFabricHandle handle;
@@ -156,15 +154,15 @@ class VmmMapping final : public PeerMapping {
     }
     if (r != CUDA_SUCCESS) {
       out->handle_ = 0;
-      return DriverError(d, r, absl::StrCat(what, " cannot be imported"));
+      return DriverError(d, r, plain::StrCat(what, " cannot be imported"));
     }
     out->imported_ = true;
     if (r = d.MemAddressReserve(&out->ptr_, m.bytes, 0, 0, 0); r != CUDA_SUCCESS) {
       out->ptr_ = 0;
-      return DriverError(d, r, absl::StrCat(what, ": no address range of ", m.bytes, " bytes"));
+      return DriverError(d, r, plain::StrCat(what, ": no address range of ", m.bytes, " bytes"));
     }
     if (r = d.MemMap(out->ptr_, m.bytes, 0, out->handle_, 0); r != CUDA_SUCCESS) {
-      return DriverError(d, r, absl::StrCat(what, " cannot be mapped (", m.bytes, " bytes)"));
+      return DriverError(d, r, plain::StrCat(what, " cannot be mapped (", m.bytes, " bytes)"));
     }
     out->mapped_ = true;
     CUmemAccessDesc access = {};
@@ -172,7 +170,7 @@ class VmmMapping final : public PeerMapping {
     access.location.id = device;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     if (r = d.MemSetAccess(out->ptr_, m.bytes, &access, 1); r != CUDA_SUCCESS) {
-      return DriverError(d, r, absl::StrCat(what, ": this GPU may not access it"));
+      return DriverError(d, r, plain::StrCat(what, ": this GPU may not access it"));
     }
     return std::unique_ptr<PeerMapping>(std::move(out));
   }
@@ -210,11 +208,11 @@ class CudaPlane final : public Plane {
     if (error_host_ != nullptr) d_.MemFreeHost(const_cast<uint32_t*>(error_host_));
   }
 
-  absl::Status Attach(const ParsedBlob& blob, const int* fds) {
+  plain::Status Attach(const ParsedBlob& blob, const int* fds) {
     CUresult r = d_.CtxGetCurrent(&ctx_);
     if (r != CUDA_SUCCESS || ctx_ == nullptr) {
       ctx_ = nullptr;
-      return absl::FailedPreconditionError(
+      return plain::FailedPreconditionError(
           "no current CUDA context on this thread: make the rank's GPU current first "
           "(torch.cuda.set_device, or cudaSetDevice + cudaFree(0))");
     }
@@ -227,7 +225,7 @@ class CudaPlane final : public Plane {
     }
     static_assert(sizeof(uuid.bytes) == sizeof(header_.gpu_uuid));
     if (std::memcmp(uuid.bytes, header_.gpu_uuid, sizeof(uuid.bytes)) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      return plain::FailedPreconditionError(plain::StrCat(
           "the current CUDA context is on another GPU (GPU-",
           UuidText(reinterpret_cast<const uint8_t*>(uuid.bytes)), ") than the sidecar's (GPU-",
           UuidText(header_.gpu_uuid), "): make the rank's GPU current before attaching"));
@@ -252,7 +250,7 @@ class CudaPlane final : public Plane {
 
     for (uint32_t q = 0; q < header_.world_size; ++q) {
       const RankMemory& m = blob.ranks[q];
-      absl::StatusOr<std::unique_ptr<PeerMapping>> mapped =
+      plain::StatusOr<std::unique_ptr<PeerMapping>> mapped =
           static_cast<MemoryKind>(m.kind) == MemoryKind::kCudaIpc
               ? IpcMapping::Open(d_, m, q)
               : VmmMapping::Import(d_, m, q, fds, device_);
@@ -271,8 +269,8 @@ class CudaPlane final : public Plane {
     if (r = d_.ModuleLoadData(&module_, image); r != CUDA_SUCCESS) {
       module_ = nullptr;
       return DriverError(d_, r,
-                         absl::StrCat("the sidecar's kernel image (", blob.image_bytes,
-                                      " bytes) cannot be loaded on this GPU (sm_", sm_, ")"));
+                         plain::StrCat("the sidecar's kernel image (", blob.image_bytes,
+                                       " bytes) cannot be loaded on this GPU (sm_", sm_, ")"));
     }
     // Every function loaded now: with lazy loading, a kernel first launched while another one
     // spins on it could wait for the spinning one to finish (and never run).
@@ -282,33 +280,33 @@ class CudaPlane final : public Plane {
       if (r = d_.ModuleGetFunction(&functions_[i], module_, e.function); r != CUDA_SUCCESS) {
         return DriverError(
             d_, r,
-            absl::StrCat("entry ", i, "'s function ", e.function, " is not in the kernel image"));
+            plain::StrCat("entry ", i, "'s function ", e.function, " is not in the kernel image"));
       }
       if (d_.FuncLoad != nullptr) {
         if (r = d_.FuncLoad(functions_[i]); r != CUDA_SUCCESS) {
-          return DriverError(d_, r, absl::StrCat("entry ", i, "'s function cannot be loaded"));
+          return DriverError(d_, r, plain::StrCat("entry ", i, "'s function cannot be loaded"));
         }
       }
       int max_threads = 0;
       if (r = d_.FuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
                                   functions_[i]);
           r != CUDA_SUCCESS) {
-        return DriverError(d_, r, absl::StrCat("entry ", i, "'s function cannot be loaded"));
+        return DriverError(d_, r, plain::StrCat("entry ", i, "'s function cannot be loaded"));
       }
       if (static_cast<uint32_t>(max_threads) < e.block_threads) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("entry ", i, "'s function runs at most ", max_threads,
-                         " threads per block, the entry asks for ", e.block_threads));
+        return plain::FailedPreconditionError(
+            plain::StrCat("entry ", i, "'s function runs at most ", max_threads,
+                          " threads per block, the entry asks for ", e.block_threads));
       }
     }
-    return absl::OkStatus();
+    return plain::OkStatus();
   }
 
-  absl::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override {
+  plain::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override {
     return CheckCudaCapacity(header_, tokens, hidden, dtype);
   }
 
-  absl::Status CheckPointer(const void* ptr, const char* name) override {
+  plain::Status CheckPointer(const void* ptr, const char* name) override {
     CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
                                    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                                    CU_POINTER_ATTRIBUTE_IS_MANAGED};
@@ -318,29 +316,29 @@ class CudaPlane final : public Plane {
     void* data[] = {&memory_type, &ordinal, &managed};
     if (CUresult r = d_.PointerGetAttributes(3, attrs, data, reinterpret_cast<CUdeviceptr>(ptr));
         r != CUDA_SUCCESS) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " cannot be checked: cuPointerGetAttributes: ", d_.ErrorName(r)));
+      return plain::InvalidArgumentError(
+          plain::StrCat(name, " cannot be checked: cuPointerGetAttributes: ", d_.ErrorName(r)));
     }
     if (managed != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " is managed memory: the kernels need device memory of this GPU"));
+      return plain::InvalidArgumentError(
+          plain::StrCat(name, " is managed memory: the kernels need device memory of this GPU"));
     }
     if (memory_type != CU_MEMORYTYPE_DEVICE) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      return plain::InvalidArgumentError(plain::StrCat(
           name,
           memory_type == CU_MEMORYTYPE_HOST ? " is pinned host memory"
                                             : " is not CUDA memory (host or unregistered)",
           ": the kernels need device memory of this GPU"));
     }
     if (ordinal != device_) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " is memory of GPU ", ordinal,
-                                                     ", not of this attachment's GPU ",
-                                                     static_cast<int>(device_)));
+      return plain::InvalidArgumentError(plain::StrCat(name, " is memory of GPU ", ordinal,
+                                                       ", not of this attachment's GPU ",
+                                                       static_cast<int>(device_)));
     }
-    return absl::OkStatus();
+    return plain::OkStatus();
   }
 
-  absl::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override {
+  plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override {
     InStreamLaunchArgs args;
     std::memset(&args, 0, sizeof(args));
     FusionParams& p = args.fusion;
@@ -394,7 +392,7 @@ class CudaPlane final : public Plane {
     if (CUresult r = d_.LaunchKernelEx(&config, fn, params, nullptr); r != CUDA_SUCCESS) {
       return DriverError(d_, r, "cuLaunchKernelEx of the fused kernel failed");
     }
-    return absl::OkStatus();
+    return plain::OkStatus();
   }
 
   uint32_t ErrorCode() const override { return error_host_ != nullptr ? *error_host_ : 0; }
@@ -428,59 +426,59 @@ class CudaPlane final : public Plane {
 
 }  // namespace
 
-absl::Status CheckCudaCapacity(const AttachHeader& h, uint32_t tokens, uint32_t hidden,
-                               DType dtype) {
+plain::Status CheckCudaCapacity(const AttachHeader& h, uint32_t tokens, uint32_t hidden,
+                                DType dtype) {
   const WorkspaceLayout l = LayoutOf(h);
   const uint64_t row = uint64_t{hidden} * DTypeSize(dtype);
   const uint64_t world = h.world_size;
   const uint64_t slice = (tokens + world - 1) / world;
   if (uint64_t{tokens} * row > l.lamport_slot_bytes) {
-    return absl::OutOfRangeError(
-        absl::StrCat("fusion unavailable for this op: ", tokens, " tokens x ", hidden, " hidden (",
-                     uint64_t{tokens} * row, " bytes) exceed the workspace's one-shot slot of ",
-                     l.lamport_slot_bytes, " bytes"));
+    return plain::OutOfRangeError(
+        plain::StrCat("fusion unavailable for this op: ", tokens, " tokens x ", hidden, " hidden (",
+                      uint64_t{tokens} * row, " bytes) exceed the workspace's one-shot slot of ",
+                      l.lamport_slot_bytes, " bytes"));
   }
   if (slice * row > l.scatter_slot_bytes) {
-    return absl::OutOfRangeError(absl::StrCat(
+    return plain::OutOfRangeError(plain::StrCat(
         "fusion unavailable for this op: the two-shot slice of ", slice, " tokens x ", hidden,
         " hidden exceeds the workspace's scatter slot of ", l.scatter_slot_bytes, " bytes"));
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status CheckCudaBlob(const ParsedBlob& blob) {
+plain::Status CheckCudaBlob(const ParsedBlob& blob) {
   const AttachHeader& h = blob.header;
   const WorkspaceLayout l = LayoutOf(h);
-  auto bad = [](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("attach blob: ", what));
+  auto bad = [](std::string_view what) {
+    return plain::InvalidArgumentError(plain::StrCat("attach blob: ", what));
   };
   if (l.total_bytes == 0) return bad("layout.total_bytes is 0 (no workspace layout)");
   if (l.world_size != static_cast<int32_t>(h.world_size)) {
-    return bad(absl::StrCat("layout.world_size ", l.world_size, " differs from world_size ",
-                            h.world_size));
+    return bad(plain::StrCat("layout.world_size ", l.world_size, " differs from world_size ",
+                             h.world_size));
   }
   if (static_cast<uint32_t>(l.dtype) != h.dtype) {
     return bad(
-        absl::StrCat("layout.dtype ", static_cast<int>(l.dtype), " differs from dtype ", h.dtype));
+        plain::StrCat("layout.dtype ", static_cast<int>(l.dtype), " differs from dtype ", h.dtype));
   }
   if (l.max_tokens != h.max_tokens || l.hidden != h.hidden) {
-    return bad(absl::StrCat("layout's ", l.max_tokens, " tokens x ", l.hidden,
-                            " hidden differ from the header's ", h.max_tokens, " x ", h.hidden));
+    return bad(plain::StrCat("layout's ", l.max_tokens, " tokens x ", l.hidden,
+                             " hidden differ from the header's ", h.max_tokens, " x ", h.hidden));
   }
   for (uint32_t q = 0; q < h.world_size; ++q) {
     if (blob.ranks[q].bytes < l.total_bytes) {
-      return bad(absl::StrCat("rank ", q, "'s memory bytes ", blob.ranks[q].bytes,
-                              " is below layout.total_bytes ", l.total_bytes));
+      return bad(plain::StrCat("rank ", q, "'s memory bytes ", blob.ranks[q].bytes,
+                               " is below layout.total_bytes ", l.total_bytes));
     }
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Plane>> AttachCuda(const ParsedBlob& blob, const int* fds) {
-  absl::StatusOr<const CudaDriver*> d = CudaDriver::Get();
+plain::StatusOr<std::unique_ptr<Plane>> AttachCuda(const ParsedBlob& blob, const int* fds) {
+  plain::StatusOr<const CudaDriver*> d = CudaDriver::Get();
   if (!d.ok()) return d.status();
   auto plane = std::make_unique<CudaPlane>(**d, blob);
-  if (absl::Status s = plane->Attach(blob, fds); !s.ok()) return s;
+  if (plain::Status s = plane->Attach(blob, fds); !s.ok()) return s;
   return std::unique_ptr<Plane>(std::move(plane));
 }
 

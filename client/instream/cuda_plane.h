@@ -5,25 +5,25 @@
 
 #include <memory>
 
-#include "absl/status/statusor.h"
 #include "client/instream/blob_reader.h"
 #include "client/instream/plane.h"
+#include "kernels/common/plain_status.h"
 
 namespace arfuse::instream::lib {
 
 // The blob's CUDA-only rules (the workspace layout against the header and the ranks), checked
 // before the driver is loaded: INVALID_ARGUMENT naming the field.
-absl::Status CheckCudaBlob(const ParsedBlob& blob);
+plain::Status CheckCudaBlob(const ParsedBlob& blob);
 
 // The GPU workspace's own limits (what CheckFusionParams checks): OUT_OF_RANGE ("fusion
 // unavailable for this op: ...") when tokens x hidden exceeds a one-shot slot or the two-shot
 // slice (ceil(tokens / world) rows) exceeds a scatter slot.
-absl::Status CheckCudaCapacity(const AttachHeader& header, uint32_t tokens, uint32_t hidden,
-                               DType dtype);
+plain::Status CheckCudaCapacity(const AttachHeader& header, uint32_t tokens, uint32_t hidden,
+                                DType dtype);
 
 // Maps, loads and allocates in the calling thread's current context. FAILED_PRECONDITION without
 // a current context or on another GPU than the sidecar's; UNAVAILABLE without a driver; the
 // driver's error (naming the rank or entry) when a mapping or a function fails.
-absl::StatusOr<std::unique_ptr<Plane>> AttachCuda(const ParsedBlob& blob, const int* fds);
+plain::StatusOr<std::unique_ptr<Plane>> AttachCuda(const ParsedBlob& blob, const int* fds);
 
 }  // namespace arfuse::instream::lib

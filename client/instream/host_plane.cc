@@ -1,25 +1,24 @@
 #include "client/instream/host_plane.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
-
-#include "absl/strings/str_cat.h"
 
 namespace arfuse::instream::lib {
 
-absl::StatusOr<std::unique_ptr<HostPlane>> HostPlane::Attach(const ParsedBlob& blob,
-                                                             const int* fds) {
+plain::StatusOr<std::unique_ptr<HostPlane>> HostPlane::Attach(const ParsedBlob& blob,
+                                                              const int* fds) {
   const AttachHeader& h = blob.header;
   const RankMemory& mine = blob.ranks[h.rank];
   const int fd = fds[mine.fd_index];
   if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fds[", mine.fd_index, "] (the host workspace) is negative"));
+    return plain::InvalidArgumentError(
+        plain::StrCat("fds[", mine.fd_index, "] (the host workspace) is negative"));
   }
   auto mapping = host::HostWsMapping::Map(fd, mine.bytes);
   if (!mapping.ok()) return mapping.status();
-  if (absl::Status s = host::CheckHostWorkspace(mapping->data(), static_cast<int>(h.world_size),
-                                                h.host_slot_bytes, h.generation);
+  if (plain::Status s = host::CheckHostWorkspace(mapping->data(), static_cast<int>(h.world_size),
+                                                 h.host_slot_bytes, h.generation);
       !s.ok()) {
     return s;
   }
@@ -32,16 +31,19 @@ HostPlane::HostPlane(const ParsedBlob& blob, host::HostWsMapping mapping)
       collective_(mapping_.data(), static_cast<int>(header_.rank),
                   static_cast<int>(header_.world_size), header_.host_slot_bytes) {}
 
-absl::Status HostPlane::CheckCapacity(uint32_t, uint32_t, DType) const {
+plain::Status HostPlane::CheckCapacity(uint32_t, uint32_t, DType) const {
   // The slot holds max_tokens x hidden of the workspace's dtype (the blob reader checked
   // host_slot_bytes against it), and DispatchOp refused anything larger: every op fits.
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
+plain::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
   host::HostWaitLimits limits;
-  limits.deadline = absl::Now() + absl::Nanoseconds(static_cast<int64_t>(
-                                      std::min<uint64_t>(header_.spin_timeout_ns, INT64_MAX)));
+  // The spin timeout, capped where steady_clock's nanoseconds would overflow (about 292 years).
+  const auto now = std::chrono::steady_clock::now();
+  const uint64_t room = static_cast<uint64_t>((std::chrono::steady_clock::time_point::max() - now) /
+                                              std::chrono::nanoseconds(1));
+  limits.deadline = now + std::chrono::nanoseconds(std::min(header_.spin_timeout_ns, room));
   // The attach id names this client as the op's launcher: the sidecar retires the op if this
   // attachment ends before the op completes.
   host::HostOpResult r = collective_.Run(op, header_.generation, limits, /*client=*/true,

@@ -7,9 +7,9 @@
 #include <atomic>
 #include <memory>
 
-#include "absl/status/statusor.h"
 #include "client/instream/blob_reader.h"
 #include "client/instream/plane.h"
+#include "kernels/common/plain_status.h"
 #include "kernels/cpu/host_collective.h"
 
 namespace arfuse::instream::lib {
@@ -19,11 +19,11 @@ class HostPlane final : public Plane {
   // Maps fds[rank's fd_index] and checks the workspace's header against the blob: FAILED_
   // PRECONDITION for another layout, or "stale generation" for another generation or a retired
   // workspace.
-  static absl::StatusOr<std::unique_ptr<HostPlane>> Attach(const ParsedBlob& blob, const int* fds);
+  static plain::StatusOr<std::unique_ptr<HostPlane>> Attach(const ParsedBlob& blob, const int* fds);
 
-  absl::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override;
-  absl::Status CheckPointer(const void*, const char*) override { return absl::OkStatus(); }
-  absl::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override;
+  plain::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override;
+  plain::Status CheckPointer(const void*, const char*) override { return plain::OkStatus(); }
+  plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override;
   uint32_t ErrorCode() const override;
   uint32_t sm() const override { return 0; }
 

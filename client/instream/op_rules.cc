@@ -6,14 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-
 namespace arfuse::instream::lib {
 namespace {
 
-absl::Status Unavailable(absl::string_view why) {
-  return absl::OutOfRangeError(absl::StrCat("fusion unavailable for this op: ", why));
+plain::Status Unavailable(std::string_view why) {
+  return plain::OutOfRangeError(plain::StrCat("fusion unavailable for this op: ", why));
 }
 
 const char* AlgoName(uint8_t algo) { return algo == kAlgoOneShot ? "one-shot" : "two-shot"; }
@@ -29,47 +26,47 @@ bool Overlap(const Extent& a, const Extent& b) { return a.begin < b.end && b.beg
 
 }  // namespace
 
-absl::Status CheckEnums(int pattern, int dtype) {
+plain::Status CheckEnums(int pattern, int dtype) {
   if (pattern != static_cast<int>(Pattern::kAllReduce) &&
       pattern != static_cast<int>(Pattern::kAllReduceResidualRmsNorm)) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return plain::InvalidArgumentError(plain::StrCat(
         "pattern ", pattern, " is not 1 (allreduce) or 2 (allreduce + residual + RMSNorm)"));
   }
   if (dtype < 0 || !IsKnownDType(static_cast<uint32_t>(dtype))) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return plain::InvalidArgumentError(plain::StrCat(
         "dtype ", dtype,
         " is not ARFUSE_DTYPE_BF16 (1), ARFUSE_DTYPE_FP16 (2) or ARFUSE_DTYPE_FP32 (3)"));
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
-                                    uint32_t tokens, uint32_t hidden, DType dtype) {
+plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
+                                     uint32_t tokens, uint32_t hidden, DType dtype) {
   const AttachHeader& h = blob.header;
   if (dtype != blob.dtype()) {
-    return Unavailable(absl::StrCat("dtype ", DTypeName(dtype), " differs from the workspace's ",
-                                    DTypeName(blob.dtype())));
+    return Unavailable(plain::StrCat("dtype ", DTypeName(dtype), " differs from the workspace's ",
+                                     DTypeName(blob.dtype())));
   }
   if (hidden == 0 || hidden % kHiddenMultiple != 0) {
     return Unavailable(
-        absl::StrCat("hidden ", hidden, " is not a positive multiple of ", kHiddenMultiple));
+        plain::StrCat("hidden ", hidden, " is not a positive multiple of ", kHiddenMultiple));
   }
   if (hidden > h.hidden) {
-    return Unavailable(absl::StrCat("hidden ", hidden, " exceeds the workspace's ", h.hidden));
+    return Unavailable(plain::StrCat("hidden ", hidden, " exceeds the workspace's ", h.hidden));
   }
   const uint64_t elems = uint64_t{tokens} * hidden;
   if (elems > uint64_t{h.max_tokens} * h.hidden) {
-    return Unavailable(absl::StrCat(tokens, " tokens x ", hidden,
-                                    " hidden exceeds the workspace's ", h.max_tokens, " tokens x ",
-                                    h.hidden));
+    return Unavailable(plain::StrCat(tokens, " tokens x ", hidden,
+                                     " hidden exceeds the workspace's ", h.max_tokens, " tokens x ",
+                                     h.hidden));
   }
-  if (absl::Status s = plane.CheckCapacity(tokens, hidden, dtype); !s.ok()) return s;
+  if (plain::Status s = plane.CheckCapacity(tokens, hidden, dtype); !s.ok()) return s;
   Dispatch d;
   d.payload = elems * DTypeSize(dtype);
   if (d.payload > h.twoshot_max_bytes) {
-    return Unavailable(absl::StrCat("a payload of ", d.payload,
-                                    " bytes is above the fused range (twoshot_max_bytes ",
-                                    h.twoshot_max_bytes, "): the framework's path is as fast"));
+    return Unavailable(plain::StrCat("a payload of ", d.payload,
+                                     " bytes is above the fused range (twoshot_max_bytes ",
+                                     h.twoshot_max_bytes, "): the framework's path is as fast"));
   }
   d.algo = d.payload <= h.oneshot_max_bytes ? kAlgoOneShot : kAlgoTwoShot;
   bool hidden_attached = false;
@@ -91,45 +88,45 @@ absl::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, 
         attached.push_back(e.hidden);
       }
     }
-    return Unavailable(absl::StrCat("hidden ", hidden, " was not attached (attached: ",
-                                    absl::StrJoin(attached, ", "), "): attach with it"));
+    return Unavailable(plain::StrCat("hidden ", hidden, " was not attached (attached: ",
+                                     plain::StrJoin(attached, ", "), "): attach with it"));
   }
-  return Unavailable(absl::StrCat("the sidecar has no ", AlgoName(d.algo), " kernel for ",
-                                  PatternName(pattern), " ", DTypeName(dtype), " at hidden ",
-                                  hidden));
+  return Unavailable(plain::StrCat("the sidecar has no ", AlgoName(d.algo), " kernel for ",
+                                   PatternName(pattern), " ", DTypeName(dtype), " at hidden ",
+                                   hidden));
 }
 
-absl::Status CheckTensors(const OpRequest& op) {
+plain::Status CheckTensors(const OpRequest& op) {
   const uint64_t bytes = uint64_t{op.num_tokens} * op.hidden * DTypeSize(op.dtype);
   const uint64_t gamma_bytes = uint64_t{op.hidden} * DTypeSize(op.dtype);
   std::vector<Extent> reads, writes;
   auto add = [&](std::vector<Extent>& to, const void* p, const char* name,
-                 uint64_t n) -> absl::Status {
-    if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is NULL"));
+                 uint64_t n) -> plain::Status {
+    if (p == nullptr) return plain::InvalidArgumentError(plain::StrCat(name, " is NULL"));
     const auto begin = reinterpret_cast<uintptr_t>(p);
     if (begin % 16 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " is not 16-byte aligned"));
+      return plain::InvalidArgumentError(plain::StrCat(name, " is not 16-byte aligned"));
     }
     if (n > UINTPTR_MAX - begin) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, "'s ", n, " bytes wrap the address space"));
+      return plain::InvalidArgumentError(
+          plain::StrCat(name, "'s ", n, " bytes wrap the address space"));
     }
     to.push_back(Extent{name, begin, static_cast<uintptr_t>(begin + n)});
-    return absl::OkStatus();
+    return plain::OkStatus();
   };
-  absl::Status s;
+  plain::Status s;
   if (op.pattern == Pattern::kAllReduce) {
     if (!(s = add(reads, op.input, "input", bytes)).ok()) return s;
     if (!(s = add(writes, op.output, "output", bytes)).ok()) return s;
     // In place is elementwise: output may be input, but not shifted against it.
     if (writes[0].begin != reads[0].begin && Overlap(writes[0], reads[0])) {
-      return absl::InvalidArgumentError("output partially overlaps input (it may only equal it)");
+      return plain::InvalidArgumentError("output partially overlaps input (it may only equal it)");
     }
-    return absl::OkStatus();
+    return plain::OkStatus();
   }
   if (!std::isfinite(op.eps) || op.eps < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("eps ", op.eps, " must be finite and non-negative"));
+    return plain::InvalidArgumentError(
+        plain::StrCat("eps ", op.eps, " must be finite and non-negative"));
   }
   if (!(s = add(reads, op.input, "input", bytes)).ok()) return s;
   if (!(s = add(reads, op.residual_in, "residual_in", bytes)).ok()) return s;
@@ -139,23 +136,23 @@ absl::Status CheckTensors(const OpRequest& op) {
   const Extent& residual_out = writes[0];
   const Extent& norm_out = writes[1];
   if (Overlap(norm_out, residual_out)) {
-    return absl::InvalidArgumentError("norm_out overlaps residual_out");
+    return plain::InvalidArgumentError("norm_out overlaps residual_out");
   }
   for (const Extent& in : reads) {
     // residual_out may be residual_in (in place, elementwise), exactly.
     if (&in == &reads[1] && residual_out.begin == in.begin) continue;
     if (Overlap(residual_out, in)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("residual_out overlaps ", in.name,
-                       &in == &reads[1] ? " partially (it may only equal it)" : ""));
+      return plain::InvalidArgumentError(
+          plain::StrCat("residual_out overlaps ", in.name,
+                        &in == &reads[1] ? " partially (it may only equal it)" : ""));
     }
   }
   for (const Extent& in : reads) {
     if (Overlap(norm_out, in)) {
-      return absl::InvalidArgumentError(absl::StrCat("norm_out overlaps ", in.name));
+      return plain::InvalidArgumentError(plain::StrCat("norm_out overlaps ", in.name));
     }
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
 }  // namespace arfuse::instream::lib

@@ -4,23 +4,23 @@
 // usable (INVALID_ARGUMENT). The same answer on every rank for the same arguments.
 #pragma once
 
-#include "absl/status/statusor.h"
 #include "client/instream/blob_reader.h"
 #include "client/instream/plane.h"
+#include "kernels/common/plain_status.h"
 
 namespace arfuse::instream::lib {
 
 // The algorithm and entry for (pattern, tokens, hidden, dtype); INVALID_ARGUMENT for a pattern or
 // dtype value that does not exist. tokens may be 0 (nothing would run, and it fits).
-absl::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
-                                    uint32_t tokens, uint32_t hidden, DType dtype);
+plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
+                                     uint32_t tokens, uint32_t hidden, DType dtype);
 
 // INVALID_ARGUMENT when a tensor is NULL or not 16-byte aligned, an output overlaps another
 // tensor (residual_out may equal residual_in, output may equal input) or eps is not finite and
 // non-negative (kAllReduceResidualRmsNorm). Needs tokens > 0.
-absl::Status CheckTensors(const OpRequest& op);
+plain::Status CheckTensors(const OpRequest& op);
 
 // INVALID_ARGUMENT unless pattern is 1 or 2 and dtype 1, 2 or 3 (the C ABI's plain ints).
-absl::Status CheckEnums(int pattern, int dtype);
+plain::Status CheckEnums(int pattern, int dtype);
 
 }  // namespace arfuse::instream::lib

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "absl/status/status.h"
 #include "kernels/common/op_types.h"
+#include "kernels/common/plain_status.h"
 #include "kernels/instream/attach_abi.h"
 
 namespace arfuse::instream::lib {
@@ -29,15 +29,15 @@ class Plane {
 
   // OUT_OF_RANGE ("fusion unavailable for this op: ...") when tokens x hidden does not fit the
   // device's buffers (the GPU workspace's Lamport and two-shot slots, the host workspace's slot).
-  virtual absl::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const = 0;
+  virtual plain::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const = 0;
 
   // INVALID_ARGUMENT naming the tensor when the device cannot use `ptr` (CUDA: not device memory
   // of the attachment's GPU). Must not break a graph capture.
-  virtual absl::Status CheckPointer(const void* ptr, const char* name) = 0;
+  virtual plain::Status CheckPointer(const void* ptr, const char* name) = 0;
 
   // Runs the checked op: one kernel launch on `stream` (CUDA), or the host collective. FAILED_
   // PRECONDITION for a stale workspace; host mode also DEADLINE_EXCEEDED / ABORTED.
-  virtual absl::Status Run(const OpRequest& op, const Dispatch& d, void* stream) = 0;
+  virtual plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) = 0;
 
   // The attachment's error word: 0 healthy, else a FusionError code or kErrorStaleGeneration /
   // kErrorLaunchAbi. No CUDA call.

@@ -11,8 +11,10 @@ native libraries of this checkout's build.
   arfuse/_version.py and the wheel's metadata.
 - Native libraries: libarfuse_ring.so (the ring kernel's C ABI, built with CUDA) from the build
   directory, with its SONAME name, into arfuse/_lib/; arfuse.ring and arfuse.instream load them from there. A wheel
-  with a native library is tagged for this platform; without one (a build without CUDA) it is
-  pure Python.
+  with a native library is tagged manylinux_2_XX for the oldest glibc its libraries allow: the
+  highest GLIBC_, GLIBCXX_, CXXABI_ and GCC_ symbol versions they need (readelf -V) against the
+  manylinux policy's limits (MANYLINUX below; tests/packaging checks the tag with auditwheel).
+  A wheel without one (no native library built) is pure Python.
 
 Wheels are built from a checkout (the protos and VERSION live beside client/python); an sdist is
 not offered.
@@ -33,6 +35,59 @@ NAMES = ("common", "config", "fusion", "admin", "peer")
 # The native libraries a wheel carries, by their link name in the build directory: the ones built
 # there are shipped (a build without CUDA has none). A new library is one more entry here.
 NATIVE = ("client/ring/libarfuse_ring.so", "client/instream/libarfuse_client.so")
+
+
+# The manylinux policies' symbol-version limits (auditwheel's manylinux-policy.json, the same on
+# x86_64 and aarch64): (glibc minor, {GLIBC, GLIBCXX, CXXABI, GCC: the highest version allowed}).
+# The libraries must also need only the policy's libraries (glibc's, libstdc++, libgcc_s), which
+# tests/packaging checks.
+MANYLINUX = (
+    (17, {"GLIBC": "2.17", "GLIBCXX": "3.4.19", "CXXABI": "1.3.7", "GCC": "4.8.0"}),
+    (24, {"GLIBC": "2.24", "GLIBCXX": "3.4.22", "CXXABI": "1.3.10", "GCC": "4.8.0"}),
+    (26, {"GLIBC": "2.26", "GLIBCXX": "3.4.22", "CXXABI": "1.3.10", "GCC": "4.8.0"}),
+    (27, {"GLIBC": "2.27", "GLIBCXX": "3.4.24", "CXXABI": "1.3.11", "GCC": "7.0.0"}),
+    (28, {"GLIBC": "2.28", "GLIBCXX": "3.4.24", "CXXABI": "1.3.11", "GCC": "7.0.0"}),
+    (31, {"GLIBC": "2.31", "GLIBCXX": "3.4.28", "CXXABI": "1.3.12", "GCC": "7.0.0"}),
+    (34, {"GLIBC": "2.34", "GLIBCXX": "3.4.29", "CXXABI": "1.3.13", "GCC": "7.0.0"}),
+    (35, {"GLIBC": "2.35", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (36, {"GLIBC": "2.36", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (38, {"GLIBC": "2.38", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (39, {"GLIBC": "2.39", "GLIBCXX": "3.4.33", "CXXABI": "1.3.15", "GCC": "14.0.0"}),
+    (40, {"GLIBC": "2.40", "GLIBCXX": "3.4.33", "CXXABI": "1.3.15", "GCC": "14.0.0"}),
+    (41, {"GLIBC": "2.41", "GLIBCXX": "3.4.33", "CXXABI": "1.3.15", "GCC": "14.0.0"}),
+)
+
+
+def _numbers(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))
+
+
+def needed_versions(path: pathlib.Path) -> dict:
+    """The highest version of each of GLIBC, GLIBCXX, CXXABI and GCC that the library's version
+    needs (.gnu.version_r, as `readelf -V` prints it) name."""
+    dump = subprocess.run(["readelf", "-V", "--wide", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    needs = dump.split("Version needs section", 1)[1] if "Version needs section" in dump else ""
+    out = {}
+    for family, v in re.findall(r"Name:\s+(GLIBC|GLIBCXX|CXXABI|GCC)_([0-9][0-9.]*)\b", needs):
+        if family not in out or _numbers(v) > _numbers(out[family]):
+            out[family] = v
+    return out
+
+
+def manylinux_platform(libs, arch: str) -> str:
+    """manylinux_2_XX_<arch> for the oldest policy every library satisfies, else linux_<arch>."""
+    need = {}
+    for lib in libs:
+        for family, v in needed_versions(lib).items():
+            if family not in need or _numbers(v) > _numbers(need[family]):
+                need[family] = v
+    for minor, limits in MANYLINUX:
+        if all(_numbers(v) <= _numbers(limits[f]) for f, v in need.items()):
+            return f"manylinux_2_{minor}_{arch}"
+    print(f"arfuse setup.py: the native libraries need {need}, beyond every manylinux policy "
+          f"known here: the wheel is tagged linux_{arch}")
+    return f"linux_{arch}"
 
 
 def version() -> str:
@@ -122,11 +177,16 @@ except ImportError:  # setuptools < 70
 
 
 class BdistWheel(bdist_wheel):
-    """py3-none-<platform>: the native library is no CPython extension, any Python 3 loads it."""
+    """py3-none-manylinux_2_XX_<arch>: the native libraries are no CPython extension, any Python 3
+    loads them, on any Linux whose glibc is at least the one their symbol versions need."""
 
     def get_tag(self):
         python, abi, plat = super().get_tag()
-        return ("py3", "none", plat) if plat != "any" else (python, abi, plat)
+        if plat == "any":
+            return python, abi, plat
+        if plat.startswith("linux_"):
+            plat = manylinux_platform(native_libraries(), plat[len("linux_"):])
+        return "py3", "none", plat
 
 
 class PlatformWhenNative(Distribution):

@@ -4,17 +4,17 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <new>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/cpu/reference_core.h"
 #include "kernels/instream/attach_abi.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,36 +36,44 @@ uint32_t FloatBitsOf(float f) {
 std::string Describe(const HostSlotDesc& d) {
   float eps;
   std::memcpy(&eps, &d.eps_bits, sizeof(eps));
-  return absl::StrCat(PatternName(static_cast<Pattern>(d.pattern)), " ",
-                      DTypeName(static_cast<DType>(d.dtype)), " tokens=", d.num_tokens,
-                      " hidden=", d.hidden, " eps=", eps);
+  return plain::StrCat(PatternName(static_cast<Pattern>(d.pattern)), " ",
+                       DTypeName(static_cast<DType>(d.dtype)), " tokens=", d.num_tokens,
+                       " hidden=", d.hidden, " eps=", eps);
 }
 
-HostOpResult Stale(absl::string_view why) {
+HostOpResult Stale(std::string_view why) {
   return HostOpResult{
-      absl::FailedPreconditionError(absl::StrCat("stale generation: attach again (", why, ")")),
+      plain::FailedPreconditionError(plain::StrCat("stale generation: attach again (", why, ")")),
       false, instream::kErrorStaleGeneration};
+}
+
+// How long a wait took, for its message: "850us", "12.5ms", "2.01s".
+std::string FormatWaited(std::chrono::steady_clock::duration d) {
+  const double us = std::chrono::duration<double, std::micro>(d).count();
+  if (us < 1000) return plain::StrCat(us, "us");
+  if (us < 1e6) return plain::StrCat(us / 1e3, "ms");
+  return plain::StrCat(us / 1e6, "s");
 }
 
 }  // namespace
 
 // ---- HostWsMapping ----
 
-absl::StatusOr<HostWsMapping> HostWsMapping::Map(int fd, size_t bytes) {
+plain::StatusOr<HostWsMapping> HostWsMapping::Map(int fd, size_t bytes) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the host workspace descriptor cannot be read: ", std::strerror(errno)));
+    return plain::FailedPreconditionError(
+        plain::StrCat("the host workspace descriptor cannot be read: ", std::strerror(errno)));
   }
   if (static_cast<uint64_t>(st.st_size) != bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the host workspace object has ", st.st_size, " bytes, expected ", bytes,
-                     " (do all ranks run with the same options?)"));
+    return plain::FailedPreconditionError(
+        plain::StrCat("the host workspace object has ", st.st_size, " bytes, expected ", bytes,
+                      " (do all ranks run with the same options?)"));
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map the host workspace (", bytes, " bytes): ", std::strerror(errno)));
+    return plain::ResourceExhaustedError(
+        plain::StrCat("cannot map the host workspace (", bytes, " bytes): ", std::strerror(errno)));
   }
   return HostWsMapping(static_cast<uint8_t*>(p), bytes);
 }
@@ -104,39 +112,39 @@ void InitHostWorkspace(uint8_t* base, int world_size, uint64_t generation, size_
   for (int r = 0; r < world_size; ++r) new (sync + r) HostRankSync{};
 }
 
-absl::Status CheckHostWorkspace(const uint8_t* base, int world_size, size_t slot_bytes,
-                                uint64_t generation) {
+plain::Status CheckHostWorkspace(const uint8_t* base, int world_size, size_t slot_bytes,
+                                 uint64_t generation) {
   const auto* h = reinterpret_cast<const HostWsHeader*>(base);
   if (h->magic != kHostWsMagic) {
-    return absl::FailedPreconditionError("the host workspace's magic is not ARFSHFSW");
+    return plain::FailedPreconditionError("the host workspace's magic is not ARFSHFSW");
   }
   if (h->layout_version != kHostWsLayoutVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("the host workspace's layout_version is ",
-                                                      h->layout_version, ", this build's is ",
-                                                      kHostWsLayoutVersion));
+    return plain::FailedPreconditionError(plain::StrCat("the host workspace's layout_version is ",
+                                                        h->layout_version, ", this build's is ",
+                                                        kHostWsLayoutVersion));
   }
   if (h->world_size != static_cast<uint32_t>(world_size)) {
-    return absl::FailedPreconditionError(absl::StrCat("the host workspace's world_size is ",
-                                                      h->world_size, ", expected ", world_size));
+    return plain::FailedPreconditionError(plain::StrCat("the host workspace's world_size is ",
+                                                        h->world_size, ", expected ", world_size));
   }
   if (h->slot_bytes != slot_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat("the host workspace's slot_bytes is ",
-                                                      h->slot_bytes, ", expected ", slot_bytes));
+    return plain::FailedPreconditionError(plain::StrCat("the host workspace's slot_bytes is ",
+                                                        h->slot_bytes, ", expected ", slot_bytes));
   }
   if (h->total_bytes != HostWsTotalBytes(world_size, slot_bytes)) {
-    return absl::FailedPreconditionError(absl::StrCat("the host workspace's total_bytes is ",
-                                                      h->total_bytes, ", expected ",
-                                                      HostWsTotalBytes(world_size, slot_bytes)));
+    return plain::FailedPreconditionError(plain::StrCat("the host workspace's total_bytes is ",
+                                                        h->total_bytes, ", expected ",
+                                                        HostWsTotalBytes(world_size, slot_bytes)));
   }
   if (h->generation != generation) {
-    return absl::FailedPreconditionError(
+    return plain::FailedPreconditionError(
         "stale generation: the host workspace belongs to another generation");
   }
   if (h->retired.load(std::memory_order_acquire) != 0) {
-    return absl::FailedPreconditionError(
+    return plain::FailedPreconditionError(
         "stale generation: the sidecar dropped this host workspace");
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
 void RetireHostWorkspace(uint8_t* base) {
@@ -179,7 +187,7 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
   mine->launcher.store(launcher, std::memory_order_relaxed);
   if (!mine->launch_seq.compare_exchange_strong(claimed, claimed + 1, std::memory_order_acq_rel)) {
     return HostOpResult{
-        absl::FailedPreconditionError(absl::StrCat(
+        plain::FailedPreconditionError(plain::StrCat(
             "another op of rank ", rank_,
             " started at the same time: the ops of a rank must take turns (one launcher at a "
             "time)")),
@@ -213,7 +221,7 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
   // The input may be memory another process can take away (a client's region): a rank whose
   // copy faults still publishes its slot, flagged, so that every rank drops the op alike and
   // stays in step.
-  absl::Status input_read = absl::OkStatus();
+  plain::Status input_read = plain::OkStatus();
   if (copy_input != nullptr) {
     input_read = copy_input(slot(b, rank_), op.input, bytes, "input");
   } else {
@@ -248,12 +256,12 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
   // too keeps the outcome alike on every rank in all but the narrowest race.
   if (std::optional<HostOpResult> dropped = DropIfGivenUp(s)) return *dropped;
   // 5. Every rank must run the same op; a mismatch is refused alike on every rank, and the
-  // buffer is still released so the protocol stays in step.
-  absl::Status ran = absl::OkStatus();
+  // buffer is still released below so the protocol stays in step.
+  plain::Status ran = plain::OkStatus();
   for (int q = 0; q < world_size_ && ran.ok(); ++q) {
     if (sync(q)->desc[b].flags & kHostSlotInputFaulted) {
       ran = q == rank_ ? input_read
-                       : absl::AbortedError(absl::StrCat(
+                       : plain::AbortedError(plain::StrCat(
                              "op ", s, ": rank ", q,
                              " could not read its client's input (the client's memory faulted); "
                              "every rank drops the op"));
@@ -263,9 +271,9 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
     const HostSlotDesc& d = sync(q)->desc[b];
     const HostSlotDesc& m = mine->desc[b];
     if (std::memcmp(&d, &m, sizeof(d)) != 0) {
-      ran = absl::InvalidArgumentError(absl::StrCat("ranks disagree on the op: rank ", q, " ran ",
-                                                    Describe(d), " but rank ", rank_, " ran ",
-                                                    Describe(m)));
+      ran = plain::InvalidArgumentError(plain::StrCat("ranks disagree on the op: rank ", q, " ran ",
+                                                      Describe(d), " but rank ", rank_, " ran ",
+                                                      Describe(m)));
     }
   }
   if (ran.ok()) {
@@ -284,17 +292,17 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
     a.residual_out = op.residual_out;
     a.norm_out = op.norm_out;
     a.gamma = op.gamma;
-    ran = ReferenceFusedOp(a);
+    ran = ReferenceFusedOpPlain(a);
   }
   return HostOpResult{std::move(ran), false, 0};
 }
 
-HostOpResult HostCollective::Abandon(uint64_t seq, absl::string_view why) {
+HostOpResult HostCollective::Abandon(uint64_t seq, std::string_view why) {
   // A launcher that confirmed seq saw every rank's input: the other ranks may complete that op
   // (their reads of its slot were paired with a live launcher), so only later ops are dropped.
   const bool confirmed = sync(rank_)->ack_seq.load(std::memory_order_acquire) >= seq;
-  return Fail(absl::AbortedError(
-                  absl::StrCat("op ", seq, " of rank ", rank_, " was abandoned: ", why,
+  return Fail(plain::AbortedError(
+                  plain::StrCat("op ", seq, " of rank ", rank_, " was abandoned: ", why,
                                "; the workspace is poisoned until every rank re-initializes")),
               confirmed ? seq + 1 : seq, HostWsError::kAbandoned);
 }
@@ -316,8 +324,8 @@ std::optional<HostOpResult> HostCollective::DropIfGivenUp(uint64_t seq) {
     return std::nullopt;
   }
   return Fail(
-      absl::AbortedError(absl::StrCat("op ", seq, ": rank ", w - 1, " gave up on this op; rank ",
-                                      rank_, " drops it too")),
+      plain::AbortedError(plain::StrCat("op ", seq, ": rank ", w - 1, " gave up on this op; rank ",
+                                        rank_, " drops it too")),
       seq, HostWsError::kPeerAbort);
 }
 
@@ -327,12 +335,13 @@ std::optional<HostOpResult> HostCollective::DropIfGivenUp(uint64_t seq) {
 template <typename Ready>
 HostOpResult HostCollective::WaitAll(Ready ready, const HostWaitLimits& limits, uint64_t seq,
                                      const char* what) {
-  const absl::Time start = absl::Now();
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
   HostWsHeader* h = header();
   for (uint64_t iter = 0;; ++iter) {
     bool all = true;
     for (int q = 0; q < world_size_ && all; ++q) all = ready(q);
-    if (all) return HostOpResult{absl::OkStatus(), false, 0};
+    if (all) return HostOpResult{plain::OkStatus(), false, 0};
     if (iter % 64 != 63) {
       ARFUSE_CPU_RELAX();
       continue;
@@ -342,12 +351,12 @@ HostOpResult HostCollective::WaitAll(Ready ready, const HostWaitLimits& limits, 
       for (int q = 0; q < world_size_; ++q) {
         if (!ready(q)) m.push_back(q);
       }
-      return absl::StrJoin(m, ", ");
+      return plain::StrJoin(m, ", ");
     };
     if (limits.local_abort != nullptr && limits.local_abort->load(std::memory_order_acquire)) {
       return Fail(
-          absl::AbortedError(absl::StrCat("op ", seq, " aborted on rank ", rank_, " while ranks ",
-                                          missing(), " had yet to ", what)),
+          plain::AbortedError(plain::StrCat("op ", seq, " aborted on rank ", rank_, " while ranks ",
+                                            missing(), " had yet to ", what)),
           seq, HostWsError::kHostAbort);
     }
     if (h->retired.load(std::memory_order_acquire) != 0) {
@@ -355,21 +364,21 @@ HostOpResult HostCollective::WaitAll(Ready ready, const HostWaitLimits& limits, 
     }
     if (uint32_t w = h->abort_word.load(std::memory_order_acquire); w != 0) {
       return Fail(
-          absl::AbortedError(absl::StrCat("op ", seq, ": rank ", w - 1, " gave up, so rank ", rank_,
-                                          " stops waiting for ranks ", missing())),
+          plain::AbortedError(plain::StrCat("op ", seq, ": rank ", w - 1, " gave up, so rank ",
+                                            rank_, " stops waiting for ranks ", missing())),
           seq, HostWsError::kPeerAbort);
     }
-    const absl::Time now = absl::Now();
+    const Clock::time_point now = Clock::now();
     if (now >= limits.deadline) {
-      return Fail(absl::DeadlineExceededError(absl::StrCat(
+      return Fail(plain::DeadlineExceededError(plain::StrCat(
                       "op ", seq, ": ranks ", missing(), " did not ", what, " within ",
-                      absl::FormatDuration(now - start), " (",
+                      FormatWaited(now - start), " (",
                       limits.deadline_is_callers ? "the op's deadline" : "spin_timeout", ")")),
                   seq, HostWsError::kTimeout);
     }
     // Polling, not synchronization: on a loaded machine with more ranks than cores, a spinner
     // must leave the core to the rank it waits for.
-    if (now - start > absl::Milliseconds(2)) {
+    if (now - start > std::chrono::milliseconds(2)) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     } else {
       std::this_thread::yield();
@@ -379,7 +388,7 @@ HostOpResult HostCollective::WaitAll(Ready ready, const HostWaitLimits& limits, 
 
 // `seq`: the op this rank gives up on. The lowest one any rank gave up on, and the first error,
 // are recorded before the abort word is raised (see HostWsHeader::abort_seq).
-HostOpResult HostCollective::Fail(absl::Status s, uint64_t seq, HostWsError error) {
+HostOpResult HostCollective::Fail(plain::Status s, uint64_t seq, HostWsError error) {
   HostWsHeader* h = header();
   uint64_t low = h->abort_seq.load(std::memory_order_acquire);
   while ((low == 0 || seq < low) &&

@@ -26,18 +26,20 @@
 // poisoned for every rank until the engines re-initialize) and returns DEADLINE_EXCEEDED or
 // ABORTED. A workspace the engines retired, or of another generation than the caller's, fails
 // with FAILED_PRECONDITION ("stale generation") before anything is touched.
+//
+// Statuses are plain::Status (kernels/common/plain_status.h; plain_status_absl.h converts), so
+// that libarfuse_client links no abseil.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 
-#include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
-#include "absl/time/time.h"
 #include "kernels/common/op_types.h"
+#include "kernels/common/plain_status.h"
 #include "kernels/cpu/host_workspace.h"
 
 namespace arfuse::host {
@@ -48,7 +50,7 @@ class HostWsMapping {
   // Maps `fd` (not taken: the caller closes its descriptor; the mapping keeps the object alive)
   // read-write and shared. FAILED_PRECONDITION when the object does not have exactly `bytes`
   // bytes, RESOURCE_EXHAUSTED when it cannot be mapped.
-  static absl::StatusOr<HostWsMapping> Map(int fd, size_t bytes);
+  static plain::StatusOr<HostWsMapping> Map(int fd, size_t bytes);
 
   HostWsMapping() = default;
   HostWsMapping(HostWsMapping&& other) noexcept;
@@ -79,8 +81,8 @@ void InitHostWorkspace(uint8_t* base, int world_size, uint64_t generation, size_
 // Whether a mapped object is the workspace a rank expects: FAILED_PRECONDITION naming the first
 // field that differs (magic, layout_version, world_size, slot_bytes, total_bytes), or, for a
 // generation that differs or a retired header, one starting "stale generation".
-absl::Status CheckHostWorkspace(const uint8_t* base, int world_size, size_t slot_bytes,
-                                uint64_t generation);
+plain::Status CheckHostWorkspace(const uint8_t* base, int world_size, size_t slot_bytes,
+                                 uint64_t generation);
 
 // Marks the workspace dropped by its engines (re-initialization, shutdown): clients' ops on it
 // fail with a stale generation from now on. Never blocks.
@@ -94,7 +96,8 @@ void AbortHostWorkspace(uint8_t* base, int rank);
 using HostOpArgs = FusedOpArgs;
 
 struct HostWaitLimits {
-  absl::Time deadline = absl::InfiniteFuture();
+  // On the monotonic clock: a wall-clock step neither ends a wait early nor stretches it.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   // Whether `deadline` is the caller's (the op's own deadline) rather than the spin timeout: it
   // only changes the message.
   bool deadline_is_callers = false;
@@ -103,7 +106,7 @@ struct HostWaitLimits {
 };
 
 struct HostOpResult {
-  absl::Status status;
+  plain::Status status;
   // This op gave up or found that a rank gave up: the workspace is now poisoned for every rank.
   bool poisoned = false;
   // kErrorStaleGeneration (kernels/instream/attach_abi.h) for a stale workspace, else the
@@ -113,7 +116,7 @@ struct HostOpResult {
 
 // Copies `bytes` from `from` to `to` where the source or destination may fault, as an error
 // naming `what` instead of a signal (server/host/guarded_copy.h's GuardedCopy).
-using HostCopy = absl::Status (*)(void* to, const void* from, size_t bytes, const char* what);
+using HostCopy = plain::Status (*)(void* to, const void* from, size_t bytes, const char* what);
 
 // One rank's view of a mapped workspace (not owned).
 class HostCollective {
@@ -148,13 +151,13 @@ class HostCollective {
  private:
   template <typename Ready>
   HostOpResult WaitAll(Ready ready, const HostWaitLimits& limits, uint64_t seq, const char* what);
-  HostOpResult Fail(absl::Status s, uint64_t seq, HostWsError error);
+  HostOpResult Fail(plain::Status s, uint64_t seq, HostWsError error);
   // Steps 1-6 of an op whose number `s` this rank claimed.
   HostOpResult RunClaimed(const HostOpArgs& op, uint64_t s, const HostWaitLimits& limits,
                           HostCopy copy_input);
   // Poisons the workspace for op `seq` of this rank, claimed by a launcher that ended before it
   // finished. An op every rank confirmed may have completed on the others: from seq + 1 then.
-  HostOpResult Abandon(uint64_t seq, absl::string_view why);
+  HostOpResult Abandon(uint64_t seq, std::string_view why);
   // The op's failure when a rank gave up on it or an earlier one (DropsOpAfterAbort).
   std::optional<HostOpResult> DropIfGivenUp(uint64_t seq);
 

@@ -1,10 +1,8 @@
-#include "kernels/cpu/reference_op.h"
-
 #include <cmath>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "kernels/cpu/half_convert.h"
+#include "kernels/cpu/reference_core.h"
 
 namespace arfuse {
 namespace {
@@ -21,9 +19,12 @@ inline float SanitizeNegativeZero(float v) { return FloatBits(v) == 0x80000000u 
 
 inline float RoundToDType(DType dtype, float v) {
   switch (dtype) {
-    case DType::kBF16: return Bf16BitsToFloat(FloatToBf16Bits(v));
-    case DType::kFP16: return HalfBitsToFloat(FloatToHalfBits(v));
-    case DType::kFP32: return v;
+    case DType::kBF16:
+      return Bf16BitsToFloat(FloatToBf16Bits(v));
+    case DType::kFP16:
+      return HalfBitsToFloat(FloatToHalfBits(v));
+    case DType::kFP32:
+      return v;
   }
   return v;
 }
@@ -32,62 +33,70 @@ inline float RoundToDType(DType dtype, float v) {
 
 float LoadAsFloat(DType dtype, const void* data, size_t i) {
   switch (dtype) {
-    case DType::kBF16: return Bf16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    case DType::kFP16: return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    case DType::kFP32: return static_cast<const float*>(data)[i];
+    case DType::kBF16:
+      return Bf16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kFP16:
+      return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kFP32:
+      return static_cast<const float*>(data)[i];
   }
   return 0.0f;
 }
 
 void StoreFromFloat(DType dtype, void* data, size_t i, float v) {
   switch (dtype) {
-    case DType::kBF16: static_cast<uint16_t*>(data)[i] = FloatToBf16Bits(v); return;
-    case DType::kFP16: static_cast<uint16_t*>(data)[i] = FloatToHalfBits(v); return;
-    case DType::kFP32: static_cast<float*>(data)[i] = v; return;
+    case DType::kBF16:
+      static_cast<uint16_t*>(data)[i] = FloatToBf16Bits(v);
+      return;
+    case DType::kFP16:
+      static_cast<uint16_t*>(data)[i] = FloatToHalfBits(v);
+      return;
+    case DType::kFP32:
+      static_cast<float*>(data)[i] = v;
+      return;
   }
 }
 
-absl::Status ValidateCpuOpArgs(const CpuOpArgs& args) {
+plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args) {
   if (!IsKnownDType(args.dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", static_cast<int>(args.dtype), " is not bf16, fp16 or fp32"));
+    return plain::InvalidArgumentError(
+        plain::StrCat("dtype ", static_cast<int>(args.dtype), " is not bf16, fp16 or fp32"));
   }
   if (!IsKnownPattern(args.pattern)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pattern ", static_cast<int>(args.pattern), " is not supported"));
+    return plain::InvalidArgumentError(
+        plain::StrCat("pattern ", static_cast<int>(args.pattern), " is not supported"));
   }
   if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
-    return absl::InvalidArgumentError(absl::StrCat("world_size ", args.world_size,
-                                                   " is outside 1..", kMaxWorldSize));
+    return plain::InvalidArgumentError(
+        plain::StrCat("world_size ", args.world_size, " is outside 1..", kMaxWorldSize));
   }
   if (args.hidden == 0 || args.hidden % kHiddenMultiple != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden ", args.hidden,
-                                                   " is not a positive multiple of ",
-                                                   kHiddenMultiple));
+    return plain::InvalidArgumentError(
+        plain::StrCat("hidden ", args.hidden, " is not a positive multiple of ", kHiddenMultiple));
   }
   if (!std::isfinite(args.eps) || args.eps < 0.0f) {
-    return absl::InvalidArgumentError("eps must be finite and non-negative");
+    return plain::InvalidArgumentError("eps must be finite and non-negative");
   }
-  if (args.num_tokens == 0) return absl::OkStatus();
-  if (args.rank_inputs == nullptr) return absl::InvalidArgumentError("rank_inputs is null");
+  if (args.num_tokens == 0) return plain::OkStatus();
+  if (args.rank_inputs == nullptr) return plain::InvalidArgumentError("rank_inputs is null");
   for (int r = 0; r < args.world_size; ++r) {
     if (args.rank_inputs[r] == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("rank_inputs[", r, "] is null"));
+      return plain::InvalidArgumentError(plain::StrCat("rank_inputs[", r, "] is null"));
     }
   }
   if (args.pattern == Pattern::kAllReduce) {
-    if (args.output == nullptr) return absl::InvalidArgumentError("output is null (allreduce)");
+    if (args.output == nullptr) return plain::InvalidArgumentError("output is null (allreduce)");
   } else {
-    if (args.residual_in == nullptr) return absl::InvalidArgumentError("residual_in is null");
-    if (args.residual_out == nullptr) return absl::InvalidArgumentError("residual_out is null");
-    if (args.norm_out == nullptr) return absl::InvalidArgumentError("norm_out is null");
-    if (args.gamma == nullptr) return absl::InvalidArgumentError("gamma is null");
+    if (args.residual_in == nullptr) return plain::InvalidArgumentError("residual_in is null");
+    if (args.residual_out == nullptr) return plain::InvalidArgumentError("residual_out is null");
+    if (args.norm_out == nullptr) return plain::InvalidArgumentError("norm_out is null");
+    if (args.gamma == nullptr) return plain::InvalidArgumentError("gamma is null");
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status ReferenceFusedOp(const CpuOpArgs& args) {
-  if (absl::Status s = ValidateCpuOpArgs(args); !s.ok()) return s;
+plain::Status ReferenceFusedOpPlain(const CpuOpArgs& args) {
+  if (plain::Status s = ValidateCpuOpArgsPlain(args); !s.ok()) return s;
   const size_t hidden = args.hidden;
   const DType dt = args.dtype;
   for (size_t t = 0; t < args.num_tokens; ++t) {
@@ -109,19 +118,18 @@ absl::Status ReferenceFusedOp(const CpuOpArgs& args) {
       sum_of_squares += pre_norm * pre_norm;
     }
     if (args.pattern == Pattern::kAllReduce) continue;
-    const float inv_rms =
-        1.0f / std::sqrt(sum_of_squares / static_cast<float>(hidden) + args.eps);
+    const float inv_rms = 1.0f / std::sqrt(sum_of_squares / static_cast<float>(hidden) + args.eps);
     for (size_t i = 0; i < hidden; ++i) {
       const float y = LoadAsFloat(dt, args.residual_out, row + i);
       StoreFromFloat(dt, args.norm_out, row + i, (y * inv_rms) * LoadAsFloat(dt, args.gamma, i));
     }
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
-absl::Status ReferenceFusedOpFp64(const CpuOpArgs& args, Fp64Result* result) {
-  if (result == nullptr) return absl::InvalidArgumentError("result is null");
-  if (absl::Status s = ValidateCpuOpArgs(args); !s.ok()) return s;
+plain::Status ReferenceFusedOpFp64Plain(const CpuOpArgs& args, Fp64Result* result) {
+  if (result == nullptr) return plain::InvalidArgumentError("result is null");
+  if (plain::Status s = ValidateCpuOpArgsPlain(args); !s.ok()) return s;
   const size_t hidden = args.hidden;
   const size_t n = static_cast<size_t>(args.num_tokens) * hidden;
   const DType dt = args.dtype;
@@ -134,22 +142,24 @@ absl::Status ReferenceFusedOpFp64(const CpuOpArgs& args, Fp64Result* result) {
   for (size_t i = 0; i < n; ++i) {
     double s = 0.0;
     for (int r = 0; r < args.world_size; ++r) s += LoadAsFloat(dt, args.rank_inputs[r], i);
-    if (args.pattern == Pattern::kAllReduceResidualRmsNorm) s += LoadAsFloat(dt, args.residual_in, i);
+    if (args.pattern == Pattern::kAllReduceResidualRmsNorm)
+      s += LoadAsFloat(dt, args.residual_in, i);
     sums[i] = s;
   }
-  if (args.pattern == Pattern::kAllReduce) return absl::OkStatus();
+  if (args.pattern == Pattern::kAllReduce) return plain::OkStatus();
   result->norm_out.assign(n, 0.0);
   for (size_t t = 0; t < args.num_tokens; ++t) {
     double sum_of_squares = 0.0;
-    for (size_t i = 0; i < hidden; ++i) sum_of_squares += sums[t * hidden + i] * sums[t * hidden + i];
-    const double inv_rms =
-        1.0 / std::sqrt(sum_of_squares / static_cast<double>(hidden) + static_cast<double>(args.eps));
+    for (size_t i = 0; i < hidden; ++i)
+      sum_of_squares += sums[t * hidden + i] * sums[t * hidden + i];
+    const double inv_rms = 1.0 / std::sqrt(sum_of_squares / static_cast<double>(hidden) +
+                                           static_cast<double>(args.eps));
     for (size_t i = 0; i < hidden; ++i) {
       result->norm_out[t * hidden + i] =
           sums[t * hidden + i] * inv_rms * static_cast<double>(LoadAsFloat(dt, args.gamma, i));
     }
   }
-  return absl::OkStatus();
+  return plain::OkStatus();
 }
 
 }  // namespace arfuse

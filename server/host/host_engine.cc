@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -17,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/common/plain_status_absl.h"
 #include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 #include "server/core/status_macros.h"
@@ -54,7 +57,7 @@ absl::StatusOr<HostWsObject> CreateSealedWorkspace(size_t bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot seal the host workspace: ", strerror(errno)));
   }
-  ARFUSE_ASSIGN_OR_RETURN(host::HostWsMapping m, host::HostWsMapping::Map(fd.get(), bytes));
+  ARFUSE_ASSIGN_OR_RETURN(host::HostWsMapping m, ToAbsl(host::HostWsMapping::Map(fd.get(), bytes)));
   return HostWsObject{std::move(fd), std::move(m)};
 }
 
@@ -68,7 +71,8 @@ absl::StatusOr<HostWsObject> MapReceivedWorkspace(UniqueFd fd, size_t expected_b
   }
   auto m = host::HostWsMapping::Map(fd.get(), expected_bytes);
   if (!m.ok()) {
-    return absl::Status(m.status().code(), absl::StrCat("rank 0's ", m.status().message()));
+    return absl::Status(static_cast<absl::StatusCode>(m.status().code()),
+                        absl::StrCat("rank 0's ", m.status().message()));
   }
   return HostWsObject{std::move(fd), std::move(*m)};
 }
@@ -172,7 +176,7 @@ class HostEngine final : public Engine, public InStreamHost {
         auto opened = MapReceivedWorkspace(std::move(received[0]), total);
         if (!opened.ok()) {
           local_problem = std::string(opened.status().message());
-        } else if (absl::Status match = host::CheckHostWorkspace(
+        } else if (plain::Status match = host::CheckHostWorkspace(
                        opened->mapping.data(), options_.world_size, slot_bytes_, next_gen);
                    !match.ok()) {
           local_problem = absl::StrCat(
@@ -237,8 +241,12 @@ class HostEngine final : public Engine, public InStreamHost {
     ARFUSE_RETURN_IF_ERROR(Validate(op));
 
     host::HostWaitLimits limits;
-    limits.deadline = std::min(ctx.deadline, absl::Now() + options_.spin_timeout);
-    limits.deadline_is_callers = ctx.deadline <= absl::Now() + options_.spin_timeout;
+    // The collective waits on the monotonic clock: the wait budget is carried over from now.
+    const absl::Time now = absl::Now();
+    const absl::Duration budget =
+        std::max(std::min(ctx.deadline - now, options_.spin_timeout), absl::ZeroDuration());
+    limits.deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(budget);
+    limits.deadline_is_callers = ctx.deadline <= now + options_.spin_timeout;
     limits.local_abort = &abort_;
     // op_mu_ keeps Initialize from replacing the mapping while the op runs.
     host::HostCollective collective(ws_.mapping.data(), options_.rank, options_.world_size,
@@ -254,15 +262,15 @@ class HostEngine final : public Engine, public InStreamHost {
     host::HostOpResult r =
         collective.Run(staged, generation, limits, /*client=*/false,
                        [](void* to, const void* from, size_t n, const char* what) {
-                         return GuardedCopy(to, from, n, what);
+                         return FromAbsl(GuardedCopy(to, from, n, what));
                        });
     if (r.poisoned) {
       SetState(WorkspaceState::kPoisoned, std::string(r.status.message()));
       spdlog::error("event=host_workspace_poisoned rank={} generation={} code={} reason=\"{}\"",
-                    options_.rank, generation, absl::StatusCodeToString(r.status.code()),
+                    options_.rank, generation, plain::StatusCodeName(r.status.code()),
                     std::string(r.status.message()));
     }
-    if (!r.status.ok()) return r.status;
+    if (!r.status.ok()) return ToAbsl(r.status);
     ARFUSE_RETURN_IF_ERROR(staged_in);
     ARFUSE_RETURN_IF_ERROR(StageOut(op, bytes));
     return OpOutcome{ExecPath::kHost, "host shared-memory workspace, CPU implementation"};

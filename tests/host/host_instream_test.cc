@@ -171,8 +171,8 @@ TEST(HostInStream, ReinitializingAndShuttingDownRetireTheGeneration) {
   auto first = host::HostWsMapping::Map(e->ranks[0].fd.get(), total);
   ASSERT_TRUE(first.ok());
   g.Initialize();
-  absl::Status s = host::CheckHostWorkspace(first->data(), 2, e->host_slot_bytes, e->generation);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  plain::Status s = host::CheckHostWorkspace(first->data(), 2, e->host_slot_bytes, e->generation);
+  EXPECT_EQ(s.code(), plain::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("stale generation: the sidecar dropped"));
 
   absl::StatusOr<InStreamExport> e2 = g.host(0).ExportInStream({});

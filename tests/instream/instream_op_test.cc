@@ -335,15 +335,15 @@ TEST(CudaCapacity, TheTwoShotSliceMustFitAScatterSlot) {
   AttachHeader h;
   std::memcpy(&h, Blob(e).data(), sizeof(h));
   EXPECT_TRUE(lib::CheckCudaCapacity(h, 512, 1024, DType::kBF16).ok());
-  absl::Status s = lib::CheckCudaCapacity(h, 513, 1024, DType::kBF16);
-  EXPECT_TRUE(absl::IsOutOfRange(s));
+  plain::Status s = lib::CheckCudaCapacity(h, 513, 1024, DType::kBF16);
+  EXPECT_EQ(s.code(), plain::StatusCode::kOutOfRange);
   EXPECT_THAT(s.message(), HasSubstr("exceed the workspace's one-shot slot of 1048576 bytes"));
   // The scatter slot holds 256 rows of 1024: 511 rows of 1024 / 2 ranks need 256 (fits).
   EXPECT_TRUE(lib::CheckCudaCapacity(h, 511, 1024, DType::kBF16).ok());
   const uint64_t smaller_scatter = 256 * 1024;
   std::memcpy(h.layout + 40, &smaller_scatter, sizeof(smaller_scatter));  // scatter_slot_bytes
   s = lib::CheckCudaCapacity(h, 512, 1024, DType::kBF16);
-  EXPECT_TRUE(absl::IsOutOfRange(s));
+  EXPECT_EQ(s.code(), plain::StatusCode::kOutOfRange);
   EXPECT_THAT(s.message(),
               HasSubstr("the two-shot slice of 256 tokens x 1024 hidden exceeds the workspace's "
                         "scatter slot of 262144 bytes"));

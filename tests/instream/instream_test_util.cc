@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/common/plain_status_absl.h"
 #include "kernels/cpu/reference_op.h"
 #include "server/instream/attach_blob.h"
 
@@ -30,7 +31,7 @@ absl::StatusOr<std::unique_ptr<TestHostWorkspace>> TestHostWorkspace::Create(
     return absl::InternalError(absl::StrCat("ftruncate: ", strerror(errno)));
   }
   auto m = host::HostWsMapping::Map(ws->fd.get(), total);
-  if (!m.ok()) return m.status();
+  if (!m.ok()) return ToAbsl(m.status());
   ws->mapping = std::move(*m);
   host::InitHostWorkspace(ws->mapping.data(), world, generation, ws->slot_bytes);
   return ws;

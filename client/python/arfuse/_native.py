@@ -1,10 +1,12 @@
 """Where the client's native libraries are (libarfuse_ring.so, libarfuse_client.so).
 
 One rule for every library, in order: the environment variable naming it; a copy in the
-package's _lib/ folder (a wheel ships it there, under its SONAME) or next to the package; a build of this checkout (build/<subdir>/ first, the directory
-that scripts/setup and CI build, else the newest build*/<subdir>/); .devstage/bin/ (what
-scripts/gpu-stage stages on the GPU machines). None when there is none on disk, and the caller
-then tries the loader's search path by name.
+package's _lib/ folder (a wheel ships it there, under its SONAME) or next to the package; when
+the package is used in place in a checkout (client/python/arfuse), a build of that checkout
+(build/<subdir>/ first, the directory that scripts/setup and CI build, else the newest
+build*/<subdir>/), then .devstage/bin/ (what scripts/gpu-stage stages on the GPU machines). An
+installed package (site-packages) looks at nothing outside itself but the environment variable.
+None when there is none on disk, and the caller then tries the loader's search path by name.
 """
 import glob
 import os
@@ -12,7 +14,18 @@ import pathlib
 from typing import Optional
 
 PKG_DIR = pathlib.Path(__file__).resolve().parent
-REPO = PKG_DIR.parents[2]  # client/python/arfuse -> repository root
+
+
+def _checkout_root(pkg: pathlib.Path) -> Optional[pathlib.Path]:
+    """The repository root when the package is client/python/arfuse of a checkout, else None
+    (an installed package has no build tree beside it)."""
+    if len(pkg.parents) < 3 or (pkg.parent.name, pkg.parents[1].name) != ("python", "client"):
+        return None
+    root = pkg.parents[2]
+    return root if (root / "VERSION").is_file() and (root / "CMakeLists.txt").is_file() else None
+
+
+REPO = _checkout_root(PKG_DIR)
 
 
 def find_native_library(filename: str, env_var: str, build_subdir: str) -> Optional[str]:
@@ -26,6 +39,8 @@ def find_native_library(filename: str, env_var: str, build_subdir: str) -> Optio
     shipped = PKG_DIR / filename
     if shipped.is_file():
         return str(shipped)
+    if REPO is None:
+        return None
     main = REPO / "build" / build_subdir / filename
     if main.is_file():
         return str(main)
