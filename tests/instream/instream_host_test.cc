@@ -558,7 +558,7 @@ TEST(InStreamHost, AnOpClaimedAndNeverFinishedIsAbandonedNotReused) {
   RankTensors t(DType::kBF16, 0, 0, 2, 64);
   OpArgs a = EngineArgs(t, 2, 64);
   host::HostOpResult r = rank0.Run(a, 1, host::HostWaitLimits{});
-  EXPECT_EQ(r.status.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(r.status.code(), plain::StatusCode::kAborted);
   EXPECT_THAT(r.status.message(), HasSubstr("op 1 of rank 0 was abandoned"));
   EXPECT_TRUE(r.poisoned);
   EXPECT_EQ(r.error, static_cast<uint32_t>(host::HostWsError::kAbandoned));
@@ -568,7 +568,7 @@ TEST(InStreamHost, AnOpClaimedAndNeverFinishedIsAbandonedNotReused) {
   host::HostCollective rank1((*ws)->mapping.data(), 1, 2, (*ws)->slot_bytes);
   RankTensors t1(DType::kBF16, 1, 0, 2, 64);
   host::HostOpResult r1 = rank1.Run(EngineArgs(t1, 2, 64), 1, host::HostWaitLimits{});
-  EXPECT_EQ(r1.status.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(r1.status.code(), plain::StatusCode::kAborted);
   EXPECT_THAT(r1.status.message(), HasSubstr("rank 0 gave up on this op"));
   EXPECT_EQ(t1.bytes(2, t1.tensor_bytes), std::vector<uint8_t>(t1.tensor_bytes, 0xee));
 }
