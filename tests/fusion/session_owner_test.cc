@@ -4,6 +4,7 @@
 // Plan ids and attach ids are held by their session the same way. The callers' uids are faked at
 // the service layer (CallerCredentials), as the daemon's listener would report them.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <functional>
@@ -32,8 +33,10 @@ using ::arfuse::testing::NormBuffers;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr uint32_t kOwnerUid = 1000;
-constexpr uint32_t kOtherUid = 2000;
+// The owner is this process's own uid, so that the victim's named memory opens for it; the other
+// uid is one no process of the test runs as.
+const uint32_t kOwnerUid = ::geteuid();
+const uint32_t kOtherUid = kOwnerUid + 4242;
 
 // Every connection is the uid the test says it is now: a session opened while it says kOwnerUid
 // keeps that owner, and the calls made after it switched come from kOtherUid.
@@ -73,8 +76,8 @@ class SessionOwnerTest : public ::testing::Test {
     // The victim: a session of kOwnerUid with a region and a plan over it.
     victim_ = server_.Connect("victim");
     ASSERT_NE(victim_, nullptr);
-    bufs_ = ::arfuse::testing::RegisterNormBuffers(*victim_, "victim-region");
-    auto plan = victim_->CreatePlan(bufs_.Op());
+    bufs_.emplace(::arfuse::testing::RegisterNormBuffers(*victim_, "victim-region"));
+    auto plan = victim_->CreatePlan(bufs_->Op());
     ASSERT_TRUE(plan.ok()) << plan.status();
     plan_ = *plan;
   }
@@ -93,8 +96,8 @@ class SessionOwnerTest : public ::testing::Test {
     op.set_hidden(::arfuse::testing::kHidden);
     op.set_max_tokens(kTokens);
     auto ref = [&](v1::RegionRef* r, uint64_t offset) {
-      r->set_region_id(bufs_.region.id);
-      r->set_generation(bufs_.region.generation);
+      r->set_region_id(bufs_->region.id);
+      r->set_generation(bufs_->region.generation);
       r->set_offset(offset);
     };
     ref(op.mutable_input(), 0);
@@ -126,8 +129,8 @@ class SessionOwnerTest : public ::testing::Test {
       ctx(c);
       v1::RegisterRegionRequest req;
       req.set_name("intruder");
-      req.set_byte_size(bufs_.buf.size());
-      req.mutable_host_shm()->set_shm_name(bufs_.buf.shm_name());
+      req.set_byte_size(bufs_->buf.size());
+      req.mutable_host_shm()->set_shm_name(bufs_->buf.shm_name());
       v1::RegisterRegionResponse resp;
       out.push_back({"RegisterRegion(host_shm)", stub_->RegisterRegion(&c, req, &resp)});
     }
@@ -145,8 +148,8 @@ class SessionOwnerTest : public ::testing::Test {
       grpc::ClientContext c;
       ctx(c);
       v1::UnregisterRegionRequest req;
-      req.set_region_id(bufs_.region.id);
-      req.set_generation(bufs_.region.generation);
+      req.set_region_id(bufs_->region.id);
+      req.set_generation(bufs_->region.generation);
       v1::UnregisterRegionResponse resp;
       out.push_back({"UnregisterRegion", stub_->UnregisterRegion(&c, req, &resp)});
     }
@@ -224,7 +227,9 @@ class SessionOwnerTest : public ::testing::Test {
       EXPECT_EQ(a.status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
           << a.rpc << ": " << a.status.error_message();
       EXPECT_EQ(a.status.error_message(), answers[0].status.error_message()) << a.rpc;
-      if (!token.empty()) EXPECT_THAT(a.status.error_message(), Not(HasSubstr(token))) << a.rpc;
+      if (!token.empty()) {
+        EXPECT_THAT(a.status.error_message(), Not(HasSubstr(token))) << a.rpc;
+      }
       EXPECT_THAT(a.status.error_message(), Not(HasSubstr(absl::StrCat(plan_.id)))) << a.rpc;
       EXPECT_THAT(a.status.error_message(), Not(HasSubstr("victim"))) << a.rpc;
       EXPECT_THAT(a.status.error_message(), Not(HasSubstr("not found"))) << a.rpc;
@@ -239,7 +244,7 @@ class SessionOwnerTest : public ::testing::Test {
   FusionTestServer server_;
   std::unique_ptr<v1::Fusion::Stub> stub_;
   std::unique_ptr<Client> victim_;
-  NormBuffers bufs_;
+  std::optional<NormBuffers> bufs_;
   client::Plan plan_;
 };
 
@@ -330,7 +335,7 @@ TEST_F(SessionOwnerTest, AnotherSessionCannotReachThePlanByItsId) {
 
 // Plan ids are 64 random bits: two plans of one session are not neighbours.
 TEST_F(SessionOwnerTest, PlanIdsAreRandom) {
-  auto second = victim_->CreatePlan(bufs_.Op());
+  auto second = victim_->CreatePlan(bufs_->Op());
   ASSERT_TRUE(second.ok()) << second.status();
   const uint64_t a = plan_.id, b = second->id;
   EXPECT_NE(a, b);
