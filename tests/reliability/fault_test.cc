@@ -503,8 +503,9 @@ TEST(SidecarRestart, ClientSeesUnavailableReRegistersAndStaleReferencesAreRefuse
       },
       absl::Seconds(30)))
       << old_session;
-  EXPECT_EQ(old_session.code(), absl::StatusCode::kFailedPrecondition) << old_session;
-  EXPECT_THAT(old_session.message(), HasSubstr("session"));
+  // The new process holds no session of that token: the answer any token nobody holds gets.
+  EXPECT_EQ(old_session.code(), absl::StatusCode::kPermissionDenied) << old_session;
+  EXPECT_THAT(old_session.message(), HasSubstr("names no open session of this caller"));
 
   // Re-register: a new generation.
   ASSERT_TRUE(c.Reconnect().ok());
