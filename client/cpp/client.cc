@@ -110,14 +110,23 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     }
     return FromGrpc(s);
   }
-  c->session_.session_id = resp.session_id();
+  if (resp.session_token().empty()) {
+    c->session_ctx_->TryCancel();
+    c->session_stream_->Finish().ok();
+    c->session_stream_.reset();
+    return absl::FailedPreconditionError(
+        absl::StrCat("the sidecar (API ", resp.server_api().major(), ".", resp.server_api().minor(),
+                     ") sent no session token; this client needs API ", kApiMajor, ".", kApiMinor,
+                     " or later: use the sidecar of this client's release"));
+  }
+  c->session_.session_token = resp.session_token();
   c->session_.device = resp.device();
   c->session_.rank = resp.rank();
   c->session_.world_size = resp.world_size();
   c->session_.server_api_major = resp.server_api().major();
   c->session_.server_api_minor = resp.server_api().minor();
   c->api_version_value_ = absl::StrCat(kApiMajor, ".", kApiMinor);
-  c->session_value_ = absl::StrCat(c->session_.session_id);
+  c->session_value_ = c->session_.session_token;
   return c;
 }
 

@@ -33,7 +33,9 @@ struct ClientOptions {
 };
 
 struct SessionInfo {
-  uint64_t session_id = 0;
+  // SessionResponse.session_token: 128 random bits as 32 hex characters. Every call of this
+  // client carries it; only calls from this client's user reach the session.
+  std::string session_token;
   v1::DeviceKind device = v1::DEVICE_KIND_UNSPECIFIED;
   uint32_t rank = 0;
   uint32_t world_size = 0;

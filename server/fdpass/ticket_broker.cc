@@ -220,14 +220,13 @@ absl::StatusOr<FdTicketBroker::Entry> FdTicketBroker::Take(Kind kind, absl::stri
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked(now, dropped);
   auto it = IsWellFormedFdTicket(ticket) ? entries_.find(ticket) : entries_.end();
-  if (it == entries_.end() || it->second.kind != kind) {
-    return absl::NotFoundError(
-        "fd ticket unknown or expired (a ticket is single use and expires shortly after it is "
-        "issued): send the descriptor again");
-  }
-  if (it->second.owner != caller) {
+  // Another user's ticket gets the answer an unknown one gets (and stays pending for its owner):
+  // a caller learns nothing about tickets that are not its own.
+  if (it == entries_.end() || it->second.kind != kind || it->second.owner != caller) {
     return absl::PermissionDeniedError(
-        absl::StrCat("fd ticket belongs to another user than the caller (uid ", caller, ")"));
+        "fd ticket unknown, expired or not the caller's (a ticket is single use, expires shortly "
+        "after it is issued and serves only the user it was issued to): send the descriptor "
+        "again");
   }
   // The entry leaves with its charge still counted; the caller decides when it ends.
   Entry e = std::move(it->second);

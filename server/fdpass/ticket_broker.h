@@ -104,9 +104,10 @@ class FdTicketBroker {
   // descriptors are closed (and `prior` released) on any error.
   absl::StatusOr<std::string> Deposit(uid_t owner, std::vector<UniqueFd> fds, absl::Duration ttl,
                                       FdCharge prior = {});
-  // The descriptors of a deposit, once. NOT_FOUND for a ticket that is unknown, expired, already
-  // claimed or an Offer's; PERMISSION_DENIED when `caller` is not the depositor (the ticket stays
-  // pending for its owner). Messages never echo the ticket.
+  // The descriptors of a deposit, once. PERMISSION_DENIED for a ticket that is unknown, expired,
+  // already claimed, an Offer's, or another user's: one answer, so that it says nothing about
+  // other users' tickets (another user's stays pending for its owner). Messages never echo the
+  // ticket.
   absl::StatusOr<std::vector<UniqueFd>> Claim(absl::string_view ticket, uid_t caller);
 
   // Descriptors the daemon gives `owner`, held until picked up, `ttl` passes or `scope` ends

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/random_id.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
@@ -45,7 +46,11 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
           absl::StrCat("this session already holds attachment ", id, "; detach it first"));
     }
   }
-  const uint64_t id = next_id_++;
+  // Random, so that no attach id says anything about another session's.
+  uint64_t id = 0;
+  do {
+    id = RandomNonZeroId();
+  } while (entries_.contains(id));
   entries_[id] = Entry{session, generation, false, false};
   cv_.notify_all();  // the watcher starts probing
   return id;
@@ -54,9 +59,11 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
 absl::Status InStreamAttachments::Remove(uint64_t session, uint64_t attach_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(attach_id);
+  // One answer whether the id is unknown, already detached or another session's.
   if (it == entries_.end() || it->second.session != session) {
-    return absl::NotFoundError(
-        absl::StrCat("attachment ", attach_id, " is not held by this session"));
+    return absl::PermissionDeniedError(
+        "the attachment is not held by this session (detached, drained, never made here, or its "
+        "workspace was rebuilt): attach again");
   }
   entries_.erase(it);
   cv_.notify_all();

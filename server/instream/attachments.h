@@ -65,11 +65,13 @@ class InStreamAttachments {
   InStreamAttachments(const InStreamAttachments&) = delete;
   InStreamAttachments& operator=(const InStreamAttachments&) = delete;
 
-  // A new attachment of `session` to the workspace of `generation`. ALREADY_EXISTS when the
-  // session holds one; FAILED_PRECONDITION while a drain is in progress, for a workspace known to
-  // be poisoned (with the poisoning's reason) and for one already replaced by a newer one.
+  // A new attachment of `session` to the workspace of `generation`, with a random 64-bit id.
+  // ALREADY_EXISTS when the session holds one; FAILED_PRECONDITION while a drain is in progress,
+  // for a workspace known to be poisoned (with the poisoning's reason) and for one already
+  // replaced by a newer one.
   absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation);
-  // NOT_FOUND for an id the session does not hold.
+  // PERMISSION_DENIED for an id the session does not hold, the same whether another session
+  // holds it or none does, and without the id.
   absl::Status Remove(uint64_t session, uint64_t attach_id);
   // The session ended: its attachment (if any) ends. Returns the ids that ended (the caller
   // retires an op the client left mid-way: InStreamHost::InStreamClientEnded).
@@ -126,7 +128,6 @@ class InStreamAttachments {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Entry> entries_;  // by attach id
-  uint64_t next_id_ = 1;
   bool draining_ = false;
   bool stop_ = false;
   // Events not yet delivered, oldest first; `queued_` counts every event ever queued and

@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "server/core/random_id.h"
 #include "server/core/status_macros.h"
 #include "server/registry/validation.h"
 #include "spdlog/spdlog.h"
@@ -35,9 +36,12 @@ struct Plan {
 };
 
 struct Session {
+  // The registry's handle (a sequence number; it never leaves the sidecar, and doubles as the
+  // session's name in logs). The token is what the client names it by, and is never logged.
   uint64_t id = 0;
-  // Small sequence number for logs: the id itself is a capability and is never logged.
   uint64_t log_seq = 0;
+  std::string token;
+  SessionOwner owner;
   std::string client_name;
   std::map<uint64_t, std::shared_ptr<Region>> regions;
   absl::flat_hash_map<std::string, uint64_t> region_names;
@@ -50,8 +54,8 @@ struct State {
   mutable std::mutex mu;
   std::condition_variable released;  // an op released its regions
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions;
+  absl::flat_hash_map<std::string, uint64_t> tokens;  // token -> handle, for every open session
   uint64_t next_region_id = 1;
-  uint64_t next_plan_id = 1;
   uint64_t next_session_seq = 1;
   uint64_t counter = 0;
 };
@@ -88,12 +92,25 @@ absl::Status UnknownSessionError() {
       "unknown session (it ended, or the sidecar restarted): open a new Session stream");
 }
 
+// The one answer to a token that names no session of the caller: the same whether the token is
+// malformed, unknown, ended or another owner's, so that it tells a guesser nothing.
+absl::Status NotYourSessionError() {
+  return absl::PermissionDeniedError(
+      "arfuse-session names no open session of this caller: pass the session_token of a Session "
+      "stream this caller opened (a session ends with its stream and with a sidecar restart)");
+}
+
+// The one answer to a plan id the session does not hold, whoever holds it.
+absl::Status NotYourPlanError() {
+  return absl::PermissionDeniedError(
+      "the plan is not held by this session (destroyed, never created here, or its session "
+      "ended): create the plan again");
+}
+
 // The session's plan `plan_id` when `generation` is its current one.
 absl::StatusOr<Plan*> FindPlan(Session& s, uint64_t plan_id, uint64_t generation) {
   auto it = s.plans.find(plan_id);
-  if (it == s.plans.end()) {
-    return absl::NotFoundError(absl::StrCat("plan ", plan_id, " does not exist in this session"));
-  }
+  if (it == s.plans.end()) return NotYourPlanError();
   ARFUSE_RETURN_IF_ERROR(CheckGeneration(generation, it->second.generation,
                                          [&] { return absl::StrCat("plan ", plan_id); }));
   return &it->second;
@@ -172,6 +189,7 @@ Registry::~Registry() {
       sessions.push_back(s);
     }
     state_->sessions.clear();
+    state_->tokens.clear();
   }
 }
 
@@ -227,8 +245,25 @@ absl::Status Registry::CheckSession(uint64_t session_id) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> Registry::FindSession(absl::string_view token,
+                                               const SessionOwner& caller) const {
+  if (!IsWellFormedSessionToken(token)) return NotYourSessionError();
+  std::lock_guard<std::mutex> lock(state_->mu);
+  auto it = state_->tokens.find(token);
+  if (it == state_->tokens.end()) return NotYourSessionError();
+  std::shared_ptr<Session> s = FindSessionLocked(it->second);
+  if (s == nullptr || !(s->owner == caller)) return NotYourSessionError();
+  return s->id;
+}
+
 absl::StatusOr<uint64_t> Registry::OpenSession(const std::string& client_name) {
-  uint64_t id = 0;
+  ARFUSE_ASSIGN_OR_RETURN(OpenedSession s, OpenOwnedSession(client_name, SessionOwner{}));
+  return s.id;
+}
+
+absl::StatusOr<OpenedSession> Registry::OpenOwnedSession(const std::string& client_name,
+                                                         const SessionOwner& owner) {
+  OpenedSession opened;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     if (state_->sessions.size() >= limits_.max_sessions) {
@@ -236,18 +271,21 @@ absl::StatusOr<uint64_t> Registry::OpenSession(const std::string& client_name) {
           "too many sessions: the limit is ", limits_.max_sessions, "; close an idle client"));
     }
     auto s = std::make_shared<Session>();
+    s->id = s->log_seq = state_->next_session_seq++;
+    // 128 random bits collide with an open session's never in practice; the loop makes it never.
     do {
-      s->id = NextUnique(*state_, boot_nonce_ ^ 0x5e55105e55105e55ULL);
-    } while (state_->sessions.contains(s->id));
-    s->log_seq = state_->next_session_seq++;
+      s->token = NewSessionToken();
+    } while (state_->tokens.contains(s->token));
+    s->owner = owner;
     // Only a bounded, printable prefix is kept: it goes to logs.
     for (char c : client_name.substr(0, 64)) s->client_name += (c >= 0x20 && c < 0x7f) ? c : '?';
     state_->sessions[s->id] = s;
+    state_->tokens[s->token] = s->id;
     spdlog::info("event=session_open session_seq={} client=\"{}\"", s->log_seq, s->client_name);
-    id = s->id;
+    opened = OpenedSession{s->id, s->token};
   }
   NotifyTotals();
-  return id;
+  return opened;
 }
 
 void Registry::CloseSession(uint64_t session_id) {
@@ -258,6 +296,7 @@ void Registry::CloseSession(uint64_t session_id) {
     if (it == state_->sessions.end()) return;
     s = std::move(it->second);
     state_->sessions.erase(it);
+    state_->tokens.erase(s->token);
     s->closed = true;
   }
   // Wake unregisters waiting on this session's regions: their session is gone.
@@ -410,7 +449,10 @@ absl::StatusOr<PlanInfo> Registry::CreatePlan(uint64_t session_id, const OpReque
     for (auto& r : probe.held_) --r->in_flight;
     probe.held_.clear();
     Plan plan;
-    plan.id = state_->next_plan_id++;
+    // Random, so that no plan id says anything about another session's.
+    do {
+      plan.id = RandomNonZeroId();
+    } while (s->plans.contains(plan.id));
     plan.generation = NextUnique(*state_, boot_nonce_);
     plan.shape = shape;
     plan.refs = op;

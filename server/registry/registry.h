@@ -12,11 +12,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "server/engine/engine.h"
 #include "server/registry/opener.h"
@@ -36,6 +38,24 @@ struct RegionInfo {
   uint64_t byte_size = 0;
   MemoryKind kind = MemoryKind::kHostShm;
   uint32_t in_flight = 0;
+};
+
+// Who opened a session: the uid the kernel reported for the caller's connection (the Unix
+// sockets), and the identity its certificate proved (TCP with mutual TLS). Only calls from the
+// same owner reach the session. An owner with neither (a server that knows nobody, as in some
+// in-process tests) is matched only by another such caller: the token is then all there is.
+struct SessionOwner {
+  std::optional<uint32_t> uid;
+  std::string identity;
+
+  friend bool operator==(const SessionOwner&, const SessionOwner&) = default;
+};
+
+// A session as its client sees it: the token it passes on every call (SessionResponse's
+// session_token), and the registry's own handle for it, which never leaves the sidecar.
+struct OpenedSession {
+  uint64_t id = 0;
+  std::string token;
 };
 
 struct PlanInfo {
@@ -89,18 +109,26 @@ class ResolvedOp {
 class Registry {
  public:
   // `opener` decides which memory this registry accepts (its kind and device). `boot_nonce`
-  // seeds session ids and generations so they differ across restarts; 0 draws a random one.
+  // seeds generations so they differ across restarts; 0 draws a random one.
   Registry(RegistryLimits limits, std::unique_ptr<MemoryOpener> opener, uint64_t boot_nonce = 0);
   ~Registry();
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
-  // A new session with an unguessable id. RESOURCE_EXHAUSTED beyond limits.max_sessions.
+  // A new session of `owner`, with a token of 128 random bits from the kernel (random_id.h).
+  // RESOURCE_EXHAUSTED beyond limits.max_sessions.
+  absl::StatusOr<OpenedSession> OpenOwnedSession(const std::string& client_name,
+                                                 const SessionOwner& owner);
+  // OpenOwnedSession for an owner nobody knows; the session's handle.
   absl::StatusOr<uint64_t> OpenSession(const std::string& client_name);
+  // The handle of the session `token` names when `caller` opened it. Everything else (a token
+  // that is malformed, unknown, ended, or another owner's) is the same PERMISSION_DENIED, whose
+  // message says nothing about the token or whether any session has it.
+  absl::StatusOr<uint64_t> FindSession(absl::string_view token, const SessionOwner& caller) const;
   // Releases every region and plan of the session. Never blocks; unknown ids are ignored (a
   // stream may end twice: cancel, then done).
   void CloseSession(uint64_t session_id);
-  // FAILED_PRECONDITION when the session is unknown or ended.
+  // FAILED_PRECONDITION when the session (by handle) is unknown or ended.
   absl::Status CheckSession(uint64_t session_id) const;
 
   absl::StatusOr<RegionHandle> RegisterRegion(uint64_t session_id, const RegionSpec& spec);
@@ -111,6 +139,8 @@ class Registry {
   absl::StatusOr<std::vector<RegionInfo>> ListRegions(uint64_t session_id) const;
 
   absl::StatusOr<PlanInfo> CreatePlan(uint64_t session_id, const OpRequest& op);
+  // A plan id the session does not hold (destroyed, never made, another session's) is
+  // PERMISSION_DENIED, the same for all of them and without the id; plan ids are 64 random bits.
   absl::Status DestroyPlan(uint64_t session_id, uint64_t plan_id, uint64_t generation);
 
   // Resolves a plan (or an explicit op) for `num_tokens` tokens to pointers, holding its regions

@@ -440,7 +440,7 @@ TEST(ArfusectlCli, HelpAndUsage) {
   EXPECT_THAT(none.err, HasSubstr("usage: arfusectl"));
   Result version = RunBinary({"version"});
   EXPECT_EQ(version.code, 0);
-  EXPECT_THAT(version.out, HasSubstr("api 1.0"));
+  EXPECT_THAT(version.out, HasSubstr("api 1.1"));
   Result dash_version = RunBinary({"--version"});
   EXPECT_EQ(dash_version.code, 0);
   EXPECT_EQ(dash_version.out, version.out);
@@ -678,7 +678,7 @@ TEST(ArfusectlInfo, HumanReadableAndJson) {
   EXPECT_THAT(human.out, HasSubstr("MPS detected, doorbell hop 2.5 us"));
   EXPECT_THAT(human.out, HasSubstr("negotiation: cuda_graph_mode none, data plane eager"));
   // The client sent its API version and a bounded deadline.
-  EXPECT_EQ(sidecar.fusion().api_version(), "1.0");
+  EXPECT_EQ(sidecar.fusion().api_version(), "1.1");
   EXPECT_LT(sidecar.fusion().deadline(), before + std::chrono::seconds(60));
 
   Result json =

@@ -31,7 +31,7 @@ class FakeFusion final : public v1::Fusion::Service {
     v1::SessionRequest hello;
     if (!stream->Read(&hello)) return grpc::Status::OK;
     v1::SessionResponse opened;
-    opened.set_session_id(7);
+    opened.set_session_token("0123456789abcdef0123456789abcdef");
     opened.set_world_size(2);
     stream->Write(opened);
     // Held open until the client ends the session.

@@ -56,10 +56,10 @@ class FusionShutdownTest : public ::testing::Test {
   struct Open {
     std::unique_ptr<grpc::ClientContext> ctx;
     std::unique_ptr<SessionStream> stream;
-    uint64_t session_id = 0;
+    std::string session_token;
   };
 
-  // Opens a Session stream and reads its first answer (session_id 0 when refused).
+  // Opens a Session stream and reads its first answer (session_token empty when refused).
   Open OpenSession(const std::string& name) {
     Open o;
     o.ctx = std::make_unique<grpc::ClientContext>();
@@ -69,7 +69,7 @@ class FusionShutdownTest : public ::testing::Test {
     req.set_client_name(name);
     o.stream->Write(req);
     v1::SessionResponse resp;
-    if (o.stream->Read(&resp)) o.session_id = resp.session_id();
+    if (o.stream->Read(&resp)) o.session_token = resp.session_token();
     return o;
   }
 
@@ -91,8 +91,8 @@ class FusionShutdownTest : public ::testing::Test {
 TEST_F(FusionShutdownTest, OpenSessionsEndWithUnavailableAndTheServerStopsPromptly) {
   Open a = OpenSession("a");
   Open b = OpenSession("b");
-  ASSERT_NE(a.session_id, 0u);
-  ASSERT_NE(b.session_id, 0u);
+  ASSERT_FALSE(a.session_token.empty());
+  ASSERT_FALSE(b.session_token.empty());
   ASSERT_TRUE(WaitSessions(2, absl::Seconds(10)));
 
   service_->BeginShutdown();
@@ -114,12 +114,12 @@ TEST_F(FusionShutdownTest, OpenSessionsEndWithUnavailableAndTheServerStopsPrompt
 
 TEST_F(FusionShutdownTest, NewSessionsAndSessionCallsAreRefusedOnceShutdownBegan) {
   Open a = OpenSession("a");
-  ASSERT_NE(a.session_id, 0u);
+  ASSERT_FALSE(a.session_token.empty());
   service_->BeginShutdown();
   service_->BeginShutdown();  // idempotent
 
   Open late = OpenSession("late");
-  EXPECT_EQ(late.session_id, 0u);
+  EXPECT_TRUE(late.session_token.empty());
   grpc::Status st = late.stream->Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("sidecar shutting down"));
@@ -127,7 +127,7 @@ TEST_F(FusionShutdownTest, NewSessionsAndSessionCallsAreRefusedOnceShutdownBegan
   // A call naming the session that was ended: told why, not "unknown session".
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  ctx.AddMetadata(kSessionMetadataKey, std::to_string(a.session_id));
+  ctx.AddMetadata(kSessionMetadataKey, a.session_token);
   v1::ListRegionsRequest req;
   v1::ListRegionsResponse resp;
   grpc::Status list = stub_->ListRegions(&ctx, req, &resp);

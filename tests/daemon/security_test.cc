@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "arfuse/v1/fusion.grpc.pb.h"
 #include "arfuse/v1/peer.grpc.pb.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
@@ -154,17 +155,24 @@ class MutualTls : public ::testing::Test {
         "; openssl req -newkey rsa:2048 -nodes -subj /CN=arfuse-client -keyout client.key "
         "-out client.csr 2>/dev/null"
         "; openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
-        "-out client.pem 2>/dev/null";
+        "-out client.pem 2>/dev/null"
+        "; openssl req -newkey rsa:2048 -nodes -subj /CN=arfuse-other -keyout other.key "
+        "-out other.csr 2>/dev/null"
+        "; openssl x509 -req -in other.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+        "-out other.pem 2>/dev/null";
     auto [code, out] = RunToCompletion({"/bin/sh", "-c", script});
     ASSERT_EQ(code, 0) << out;
   }
 
-  std::shared_ptr<grpc::Channel> Channel(int port, bool with_client_cert) {
+  // `cert` names the client certificate ("client" or "other", both signed by the CA; empty:
+  // none).
+  std::shared_ptr<grpc::Channel> Channel(int port, bool with_client_cert,
+                                         const std::string& cert = "client") {
     grpc::SslCredentialsOptions tls;
     tls.pem_root_certs = ReadFile(dir_ + "/ca.pem");
     if (with_client_cert) {
-      tls.pem_private_key = ReadFile(dir_ + "/client.key");
-      tls.pem_cert_chain = ReadFile(dir_ + "/client.pem");
+      tls.pem_private_key = ReadFile(dir_ + "/" + cert + ".key");
+      tls.pem_cert_chain = ReadFile(dir_ + "/" + cert + ".pem");
     }
     grpc::ChannelArguments args;
     args.SetSslTargetNameOverride("arfuse-test");
@@ -186,6 +194,55 @@ TEST_F(MutualTls, ClientWithCertificateIsServedOthersAreNot) {
   EXPECT_TRUE(HealthCheck(Channel(port, /*with_client_cert=*/true)).ok());
   EXPECT_FALSE(HealthCheck(Channel(port, /*with_client_cert=*/false)).ok());
   EXPECT_FALSE(HealthCheck("127.0.0.1:" + std::to_string(port)).ok());
+}
+
+// A session opened over TCP belongs to the identity of its client certificate: another
+// certificate the same CA signed, or a caller on the Unix socket, holding the token is refused
+// exactly as for a token nobody holds.
+TEST_F(MutualTls, ASessionBelongsToTheCertificateThatOpenedIt) {
+  Daemon d({"--listen=127.0.0.1:0", "--tls-cert=" + dir_ + "/server.pem",
+            "--tls-key=" + dir_ + "/server.key", "--tls-client-ca=" + dir_ + "/ca.pem"});
+  ASSERT_TRUE(d.ready) << d.proc->Stderr();
+  const std::string socket = d.socket;
+  std::smatch m;
+  std::string log = d.proc->Stderr();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("event=listening_tls \\S+ port=(\\d+)"))) << log;
+  const int port = std::stoi(m[1]);
+
+  auto owner = v1::Fusion::NewStub(Channel(port, true, "client"));
+  grpc::ClientContext session_ctx;
+  session_ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto stream = owner->Session(&session_ctx);
+  v1::SessionRequest hello;
+  hello.set_client_name("tls-owner");
+  ASSERT_TRUE(stream->Write(hello));
+  v1::SessionResponse opened;
+  ASSERT_TRUE(stream->Read(&opened));
+  const std::string token = opened.session_token();
+  ASSERT_EQ(token.size(), 32u);
+
+  auto list = [&](v1::Fusion::Stub& stub, const std::string& t) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    ctx.AddMetadata("arfuse-session", t);
+    v1::ListRegionsResponse resp;
+    return stub.ListRegions(&ctx, v1::ListRegionsRequest(), &resp);
+  };
+  EXPECT_TRUE(list(*owner, token).ok());
+  auto other = v1::Fusion::NewStub(Channel(port, true, "other"));
+  auto local = v1::Fusion::NewStub(
+      grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  const grpc::Status guessed = list(*other, std::string(32, '7'));
+  EXPECT_EQ(guessed.error_code(), grpc::StatusCode::PERMISSION_DENIED) << guessed.error_message();
+  for (v1::Fusion::Stub* stub : {other.get(), local.get()}) {
+    const grpc::Status s = list(*stub, token);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_EQ(s.error_message(), guessed.error_message());
+    EXPECT_THAT(s.error_message(), Not(HasSubstr(token)));
+  }
+  // The owner's session is untouched.
+  EXPECT_TRUE(list(*owner, token).ok());
+  session_ctx.TryCancel();
 }
 
 TEST_F(MutualTls, UnreadableKeyExits2) {
@@ -299,9 +356,11 @@ TEST(DaemonSecurity, AnFdTicketIsClaimedOnlyByItsDepositor) {
   absl::StatusOr<std::string> ticket = DepositFds(FdChannelPath(d.socket), {buf->fd()});
   ASSERT_TRUE(ticket.ok()) << ticket.status();
   const std::string stolen = ClientAsNobody({"claim", d.socket, *ticket, "4096"});
+  // Refused as a ticket nobody holds: the answer says nothing about another user's tickets.
   EXPECT_THAT(stolen, HasSubstr("code=7 "));
-  EXPECT_THAT(stolen, HasSubstr("belongs to another user than the caller (uid 65534)"));
+  EXPECT_THAT(stolen, HasSubstr("fd ticket unknown, expired or not the caller's"));
   EXPECT_THAT(stolen, Not(HasSubstr(*ticket)));
+  EXPECT_EQ(stolen, ClientAsNobody({"claim", d.socket, std::string(32, 'a'), "4096"}));
   client::ClientOptions o;
   o.target = d.socket;
   auto c = client::Client::Connect(o);

@@ -95,7 +95,7 @@ TEST_F(FdChannelTest, PickupHandsAnOfferToItsOwnerOnly) {
   // Single use, and the same connection keeps serving requests.
   absl::StatusOr<FdMessage> again = Ask(owner.get(), FdOp::kPickup, ticket);
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ(DecodeFdError(again->body).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(DecodeFdError(again->body).code(), absl::StatusCode::kPermissionDenied);
 }
 
 // Polls `done` for up to 5 s.

@@ -46,27 +46,32 @@ TEST(FdTicketBroker, DepositIsClaimedOnceByItsOwner) {
   EXPECT_EQ(::write((*fds)[0].get(), "x", 1), 1);  // the pipe's write end, handed over
   EXPECT_EQ(broker.pending(), 0u);
   absl::StatusOr<std::vector<UniqueFd>> again = broker.Claim(*ticket, 1000);
-  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(again.status().message(), HasSubstr("fd ticket unknown or expired"));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(again.status().message(),
+              HasSubstr("fd ticket unknown, expired or not the caller's"));
   EXPECT_THAT(again.status().message(), Not(HasSubstr(*ticket)));
 }
 
-TEST(FdTicketBroker, AnotherUserIsDeniedAndTheTicketStaysForItsOwner) {
+// Another user's ticket is answered exactly as one that does not exist: the answer tells a caller
+// nothing about tickets that are not its own.
+TEST(FdTicketBroker, AnotherUserIsDeniedAsForAnUnknownTicketAndTheTicketStaysForItsOwner) {
   FdTicketBroker broker;
   Pipe p;
   std::string ticket = *broker.Deposit(1000, One(p), absl::Seconds(30));
   absl::StatusOr<std::vector<UniqueFd>> stolen = broker.Claim(ticket, 1001);
+  absl::StatusOr<std::vector<UniqueFd>> unknown = broker.Claim(NewFdTicket(), 1001);
   EXPECT_EQ(stolen.status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_THAT(stolen.status().message(), HasSubstr("belongs to another user than the caller"));
+  EXPECT_EQ(stolen.status(), unknown.status());
   EXPECT_THAT(stolen.status().message(), Not(HasSubstr(ticket)));
+  EXPECT_THAT(stolen.status().message(), Not(HasSubstr("1000")));
   EXPECT_TRUE(broker.Claim(ticket, 1000).ok());
 }
 
-TEST(FdTicketBroker, UnknownAndMalformedTicketsAreNotFound) {
+TEST(FdTicketBroker, UnknownAndMalformedTicketsAreDenied) {
   FdTicketBroker broker;
   for (const std::string t : {std::string(), std::string("nope"), NewFdTicket()}) {
-    EXPECT_EQ(broker.Claim(t, 0).status().code(), absl::StatusCode::kNotFound) << t;
-    EXPECT_EQ(broker.Pickup(t, 0).status().code(), absl::StatusCode::kNotFound) << t;
+    EXPECT_EQ(broker.Claim(t, 0).status().code(), absl::StatusCode::kPermissionDenied) << t;
+    EXPECT_EQ(broker.Pickup(t, 0).status().code(), absl::StatusCode::kPermissionDenied) << t;
   }
 }
 
@@ -77,13 +82,13 @@ TEST(FdTicketBroker, DepositsAndOffersDoNotMix) {
   Pipe a, b;
   std::string deposit = *broker.Deposit(7, One(a), absl::Seconds(30));
   std::string offer = *broker.Offer(7, One(b), absl::Seconds(30));
-  EXPECT_EQ(broker.Pickup(deposit, 7).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(broker.Claim(offer, 7).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.Pickup(deposit, 7).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(broker.Claim(offer, 7).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(broker.Claim(deposit, 7).ok());
   EXPECT_TRUE(broker.Pickup(offer, 7).ok());
 }
 
-TEST(FdTicketBroker, ExpiredTicketsAreNotFoundAndTheirDescriptorsClose) {
+TEST(FdTicketBroker, ExpiredTicketsAreDeniedAndTheirDescriptorsClose) {
   FdTicketBroker broker;
   Pipe p;
   std::string ticket = *broker.Deposit(5, One(p), absl::Milliseconds(1));
@@ -91,7 +96,7 @@ TEST(FdTicketBroker, ExpiredTicketsAreNotFoundAndTheirDescriptorsClose) {
   EXPECT_FALSE(p.WriteEndClosedEverywhere());  // held until something looks
   EXPECT_EQ(broker.ExpireNow(), 1u);
   EXPECT_TRUE(p.WriteEndClosedEverywhere());
-  EXPECT_EQ(broker.Claim(ticket, 5).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.Claim(ticket, 5).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(broker.pending_for(5), 0u);
 }
 

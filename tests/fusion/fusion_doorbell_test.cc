@@ -5,6 +5,7 @@
 // plan from the engine before its regions are released, and host mode is refused with
 // FAILED_PRECONDITION. Also the GatedEngine's forwarding of the doorbell calls.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
@@ -316,8 +317,8 @@ TEST_F(FusionDoorbellTest, CreatePlanFillsTheDoorbellFromTheEnginesGrant) {
   ASSERT_TRUE(client_->DestroyPlan(plan).ok());
   EXPECT_EQ(engine_.active(), (std::vector<uint32_t>{1}));
   EXPECT_EQ(engine_.removed(), (std::vector<uint32_t>{0}));
-  // Destroying it again is the registry's NOT_FOUND and removes nothing more.
-  EXPECT_EQ(client_->DestroyPlan(plan).code(), absl::StatusCode::kNotFound);
+  // Destroying it again is the registry's PERMISSION_DENIED and removes nothing more.
+  EXPECT_EQ(client_->DestroyPlan(plan).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(engine_.removes(), 1);
   // The second plan still holds the region.
   EXPECT_EQ(InFlight(*client_, buffers_->region), 1u);
@@ -393,7 +394,10 @@ TEST_F(FusionDoorbellTest, ASessionThatEndsDuringTheRegistrationGetsNoPlan) {
   std::thread call([&] { s = CreateDoorbellPlan(*client_, buffers_->region, kTokens, &resp); });
   EXPECT_TRUE(slow.entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
   // The session ends (as when its stream breaks) while the engine registers the plan.
-  server_.service()->registry().CloseSession(client_->session().session_id);
+  absl::StatusOr<uint64_t> session = server_.service()->registry().FindSession(
+      client_->session().session_token, SessionOwner{::geteuid(), ""});
+  ASSERT_TRUE(session.ok()) << session.status();
+  server_.service()->registry().CloseSession(*session);
   slow.release.Notify();
   call.join();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);

@@ -109,15 +109,15 @@ class FusionServiceTest : public ::testing::Test {
   }
 
   // Raw call with version and session metadata (and no deadline unless `timeout` > 0).
-  void Prepare(grpc::ClientContext* ctx, uint64_t session, absl::Duration timeout) {
-    ctx->AddMetadata("arfuse-api-version", "1.0");
-    ctx->AddMetadata("arfuse-session", absl::StrCat(session));
+  void Prepare(grpc::ClientContext* ctx, const std::string& session, absl::Duration timeout) {
+    ctx->AddMetadata("arfuse-api-version", "1.1");
+    ctx->AddMetadata("arfuse-session", session);
     if (timeout > absl::ZeroDuration()) {
       ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     }
   }
 
-  std::unique_ptr<AsyncCall> StartExecute(uint64_t session, const client::Plan& plan,
+  std::unique_ptr<AsyncCall> StartExecute(const std::string& session, const client::Plan& plan,
                                           uint32_t tokens,
                                           absl::Duration timeout = absl::Seconds(60)) {
     auto call = std::make_unique<AsyncCall>();
@@ -148,7 +148,7 @@ class FusionServiceTest : public ::testing::Test {
 TEST_F(FusionServiceTest, SessionCarriesIdentity) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
-  EXPECT_NE(c->session().session_id, 0u);
+  EXPECT_EQ(c->session().session_token.size(), 32u);
   EXPECT_EQ(c->session().device, v1::DEVICE_KIND_HOST);
   EXPECT_EQ(c->session().rank, 1u);
   EXPECT_EQ(c->session().world_size, 2u);
@@ -245,15 +245,15 @@ TEST_F(FusionServiceTest, CallsWithoutASessionAreRefused) {
     grpc::ClientContext ctx;
     ctx.AddMetadata("arfuse-session", "12abc");
     grpc::Status s = stub_->ListRegions(&ctx, req, &resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_THAT(s.error_message(), HasSubstr("not a decimal session id"));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(s.error_message(), HasSubstr("names no open session of this caller"));
   }
   {
     grpc::ClientContext ctx;
     ctx.AddMetadata("arfuse-session", "12345");
     grpc::Status s = stub_->ListRegions(&ctx, req, &resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-    EXPECT_THAT(s.error_message(), HasSubstr("unknown session"));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(s.error_message(), HasSubstr("names no open session of this caller"));
   }
 }
 
@@ -261,13 +261,13 @@ TEST_F(FusionServiceTest, AnotherApiVersionIsRefusedNamingBoth) {
   auto c = Connect();
   grpc::ClientContext ctx;
   ctx.AddMetadata("arfuse-api-version", "2.0");
-  ctx.AddMetadata("arfuse-session", absl::StrCat(c->session().session_id));
+  ctx.AddMetadata("arfuse-session", c->session().session_token);
   v1::ExecuteRequest req;
   v1::ExecuteResponse resp;
   grpc::Status s = stub_->Execute(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("2.0"));
-  EXPECT_THAT(s.error_message(), HasSubstr("1.0"));
+  EXPECT_THAT(s.error_message(), HasSubstr("1.1"));
 
   grpc::ClientContext sctx;
   sctx.AddMetadata("arfuse-api-version", "3.1");
@@ -324,7 +324,8 @@ TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing)
   ExecOptions stale_ws;
   stale_ws.workspace_generation = 6;
   std::vector<Expect> cases = {
-      {c->Execute(unknown, 1).status(), absl::StatusCode::kNotFound, "does not exist"},
+      {c->Execute(unknown, 1).status(), absl::StatusCode::kPermissionDenied,
+       "not held by this session"},
       {c->Execute(stale, 1).status(), absl::StatusCode::kFailedPrecondition, "stale generation"},
       {c->Execute(plan, kTokens + 1).status(), absl::StatusCode::kInvalidArgument,
        "exceeds the plan's max_tokens"},
@@ -365,7 +366,7 @@ TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing)
   }
   // Unknown enum values from a newer client, straight through the wire.
   grpc::ClientContext ctx;
-  Prepare(&ctx, c->session().session_id, absl::Seconds(30));
+  Prepare(&ctx, c->session().session_token, absl::Seconds(30));
   v1::CreatePlanRequest req;
   req.mutable_op()->set_pattern(static_cast<v1::Pattern>(42));
   v1::CreatePlanResponse resp;
@@ -379,7 +380,7 @@ TEST_F(FusionServiceTest, BadInputGetsSpecificStatusesAndTheSidecarKeepsServing)
 TEST_F(FusionServiceTest, CreatePlanWithoutAnOpIsInvalidArgument) {
   auto c = Connect();
   grpc::ClientContext ctx;
-  Prepare(&ctx, c->session().session_id, absl::Seconds(30));
+  Prepare(&ctx, c->session().session_token, absl::Seconds(30));
   v1::CreatePlanRequest req;
   v1::CreatePlanResponse resp;
   grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
@@ -424,7 +425,7 @@ TEST_F(FusionServiceTest, EngineErrorsPassThrough) {
 TEST_F(FusionServiceTest, ARequestWithoutDeadlineGetsTheDefault) {
   auto [c, b, plan] = ConnectWithPlan();
   absl::Time before = absl::Now();
-  auto call = StartExecute(c->session().session_id, plan, 1, absl::ZeroDuration());
+  auto call = StartExecute(c->session().session_token, plan, 1, absl::ZeroDuration());
   ASSERT_TRUE(call->Wait());
   EXPECT_TRUE(call->status.ok()) << call->status.error_message();
   absl::Time deadline = engine_->last_ctx().deadline;
@@ -432,7 +433,7 @@ TEST_F(FusionServiceTest, ARequestWithoutDeadlineGetsTheDefault) {
   EXPECT_LE(deadline, absl::Now() + absl::Seconds(20));
   // A client deadline wins.
   absl::Time before2 = absl::Now();
-  auto call2 = StartExecute(c->session().session_id, plan, 1, absl::Seconds(3));
+  auto call2 = StartExecute(c->session().session_token, plan, 1, absl::Seconds(3));
   ASSERT_TRUE(call2->Wait());
   // The service keeps a small margin before the client's deadline to send a specific error.
   EXPECT_LE(engine_->last_ctx().deadline, absl::Now() + absl::Seconds(3));
@@ -442,7 +443,7 @@ TEST_F(FusionServiceTest, ARequestWithoutDeadlineGetsTheDefault) {
 TEST_F(FusionServiceTest, UnregisterDuringAnOpWaitsOrTimesOutCleanly) {
   auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
-  auto call = StartExecute(c->session().session_id, plan, 2);
+  auto call = StartExecute(c->session().session_token, plan, 2);
   ASSERT_TRUE(engine_->WaitEntered(1));
   absl::Status s = c->Unregister(b.region, absl::Milliseconds(300));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
@@ -461,9 +462,9 @@ TEST_F(FusionServiceTest, FullQueueIsRefusedCleanly) {
   Start(o);
   auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
-  auto first = StartExecute(c->session().session_id, plan, 1);
+  auto first = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
-  auto second = StartExecute(c->session().session_id, plan, 1);
+  auto second = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(WaitFor([&] { return server_.service()->queued_ops() == 1; }));
   auto third = c->Execute(plan, 1);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
@@ -479,9 +480,9 @@ TEST_F(FusionServiceTest, FullQueueIsRefusedCleanly) {
 TEST_F(FusionServiceTest, AnOpQueuedPastItsDeadlineDoesNotRun) {
   auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
-  auto first = StartExecute(c->session().session_id, plan, 1);
+  auto first = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
-  auto late = StartExecute(c->session().session_id, plan, 1, absl::Milliseconds(200));
+  auto late = StartExecute(c->session().session_token, plan, 1, absl::Milliseconds(200));
   ASSERT_TRUE(late->Wait());
   EXPECT_EQ(late->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   engine_->OpenGate();
@@ -494,9 +495,9 @@ TEST_F(FusionServiceTest, AnOpQueuedPastItsDeadlineDoesNotRun) {
 TEST_F(FusionServiceTest, ShutdownEndsQueuedOpsWithUnavailable) {
   auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
-  auto first = StartExecute(c->session().session_id, plan, 1);
+  auto first = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
-  auto queued = StartExecute(c->session().session_id, plan, 1);
+  auto queued = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(WaitFor([&] { return server_.service()->queued_ops() == 1; }));
   server_.service()->Shutdown();
   ASSERT_TRUE(queued->Wait());
@@ -522,7 +523,7 @@ TEST_F(FusionServiceTest, AClientThatDisconnectsMidOpHasItsRegionsReleased) {
   auto lplan = *leaver->CreatePlan(lb.Op());
   EXPECT_EQ(OpenMappingCount(), with_keeper + 2);
   engine_->CloseGate();
-  auto call = StartExecute(leaver->session().session_id, lplan, 2);
+  auto call = StartExecute(leaver->session().session_token, lplan, 2);
   ASSERT_TRUE(engine_->WaitEntered(1));
   leaver.reset();  // the session stream ends while its op runs
   // "extra" is unmapped at once; the op's region stays mapped while the op runs.
@@ -550,7 +551,7 @@ TEST_F(FusionServiceTest, SessionEndReleasesEverything) {
 TEST_F(FusionServiceTest, RegionsAreListedWithInFlightCounts) {
   auto [c, b, plan] = ConnectWithPlan();
   engine_->CloseGate();
-  auto call = StartExecute(c->session().session_id, plan, 1);
+  auto call = StartExecute(c->session().session_token, plan, 1);
   ASSERT_TRUE(engine_->WaitEntered(1));
   auto list = c->ListRegions();
   ASSERT_TRUE(list.ok());
@@ -621,8 +622,8 @@ TEST_F(FusionFdTest, ADepositedMemfdRegistersOnceByTicket) {
   EXPECT_TRUE(Register(ticket).ok());
   EXPECT_EQ(broker_.pending(), 0u);
   absl::Status again = Register(ticket, "again");
-  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(again.message(), HasSubstr("fd ticket unknown or expired"));
+  EXPECT_EQ(again.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(again.message(), HasSubstr("fd ticket unknown, expired or not the caller's"));
   EXPECT_THAT(std::string(again.message()), ::testing::Not(HasSubstr(ticket)));
 }
 

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -57,15 +58,18 @@ TEST(InStreamAttachments, OnePerSessionAndRemovedBySessionEnd) {
   absl::StatusOr<uint64_t> again = a.Add(1, 5);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(again.status().message(), HasSubstr("already holds attachment"));
+  // Another session's id and an id nobody holds get one answer, which names no id.
   absl::Status other = a.Remove(2, *id);
-  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(other.message(), HasSubstr("not held by this session"));
+  EXPECT_THAT(std::string(other.message()), ::testing::Not(HasSubstr(absl::StrCat(*id))));
+  EXPECT_EQ(a.Remove(2, *id ^ 1), other);
   EXPECT_TRUE(a.RemoveSession(2).empty());  // another session's end leaves it alone
   EXPECT_TRUE(a.Busy());
   // The session's end names the attachment that ended with it (its op is retired by the engine).
   EXPECT_EQ(a.RemoveSession(1), std::vector<uint64_t>{*id});
   EXPECT_FALSE(a.Busy());
-  EXPECT_EQ(a.Remove(1, *id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a.Remove(1, *id), other);
 }
 
 TEST(InStreamAttachments, DrainWaitsForAcknowledgements) {

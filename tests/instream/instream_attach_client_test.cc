@@ -31,7 +31,7 @@ class FakeFusion final : public v1::Fusion::Service {
     v1::SessionRequest req;
     if (!stream->Read(&req)) return grpc::Status::OK;
     v1::SessionResponse resp;
-    resp.set_session_id(11);
+    resp.set_session_token("0123456789abcdef0123456789abcdef");
     resp.set_device(v1::DEVICE_KIND_HOST);
     resp.set_world_size(2);
     stream->Write(resp);

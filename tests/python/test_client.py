@@ -54,7 +54,8 @@ def expected(world, t, h, residual, gamma, eps):
 
 def test_session_identity(group2):
     with arfuse.Client(group2.socket(1)) as c:
-        assert c.session_id != 0
+        # 128 random bits as 32 lowercase hex characters.
+        assert len(c.session_token) == 32 and int(c.session_token, 16) >= 0
         assert c.device == common_pb2.DEVICE_KIND_HOST
         assert c.rank == 1 and c.world_size == 2
         assert c.server_api[0] == 1
@@ -157,7 +158,8 @@ def test_plan_execute_and_bad_input(group2):
     assert errors["short"][0] == SC.INVALID_ARGUMENT
     assert errors["big"][0] == SC.INVALID_ARGUMENT and "exceeds the exported" in errors["big"][1]
     assert errors["stale"][0] == SC.FAILED_PRECONDITION and "stale generation" in errors["stale"][1]
-    assert errors["unknown"][0] == SC.NOT_FOUND and "does not exist" in errors["unknown"][1]
+    assert errors["unknown"][0] == SC.PERMISSION_DENIED
+    assert "not held by this session" in errors["unknown"][1]
     assert errors["tokens"][0] == SC.INVALID_ARGUMENT and "max_tokens" in errors["tokens"][1]
     assert errors["hidden"][0] == SC.INVALID_ARGUMENT and "multiple of 8" in errors["hidden"][1]
     assert errors["align"][0] == SC.INVALID_ARGUMENT and "multiple of 16" in errors["align"][1]
@@ -197,7 +199,7 @@ def test_other_api_version_is_refused(group2):
             c.stub.GetWorkspaceInfo(arfuse.fusion_pb2.GetWorkspaceInfoRequest(),
                                     metadata=[("arfuse-api-version", "2.0")], timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "2.0" in e.value.details() and "1.0" in e.value.details()
+        assert "2.0" in e.value.details() and "1.1" in e.value.details()
 
 
 def test_keepalive_outside_its_range_is_refused(tmp_path):

@@ -71,8 +71,8 @@ def test_a_ticket_is_claimed_once(one):
         req.name = "b"
         with pytest.raises(arfuse.ArfuseError) as e:
             c._call(c.stub.RegisterRegion, req)
-        assert e.value.code == grpc.StatusCode.NOT_FOUND
-        assert "fd ticket unknown or expired" in e.value.message
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "fd ticket unknown, expired or not the caller's" in e.value.message
         assert ticket not in e.value.message
     buf.close()
 
@@ -80,7 +80,7 @@ def test_a_ticket_is_claimed_once(one):
 def test_the_fd_channel_refuses_garbage_and_a_pickup_of_nothing(one):
     with pytest.raises(fdpass.FdChannelError) as e:
         fdpass.pickup(fdpass.channel_path(one.socket(0)), "0" * 32)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(fdpass.FdChannelError) as e:
         fdpass.deposit(fdpass.channel_path(one.socket(0)), [])
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -88,7 +88,7 @@ def test_the_fd_channel_refuses_garbage_and_a_pickup_of_nothing(one):
 
 def test_oversized_metadata_says_what_was_lost(one):
     with arfuse.Client(one.socket(0)) as c:
-        md = [("arfuse-api-version", "1.0"), ("arfuse-session", str(c.session_id))]
+        md = [("arfuse-api-version", "1.1"), ("arfuse-session", c.session_token)]
         # 32 KiB is within the limit: the call is served and the session stays.
         c.stub.ListRegions(fusion_pb2.ListRegionsRequest(), metadata=md + [("x", "a" * 32768)],
                            timeout=10)

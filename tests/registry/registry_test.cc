@@ -13,12 +13,14 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/random_id.h"
 #include "server/registry/host_shm_opener.h"
 #include "tests/registry/fake_opener.h"
 
@@ -175,6 +177,54 @@ TEST_F(RegistryTest, UnknownSessionIsFailedPrecondition) {
   EXPECT_EQ(reg_->ListRegions(session_ + 1).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(RegistryTest, ASessionIsFoundByItsTokenOnlyForItsOwner) {
+  const SessionOwner alice{1000, ""};
+  const SessionOwner bob{1001, ""};
+  const SessionOwner alice_over_tls{1000, "x509:CN=alice"};
+  auto opened = reg_->OpenOwnedSession("alice", alice);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_TRUE(IsWellFormedSessionToken(opened->token)) << opened->token;
+  auto found = reg_->FindSession(opened->token, alice);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, opened->id);
+
+  // Another uid, the same uid with another identity, a guess, a malformed token: one answer.
+  const absl::Status reference = reg_->FindSession(NewSessionToken(), alice).status();
+  EXPECT_EQ(reference.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(reference.message(), HasSubstr("names no open session of this caller"));
+  for (const absl::Status& s : {reg_->FindSession(opened->token, bob).status(),
+                                reg_->FindSession(opened->token, alice_over_tls).status(),
+                                reg_->FindSession(opened->token, SessionOwner{}).status(),
+                                reg_->FindSession(opened->token.substr(1), alice).status(),
+                                reg_->FindSession(absl::StrCat(opened->id), alice).status()}) {
+    EXPECT_EQ(s, reference);
+    EXPECT_THAT(s.message(), Not(HasSubstr(opened->token)));
+  }
+  // Ended: the same answer again, also to its owner.
+  reg_->CloseSession(opened->id);
+  EXPECT_EQ(reg_->FindSession(opened->token, alice).status(), reference);
+}
+
+TEST_F(RegistryTest, SessionTokensAreDistinctAndNotDerivedFromEachOther) {
+  std::set<std::string> tokens;
+  RegistryLimits limits;
+  limits.max_sessions = 64;
+  reg_ = MakeRegistry(limits);
+  for (int i = 0; i < 64; ++i) {
+    auto s = reg_->OpenOwnedSession("c", SessionOwner{1000, ""});
+    ASSERT_TRUE(s.ok()) << s.status();
+    tokens.insert(s->token);
+  }
+  EXPECT_EQ(tokens.size(), 64u);
+  // Two registries with the same boot nonce (what a fixed nonce gave before) share no token.
+  auto twin = MakeRegistry(limits);
+  for (int i = 0; i < 64; ++i) {
+    auto s = twin->OpenOwnedSession("c", SessionOwner{1000, ""});
+    ASSERT_TRUE(s.ok());
+    EXPECT_FALSE(tokens.contains(s->token));
+  }
+}
+
 TEST_F(RegistryTest, UnknownRegionIsNotFound) {
   absl::Status s = reg_->UnregisterRegion(session_, 999, 1, absl::Now() + absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
@@ -276,8 +326,8 @@ TEST_F(RegistryTest, UnknownAndStalePlans) {
   RegionHandle h = Register("buf");
   auto plan = *reg_->CreatePlan(session_, NormOpOn(h));
   auto r = reg_->ResolvePlan(session_, plan.plan_id + 100, plan.generation, 1);
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(r.status().message(), HasSubstr("does not exist in this session"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(r.status().message(), HasSubstr("not held by this session"));
   r = reg_->ResolvePlan(session_, plan.plan_id, plan.generation + 1, 1);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("stale generation"));
@@ -285,7 +335,7 @@ TEST_F(RegistryTest, UnknownAndStalePlans) {
   EXPECT_THAT(d.message(), HasSubstr("stale generation"));
   ASSERT_TRUE(reg_->DestroyPlan(session_, plan.plan_id, plan.generation).ok());
   d = reg_->DestroyPlan(session_, plan.plan_id, plan.generation);
-  EXPECT_EQ(d.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(d.code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST_F(RegistryTest, PlanOverAnUnregisteredRegionIsFailedPrecondition) {
@@ -681,8 +731,8 @@ TEST_F(RegistryTest, RefusedChangesLeaveTotalsAlone) {
   EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(stale.message(), HasSubstr("stale generation"));
   absl::Status unknown = reg_->DestroyPlan(session_, 999, 1);
-  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(unknown.message(), HasSubstr("does not exist"));
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(unknown.message(), HasSubstr("not held by this session"));
 
   EXPECT_EQ(reg_->totals(), before);
   // Only the report made when the observer was set: refusals change nothing and report nothing.

@@ -166,7 +166,7 @@ TEST_F(BadInputTest, MalformedProtobufIsRefusedOnEveryServiceAndNoHandlerRuns) {
     // With the session, so a handler that ran anyway would act for a real session.
     std::vector<std::pair<std::string, std::string>> md;
     md.emplace_back(kApiVersionMetadataKey, "1.0");
-    md.emplace_back("arfuse-session", absl::StrCat(good_->client().session().session_id));
+    md.emplace_back("arfuse-session", good_->client().session().session_token);
     grpc::Status s = Raw(method, garbage, md);
     // gRPC 1.51's callback API fails a request it cannot deserialize with UNIMPLEMENTED and an
     // empty message, before any handler runs (the synchronous API would say INTERNAL).
@@ -307,9 +307,12 @@ TEST_F(BadInputTest, SessionMetadataMissingMalformedOrUnknown) {
   };
   for (const Case& c :
        {Case{std::nullopt, absl::StatusCode::kFailedPrecondition, "no session"},
-        Case{"abc", absl::StatusCode::kInvalidArgument, "not a decimal"},
-        Case{"18446744073709551616", absl::StatusCode::kInvalidArgument, "not a decimal"},
-        Case{"12345", absl::StatusCode::kFailedPrecondition, "session"}}) {
+        Case{"abc", absl::StatusCode::kPermissionDenied, "names no open session of this caller"},
+        Case{"18446744073709551616", absl::StatusCode::kPermissionDenied,
+             "names no open session of this caller"},
+        Case{"12345", absl::StatusCode::kPermissionDenied, "names no open session of this caller"},
+        Case{std::string(32, 'a'), absl::StatusCode::kPermissionDenied,
+             "names no open session of this caller"}}) {
     ++g_cases;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -496,7 +499,8 @@ TEST_F(BadInputTest, ExecuteRefusals) {
       {"zero tokens", by_plan(0), absl::StatusCode::kInvalidArgument, "num_tokens"},
       {"above the plan's max_tokens", by_plan(good_->shape().tokens + 1),
        absl::StatusCode::kInvalidArgument, "num_tokens"},
-      {"unknown plan", unknown_plan, absl::StatusCode::kNotFound, "plan"},
+      {"unknown plan", unknown_plan, absl::StatusCode::kPermissionDenied,
+       "not held by this session"},
       {"stale plan generation", stale_plan, absl::StatusCode::kFailedPrecondition,
        "stale generation"},
       {"wait_event in host mode", wait_event, absl::StatusCode::kInvalidArgument, "wait_event"},
@@ -579,7 +583,7 @@ TEST(BadInputDeadline, CallWithoutDeadlineGetsTheDefault) {
   v1::ExecuteResponse resp;
   grpc::ClientContext ctx;  // no deadline
   ctx.AddMetadata(kApiVersionMetadataKey, "1.0");
-  ctx.AddMetadata("arfuse-session", absl::StrCat((*c)->client().session().session_id));
+  ctx.AddMetadata("arfuse-session", (*c)->client().session().session_token);
   absl::Time t0 = absl::Now();
   absl::Status s = FromGrpc((*c)->client().stub().Execute(&ctx, req, &resp));
   absl::Duration took = absl::Now() - t0;

@@ -2,7 +2,7 @@
 
 A Client opens a Session stream and keeps it open: the sidecar releases the session's regions
 and plans when the stream ends (close(), garbage collection, or the process dying). Every call
-carries the API version and the session id in metadata, and a deadline.
+carries the API version and the session token in metadata, and a deadline.
 
 The session stream also tells the client when its sidecar is gone: a sidecar that dies (or is
 killed) ends the stream at once, and `session_lost` then says why. allreduce_fusion raises
@@ -26,7 +26,7 @@ from . import _proto, fdpass
 common_pb2, fusion_pb2, fusion_pb2_grpc = _proto.load()
 config_pb2, config_pb2_grpc = _proto.load_config()
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 API_VERSION_KEY = "arfuse-api-version"
 SESSION_KEY = "arfuse-session"
 
@@ -247,7 +247,17 @@ class Client:
                 raise ArfuseError(err.code(), err.details())
             raise ArfuseError(grpc.StatusCode.UNAVAILABLE, "the sidecar did not open a session")
         resp = first["resp"]
-        self.session_id = resp.session_id
+        if not resp.session_token:
+            self._session_call.cancel()
+            self._channel.close()
+            raise ArfuseError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the sidecar (API {resp.server_api.major}.{resp.server_api.minor}) sent no "
+                f"session token; this client needs API {API_VERSION} or later: use the sidecar "
+                "of this client's release")
+        # 128 random bits as 32 hex characters: every call carries it, and only calls from this
+        # client's user reach the session.
+        self.session_token = resp.session_token
         self.device = resp.device
         self.rank = resp.rank
         self.world_size = resp.world_size
@@ -395,7 +405,7 @@ class Client:
 
     # -- plumbing --
     def _call(self, method, request, timeout: Optional[float] = None):
-        md = [(API_VERSION_KEY, API_VERSION), (SESSION_KEY, str(self.session_id))]
+        md = [(API_VERSION_KEY, API_VERSION), (SESSION_KEY, self.session_token)]
         try:
             return method(request, metadata=md, timeout=timeout or self.timeout)
         except grpc.RpcError as e:

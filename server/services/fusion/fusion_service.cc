@@ -1,5 +1,8 @@
 #include "server/services/fusion/fusion_service.h"
 
+#include <grpc/grpc_security_constants.h>
+#include <grpcpp/security/auth_context.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8,8 +11,8 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
@@ -105,15 +108,35 @@ absl::StatusOr<uint64_t> FusionService::SessionOf(const grpc::CallbackServerCont
   auto it = md.find(kSessionMetadataKey);
   if (it == md.end()) {
     return absl::FailedPreconditionError(
-        "no session: open a Fusion.Session stream first and pass its session_id in the "
+        "no session: open a Fusion.Session stream first and pass its session_token in the "
         "arfuse-session metadata");
   }
-  uint64_t id = 0;
-  if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id)) {
-    return absl::InvalidArgumentError("arfuse-session metadata is not a decimal session id");
+  return registry_.FindSession(absl::string_view(it->second.data(), it->second.size()),
+                               OwnerOf(ctx));
+}
+
+SessionOwner FusionService::OwnerOf(const grpc::ServerContextBase& ctx) const {
+  SessionOwner owner;
+  // While the call is in progress its connection is open, so ctx.peer() names it (and only it).
+  if (options_.callers != nullptr) {
+    if (std::optional<SocketCredentials> c = options_.callers->ForPeer(ctx.peer())) {
+      owner.uid = c->uid;
+    }
   }
-  ARFUSE_RETURN_IF_ERROR(registry_.CheckSession(id));
-  return id;
+  // Over TCP the sidecar requires and verifies a client certificate (--listen): the identity is
+  // its subject, which the CA vouched for. Unix connections are not authenticated this way.
+  std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    std::vector<grpc::string_ref> subject =
+        auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME);
+    if (subject.empty()) subject = auth->GetPeerIdentity();
+    owner.identity = "x509:";
+    for (const grpc::string_ref& v : subject) {
+      owner.identity.append(v.data(), v.size());
+      owner.identity.push_back('\n');
+    }
+  }
+  return owner;
 }
 
 // ---- Session ----
@@ -121,7 +144,8 @@ absl::StatusOr<uint64_t> FusionService::SessionOf(const grpc::CallbackServerCont
 class FusionService::SessionReactor final
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
-  SessionReactor(FusionService* service, grpc::CallbackServerContext* ctx) : service_(service) {
+  SessionReactor(FusionService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), owner_(service->OwnerOf(*ctx)) {
     absl::Status version = CheckClientApiVersion(*ctx);
     if (!version.ok()) {
       RequestFinish(version);
@@ -148,13 +172,13 @@ class FusionService::SessionReactor final
       first = !opened_;
     }
     if (first) {
-      auto id = service_->registry_.OpenSession(request_.client_name());
-      if (!id.ok()) {
-        RequestFinish(id.status());
+      auto opened = service_->registry_.OpenOwnedSession(request_.client_name(), owner_);
+      if (!opened.ok()) {
+        RequestFinish(opened.status());
         return;
       }
       const FusionServiceOptions& o = service_->options_;
-      response_.set_session_id(*id);
+      response_.set_session_token(opened->token);
       response_.mutable_server_api()->set_major(kApiMajor);
       response_.mutable_server_api()->set_minor(kApiMinor);
       response_.set_device(static_cast<v1::DeviceKind>(o.device));
@@ -163,7 +187,7 @@ class FusionService::SessionReactor final
       {
         std::lock_guard<std::mutex> lock(mu_);
         opened_ = true;
-        session_id_ = *id;
+        session_id_ = opened->id;
         // Shutdown asked to finish meanwhile: OnDone closes the session just opened.
         if (finish_requested_) return;
         // Set before StartWrite, so a finish requested from another thread waits for the write.
@@ -279,6 +303,8 @@ class FusionService::SessionReactor final
 
  private:
   FusionService* const service_;
+  // Who opened the stream: only its calls reach the session.
+  const SessionOwner owner_;
   // One for the stream (dropped in OnDone), one per BeginShutdown in progress.
   std::atomic<int> refs_{1};
   v1::SessionRequest request_;

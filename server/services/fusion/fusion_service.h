@@ -156,8 +156,13 @@ class FusionService final : public v1::Fusion::CallbackService {
 
   // The call's deadline: the client's, or now + default_deadline when it sent none.
   absl::Time DeadlineOf(const grpc::CallbackServerContext& ctx) const;
-  // API version, then the `arfuse-session` metadata, then the session itself.
+  // API version, then the `arfuse-session` metadata, then the session itself: the handle of the
+  // session it names when the caller (OwnerOf) is the one that opened it, else PERMISSION_DENIED
+  // (Registry::FindSession).
   absl::StatusOr<uint64_t> SessionOf(const grpc::CallbackServerContext& ctx) const;
+  // Who makes the call: the uid of its Unix connection (options.callers) and the identity its
+  // client certificate proved (TCP with mutual TLS: the certificate's subject).
+  SessionOwner OwnerOf(const grpc::ServerContextBase& ctx) const;
   // The caller's side of RegisterRegion: who calls, and the descriptor a host_fd ticket names.
   absl::Status ResolveCaller(const grpc::CallbackServerContext& ctx, RegionSpec& spec) const;
 
@@ -204,7 +209,8 @@ class FusionService final : public v1::Fusion::CallbackService {
   std::unique_ptr<InStreamAttachments> instream_;
 };
 
-// The metadata key carrying the session id (decimal) on every call after Session.
+// The metadata key carrying the session token (SessionResponse.session_token, 32 lowercase hex
+// characters) on every call after Session.
 inline constexpr char kSessionMetadataKey[] = "arfuse-session";
 
 }  // namespace arfuse
