@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--max-batched", type=int, default=8192)
+    ap.add_argument("--break-rank", type=int, default=-1,
+                    help="this rank attaches to a socket that is not there")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -101,7 +103,8 @@ def main():
         speculative_config=None,
         device_config=types.SimpleNamespace(device="cpu"))
 
-    os.environ["ARFUSE_SOCKET"] = args.socket
+    os.environ["ARFUSE_SOCKET"] = args.socket if args.rank != args.break_rank else \
+        os.path.join(os.path.dirname(args.init), "missing{rank}.sock")
     Pass = av.pass_class()
     p = Pass(config)
     result.update(disabled=p.disabled, max_token_num=p.max_token_num,
@@ -109,6 +112,7 @@ def main():
                   status=av.status())
     if p.disabled:
         json.dump(result, open(args.out, "w"))
+        dist.barrier()
         return
     m = p.max_token_num
     result["applicable"] = {

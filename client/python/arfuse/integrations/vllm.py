@@ -7,7 +7,7 @@ process, the engine core, every worker). Configured by environment:
     ARFUSE_SOCKET=/run/arfuse/rank{rank}.sock   this rank's sidecar ("{rank}": the TP rank)
     ARFUSE_VLLM=1|0                             on / off (default: on when ARFUSE_SOCKET is set)
 
-register() checks vLLM's module layout (LAYOUT below; known on vLLM 0.31.0-0.33.0) and then:
+register() checks vLLM's module layout (LAYOUT below; known on vLLM 0.30.0-0.33.0) and then:
 
 - puts ArfuseAllReduceFusionPass in the place of vLLM's AllReduceFusionPass, where vLLM's
   PostGradPassManager.configure() builds it (`pass_manager.AllReduceFusionPass`): FlashInfer's
@@ -46,7 +46,7 @@ from typing import Optional
 
 logger = logging.getLogger("arfuse.integrations.vllm")
 
-TESTED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
+TESTED_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 EPSILONS = (1e-5, 1e-6)
 
 # (module, attribute path, kind): what this integration relies on. "names:X" means the
@@ -157,7 +157,13 @@ def status() -> dict:
     replaced (summed over compile ranges and compiled models)."""
     return {"registered": _state.registered, "on": _state.on, "reason": _state.reason,
             "replaced": _state.replaced,
-            "patched": [f"{getattr(o, '__name__', o)}.{n}" for o, n, _, _ in _state.patched]}
+            "patched": [_label(o, n, had) for o, n, _, had in _state.patched]}
+
+
+def _label(owner, name, had) -> str:
+    if isinstance(had, str) and had.startswith("item:"):
+        return f"{had[5:]}.{name}"
+    return f"{getattr(owner, '__name__', owner)}.{name}"
 
 
 def _patch(owner, name, value):
@@ -246,11 +252,13 @@ def _socket_for(rank: int) -> str:
     return socket.format(rank=rank)
 
 
-def attach_and_vote(hiddens, tp_group, timeout: float = 60.0, client=None) -> bool:
+def attach_and_vote(hiddens, tp_group, device=None, timeout: float = 60.0,
+                    client=None) -> bool:
     """Attaches this rank (tp_group.rank_in_group) to its sidecar and votes over
     tp_group.cpu_group; once per process (later calls return the first answer). Every rank of
     the group must call it at the same point: vLLM builds the pass on every rank when it
-    compiles."""
+    compiles. device: vLLM's device ("cuda"; "cpu" for a host-mode sidecar), where the vote
+    looks for this rank's context."""
     import arfuse
     import arfuse.torch as aft
     from arfuse import instream
@@ -277,7 +285,7 @@ def attach_and_vote(hiddens, tp_group, timeout: float = 60.0, client=None) -> bo
             logger.warning("arfuse: in-stream attach failed: %s", local)
         # agree() counts a rank without a context as unavailable, so every rank disables its
         # own when any could not attach.
-        on = aft.agree(tp_group.cpu_group)
+        on = aft.agree(tp_group.cpu_group, device=device)
         _state.voted, _state.on = True, on
         if not on:
             _state.reason = local or "another TP rank could not attach"
@@ -393,7 +401,7 @@ def pass_class():
             self.hiddens = hiddens
             tp = ps.get_tp_group()
             self.group_name = tp.unique_name
-            if not attach_and_vote(hiddens, tp):
+            if not attach_and_vote(hiddens, tp, device=self.device):
                 return
             if aft.dtype_name(self.model_dtype) is None:
                 logger.warning("arfuse: allreduce fusion pass off: model dtype %s not served",
