@@ -3,7 +3,7 @@
 The tree is a released wheel's .py files (tests/frameworks/vllm/fetch.py unpacks them);
 vLLM's pure-Python dependencies come from a pip --target directory. One module cannot be
 installed: xgrammar's wheel requires its own torch build, which would replace the torch under
-test; it is a stand-in (a module whose attributes are empty classes), and nothing the fusion
+test; it is a stand-in (a module whose attributes are empty classes taking any arguments), and nothing the fusion
 pass runs uses it (vllm.config imports it through the structured-output parsers).
 """
 import importlib.abc
@@ -18,7 +18,7 @@ class _AnyModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        value = type(name, (), {})
+        value = type(name, (), {"__init__": lambda self, *args, **kwargs: None})
         setattr(self, name, value)
         return value
 
