@@ -1,0 +1,550 @@
+"""arfuse in vLLM's place for FlashInfer's fused allreduce + (residual add +) RMSNorm.
+
+The arfuse package ships a `vllm.general_plugins` entry point (`arfuse =
+arfuse.integrations.vllm:register`); vLLM calls it first in every process it starts (the API
+process, the engine core, every worker). Configured by environment:
+
+    ARFUSE_SOCKET=/run/arfuse/rank{rank}.sock   this rank's sidecar ("{rank}": the TP rank)
+    ARFUSE_VLLM=1|0                             on / off (default: on when ARFUSE_SOCKET is set)
+
+register() checks vLLM's module layout (LAYOUT below; known on vLLM 0.30.0-0.33.0) and then:
+
+- puts ArfuseAllReduceFusionPass in the place of vLLM's AllReduceFusionPass, where vLLM's
+  PostGradPassManager.configure() builds it (`pass_manager.AllReduceFusionPass`): FlashInfer's
+  pass is then never built (no FlashInfer workspace, FlashInfer need not be installed) and
+  arfuse's runs at its position in the pass order;
+- turns `PassConfig.fuse_allreduce_rms` on by default at -O2 and -O3 for TP > 1 on CUDA (vLLM's
+  own default asks for FlashInfer and SM90/SM100); an explicit
+  `-cc.pass_config.fuse_allreduce_rms=false` still turns it off, as does VLLM_BATCH_INVARIANT.
+
+A layout it does not know: an ERROR naming the vLLM version and what is missing, and nothing is
+patched (vLLM runs as without arfuse).
+
+The pass (built by vLLM in every worker when it compiles, after the TP group exists) attaches
+to this rank's sidecar and votes across the TP group: all ranks fuse or none
+(arfuse.torch.agree). It then replaces, in the post-grad FX graph, the patterns FlashInfer's
+pass replaces that arfuse serves:
+
+- all_reduce + fused_add_rms_norm -> torch.ops.arfuse.fused_allreduce_residual_rmsnorm (and
+  the variant whose residual output is unused);
+- all_reduce + rms_norm (the first layer, no residual) -> the same op with a zero residual:
+  exact, since arfuse's residual_out = round(allreduce + 0) is its allreduce result bit for bit
+  and its norm is computed from that rounded value, as rms_norm(all_reduce(x)) is.
+
+only for compile ranges whose end is at most arfuse's fused range for the model's hidden size
+and dtype (the sidecar's, the same on every rank; added to vLLM's compile-range endpoints), and
+only where input, residual and weight share a served dtype. Declined (vLLM's own path): an
+RMSNorm whose output feeds a quantization op (FP8, NVFP4: arfuse has no quantized outputs),
+Gemma's (1 + weight) norm in fp32, weights of another dtype, TP 1.
+"""
+import importlib
+import logging
+import operator
+import os
+import threading
+from typing import Optional
+
+logger = logging.getLogger("arfuse.integrations.vllm")
+
+TESTED_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+EPSILONS = (1e-5, 1e-6)
+
+# (module, attribute path, kind): what this integration relies on. "names:X" means the
+# function's code refers to the global name X (pass_manager's configure builds
+# AllReduceFusionPass by that name, so replacing the module global takes its place).
+LAYOUT = (
+    ("vllm.plugins", "DEFAULT_PLUGINS_GROUP", "attr"),
+    ("vllm.compilation.passes.pass_manager", "PostGradPassManager.configure",
+     "names:AllReduceFusionPass"),
+    ("vllm.compilation.passes.vllm_inductor_pass", "VllmPatternMatcherPass", "attr"),
+    ("vllm.compilation.passes.vllm_inductor_pass", "VllmInductorPass.time_and_log", "attr"),
+    ("vllm.compilation.passes.inductor_pass", "enable_fake_mode", "attr"),
+    ("vllm.compilation.passes.inductor_pass", "get_pass_context", "attr"),
+    ("vllm.compilation.passes.inductor_pass", "InductorPass.hash_source", "attr"),
+    ("vllm.ir.ops", "rms_norm", "attr"),
+    ("vllm.ir.ops", "fused_add_rms_norm", "attr"),
+    ("vllm.distributed.parallel_state", "get_tp_group", "attr"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "attr"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size", "attr"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator.all_reduce", "names:all_reduce"),
+    ("vllm.config.vllm", "OPTIMIZATION_LEVEL_02", "attr"),
+    ("vllm.config.vllm", "OPTIMIZATION_LEVEL_03", "attr"),
+)
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def enabled(environ=None) -> bool:
+    """ARFUSE_VLLM=1 (or unset with ARFUSE_SOCKET set) and a socket to attach to."""
+    env = os.environ if environ is None else environ
+    if not env.get("ARFUSE_SOCKET"):
+        return False
+    flag = env.get("ARFUSE_VLLM")
+    return True if flag is None or flag.strip() == "" else _truthy(flag)
+
+
+def vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("vllm")
+    except Exception:
+        try:
+            return importlib.import_module("vllm").__version__
+        except Exception:
+            return "unknown"
+
+
+def _resolve(module, path):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_layout():
+    """[] when vLLM's modules have every name this integration relies on; else what is
+    missing, one string each."""
+    missing = []
+    for module_name, path, kind in LAYOUT:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # any import failure means this layout is not served
+            missing.append(f"{module_name} ({type(e).__name__}: {e})")
+            continue
+        try:
+            obj = _resolve(module, path)
+        except AttributeError:
+            missing.append(f"{module_name}.{path}")
+            continue
+        if kind.startswith("names:"):
+            name = kind.split(":", 1)[1]
+            code = getattr(obj, "__code__", None)
+            if code is None or name not in code.co_names:
+                missing.append(f"{module_name}.{path} refers to {name}")
+        if path == "DEFAULT_PLUGINS_GROUP" and obj != "vllm.general_plugins":
+            missing.append(f"{module_name}.{path} == {obj!r}")
+        if path.startswith("OPTIMIZATION_LEVEL_"):
+            try:
+                obj["compilation_config"]["pass_config"]["fuse_allreduce_rms"]
+            except (KeyError, TypeError):
+                missing.append(f"{module_name}.{path}[compilation_config][pass_config]"
+                               "[fuse_allreduce_rms]")
+    return missing
+
+
+# ---- state of this process ----
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.registered = False
+        self.patched = []          # (owner, name, original, had)
+        self.voted = False         # attach and vote done in this process
+        self.on = False            # the group voted fusion on
+        self.reason = "not set up"
+        self.client = None
+        self.ctx = None
+        self.replaced = 0          # sites replaced, all compile ranges
+
+
+_state = _State()
+
+
+def status() -> dict:
+    """What ran in this process: whether the group fused, why not, how many sites the pass
+    replaced (summed over compile ranges and compiled models)."""
+    return {"registered": _state.registered, "on": _state.on, "reason": _state.reason,
+            "replaced": _state.replaced,
+            "patched": [_label(o, n, had) for o, n, _, had in _state.patched]}
+
+
+def _label(owner, name, had) -> str:
+    if isinstance(had, str) and had.startswith("item:"):
+        return f"{had[5:]}.{name}"
+    return f"{getattr(owner, '__name__', owner)}.{name}"
+
+
+def _patch(owner, name, value):
+    had = name in vars(owner)
+    _state.patched.append((owner, name, getattr(owner, name, None), had))
+    setattr(owner, name, value)
+
+
+def _patch_item(mapping, key, value, label):
+    _state.patched.append((mapping, key, mapping[key], "item:" + label))
+    mapping[key] = value
+
+
+def unregister():
+    """Undoes register() (tests)."""
+    with _state.lock:
+        while _state.patched:
+            owner, name, original, had = _state.patched.pop()
+            if isinstance(had, str) and had.startswith("item:"):
+                owner[name] = original
+            elif had:
+                setattr(owner, name, original)
+            else:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+        _state.registered = False
+
+
+def _default_on(original):
+    """fuse_allreduce_rms's default at -O2/-O3 with arfuse: on for TP > 1 on CUDA (FlashInfer
+    not needed), off under VLLM_BATCH_INVARIANT (arfuse's sum is not batch-invariant either:
+    the one-shot / two-shot choice depends on the token count)."""
+    def enable_allreduce_rms_fusion(cfg) -> bool:
+        import vllm.envs as envs
+        from vllm.platforms import current_platform
+
+        if getattr(envs, "VLLM_BATCH_INVARIANT", False):
+            return False
+        if cfg.parallel_config.tensor_parallel_size > 1 and current_platform.is_cuda():
+            return True
+        return bool(original(cfg)) if callable(original) else bool(original)
+    enable_allreduce_rms_fusion.arfuse = True
+    return enable_allreduce_rms_fusion
+
+
+def register():
+    """The vllm.general_plugins entry point (module docstring). Idempotent; vLLM may call it
+    more than once per process."""
+    with _state.lock:
+        if _state.registered:
+            return
+        if not enabled():
+            logger.debug("arfuse: vLLM integration off (ARFUSE_SOCKET unset or ARFUSE_VLLM=0)")
+            return
+        version = vllm_version()
+        missing = check_layout()
+        if missing:
+            _state.reason = f"vLLM {version}: unknown module layout"
+            logger.error("arfuse: vLLM %s has a module layout arfuse does not know (tested: "
+                         "%s); fused allreduce off, vLLM's own path runs. Missing: %s",
+                         version, ", ".join(TESTED_VERSIONS), "; ".join(missing))
+            return
+        pass_manager = importlib.import_module("vllm.compilation.passes.pass_manager")
+        _patch(pass_manager, "AllReduceFusionPass", pass_class())
+        vcfg = importlib.import_module("vllm.config.vllm")
+        for level in ("OPTIMIZATION_LEVEL_02", "OPTIMIZATION_LEVEL_03"):
+            pc = getattr(vcfg, level)["compilation_config"]["pass_config"]
+            if not getattr(pc["fuse_allreduce_rms"], "arfuse", False):
+                _patch_item(pc, "fuse_allreduce_rms", _default_on(pc["fuse_allreduce_rms"]),
+                            level)
+        _state.registered = True
+        _state.reason = "registered; the pass attaches when vLLM compiles"
+        logger.info("arfuse: vLLM %s (layout known; tested %s): patched %s", version,
+                    ", ".join(TESTED_VERSIONS),
+                    ", ".join(status()["patched"]))
+
+
+# ---- attach and vote (in a worker, from the pass) ----
+
+def _socket_for(rank: int) -> str:
+    socket = os.environ.get("ARFUSE_SOCKET")
+    if not socket:
+        raise ValueError("ARFUSE_SOCKET is not set")
+    return socket.format(rank=rank)
+
+
+def attach_and_vote(hiddens, tp_group, device=None, timeout: float = 60.0,
+                    client=None) -> bool:
+    """Attaches this rank (tp_group.rank_in_group) to its sidecar and votes over
+    tp_group.cpu_group; once per process (later calls return the first answer). Every rank of
+    the group must call it at the same point: vLLM builds the pass on every rank when it
+    compiles. device: vLLM's device ("cuda"; "cpu" for a host-mode sidecar), where the vote
+    looks for this rank's context."""
+    import arfuse
+    import arfuse.torch as aft
+    from arfuse import instream
+
+    with _state.lock:
+        if _state.voted:
+            return _state.on
+        rank, world = tp_group.rank_in_group, tp_group.world_size
+        local = None
+        try:
+            if client is None:
+                client = arfuse.Client(_socket_for(rank), client_name="vllm",
+                                       connect_timeout=timeout)
+                client.wait_ready(timeout)
+            if (client.rank, client.world_size) != (rank, world):
+                raise arfuse.ArfuseError(
+                    instream.status_code(instream.FAILED_PRECONDITION),
+                    f"the sidecar is rank {client.rank} of {client.world_size}, this process "
+                    f"TP rank {rank} of {world} (wrong socket?)")
+            ctx = aft.attach(client, list(hiddens))
+            _state.client, _state.ctx = client, ctx
+        except (arfuse.ArfuseError, ValueError, OSError) as e:
+            local = f"TP rank {rank}: {e}"
+            logger.warning("arfuse: in-stream attach failed: %s", local)
+        # agree() counts a rank without a context as unavailable, so every rank disables its
+        # own when any could not attach.
+        on = aft.agree(tp_group.cpu_group, device=device)
+        _state.voted, _state.on = True, on
+        if not on:
+            _state.reason = local or "another TP rank could not attach"
+            logger.warning("arfuse: fused allreduce off on every TP rank: %s", _state.reason)
+        else:
+            _state.reason = ""
+            logger.info("arfuse: TP rank %d of %d attached: %r", rank, world, _state.ctx)
+        return on
+
+
+def _reset_for_tests():
+    import arfuse.torch as aft
+    with _state.lock:
+        ctx, _state.ctx = _state.ctx, None
+        if ctx is not None:
+            aft.set_context(None, "cpu" if ctx.device == "host" else None)
+            try:
+                ctx.detach()
+            except Exception:
+                pass
+        if _state.client is not None:
+            _state.client.close()
+        _state.client = None
+        _state.voted = _state.on = False
+        _state.reason = "not set up"
+        _state.replaced = 0
+
+
+# ---- the pass ----
+
+_QUANT_DTYPES = None
+
+
+def _feeds_quant(node, depth: int = 4) -> bool:
+    """Whether `node`'s value reaches a quantization op within `depth` users (a native QuantFP8 is
+    convert, divide, clamp, convert): an op whose name
+    has "quant" (vLLM's FP8 / NVFP4 / group quant ops, also under auto_functionalized) or a node
+    producing an 8-bit or packed-4-bit tensor (a native QuantFP8: convert, divide, clamp,
+    convert)."""
+    global _QUANT_DTYPES
+    import torch
+
+    if _QUANT_DTYPES is None:
+        _QUANT_DTYPES = {getattr(torch, n) for n in (
+            "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+            "float4_e2m1fn_x2", "uint8", "int8") if hasattr(torch, n)}
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                names = [str(user.target)] + [str(a) for a in user.args[:1]
+                                              if not hasattr(a, "users")]
+                if any("quant" in s for s in names):
+                    return True
+                val = user.meta.get("val")
+                vals = val if isinstance(val, (tuple, list)) else [val]
+                if any(getattr(v, "dtype", None) in _QUANT_DTYPES for v in vals):
+                    return True
+                nxt.append(user)
+        frontier = nxt
+    return False
+
+
+_PASS_CLASS = None
+
+
+def pass_class():
+    """ArfuseAllReduceFusionPass (a vLLM VllmPatternMatcherPass; built on first use so this
+    module imports without vLLM or torch)."""
+    global _PASS_CLASS
+    if _PASS_CLASS is not None:
+        return _PASS_CLASS
+
+    import torch
+    import torch._inductor.pattern_matcher as pm
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    import vllm.ir.ops
+    from vllm.compilation.passes import inductor_pass as ip
+    from vllm.compilation.passes.vllm_inductor_pass import (VllmInductorPass,
+                                                            VllmPatternMatcherPass)
+    from vllm.distributed import parallel_state as ps
+
+    import arfuse.torch as aft
+
+    ir_rms = torch.ops.vllm_ir.rms_norm.default
+    ir_add_rms = torch.ops.vllm_ir.fused_add_rms_norm.default
+
+    class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
+        """allreduce + (fused add) RMSNorm -> torch.ops.arfuse.fused_allreduce_residual_rmsnorm
+        within arfuse's fused range (module docstring of arfuse.integrations.vllm)."""
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.pass_name = "arfuse_allreduce_fusion_pass"
+            self.disabled = True
+            self.max_token_num = 0
+            self.range_end = None
+            self.tp_size = ps.get_tensor_model_parallel_world_size()
+            if self.tp_size <= 1:
+                logger.info("arfuse: allreduce fusion pass off for TP size %d", self.tp_size)
+                return
+            if config.model_config is None:
+                logger.warning("arfuse: allreduce fusion pass off: no model_config")
+                return
+            hidden = config.model_config.get_hidden_size()
+            hiddens = [hidden]
+            spec = config.speculative_config
+            draft = getattr(spec, "draft_model_config", None) if spec else None
+            if draft is not None and draft.get_hidden_size() not in hiddens:
+                hiddens.append(draft.get_hidden_size())
+            self.hiddens = hiddens
+            tp = ps.get_tp_group()
+            self.group_name = tp.unique_name
+            if not attach_and_vote(hiddens, tp, device=self.device):
+                return
+            if aft.dtype_name(self.model_dtype) is None:
+                logger.warning("arfuse: allreduce fusion pass off: model dtype %s not served",
+                               self.model_dtype)
+                return
+            self.max_token_num = min(aft.max_fused_tokens(h, self.model_dtype)
+                                     for h in hiddens)
+            max_batched = config.scheduler_config.max_num_batched_tokens
+            if max_batched is not None:
+                self.max_token_num = min(self.max_token_num, max_batched)
+            if self.max_token_num <= 0:
+                logger.warning("arfuse: allreduce fusion pass off: hidden %s in %s has no "
+                               "fused range", hiddens, self.model_dtype)
+                return
+            self._add_compile_range_endpoint(config, max_batched)
+            aft.register_ops()
+            self.patterns = PatternMatcherPass(pass_name=self.pass_name)
+            self.register_patterns()
+            self.disabled = False
+            logger.info("arfuse: allreduce fusion pass on: hidden %s %s, compile ranges up to "
+                        "%d tokens (TP %d)", hiddens, self.model_dtype, self.max_token_num,
+                        self.tp_size)
+
+        def _add_compile_range_endpoint(self, config, max_batched):
+            """vLLM compiles each compile range separately and the pass applies to a range
+            only when its end is within the fused range: give arfuse's end its own range.
+            vLLM's PiecewiseBackend reads the endpoints after the pass manager is
+            configured."""
+            cc = config.compilation_config
+            ends = list(cc.compile_ranges_endpoints or [])
+            m = self.max_token_num
+            if m > 1 and (max_batched is None or m < max_batched) and m not in ends:
+                cc.compile_ranges_endpoints = sorted(ends + [m])
+
+        def _check(self, match) -> bool:
+            """Input, residual and weight of one served dtype; the norm's output feeds no
+            quantization op; the hidden size attached with a fused range covering this
+            compile range."""
+            for node in match.nodes:
+                if node.target == ir_rms:
+                    x, residual, weight = node.args[0], None, node.args[1]
+                elif node.target == ir_add_rms:
+                    x, residual, weight = node.args[0], node.args[1], node.args[2]
+                else:
+                    continue
+                if len(node.args) > 4 and node.args[4] is not None or \
+                        node.kwargs.get("variance_size") is not None:
+                    return False
+                vals = [a.meta.get("val") if hasattr(a, "meta") else None
+                        for a in (x, residual, weight) if a is not None]
+                if any(v is None for v in vals) or len({v.dtype for v in vals}) != 1:
+                    return False
+                if aft.dtype_name(vals[0].dtype) is None:
+                    return False
+                hidden = int(vals[0].shape[-1])
+                end = self.range_end if self.range_end is not None else self.max_token_num
+                if aft.max_fused_tokens(hidden, vals[0].dtype) < end:
+                    return False
+                norm_nodes = [node] if node.target == ir_rms else \
+                    [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+                if any(_feeds_quant(n) for n in norm_nodes):
+                    return False
+            return True
+
+        @staticmethod
+        def _functions(group_name, eps):
+            """The patterns as vLLM's models trace them (its GroupCoordinator.all_reduce
+            calls torch.ops.vllm.all_reduce with the group's unique name; its norms are
+            vllm.ir.ops), and arfuse's replacements. Parameters are pattern inputs only."""
+            def add_pattern(residual, input, weight):
+                ar = torch.ops.vllm.all_reduce(input, group_name=group_name)
+                norm, res = vllm.ir.ops.fused_add_rms_norm(ar, residual, weight, eps)
+                return norm, res
+
+            def add_replacement(residual, input, weight):
+                out = torch.ops.arfuse.fused_allreduce_residual_rmsnorm(
+                    input, residual, weight, eps)
+                return out[0], out[1]
+
+            def rms_pattern(input, weight):
+                ar = torch.ops.vllm.all_reduce(input, group_name=group_name)
+                return vllm.ir.ops.rms_norm(ar, weight, eps), ar
+
+            def rms_replacement(input, weight):
+                out = torch.ops.arfuse.fused_allreduce_residual_rmsnorm(
+                    input, torch.zeros_like(input), weight, eps)
+                return out[0], out[1]
+
+            return add_pattern, add_replacement, rms_pattern, rms_replacement
+
+        @staticmethod
+        def _first_only(fn):
+            def first(residual, input, weight):
+                return fn(residual, input, weight)[0]
+            return first
+
+        @ip.enable_fake_mode
+        def register_patterns(self) -> None:
+            group_name = self.group_name
+            dtype, device = self.model_dtype, self.device
+
+            def empty(*shape):
+                return torch.empty(*shape, dtype=dtype, device=device)
+
+            for eps in EPSILONS:
+                add_pattern, add_replacement, rms_pattern, rms_replacement = \
+                    self._functions(group_name, eps)
+                add_inputs = [empty(5, 16), empty(5, 16), empty(16)]
+                pm.register_replacement(add_pattern, add_replacement, add_inputs, pm.fwd_only,
+                                        self.patterns, extra_check=self._check)
+                # The residual output unused (the last layer's norm).
+                pm.register_replacement(
+                    self._first_only(add_pattern), self._first_only(add_replacement),
+                    add_inputs, pm.fwd_only, self.patterns, extra_check=self._check)
+                pm.register_replacement(rms_pattern, rms_replacement,
+                                        [empty(5, 16), empty(16)], pm.fwd_only, self.patterns,
+                                        extra_check=self._check)
+                # Allow the same patterns again with the next epsilon (as vLLM's pass does).
+                torch._inductor.pattern_matcher._seen_patterns.clear()
+
+        def is_applicable_for_range(self, compile_range) -> bool:
+            if self.disabled:
+                return False
+            return bool(compile_range.end <= self.max_token_num)
+
+        def uuid(self) -> str:
+            return ip.InductorPass.hash_dict({
+                "source": ip.InductorPass.hash_source(self),
+                "max_token_num": self.max_token_num, "disabled": self.disabled})
+
+        @VllmInductorPass.time_and_log
+        def __call__(self, graph) -> None:
+            if self.disabled:
+                return
+            try:
+                self.range_end = ip.get_pass_context().compile_range.end
+            except Exception:  # no pass context: outside vLLM's backend (tests)
+                self.range_end = None
+            self.matched_count = self.patterns.apply(graph)
+            _state.replaced += self.matched_count
+            VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
+            logger.info("arfuse: compile range ending at %s: %d allreduce + RMSNorm sites on "
+                        "arfuse", self.range_end, self.matched_count)
+
+    _PASS_CLASS = ArfuseAllReduceFusionPass
+    return _PASS_CLASS

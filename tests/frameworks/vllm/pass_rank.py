@@ -1,0 +1,217 @@
+"""One TP rank of the vLLM pass test: real vLLM modules, real torch, a host-mode sidecar.
+
+    pass_rank.py --rank R --world W --init FILE --socket TEMPLATE --vllm-src DIR [--deps DIR]
+                 --hidden H --dtype bf16 --out JSON
+
+Runs the arfuse pass (arfuse.integrations.vllm) as vLLM's pass manager would: built with a
+config after the TP group exists (it attaches and votes there), then applied to post-grad FX
+graphs made of vLLM's own ops (torch.ops.vllm.all_reduce, torch.ops.vllm_ir.rms_norm and
+fused_add_rms_norm, traced through vllm.ir.ops as vLLM's models call them). The graphs run
+before and after the pass on CPU tensors: before, vLLM's path (its all_reduce op over gloo, its
+IR norms); after, arfuse's op through the sidecar's host workspace. Writes what it saw as JSON
+for the test to judge.
+
+The TP group is a stand-in for vLLM's GroupCoordinator (its unique_name, cpu_group,
+rank_in_group, world_size, and _all_reduce_out_place over gloo, registered in
+parallel_state._groups so vLLM's all_reduce op finds it): a real one needs vLLM's device
+communicators, which need its CUDA extension.
+"""
+import argparse
+import copy
+import json
+import os
+import pathlib
+import sys
+import types
+import weakref
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO / "client" / "python"))
+sys.path.insert(0, str(HERE))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--vllm-src", required=True)
+    ap.add_argument("--deps")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--max-batched", type=int, default=8192)
+    ap.add_argument("--break-rank", type=int, default=-1,
+                    help="this rank attaches to a socket that is not there")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import vllm_env
+    vllm_env.setup(args.vllm_src, args.deps)
+
+    import torch
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
+                            world_size=args.world)
+
+    import vllm
+    import vllm.ir.ops
+    from vllm.config.compilation import CompilationConfig
+    from vllm.config.utils import Range
+    from vllm.distributed import parallel_state as ps
+
+    from arfuse.integrations import vllm as av
+
+    result = {"rank": args.rank, "vllm_file": vllm.__file__}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+
+    # ---- the TP group ----
+    class TpGroup:
+        unique_name = "tp:0"
+        cpu_group = dist.group.WORLD
+        rank_in_group = args.rank
+        world_size = args.world
+        use_custom_op_call = True
+
+        def _all_reduce_out_place(self, t):
+            out = t.clone()
+            dist.all_reduce(out)
+            return out
+
+        def all_reduce(self, t):
+            return torch.ops.vllm.all_reduce(t, group_name=self.unique_name)
+
+    tp = TpGroup()
+    ps._groups[tp.unique_name] = weakref.ref(tp)
+    ps.get_tp_group = lambda: tp
+    ps.get_tensor_model_parallel_world_size = lambda: args.world
+    ps.get_tensor_model_parallel_rank = lambda: args.rank
+
+    # ---- the config vLLM hands its passes (real CompilationConfig; the model, scheduler and
+    # device parts are what the pass reads) ----
+    cc = CompilationConfig()
+    cc.compile_ranges_endpoints = [args.max_batched]
+    hidden = args.hidden
+    config = types.SimpleNamespace(
+        compilation_config=cc,
+        model_config=types.SimpleNamespace(dtype=dtype, get_hidden_size=lambda: hidden),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=args.max_batched),
+        speculative_config=None,
+        device_config=types.SimpleNamespace(device="cpu"))
+
+    os.environ["ARFUSE_SOCKET"] = args.socket if args.rank != args.break_rank else \
+        os.path.join(os.path.dirname(args.init), "missing{rank}.sock")
+    Pass = av.pass_class()
+    p = Pass(config)
+    result.update(disabled=p.disabled, max_token_num=p.max_token_num,
+                  endpoints=list(cc.compile_ranges_endpoints or []),
+                  status=av.status())
+    if p.disabled:
+        json.dump(result, open(args.out, "w"))
+        dist.barrier()
+        return
+    m = p.max_token_num
+    result["applicable"] = {
+        "1..m": p.is_applicable_for_range(Range(1, m)),
+        "m+1..max": p.is_applicable_for_range(Range(m + 1, args.max_batched)),
+        "1..max": p.is_applicable_for_range(Range(1, args.max_batched)),
+    }
+
+    eps = 1e-6
+    ar = tp.all_reduce
+
+    def model(x, x1, x2, w_in, w_post, w_last, w_mid):
+        ar0 = ar(x)                                            # embedding allreduce
+        h0 = vllm.ir.ops.rms_norm(ar0, w_in, eps)              # first layer: no residual
+        y = ar(x1 + h0 @ w_mid)
+        h1, r1 = vllm.ir.ops.fused_add_rms_norm(y, ar0, w_post, eps)
+        z = ar(x2 + h1 @ w_mid)
+        h2 = vllm.ir.ops.fused_add_rms_norm(z, r1, w_last, eps)[0]   # residual unused
+        return h2, ar0, r1
+
+    def quant_native(x, r, w, scale):
+        # vLLM's QuantFP8 in its native form: divide, clamp, cast to FP8.
+        n, res = vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
+        q = (n.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return q, res
+
+    lib = torch.library.Library("arfuse_test", "FRAGMENT")
+    lib.define("static_scaled_fp8_quant(Tensor x, Tensor scale) -> Tensor")
+    lib.impl("static_scaled_fp8_quant",
+             lambda x, s: (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn),
+             "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        "arfuse_test::static_scaled_fp8_quant",
+        lambda x, s: torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device))
+
+    def quant_op(x, w, scale):
+        # An RMSNorm feeding a quantization op (as torch.ops._C.static_scaled_fp8_quant).
+        n = vllm.ir.ops.rms_norm(ar(x), w, eps)
+        return torch.ops.arfuse_test.static_scaled_fp8_quant(n, scale), n
+
+    def gemma(x, r, w):
+        # Gemma's norm: (1 + weight) in fp32 against a bf16 input.
+        return vllm.ir.ops.fused_add_rms_norm(ar(x), r, w.float() + 1.0, eps)
+
+    def mixed(x, r, w):
+        return vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
+
+    def counts(gm):
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return {"arfuse": sum("arfuse.fused_allreduce" in s for s in names),
+                "all_reduce": sum(s.startswith("vllm.all_reduce") for s in names),
+                "vllm_ir": sum(s.startswith("vllm_ir.") for s in names)}
+
+    def run_pass(fn, *inputs):
+        gm = make_fx(fn, tracing_mode="fake")(*inputs)
+        before = counts(gm)
+        ref = copy.deepcopy(gm)
+        p(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        return gm, ref, before, counts(gm), p.matched_count
+
+    t, h = args.tokens, hidden
+    gen = torch.Generator().manual_seed(1000 + args.rank)   # per-rank partial sums
+    shared = torch.Generator().manual_seed(7)                # weights alike on every rank
+
+    def per_rank(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    def same(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=shared) * scale).to(dtype)
+
+    x, x1, x2 = per_rank(t, h), per_rank(t, h), per_rank(t, h)
+    w_in, w_post, w_last = same(h), same(h), same(h)
+    w_mid = same(h, h, scale=h ** -0.5)
+
+    gm, ref, before, after, matched = run_pass(model, x, x1, x2, w_in, w_post, w_last, w_mid)
+    result["model"] = {"before": before, "after": after, "matched": matched}
+    with torch.no_grad():
+        want = ref(x, x1, x2, w_in, w_post, w_last, w_mid)
+        got = gm(x, x1, x2, w_in, w_post, w_last, w_mid)
+    result["model"]["max_abs_diff"] = [float((a.float() - b.float()).abs().max())
+                                      for a, b in zip(got, want)]
+    result["model"]["max_abs_ref"] = [float(b.float().abs().max()) for b in want]
+    result["model"]["ar0_equal"] = bool(torch.equal(got[1], want[1]))
+
+    r = per_rank(t, h)
+    scale = torch.tensor([0.05])
+    for name, fn, inputs in (
+            ("quant_native", quant_native, (x, r, w_post, scale)),
+            ("quant_op", quant_op, (x, w_post, scale)),
+            ("gemma", gemma, (x, r, w_post)),
+            ("mixed", mixed, (x, r, w_post.float()))):
+        _, _, b, a, k = run_pass(fn, *inputs)
+        result[name] = {"before": b, "after": a, "matched": k}
+
+    json.dump(result, open(args.out, "w"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
