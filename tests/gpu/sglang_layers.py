@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""SGLang's real layer modules (a pinned release's source, unmodified) with arfuse installed the way
+its sglang.srt.plugins entry point installs it, two ranks with their own sidecars.
+
+Each rank imports the staged release's sglang.srt.layers.layernorm and the gate's module
+(communicator.py up to 0.5.20, layer_boundary/residual/add_norm.py from 0.5.21), with stand-ins
+(tests/gpu/sglang_standins.py) only for packages not installed (sgl_kernel, flashinfer,
+transformers, ...). The test publishes the parallel layout (TP 2, attention TP 2, MoE TP 2) and the
+backend flag where the release reads them, calls install() as the plugin does (ARFUSE_SOCKET) and
+SGLang's pre_initialize_workspaces, then for each hidden size and token count runs what SGLang's
+boundary runs: when SGLang's gate says yes, RMSNorm.forward_with_allreduce_fusion (SGLang's
+layernorm calling the fused op it imports); otherwise SGLang's own path (the all-reduce, here the
+sum of both ranks' inputs since NCCL refuses two ranks on one GPU, then RMSNorm.forward_native).
+Every output is compared with a reference from both ranks' inputs (fp32 sum + add + RMSNorm, cast)
+within bf16 tolerance, for use_attn_tp_group True and False. On CUDA, the fused path is also
+captured in a torch.cuda.CUDAGraph and compiled with torch.compile(fullgraph=True) (inductor, and
+mode="reduce-overhead"): 0 graph breaks, bit-identical to eager. Host mode (--device=host): host
+sidecars (--sm=90), CPU tensors, torch.compile without CUDA graphs.
+
+  python3 tests/gpu/sglang_layers.py --sglang-src DIR [--device=cuda|host] [--arfused BIN]
+      [--hidden 4096,8192] [--tokens 1,2,...] [--out result.json]
+
+DIR: an unpacked SGLang wheel's top directory (it contains sglang/). Exit status 0 when every
+output matched.
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(REPO / "client" / "python")]
+
+TOKENS = (1, 2, 16, 64, 128, 512, 1024, 2048, 4096)
+EPS = 1e-6
+WORLD = 2
+
+
+# ---------------------------------------------------------------- the rank processes
+
+class Group:
+    """What arfuse's setup and SGLang's layers read of a GroupCoordinator."""
+
+    def __init__(self, ranks, rank):
+        self.ranks, self.world_size = list(ranks), len(ranks)
+        self.rank_in_group = self.ranks.index(rank) if rank in self.ranks else 0
+        self.rank = rank
+        self.cpu_group = None  # the default (gloo) process group
+
+
+class Bag:
+    """A published configuration namespace: attributes, nested bags, None for the rest."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def publish(rank, layout_name):
+    """Publishes TP 2 (attention TP and MoE TP the same two ranks, no EP, no DP attention) and
+    the fusion backend where this release's modules read them. Returns what was set."""
+    import importlib
+    tp = Group(range(WORLD), rank)
+    one = Group([rank], rank)
+    ps = importlib.import_module("sglang.srt.distributed.parallel_state")
+    rc = importlib.import_module("sglang.srt.runtime_context")
+    sizes = dict(tp_size=WORLD, tp_rank=rank, attn_tp_size=WORLD, attn_tp_rank=rank,
+                 moe_ep_size=1, moe_ep_rank=0, moe_tp_size=WORLD, moe_tp_rank=rank,
+                 moe_dp_size=1)
+    groups = dict(tp_group=tp, attn_tp_group=tp, moe_ep_group=one, moe_tp_group=tp)
+    par = rc.get_parallel()
+    if hasattr(par, "_stamp"):           # 0.5.21+: permanent per-process values
+        par._stamp.update(sizes, **groups)
+    else:                                # up to 0.5.20: the groups live in parallel_state
+        fields = getattr(rc, "_PARALLEL_FIELDS", set(sizes))
+        par._overrides.update({k: v for k, v in sizes.items() if k in fields})
+        ps._TP, ps._ATTN_TP, ps._MOE_EP, ps._MOE_TP = tp, tp, one, tp
+    comm = Bag(flashinfer_allreduce_fusion_backend="auto", enable_aiter_allreduce_fusion=False)
+    if layout_name == "communicator":
+        sa = importlib.import_module("sglang.srt.server_args")
+        sa.set_global_server_args_for_scheduler(
+            Bag(flashinfer_allreduce_fusion_backend="auto", enable_aiter_allreduce_fusion=False))
+    else:
+        # The config bags SGLang's launcher publishes: every module's binding of the accessor.
+        exec_bag = Bag(comm=comm)
+        flags = Bag(dp=Bag(enabled=False))
+        originals = {"get_exec": rc.get_exec, "get_flags": rc.get_flags}
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("sglang"):
+                for name, orig in originals.items():
+                    if vars(mod).get(name) is orig:
+                        setattr(mod, name, (lambda b: (lambda: b))(
+                            exec_bag if name == "get_exec" else flags))
+    return {"sizes": sizes, "backend": "auto"}
+
+
+def rank_main(args):
+    import torch
+    import torch.distributed as dist
+    import sglang_standins
+
+    sglang_standins.install()
+    sys.path.insert(0, args.sglang_src)
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    rank = args.rank
+    on_cuda = args.device == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
+    dist.init_process_group("gloo", init_method=f"file://{args.dir}/init.{args.hidden}",
+                            rank=rank, world_size=WORLD)
+    import importlib
+    from arfuse.integrations import sglang as shim
+    out = {"rank": rank, "hidden": args.hidden, "problems": []}
+    t0 = time.monotonic()
+    layernorm = importlib.import_module("sglang.srt.layers.layernorm")
+    patched = shim.install()  # as the plugin does: the socket from $ARFUSE_SOCKET
+    layout = shim._state.layout
+    gate_mod = importlib.import_module(layout.gate_module)
+    gate = getattr(gate_mod, shim._state.gate_name.rsplit(".", 1)[1])
+    publish(rank, layout.name)
+    out.update(sglang=shim.sglang_version(), layout=layout.name, gate=shim._state.gate_name,
+               patched=patched, import_s=round(time.monotonic() - t0, 2),
+               standins=sorted(sglang_standins.FINDER.stubbed))
+    fusion = importlib.import_module("sglang.srt.layers.flashinfer_comm_fusion")
+    dtype = torch.bfloat16
+    fusion.pre_initialize_workspaces(max_token_num=2048, hidden_dim=args.hidden, dtype=dtype)
+    st = shim.status()
+    out["served"], out["reason"] = st["served"], st["reason"]
+    if not st["served"]:
+        out["problems"].append(f"not served: {st['reason']}")
+    max_batch = getattr(importlib.import_module(layout.max_batch_module),
+                        "FUSE_ALLREDUCE_MAX_BATCH_SIZE")
+    out["gate_max_batch"] = max_batch
+    norm = layernorm.RMSNorm(args.hidden, eps=EPS).to(device=dev, dtype=dtype)
+
+    def inputs(tokens, seed):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(tokens, args.hidden, generator=g).to(dtype) for _ in range(WORLD)]
+        r = torch.randn(tokens, args.hidden, generator=g).to(dtype)
+        w = (torch.rand(args.hidden, generator=g) + 0.5).to(dtype)
+        return xs, r, w
+
+    def reference(xs, r, w):
+        s = sum(x.float() for x in xs) + r.float()
+        n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+        return n.to(dtype), s.to(dtype)
+
+    def err(a, b):
+        return ((a.float().cpu() - b.float()).abs().max() /
+                (1 + b.float().abs().max())).item()
+
+    rows = []
+    for tokens in args.tokens:
+        for use_attn in (True, False):
+            xs, r, w = inputs(tokens, seed=tokens * 2 + int(use_attn))
+            with torch.no_grad():
+                norm.weight.copy_(w.to(dev))
+            x, res = xs[rank].to(dev), r.to(dev)
+            yes = bool(gate(tokens))
+            with torch.no_grad():
+                if yes:
+                    path = "fused"
+                    launches = shim.status()["launches"]
+                    n, rs = norm.forward_with_allreduce_fusion(x, res.clone(),
+                                                               use_attn_tp_group=use_attn)
+                    if shim.status()["launches"] == launches:
+                        out["problems"].append(f"{tokens} tokens: no fused launch after a yes")
+                else:
+                    path = "sglang"
+                    reduced = sum(t.float() for t in xs).to(dtype).to(dev)  # the all-reduce
+                    n, rs = norm.forward_native(reduced, res.clone())
+            if on_cuda:
+                torch.cuda.synchronize()
+            rn, rr = reference(xs, r, w)
+            e = max(err(n, rn), err(rs, rr))
+            ok = e <= args.tol
+            rows.append({"tokens": tokens, "use_attn_tp_group": use_attn, "gate": yes,
+                         "path": path, "max_rel_err": e, "ok": ok})
+            if not ok:
+                out["problems"].append(f"{tokens} tokens use_attn={use_attn} {path}: err {e:.3g}")
+            if yes != (0 < tokens <= max_batch) and st["served"]:
+                out["problems"].append(f"{tokens} tokens: gate {yes}, SGLang's limit {max_batch}")
+    out["rows"] = rows
+
+    # Graphs and compile: the fused path at a token count inside the fused range.
+    import torch._dynamo
+    extra = []
+    for tokens in (t for t in args.graph_tokens if t <= max_batch and st["served"]):
+        xs, r, w = inputs(tokens, seed=10_000 + tokens)
+        with torch.no_grad():
+            norm.weight.copy_(w.to(dev))
+        x, res = xs[rank].to(dev), r.to(dev)
+
+        def f(x, res):
+            return norm.forward_with_allreduce_fusion(x, res, use_attn_tp_group=True)
+
+        with torch.no_grad():
+            eager = [t.clone() for t in f(x, res.clone())]
+            rn, rr = reference(xs, r, w)
+            row = {"tokens": tokens, "eager_err": max(err(eager[0], rn), err(eager[1], rr))}
+            torch._dynamo.reset()
+            expl = torch._dynamo.explain(f)(x, res.clone())
+            row["graph_breaks"] = expl.graph_break_count
+            modes = [("inductor", None)] + ([("inductor", "reduce-overhead")] if on_cuda else [])
+            for backend, mode in modes:
+                torch._dynamo.reset()
+                cf = torch.compile(f, fullgraph=True, backend=backend, mode=mode)
+                got = None
+                for _ in range(3):  # reduce-overhead records on the first calls, replays after
+                    got = cf(x, res.clone())
+                    if on_cuda:
+                        torch.cuda.synchronize()
+                key = f"compile_{mode or 'default'}"
+                row[key] = all(torch.equal(a, b) for a, b in zip(eager, got))
+            if on_cuda:
+                sx, sres = x.clone(), res.clone()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        f(sx, sres.clone())
+                torch.cuda.current_stream().wait_stream(s)
+                dist.barrier()
+                g = torch.cuda.CUDAGraph()
+                cres = res.clone()
+                with torch.cuda.graph(g):
+                    gout = f(sx, cres)
+                dist.barrier()
+                same = True
+                for _ in range(3):
+                    cres.copy_(res)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    same = same and all(torch.equal(a, b) for a, b in zip(eager, gout))
+                row["cuda_graph"] = same
+        bad = [k for k, v in row.items() if (k.startswith("compile_") or k == "cuda_graph")
+               and v is not True]
+        if row["graph_breaks"] != 0 or bad or row["eager_err"] > args.tol:
+            out["problems"].append(f"graphs at {tokens} tokens: {row}")
+        extra.append(row)
+        dist.barrier()
+    out["graphs"] = extra
+    out["launches"] = shim.status()["launches"]
+    fusion.cleanup_flashinfer_workspace()
+    out["ok"] = not out["problems"]
+    (pathlib.Path(args.dir) / f"rank{rank}.{args.hidden}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the launcher
+
+class Sidecars:
+    def __init__(self, args, d, hidden):
+        self.procs, self.dir = [], d
+        (d / "peers").mkdir(exist_ok=True)
+        for r in range(WORLD):
+            where = (["--device=cuda", "--gpu=0"] if args.device == "cuda"
+                     else ["--device=host", "--sm=90"])  # host mode decides as an H200 group
+            argv = [args.arfused, *where, f"--rank={r}", f"--world-size={WORLD}",
+                    f"--peer-dir={d}/peers", f"--socket={d}/r{r}.sock", "--health-port=0",
+                    f"--hidden={hidden}", "--max-tokens=2048", "--dtype=bf16",
+                    "--flashinfer-allreduce-fusion-backend=trtllm",
+                    "--log-level=info"]
+            log = open(d / f"arfused.{hidden}.{r}.log", "w")
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+
+    def wait_ready(self):
+        import arfuse
+        for r in range(WORLD):
+            until = time.monotonic() + 120
+            while not (self.dir / f"r{r}.sock").exists():
+                if time.monotonic() > until or self.procs[r].poll() is not None:
+                    raise RuntimeError(f"sidecar {r} did not start: see {self.dir}")
+                time.sleep(0.1)
+            with arfuse.Client(str(self.dir / f"r{r}.sock")) as c:
+                c.wait_ready(120)
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def run_hidden(args, d, hidden):
+    sc = Sidecars(args, d, hidden)
+    try:
+        sc.wait_ready()
+        env = dict(os.environ, ARFUSE_SOCKET=f"{d}/r{{rank}}.sock", ARFUSE_SGLANG="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO / "client" / "python"),
+                                               os.environ.get("PYTHONPATH", "")]))
+        procs = []
+        for r in range(WORLD):
+            argv = [sys.executable, __file__, "--rank-worker", str(r), "--dir", str(d),
+                    "--hidden", str(hidden), "--device", args.device,
+                    "--sglang-src", args.sglang_src, "--tol", str(args.tol),
+                    "--tokens", ",".join(map(str, args.tokens)),
+                    "--graph-tokens", ",".join(map(str, args.graph_tokens))]
+            log = open(d / f"rank{r}.{hidden}.log", "w")
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        for p in procs:
+            try:
+                p.wait(args.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        results = []
+        for r in range(WORLD):
+            f = d / f"rank{r}.{hidden}.json"
+            if f.exists():
+                results.append(json.loads(f.read_text()))
+            else:
+                tail = (d / f"rank{r}.{hidden}.log").read_text()[-3000:]
+                results.append({"rank": r, "hidden": hidden, "ok": False,
+                                "problems": [f"rank {r} left no result (rc "
+                                             f"{procs[r].returncode}):\n{tail}"]})
+        return results
+    finally:
+        sc.stop()
+
+
+def table(results):
+    lines = []
+    for res in results:
+        if "rows" not in res:
+            continue
+        lines.append(f"SGLang {res['sglang']} ({res['layout']}), rank {res['rank']}, hidden "
+                     f"{res['hidden']} bf16: served={res['served']}, gate limit "
+                     f"{res['gate_max_batch']}, {res['launches']} fused launches")
+        lines.append(f"  {'tokens':>6} {'attn':>5} {'gate':>5} {'path':>7} {'max_rel_err':>12}  ok")
+        for row in res["rows"]:
+            lines.append(f"  {row['tokens']:>6} {str(row['use_attn_tp_group']):>5} "
+                         f"{str(row['gate']):>5} {row['path']:>7} {row['max_rel_err']:>12.3e}  "
+                         f"{'ok' if row['ok'] else 'MISMATCH'}")
+        for g in res.get("graphs", []):
+            lines.append("  graphs " + ", ".join(f"{k}={v}" for k, v in g.items()))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang-src", required=True, help="unpacked wheel: DIR/sglang/srt/...")
+    ap.add_argument("--device", choices=("cuda", "host"), default="cuda")
+    ap.add_argument("--arfused", default=os.environ.get("ARFUSE_ARFUSED"))
+    ap.add_argument("--hidden", default="4096,8192")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--graph-tokens", default="1,16,64")
+    ap.add_argument("--tol", type=float, default=2e-2, help="max |out - ref| / (1 + max |ref|)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds per hidden size")
+    ap.add_argument("--out", default=None, help="JSON summary")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--rank-worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.graph_tokens = [int(t) for t in args.graph_tokens.split(",") if t]
+    args.sglang_src = str(pathlib.Path(args.sglang_src).resolve())
+    if args.rank_worker is not None:
+        args.rank, args.hidden = args.rank_worker, int(args.hidden)
+        try:
+            rank_main(args)
+        except Exception:  # noqa: BLE001: reported through the result file
+            res = {"rank": args.rank, "hidden": args.hidden, "ok": False,
+                   "problems": [traceback.format_exc()]}
+            (pathlib.Path(args.dir) / f"rank{args.rank}.{args.hidden}.json").write_text(
+                json.dumps(res))
+        os._exit(0)
+    if not (pathlib.Path(args.sglang_src) / "sglang" / "srt" / "layers" / "layernorm.py").exists():
+        ap.error(f"--sglang-src {args.sglang_src} has no sglang/srt/layers/layernorm.py")
+    if not args.arfused or not os.access(args.arfused, os.X_OK):
+        ap.error(f"--arfused names no executable ({args.arfused!r})")
+    d = pathlib.Path(tempfile.mkdtemp(prefix="arfuse-sglang-layers-"))
+    results = []
+    for hidden in (int(h) for h in args.hidden.split(",")):
+        results += run_hidden(args, d, hidden)
+    ok = bool(results) and all(r.get("ok") for r in results)
+    print(table(results))
+    for r in results:
+        for p in r.get("problems", []):
+            print(f"PROBLEM rank {r['rank']} hidden {r['hidden']}: {p}")
+    summary = {"ok": ok, "device": args.device, "sglang_src": args.sglang_src, "dir": str(d),
+               "results": results}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(f"{'PASS' if ok else 'FAIL'}: logs in {d}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Stand-ins for the packages a staged SGLang source imports that are not installed (sgl_kernel,
+flashinfer, transformers, ...): a meta-path finder that answers an import made by SGLang's own
+modules, and only for a top-level package no other finder has, with a permissive module whose
+attributes are stand-ins. SGLang's modules themselves are always the real files.
+
+    import sglang_standins; sglang_standins.install()   # before importing sglang
+    sglang_standins.FINDER.stubbed                      # the top-level names it answered
+"""
+import importlib.abc, importlib.machinery, importlib.util, sys, types
+
+class _Any(types.ModuleType):
+    """A stand-in module: every attribute is a stand-in (callable, subscriptable, a class base)."""
+    __path__ = []
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        v = _stub_class(f"{self.__name__}.{name}")
+        setattr(self, name, v)
+        return v
+
+class _Meta(type):
+    def __new__(mcls, name, bases, ns, **kw):
+        return super().__new__(mcls, name, bases, ns)
+    def __init__(cls, name, bases, ns, **kw):
+        super().__init__(name, bases, ns)
+    def __iter__(cls): return iter(())
+    def __call__(cls, *a, **k):
+        if cls.__dict__.get("_stub"):
+            if len(a) == 1 and isinstance(a[0], types.FunctionType) and not k:
+                return a[0]  # used as a decorator
+            return _Val()
+        return super().__call__(*a, **k)
+    def __setitem__(cls, k, v): pass
+    def __contains__(cls, k): return False
+    def __len__(cls): return 0
+    def __bool__(cls): return False
+    def __getattr__(cls, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class(f"{cls.__qualname__}.{name}")
+    def __getitem__(cls, item):
+        return cls
+    def __or__(cls, o): return cls
+    def __ror__(cls, o): return cls
+
+class _Val(str):
+    """What a stand-in returns: an empty string that answers any attribute with a stand-in."""
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class("value." + name)
+    def __call__(self, *a, **k): return _Val()
+
+def _stub_class(qual):
+    return _Meta(qual.rsplit(".", 1)[-1], (), {"__qualname__": qual, "_stub": True,
+        "__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None})
+
+def _from_sglang():
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith("<frozen"):
+        f = f.f_back
+    return f is not None and str(f.f_globals.get("__name__", "")).startswith("sglang")
+
+class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self): self.stubbed = set()
+    def find_spec(self, name, path, target=None):
+        top = name.split(".")[0]
+        if top == "sglang" or top in sys.stdlib_module_names or not _from_sglang():
+            return None
+        for f in sys.meta_path:
+            if f is self: continue
+            try:
+                s = f.find_spec(name, path, target)
+            except Exception:
+                s = None
+            if s is not None:
+                return None
+        self.stubbed.add(top)
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec): return _Any(spec.name)
+    def exec_module(self, m): m.__path__ = []
+
+FINDER = Finder()
+
+
+def install():
+    if FINDER not in sys.meta_path:
+        sys.meta_path.append(FINDER)
+    return FINDER
