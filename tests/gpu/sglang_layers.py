@@ -66,7 +66,7 @@ class Bag:
         return None
 
 
-def publish(rank, layout_name):
+def publish(rank):
     """Publishes TP 2 (attention TP and MoE TP the same two ranks, no EP, no DP attention) and
     the fusion backend where this release's modules read them. Returns what was set."""
     import importlib
@@ -86,21 +86,21 @@ def publish(rank, layout_name):
         par._overrides.update({k: v for k, v in sizes.items() if k in fields})
         ps._TP, ps._ATTN_TP, ps._MOE_EP, ps._MOE_TP = tp, tp, one, tp
     comm = Bag(flashinfer_allreduce_fusion_backend="auto", enable_aiter_allreduce_fusion=False)
-    if layout_name == "communicator":
+    if not hasattr(rc, "get_exec"):
+        # Up to 0.5.14: the gate reads the global ServerArgs for the backend flag.
         sa = importlib.import_module("sglang.srt.server_args")
         sa.set_global_server_args_for_scheduler(
             Bag(flashinfer_allreduce_fusion_backend="auto", enable_aiter_allreduce_fusion=False))
     else:
-        # The config bags SGLang's launcher publishes: every module's binding of the accessor.
-        exec_bag = Bag(comm=comm)
-        flags = Bag(dp=Bag(enabled=False))
-        originals = {"get_exec": rc.get_exec, "get_flags": rc.get_flags}
+        # From 0.5.20: the config bags SGLang's launcher publishes (exec.comm, flags.dp), at
+        # every module's binding of the accessors.
+        bags = {"get_exec": Bag(comm=comm), "get_flags": Bag(dp=Bag(enabled=False))}
+        originals = {name: getattr(rc, name) for name in bags if hasattr(rc, name)}
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("sglang"):
                 for name, orig in originals.items():
                     if vars(mod).get(name) is orig:
-                        setattr(mod, name, (lambda b: (lambda: b))(
-                            exec_bag if name == "get_exec" else flags))
+                        setattr(mod, name, (lambda b: (lambda: b))(bags[name]))
     return {"sizes": sizes, "backend": "auto"}
 
 
@@ -129,7 +129,7 @@ def rank_main(args):
     layout = shim._state.layout
     gate_mod = importlib.import_module(layout.gate_module)
     gate = getattr(gate_mod, shim._state.gate_name.rsplit(".", 1)[1])
-    publish(rank, layout.name)
+    publish(rank)
     out.update(sglang=shim.sglang_version(), layout=layout.name, gate=shim._state.gate_name,
                patched=patched, import_s=round(time.monotonic() - t0, 2),
                standins=sorted(sglang_standins.FINDER.stubbed))

@@ -18,6 +18,10 @@ class _Any(types.ModuleType):
         setattr(self, name, v)
         return v
 
+# Dunder names SGLang reads off stand-in classes (the rest raise, as Python's probes expect).
+_DUNDERS = {"__class_validators__": ()}
+
+
 class _Meta(type):
     def __new__(mcls, name, bases, ns, **kw):
         return super().__new__(mcls, name, bases, ns)
@@ -35,6 +39,8 @@ class _Meta(type):
     def __len__(cls): return 0
     def __bool__(cls): return False
     def __getattr__(cls, name):
+        if name in _DUNDERS:
+            return _DUNDERS[name]
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return _stub_class(f"{cls.__qualname__}.{name}")
@@ -77,8 +83,51 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 return None
         self.stubbed.add(top)
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
-    def create_module(self, spec): return _Any(spec.name)
-    def exec_module(self, m): m.__path__ = []
+    def create_module(self, spec):
+        if spec.name in KNOWN:
+            return KNOWN[spec.name]()
+        return _Any(spec.name)
+    def exec_module(self, m):
+        if not hasattr(m, "__path__"):
+            m.__path__ = []
+
+def _msgspec():
+    """msgspec (a C extension): Struct as a dataclass, enough for SGLang's kernel registry."""
+    import dataclasses
+    m = types.ModuleType("msgspec")
+
+    class Struct:
+        def __init_subclass__(cls, frozen=False, **kw):
+            super().__init_subclass__()
+            dataclasses.dataclass(frozen=frozen, eq=True)(cls)
+            cls.__struct_fields__ = tuple(f.name for f in dataclasses.fields(cls))
+
+    def defstruct(name, fields, *, bases=None, module=None, namespace=None, frozen=False,
+                  **kw):
+        ns = dict(namespace or {})
+        ns.pop("__struct_fields__", None)
+        specs = [f if len(f) < 3 or isinstance(f[2], dataclasses.Field)
+                 else (f[0], f[1], dataclasses.field(default=f[2]) if not isinstance(
+                     f[2], (list, dict, set)) else dataclasses.field(
+                         default_factory=(lambda v: lambda: type(v)(v))(f[2])))
+                 for f in fields]
+        cls = dataclasses.make_dataclass(name, specs, namespace=ns, frozen=frozen,
+                                         kw_only=True)
+        cls.__struct_fields__ = tuple(f.name for f in dataclasses.fields(cls))
+        if module:
+            cls.__module__ = module
+        return cls
+
+    m.Struct, m.field, m.defstruct = Struct, dataclasses.field, defstruct
+    m.structs = types.ModuleType("msgspec.structs")
+    m.structs.replace = dataclasses.replace
+    m.structs.asdict = dataclasses.asdict
+    m.structs.fields = dataclasses.fields
+    return m
+
+
+# Packages with behaviour SGLang's import-time code relies on: real small stand-ins.
+KNOWN = {"msgspec": _msgspec}
 
 FINDER = Finder()
 
