@@ -352,10 +352,41 @@ def table(results):
     return "\n".join(lines)
 
 
+# Parts of an SGLang wheel the layer modules never import: left out of a staged copy.
+STAGE_SKIP = ("sglang/multimodal_gen/", "sglang/srt/models/", "sglang/test/")
+
+
+def stage(src, dest):
+    """Copies the .py files of src/sglang (an unpacked wheel, or the wheel itself) that the
+    layer modules can import into dest/sglang; prints the size."""
+    import shutil
+    import zipfile
+    dest = pathlib.Path(dest)
+    n = size = 0
+    if str(src).endswith(".whl"):
+        with zipfile.ZipFile(src) as z:
+            for name in z.namelist():
+                if name.startswith("sglang/") and name.endswith(".py") and \
+                        not name.startswith(STAGE_SKIP):
+                    z.extract(name, dest)
+                    n, size = n + 1, size + z.getinfo(name).file_size
+    else:
+        root = pathlib.Path(src)
+        for f in (root / "sglang").rglob("*.py"):
+            rel = f.relative_to(root).as_posix()
+            if not rel.startswith(STAGE_SKIP):
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, dest / rel)
+                n, size = n + 1, size + f.stat().st_size
+    print(f"staged {n} files, {size / 2**20:.1f} MiB, in {dest}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sglang-src", required=True, help="unpacked wheel: DIR/sglang/srt/...")
+    ap.add_argument("--sglang-src", help="unpacked wheel: DIR/sglang/srt/...")
+    ap.add_argument("--stage", nargs=2, metavar=("WHEEL_OR_DIR", "DEST"),
+                    help="copy the .py files the test needs of a release into DEST, then exit")
     ap.add_argument("--device", choices=("cuda", "host"), default="cuda")
     ap.add_argument("--arfused", default=os.environ.get("ARFUSE_ARFUSED"))
     ap.add_argument("--hidden", default="4096,8192")
@@ -368,6 +399,11 @@ def main():
     ap.add_argument("--rank-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stage:
+        stage(*args.stage)
+        return 0
+    if not args.sglang_src:
+        ap.error("--sglang-src is required")
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.graph_tokens = [int(t) for t in args.graph_tokens.split(",") if t]
     args.sglang_src = str(pathlib.Path(args.sglang_src).resolve())
