@@ -21,7 +21,6 @@ RELEASES = ("0.5.14", "0.5.20", "0.5.23")
 
 
 def _arfused():
-    sys.path.insert(0, str(REPO / "tests" / "python"))
     import importlib.util
     spec = importlib.util.spec_from_file_location("arfuse_python_conftest",
                                                   REPO / "tests" / "python" / "conftest.py")
