@@ -526,10 +526,12 @@ absl::Status Validate(const DaemonOptions& o) {
         "--peer-tls-ca (or none, to use --tls-cert, --tls-key and --tls-client-ca)");
   }
   if (const peers::PeerTlsFiles f = o.peer_tls_files();
-      o.nnodes > 1 && (f.cert.empty() || f.key.empty() || f.ca.empty())) {
+      !o.peer_addr.empty() && (f.cert.empty() || f.key.empty() || f.ca.empty())) {
+    // --peer-addr is what puts the peer channel on TCP (a group within one node meets in
+    // --peer-dir, over Unix sockets whose peers the kernel names).
     return absl::InvalidArgumentError(absl::StrCat(
-        "--nnodes=", o.nnodes,
-        ": the peer channel across nodes runs over TCP with mutual TLS only: give "
+        "--peer-addr=", o.peer_addr,
+        ": the peer channel runs over TCP with mutual TLS only: give "
         "--peer-tls-cert, --peer-tls-key and --peer-tls-ca (or --tls-cert, --tls-key and "
         "--tls-client-ca), a certificate of the group's CA for every sidecar"));
   }

@@ -158,10 +158,10 @@ config::FusionFlags Sidecar::OwnFlags() const {
 }
 
 absl::Status Sidecar::Start() {
-  // The peer channel across nodes authenticates with these every time the group forms: a
+  // The TCP peer channel (--peer-addr) authenticates with these every time the group forms: a
   // certificate that cannot load stops the sidecar now instead of leaving a group that never
   // forms.
-  if (options_.nnodes > 1) {
+  if (!options_.peer_addr.empty()) {
     absl::StatusOr<std::shared_ptr<const peers::PeerTls>> tls =
         peers::PeerTls::Load(options_.peer_tls_files());
     if (!tls.ok()) return tls.status();
@@ -633,7 +633,7 @@ absl::Status Sidecar::FormGroup() {
                       : options_.peer_dir;
     po.rank0_address = options_.peer_addr;
     // Read again at every formation, so a renewed certificate counts from the next one on.
-    if (options_.nnodes > 1) po.tls = options_.peer_tls_files();
+    if (!options_.peer_addr.empty()) po.tls = options_.peer_tls_files();
     po.group = options_.group;
     po.timeout = absl::Seconds(options_.peer_timeout_s);
     // A frozen peer keeps its connection open: heartbeats let the watch below notice it while no

@@ -748,7 +748,7 @@ TEST(DaemonSecurity, AnAttachsTicketDiesWithItsDetachAndItsSession) {
   ASSERT_GT(att->fd_count(), 0u);
   ASSERT_TRUE(a->Detach(att->attach_id()).ok());
   absl::StatusOr<std::vector<UniqueFd>> after = PickupFds(att->fd_socket(), att->fd_ticket());
-  EXPECT_EQ(after.status().code(), absl::StatusCode::kNotFound) << after.status();
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kPermissionDenied) << after.status();
 
   absl::StatusOr<v1::AttachResponse> again = a->Attach(HostAttachRequest());
   ASSERT_TRUE(again.ok()) << again.status();
@@ -758,7 +758,7 @@ TEST(DaemonSecurity, AnAttachsTicketDiesWithItsDetachAndItsSession) {
   ASSERT_TRUE(g.procs[0]->WaitForOutput("event=session_close", 10s)) << g.procs[0]->Stderr();
   absl::SleepFor(absl::Milliseconds(100));
   const absl::StatusCode code = PickupFds(again->fd_socket(), again->fd_ticket()).status().code();
-  EXPECT_EQ(code, absl::StatusCode::kNotFound);
+  EXPECT_EQ(code, absl::StatusCode::kPermissionDenied);
 }
 
 // A plaintext grpc.health.v1 Check on a fresh channel, with a short deadline.

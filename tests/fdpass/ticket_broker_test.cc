@@ -219,11 +219,11 @@ TEST(FdTicketBroker, OffersDieWithTheirAttachmentAndTheirSession) {
   EXPECT_EQ(broker.RevokeAttachment("s1", "a1"), 1u);
   EXPECT_TRUE(pipes[0].WriteEndClosedEverywhere());
   EXPECT_FALSE(pipes[1].WriteEndClosedEverywhere());
-  EXPECT_EQ(broker.Pickup(a, 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.Pickup(a, 1).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(broker.RevokeAttachment("s2", "a1"), 0u);  // another session's attachment id
   EXPECT_EQ(broker.RevokeSession("s1"), 1u);
   EXPECT_TRUE(pipes[1].WriteEndClosedEverywhere());
-  EXPECT_EQ(broker.Pickup(b, 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(broker.Pickup(b, 1).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(broker.RevokeSession(""), 0u);  // an offer without a scope belongs to no session
   EXPECT_EQ(broker.charged_for(1), 2u);
   EXPECT_TRUE(broker.Pickup(c, 1).ok());

@@ -356,9 +356,14 @@ def table(results):
 STAGE_SKIP = ("sglang/multimodal_gen/", "sglang/srt/models/", "sglang/test/")
 
 
+# Staged whole: the JIT kernels' modules check at import that their sources are beside them.
+JIT_TREE = ("sglang/kernels/jit/", "sglang/jit_kernel/")
+
+
 def stage(src, dest):
     """Copies the .py files of src/sglang (an unpacked wheel, or the wheel itself) that the
-    layer modules can import into dest/sglang; prints the size."""
+    layer modules can import into dest/sglang, and every file of sglang/kernels/jit/ or sglang/jit_kernel/ (the JIT
+    modules look for their include/ and csrc/ beside them at import); prints the size."""
     import shutil
     import zipfile
     dest = pathlib.Path(dest)
@@ -366,15 +371,17 @@ def stage(src, dest):
     if str(src).endswith(".whl"):
         with zipfile.ZipFile(src) as z:
             for name in z.namelist():
-                if name.startswith("sglang/") and name.endswith(".py") and \
+                wanted = name.endswith(".py") or name.startswith(JIT_TREE)
+                if name.startswith("sglang/") and wanted and not name.endswith("/") and \
                         not name.startswith(STAGE_SKIP):
                     z.extract(name, dest)
                     n, size = n + 1, size + z.getinfo(name).file_size
     else:
         root = pathlib.Path(src)
-        for f in (root / "sglang").rglob("*.py"):
+        for f in (root / "sglang").rglob("*"):
             rel = f.relative_to(root).as_posix()
-            if not rel.startswith(STAGE_SKIP):
+            if f.is_file() and (rel.endswith(".py") or rel.startswith(JIT_TREE)) and \
+                    not rel.startswith(STAGE_SKIP):
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(f, dest / rel)
                 n, size = n + 1, size + f.stat().st_size

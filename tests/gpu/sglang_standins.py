@@ -6,7 +6,7 @@ attributes are stand-ins. SGLang's modules themselves are always the real files.
     import sglang_standins; sglang_standins.install()   # before importing sglang
     sglang_standins.FINDER.stubbed                      # the top-level names it answered
 """
-import importlib.abc, importlib.machinery, importlib.util, sys, types
+import importlib.abc, importlib.machinery, importlib.util, os, sys, types
 
 class _Any(types.ModuleType):
     """A stand-in module: every attribute is a stand-in (callable, subscriptable, a class base)."""
@@ -73,6 +73,9 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         top = name.split(".")[0]
         if top == "sglang" or top in sys.stdlib_module_names or not _from_sglang():
             return None
+        if top in FORCED:
+            self.stubbed.add(top)
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
         for f in sys.meta_path:
             if f is self: continue
             try:
@@ -132,7 +135,13 @@ KNOWN = {"msgspec": _msgspec}
 FINDER = Finder()
 
 
+# Packages stood in for even where installed ($ARFUSE_SGLANG_STANDINS, comma-separated): an
+# installed transformers whose optional parts are missing fails inside SGLang's config imports.
+FORCED = {n for n in os.environ.get("ARFUSE_SGLANG_STANDINS", "").split(",") if n}
+
+
 def install():
     if FINDER not in sys.meta_path:
-        sys.meta_path.append(FINDER)
+        # First, so that a forced stand-in wins over the installed package.
+        sys.meta_path.insert(0, FINDER)
     return FINDER

@@ -287,7 +287,8 @@ TEST(ErrorNames, EveryKernelCodeHasOne) {
   EXPECT_STREQ(arfuse_error_name(5), "op_mismatch");
   EXPECT_STREQ(arfuse_error_name(kErrorStaleGeneration), "stale_generation");
   EXPECT_STREQ(arfuse_error_name(kErrorLaunchAbi), "launch_abi");
-  EXPECT_STREQ(arfuse_error_name(6), "unknown");
+  EXPECT_STREQ(arfuse_error_name(6), "abandoned");
+  EXPECT_STREQ(arfuse_error_name(7), "unknown");
 }
 
 TEST_F(OpTest, TheCppWrapperMapsCodesToStatuses) {
