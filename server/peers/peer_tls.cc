@@ -172,9 +172,10 @@ TlsStream::TlsStream(UniqueFd fd, bool accepting) : fd_(std::move(fd)), acceptin
 
 TlsStream::~TlsStream() { SSL_free(ssl_); }
 
-absl::StatusOr<std::unique_ptr<TlsStream>> TlsStream::Accept(const PeerTls& tls, UniqueFd fd) {
-  std::unique_ptr<TlsStream> s(new TlsStream(std::move(fd), true));
-  s->ssl_ = SSL_new(tls.server_ctx());
+absl::StatusOr<std::unique_ptr<TlsStream>> TlsStream::Start(SSL_CTX* ctx, UniqueFd fd,
+                                                            bool accepting) {
+  std::unique_ptr<TlsStream> s(new TlsStream(std::move(fd), accepting));
+  s->ssl_ = SSL_new(ctx);
   if (s->ssl_ == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("SSL_new: ", TakeOpenSslErrors()));
   }
@@ -184,24 +185,20 @@ absl::StatusOr<std::unique_ptr<TlsStream>> TlsStream::Accept(const PeerTls& tls,
   SSL_set_bio(s->ssl_, bio, bio);
   SSL_set_mode(s->ssl_, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
   SSL_set_app_data(s->ssl_, s.get());
-  SSL_set_accept_state(s->ssl_);
+  if (accepting) {
+    SSL_set_accept_state(s->ssl_);
+  } else {
+    SSL_set_connect_state(s->ssl_);
+  }
   return s;
 }
 
+absl::StatusOr<std::unique_ptr<TlsStream>> TlsStream::Accept(const PeerTls& tls, UniqueFd fd) {
+  return Start(tls.server_ctx(), std::move(fd), true);
+}
+
 absl::StatusOr<std::unique_ptr<TlsStream>> TlsStream::Connect(const PeerTls& tls, UniqueFd fd) {
-  std::unique_ptr<TlsStream> s(new TlsStream(std::move(fd), false));
-  s->ssl_ = SSL_new(tls.client_ctx());
-  if (s->ssl_ == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("SSL_new: ", TakeOpenSslErrors()));
-  }
-  BIO* bio = BIO_new(SocketBio());
-  if (bio == nullptr) return absl::ResourceExhaustedError("cannot allocate a socket BIO");
-  BIO_set_data(bio, reinterpret_cast<void*>(static_cast<intptr_t>(s->fd_.get())));
-  SSL_set_bio(s->ssl_, bio, bio);
-  SSL_set_mode(s->ssl_, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
-  SSL_set_app_data(s->ssl_, s.get());
-  SSL_set_connect_state(s->ssl_);
-  return s;
+  return Start(tls.client_ctx(), std::move(fd), false);
 }
 
 int TlsStream::OnNewSession(ssl_st* ssl, void* /*session*/) {

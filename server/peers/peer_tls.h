@@ -80,6 +80,10 @@ class TlsStream final : public PeerStream {
  private:
   friend class PeerTls;  // installs OnNewSession on the joining side's context
   TlsStream(UniqueFd fd, bool accepting);
+  // Accept's and Connect's common part: the SSL object of `ctx` over the socket, in the state
+  // `accepting` names.
+  static absl::StatusOr<std::unique_ptr<TlsStream>> Start(ssl_ctx_st* ctx, UniqueFd fd,
+                                                          bool accepting);
   absl::Status Fail(int ret, const char* during);
   static int OnNewSession(ssl_st* ssl, void* session);
 
