@@ -97,7 +97,7 @@ def test_wheel_contents(wheel):
     # (CUDA builds); a wheel with a native library is for this platform only.
     assert native == want, native
     if want:
-        assert re.search(r"-py3-none-linux_\w+\.whl$", wheel.name), wheel.name
+        assert re.search(r"-py3-none-manylinux_\d+_\d+_\w+\.whl$", wheel.name), wheel.name
     else:
         assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
 
