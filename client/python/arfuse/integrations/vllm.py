@@ -44,6 +44,8 @@ import os
 import threading
 from typing import Optional
 
+from . import _patches
+
 logger = logging.getLogger("arfuse.integrations.vllm")
 
 TESTED_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
@@ -167,30 +169,17 @@ def _label(owner, name, had) -> str:
 
 
 def _patch(owner, name, value):
-    had = name in vars(owner)
-    _state.patched.append((owner, name, getattr(owner, name, None), had))
-    setattr(owner, name, value)
+    _patches.patch(_state.patched, owner, name, value)
 
 
 def _patch_item(mapping, key, value, label):
-    _state.patched.append((mapping, key, mapping[key], "item:" + label))
-    mapping[key] = value
+    _patches.patch_item(_state.patched, mapping, key, value, label)
 
 
 def unregister():
     """Undoes register() (tests)."""
     with _state.lock:
-        while _state.patched:
-            owner, name, original, had = _state.patched.pop()
-            if isinstance(had, str) and had.startswith("item:"):
-                owner[name] = original
-            elif had:
-                setattr(owner, name, original)
-            else:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
+        _patches.restore(_state.patched)
         _state.registered = False
 
 

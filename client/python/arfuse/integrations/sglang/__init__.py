@@ -51,6 +51,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .. import _patches
 from . import layouts
 from .layouts import FUSION_MODULE, OP_NAME, Layout
 
@@ -378,9 +379,7 @@ def detect_layout(import_module=importlib.import_module) -> Tuple[Layout, str]:
 
 
 def _patch(owner, name, value):
-    had = name in vars(owner)
-    _state.installed.append((owner, name, getattr(owner, name, None), had))
-    setattr(owner, name, value)
+    _patches.patch(_state.installed, owner, name, value)
     _state.patched_names.append(f"{owner.__name__}.{name}")
 
 
@@ -423,15 +422,7 @@ def uninstall():
     """Restores every attribute install() replaced (in reverse order) and detaches."""
     teardown()
     with _state.lock:
-        while _state.installed:
-            owner, name, original, had = _state.installed.pop()
-            if had:
-                setattr(owner, name, original)
-            else:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
+        _patches.restore(_state.installed)
         _state.patched_names.clear()
         _state.layout, _state.gate_name, _state.op = None, "", None
         _state.reason = "not installed"
