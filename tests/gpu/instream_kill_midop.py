@@ -14,7 +14,7 @@ Variants (--variants, default all): dead0/dead1 x instream/eager x early/late, e
 dead0-eager-early (the peer, rank 1, starts first).
 
   python3 tests/gpu/instream_kill_midop.py --arfused BIN [--device cuda|host] [--gpus N]
-      [--variants ...] [--json FILE]
+      [--variants ...] [--json FILE] [--keep-logs DIR]
 (libarfuse_client: $ARFUSE_CLIENT_LIB or the usual search, docs/integration.md)
 Exit status 0 when every variant passed.
 """
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,14 +85,39 @@ class Worker:
         n = y * self.torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + EPS) * self.gamma().float()
         return r_out, n
 
+    def summed(self, mine, theirs, residual_call):
+        """residual_out of this rank's input of call `mine` with the peer's of call `theirs`."""
+        x = {self.rank: self.inputs(mine, self.rank), 1 - self.rank: self.inputs(theirs,
+                                                                                  1 - self.rank)}
+        a = (x[0].float() + x[1].float()).bfloat16()
+        return (a.float() + self.residual(residual_call).float()).bfloat16()
+
+    def explain(self, call, got_r):
+        """Which of the peer's calls a wrong residual_out summed, when one explains it exactly:
+        tells a stale slot (an earlier call's data) from a torn or uninitialized one."""
+        bits = got_r.view(self.torch.int16)
+        for theirs in (call - 1, call - 2, call + 1, 99, 1, 0):
+            if theirs >= 0 and self.torch.equal(
+                    bits, self.summed(call, theirs, call).view(self.torch.int16)):
+                return f"the peer's input of call {theirs}"
+        if self.torch.equal(bits, self.residual(call).view(self.torch.int16)):
+            return "the residual unchanged (the op's outputs were never written)"
+        if self.torch.equal(bits, (self.inputs(call, self.rank).float() +
+                                   self.residual(call).float()).bfloat16().view(self.torch.int16)):
+            return "this rank's input alone (the peer's slot read as zeros)"
+        return "no single call's data"
+
     def verdict(self, call, r_out, n_out):
         want_r, want_n = self.reference(call)
         got_r = r_out.cpu()
         wrong = int((got_r.view(self.torch.int16) != want_r.view(self.torch.int16)).sum())
         err = (n_out.cpu().float() - want_n).abs().max().item()
         bound = (2.0 ** -6) * max(1.0, want_n.abs().max().item())
-        return {"outcome": "ok", "wrong": wrong, "norm_ok": err <= bound,
-                "elements": got_r.numel()}
+        out = {"outcome": "ok", "wrong": wrong, "norm_ok": err <= bound,
+               "elements": got_r.numel(), "t": time.time()}
+        if wrong:
+            out["explained_by"] = self.explain(call, got_r)
+        return out
 
     def attach(self):
         self.ctx = self.aft.attach(self.client, [self.hidden])
@@ -147,6 +173,8 @@ class Worker:
             return {"outcome": "not_served", "message": str(self.ws.unavailable_reason)}
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
+        # The op was asynchronous: an OK reply means enqueued, check() that it completed.
+        self.ws.check()
         return self.verdict(call, t["res"].clone(), t["n"].clone())
 
     def serve(self):
@@ -168,6 +196,7 @@ class Worker:
             except Exception as e:  # noqa: BLE001: reported to the launcher
                 reply = {"outcome": "exception", "message": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-2000:]}
+            reply["t"] = round(time.time(), 3)
             print(json.dumps(reply), flush=True)
         os._exit(0)
 
@@ -211,13 +240,15 @@ class Proc:
             self.p.wait(10)
 
 
-def judge(reply, what, problems):
+def judge(reply, what, problems, timeline=None):
     """OK must be correct; anything else a specific error. Returns a short label."""
     o = reply.get("outcome")
+    if timeline is not None:
+        timeline.append({"what": what, **{k: v for k, v in reply.items() if k != "traceback"}})
     if o == "ok":
         if reply.get("wrong"):
             problems.append(f"{what}: OK with residual_out wrong in {reply['wrong']} of "
-                            f"{reply['elements']} elements")
+                            f"{reply['elements']} elements ({reply.get('explained_by')})")
         elif not reply.get("norm_ok"):
             problems.append(f"{what}: OK with norm_out outside the bound")
         return "ok"
@@ -240,7 +271,7 @@ def run_variant(args, variant):
     d = pathlib.Path(tempfile.mkdtemp(prefix=f"arfuse-kill-{variant}-"))
     ns = argparse.Namespace(arfused=args.arfused, device=args.device, world=2, gpus=args.gpus,
                             hidden=args.hidden)
-    verdict = {"variant": variant, "problems": [], "dir": str(d)}
+    verdict = {"variant": variant, "problems": [], "dir": str(d), "timeline": []}
     sc = Sidecars(ns, d)
     procs = []
     try:
@@ -276,6 +307,7 @@ def run_variant(args, variant):
         # 2. The doomed op, joined by no one; SIGKILL 0.5 s into it.
         doomed.send(cmd="op", plane="instream", call=99)
         time.sleep(0.5)
+        verdict["timeline"].append({"what": f"SIGKILL rank {dead}'s client", "t": time.time()})
         doomed.p.send_signal(signal.SIGKILL)
         doomed.p.wait(10)
         # 3. Both ranks' next op, one 0.3 s before the other.
@@ -292,7 +324,8 @@ def run_variant(args, variant):
         for t in ts:
             t.join(90)
         verdict["next_ops"] = {r: judge(outcomes.get(r, {"outcome": "timeout"}),
-                                        f"rank {r}'s next op", verdict["problems"])
+                                        f"rank {r}'s next op", verdict["problems"],
+                                        verdict["timeline"])
                                for r in (0, 1)}
         # 4. Recovery: eager paired ops until both are correct (detached first).
         for p in ranks.values():
@@ -308,8 +341,8 @@ def run_variant(args, variant):
                 t.start()
             for t in ts:
                 t.join(90)
-            got = {r: judge(res.get(r, {"outcome": "timeout"}), f"rank {r} recovering",
-                            verdict["problems"]) for r in (0, 1)}
+            got = {r: judge(res.get(r, {"outcome": "timeout"}), f"rank {r} recovering (call {call})",
+                            verdict["problems"], verdict["timeline"]) for r in (0, 1)}
             if got == {0: "ok", 1: "ok"}:
                 verdict["recovered_after_calls"] = call - 1
                 break
@@ -325,6 +358,10 @@ def run_variant(args, variant):
             p.kill()
         sc.stop()
     verdict["ok"] = not verdict["problems"]
+    if args.keep_logs and not verdict["ok"]:
+        # The sidecars' and ranks' logs of a failed variant, for the timeline above.
+        shutil.copytree(d, pathlib.Path(args.keep_logs) / variant, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock", "*.sock.*", "peers"))
     return verdict
 
 
@@ -336,6 +373,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep-logs", default=None,
+                    help="copy a failed variant's sidecar and rank logs under this folder")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--socket", default="", help=argparse.SUPPRESS)

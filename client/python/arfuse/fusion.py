@@ -94,6 +94,9 @@ class FusionWorkspace:
         self._checked_at = 0.0
         self._event = None
         self._done_events = {}  # done_event handle -> opened IpcEvent
+        # Asynchronous ops not confirmed by check(): the workspace generation of the first, the
+        # done event of the last, and whether any answered from another generation.
+        self._unconfirmed = None  # (generation, IpcEvent, generation_changed)
         self.unavailable_reason = ""  # why the last None was returned
         self._warned = set()  # reasons already warned about
 
@@ -149,6 +152,48 @@ class FusionWorkspace:
             warnings.warn(f"arfuse: allreduce_fusion returns None (nothing ran; run your own "
                           f"path): {reason}", FusionUnavailableWarning, stacklevel=stacklevel)
         return None
+
+    def check(self):
+        """Confirms that every asynchronous op since the last check completed, or raises.
+
+        On CUDA, allreduce_fusion returns once the sidecar enqueued the op (its stream then waits
+        for it, as with NCCL): an op whose kernel fails afterwards (a peer that never ran its
+        half, an abort, a group that re-forms meanwhile) has left its outputs unwritten. check()
+        waits for the last op (a host wait on its done event), then asks the sidecar: the ops
+        are confirmed when the workspace is READY in the generation the first one ran in, and
+        ArfuseError(ABORTED) names the workspace's state otherwise. Host mode and synchronous
+        ops complete before their reply, so there is nothing to confirm."""
+        pending, self._unconfirmed = self._unconfirmed, None
+        if pending is None:
+            return
+        generation, event, changed = pending
+        event.synchronize()
+        try:
+            info = self.client.workspace_info()
+        except ArfuseError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                self.client.raise_if_lost(_LOST_GRACE_S)
+            raise ArfuseError(grpc.StatusCode.ABORTED,
+                              f"asynchronous ops could not be confirmed: {e.message}") from e
+        state = common_pb2.WorkspaceState.Name(info.state)
+        if changed or info.generation != generation:
+            why = (f"the workspace was re-initialized while they ran (generation {generation}, "
+                   f"now {info.generation}, {state}: {info.reason})")
+        elif info.state != common_pb2.WORKSPACE_STATE_READY:
+            why = f"the workspace is {state}: {info.reason}"
+        else:
+            return
+        self.mark_unavailable(info.reason)
+        raise ArfuseError(grpc.StatusCode.ABORTED,
+                          f"asynchronous ops since the last check may not have completed (their "
+                          f"outputs are undefined): {why}")
+
+    def _note_unconfirmed(self, generation: int, event: IpcEvent):
+        if self._unconfirmed is None:
+            self._unconfirmed = (generation, event, False)
+        else:
+            first, _, changed = self._unconfirmed
+            self._unconfirmed = (first, event, changed or generation != first)
 
     def _done_event(self, handle: bytes) -> IpcEvent:
         ev = self._done_events.get(handle)
@@ -212,9 +257,10 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce), or None
     when the sidecar reports fusion unavailable, for the group or for this op (OUT_OF_RANGE:
     nothing ran on any rank). Errors of a call that did run
-    raise ArfuseError; a sidecar that is gone raises SidecarLost. launch_with_pdl, use_oneshot
-    and fp32_acc are accepted for FlashInfer compatibility; the sidecar picks the path and always
-    accumulates in fp32.
+    raise ArfuseError; a sidecar that is gone raises SidecarLost. On CUDA the op is
+    asynchronous, ordered in the input's stream: a kernel failure after the enqueue is reported by
+    workspace.check(). launch_with_pdl, use_oneshot and fp32_acc are accepted for FlashInfer
+    compatibility; the sidecar picks the path and always accumulates in fp32.
     """
     if quant_out is not None or scale_out is not None:
         raise NotImplementedError("quantized outputs are not served yet")
@@ -257,5 +303,7 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
         workspace.unavailable_reason = resp.reason or "no path was run"
         return workspace._none()
     if stream is not None and resp.done_event:
-        workspace._done_event(bytes(resp.done_event)).wait_on(stream)
+        done = workspace._done_event(bytes(resp.done_event))
+        done.wait_on(stream)
+        workspace._note_unconfirmed(resp.workspace_generation, done)
     return main

@@ -277,3 +277,8 @@ class IpcEvent:
         _CudaRt.check(_CudaRt.lib().cudaStreamWaitEvent(ctypes.c_void_p(stream),
                                                         ctypes.c_void_p(self.event), 0),
                       "cudaStreamWaitEvent")
+
+    def synchronize(self):
+        """Blocks the calling thread until the work before the event's last record finished."""
+        _CudaRt.check(_CudaRt.lib().cudaEventSynchronize(ctypes.c_void_p(self.event)),
+                      "cudaEventSynchronize")
