@@ -11,6 +11,7 @@ v1::AttachRequest InStreamAttachRequest(const std::vector<uint32_t>& hiddens) {
   req.set_attach_abi_version(arfuse_client_abi_version());
   req.set_launch_abi_version(arfuse_launch_abi_version());
   req.set_launch_args_bytes(arfuse_launch_args_bytes());
+  req.set_client_version(arfuse_client_version());
   return req;
 }
 
@@ -25,9 +26,8 @@ absl::StatusOr<instream::InStreamContext> AttachInStream(Client& client,
     if (!fds.ok()) {
       ctx = fds.status();
     } else if (fds->size() != resp->fd_count()) {
-      ctx = absl::InvalidArgumentError(absl::StrCat("picked up ", fds->size(),
-                                                    " descriptors, the attach announced ",
-                                                    resp->fd_count()));
+      ctx = absl::InvalidArgumentError(absl::StrCat(
+          "picked up ", fds->size(), " descriptors, the attach announced ", resp->fd_count()));
     } else {
       std::vector<int> raw;
       for (const UniqueFd& fd : *fds) raw.push_back(fd.get());

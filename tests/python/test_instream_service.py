@@ -1,11 +1,14 @@
 """Fusion.Attach / Detach refusals of a host-mode sidecar (server/services/fusion/instream_rpc.cc),
 each with its status code and part of its message, and the one-plane-per-workspace rule: while a
 client is attached, the sidecar runs no op of its own on the workspace."""
+import re
+
 import grpc
 import pytest
 
 import arfuse
 from arfuse import instream
+from instream_fakes import RecordingLib
 
 fusion_pb2 = arfuse.fusion_pb2
 
@@ -38,7 +41,30 @@ def refused(client, req):
 def test_another_client_abi_is_refused_before_anything_is_handed_out(client, field, value, words):
     e = refused(client, request(**{field: value}))
     assert e.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert words in e.message and "this sidecar's kernels need attach ABI 1" in e.message
+    assert words in e.message and "needs attach ABI 1, launch ABI 1" in e.message
+    assert "the client library of an unnamed release speaks" in e.message
+
+
+class OtherReleaseLib(RecordingLib):
+    """libarfuse_client of another release: its launch layout differs from the sidecar's."""
+
+    def arfuse_launch_abi_version(self):
+        return 9
+
+    def arfuse_client_version(self):
+        return b"0.0.9"
+
+
+def test_a_client_library_of_another_release_is_refused_naming_both_releases(client):
+    lib = OtherReleaseLib()
+    with pytest.raises(arfuse.ArfuseError) as e:
+        instream.attach(client, [1024], lib=lib)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the client library 0.0.9 speaks attach ABI 1, launch ABI 9" in e.value.message
+    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 1, launch ABI 1",
+                     e.value.message), e.value.message
+    # Refused before anything existed: the session's one attachment is still free.
+    assert client.attach_rpc(request()).attach_id > 0
 
 
 def test_too_many_hidden_sizes_are_refused(client):

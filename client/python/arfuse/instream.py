@@ -604,7 +604,8 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
     hiddens = [int(h) for h in (hiddens or [])]
     req = fusion_pb2.AttachRequest(hidden=hiddens, attach_abi_version=v["attach_abi_version"],
                                    launch_abi_version=v["launch_abi_version"],
-                                   launch_args_bytes=v["launch_args_bytes"])
+                                   launch_args_bytes=v["launch_args_bytes"],
+                                   client_version=v["version"])
     resp = client.attach_rpc(req, timeout)
     client._expect_attachment(resp.attach_id)
     fds: List[int] = []

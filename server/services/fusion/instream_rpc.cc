@@ -6,8 +6,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/instream/attach_abi.h"
+#include "server/core/version.h"
 #include "server/engine/instream_host.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attach_fds.h"
@@ -27,12 +29,17 @@ absl::Status CheckClientAbi(const v1::AttachRequest& req) {
   if (req.attach_abi_version() != instream::kAttachAbiVersion ||
       req.launch_abi_version() != instream::kLaunchAbiVersion ||
       req.launch_args_bytes() != instream::kLaunchArgsBytes) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the client library speaks attach ABI ", req.attach_abi_version(), ", launch ABI ",
-        req.launch_abi_version(), " (", req.launch_args_bytes(),
-        "-byte arguments); this sidecar's kernels need attach ABI ", instream::kAttachAbiVersion,
-        ", launch ABI ", instream::kLaunchAbiVersion, " (", instream::kLaunchArgsBytes,
-        "-byte arguments): use the client library of this sidecar's release"));
+    // Both releases are named: the fix is installing the matching pair.
+    const std::string client = req.client_version().empty()
+                                   ? std::string("of an unnamed release")
+                                   : absl::CEscape(req.client_version().substr(0, 64));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the client library ", client, " speaks attach ABI ", req.attach_abi_version(),
+                     ", launch ABI ", req.launch_abi_version(), " (", req.launch_args_bytes(),
+                     "-byte arguments); this sidecar (arfuse ", kVersion, ") needs attach ABI ",
+                     instream::kAttachAbiVersion, ", launch ABI ", instream::kLaunchAbiVersion,
+                     " (", instream::kLaunchArgsBytes,
+                     "-byte arguments): use the client library of this sidecar's release"));
   }
   return absl::OkStatus();
 }
