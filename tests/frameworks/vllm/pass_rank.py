@@ -42,14 +42,46 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the ranks' tensors on --gpu, CUDA sidecars (tests/gpu/vllm_pass.py)")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--sweep", default="",
+                    help="token counts (comma-separated) to trace, pass and run the model at")
     ap.add_argument("--max-batched", type=int, default=8192)
     ap.add_argument("--break-rank", type=int, default=-1,
                     help="this rank attaches to a socket that is not there")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--record-imports", default=None,
+                    help="write the files of every module loaded from --vllm-src or --deps")
     args = ap.parse_args()
+    try:
+        run(args)
+    finally:
+        if args.record_imports:
+            roots = [str(pathlib.Path(d).resolve()) for d in (args.vllm_src, args.deps) if d]
+            files = sorted({str(pathlib.Path(m.__file__).resolve())
+                            for m in list(sys.modules.values())
+                            if getattr(m, "__file__", None)
+                            and any(str(pathlib.Path(m.__file__).resolve()).startswith(r)
+                                    for r in roots)})
+            pathlib.Path(args.record_imports).write_text("\n".join(files) + "\n")
 
+
+def run(args):
     import vllm_env
     vllm_env.setup(args.vllm_src, args.deps)
+    if args.device == "cuda":
+        # vLLM's CUDA platform imports its CUDA extension (vllm._C_stable_libtorch), built for
+        # another torch than the one under test: vLLM runs on the platform it picks on a machine
+        # without a GPU (UnspecifiedPlatform, its IR ops' native implementations), as on CPU,
+        # with its custom ops (vllm::all_reduce) registered for CUDA tensors.
+        import vllm.platforms
+        from vllm.platforms.interface import UnspecifiedPlatform
+
+        class CudaTensorsOnly(UnspecifiedPlatform):
+            dispatch_key = "CUDA"
+
+        vllm.platforms._current_platform = CudaTensorsOnly()
 
     import torch
     import torch.distributed as dist
@@ -66,8 +98,12 @@ def main():
 
     from arfuse.integrations import vllm as av
 
-    result = {"rank": args.rank, "vllm_file": vllm.__file__}
+    result = {"rank": args.rank, "vllm_file": vllm.__file__, "vllm_version": vllm.__version__}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dev = torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(args.gpu)
+        dev = torch.device("cuda", args.gpu)
 
     # ---- the TP group ----
     class TpGroup:
@@ -78,9 +114,11 @@ def main():
         use_custom_op_call = True
 
         def _all_reduce_out_place(self, t):
-            out = t.clone()
+            # vLLM's path over gloo (on CUDA through host memory: ranks may share one GPU,
+            # which NCCL refuses).
+            out = t.cpu().clone() if t.is_cuda else t.clone()
             dist.all_reduce(out)
-            return out
+            return out.to(t.device)
 
         def all_reduce(self, t):
             return torch.ops.vllm.all_reduce(t, group_name=self.unique_name)
@@ -101,7 +139,7 @@ def main():
         model_config=types.SimpleNamespace(dtype=dtype, get_hidden_size=lambda: hidden),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=args.max_batched),
         speculative_config=None,
-        device_config=types.SimpleNamespace(device="cpu"))
+        device_config=types.SimpleNamespace(device=args.device))
 
     os.environ["ARFUSE_SOCKET"] = args.socket if args.rank != args.break_rank else \
         os.path.join(os.path.dirname(args.init), "missing{rank}.sock")
@@ -180,10 +218,10 @@ def main():
     shared = torch.Generator().manual_seed(7)                # weights alike on every rank
 
     def per_rank(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype).to(dev)
 
     def same(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=shared) * scale).to(dtype)
+        return (torch.randn(*shape, generator=shared) * scale).to(dtype).to(dev)
 
     x, x1, x2 = per_rank(t, h), per_rank(t, h), per_rank(t, h)
     w_in, w_post, w_last = same(h), same(h), same(h)
@@ -200,7 +238,7 @@ def main():
     result["model"]["ar0_equal"] = bool(torch.equal(got[1], want[1]))
 
     r = per_rank(t, h)
-    scale = torch.tensor([0.05])
+    scale = torch.tensor([0.05], device=dev)
     for name, fn, inputs in (
             ("quant_native", quant_native, (x, r, w_post, scale)),
             ("quant_op", quant_op, (x, w_post, scale)),
@@ -209,8 +247,54 @@ def main():
         _, _, b, a, k = run_pass(fn, *inputs)
         result[name] = {"before": b, "after": a, "matched": k}
 
+    if args.sweep:
+        result["sweep"] = [sweep_point(int(n), p, run_pass, model, per_rank, w_in, w_post, w_last,
+                                       w_mid, dev, Range, torch)
+                           for n in args.sweep.split(",")]
     json.dump(result, open(args.out, "w"))
     dist.barrier()
+
+
+def sweep_point(tokens, p, run_pass, model, per_rank, w_in, w_post, w_last, w_mid, dev, Range,
+                torch):
+    """The model at `tokens`: passed when vLLM would apply the pass to that compile range (the
+    sidecar's fused range), else vLLM's own graph; run against vLLM's path, and on CUDA also
+    replayed as a CUDA graph (vLLM captures its decode graphs)."""
+    h = w_in.shape[0]
+    inputs = (per_rank(tokens, h), per_rank(tokens, h), per_rank(tokens, h), w_in, w_post,
+              w_last, w_mid)
+    applicable = p.is_applicable_for_range(Range(tokens, tokens))
+    if applicable:
+        gm, ref, before, after, matched = run_pass(model, *inputs)
+    else:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        ref = make_fx(model, tracing_mode="fake")(*inputs)
+        gm, before, after, matched = ref, None, None, 0
+    point = {"tokens": tokens, "applicable": applicable, "before": before, "after": after,
+             "matched": matched}
+    with torch.no_grad():
+        want = ref(*inputs)
+        got = gm(*inputs)
+        point["max_abs_diff"] = [float((a.float() - b.float()).abs().max())
+                                 for a, b in zip(got, want)]
+        point["max_abs_ref"] = [float(b.float().abs().max()) for b in want]
+        if applicable and dev.type == "cuda":
+            # The passed graph captured and replayed: bit-identical to its eager run.
+            static = [t.clone() for t in inputs]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                gm(*static)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = gm(*static)
+            for t, src in zip(static, inputs):
+                t.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            point["graph_equal"] = all(torch.equal(a, b) for a, b in zip(out, got))
+    return point
 
 
 if __name__ == "__main__":
