@@ -76,6 +76,30 @@ RANK = textwrap.dedent(r"""
                                     (res.float() - rs).abs().max().item() / (1 + rs.abs().max().item())))
                     if errs[-1] > tol:
                         out.setdefault("bad", []).append([tokens, str(rdt), str(wdt), errs[-1]])
+    if mode == "lost":
+        # One served op, then this rank waits while the test kills rank 0's sidecar, then the
+        # next op: it must raise (never hang, never answer on one rank alone).
+        import time
+        from arfuse import instream
+        x = torch.randn(8, hidden).to(dt); r = torch.randn(8, hidden).to(dt)
+        w = torch.randn(hidden).to(dt)
+        n, _ = shim.flashinfer_allreduce_residual_rmsnorm(x, r, w, eps, 2048)
+        out["first_served"] = n is not None
+        print("READY", flush=True)
+        while not os.path.exists(os.environ["GO"]):
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        try:
+            n, _ = shim.flashinfer_allreduce_residual_rmsnorm(x, r, w, eps, 2048)
+            out["next"] = "served" if n is not None else "none"
+        except instream.Unavailable as e:
+            out["next"] = "Unavailable"
+            out["disabled"] = str(getattr(e, "disabled", ""))
+            out["message"] = str(e)[:300]
+        except Exception as e:  # noqa: BLE001: the test names what was raised
+            out["next"] = type(e).__name__
+            out["message"] = str(e)[:300]
+        out["seconds"] = time.monotonic() - t0
     if mode == "compile":
         import torch._dynamo
         def f(x, r, w):
@@ -97,16 +121,26 @@ RANK = textwrap.dedent(r"""
 """)
 
 
-def run_ranks(tmp_path, group, mode, hidden, dtype, tokens=""):
+def run_ranks(tmp_path, group, mode, hidden, dtype, tokens="", between=None):
+    """Runs both ranks in `mode`; `between(procs)`, when given, runs once both printed READY."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = dict(os.environ, ARFUSE_PY=str(REPO / "client" / "python"),
                INIT=str(tmp_path / "init"), SOCK=os.path.join(group.dir, "rank{rank}.sock"),
-               HIDDEN=str(hidden), DTYPE=dtype, TOKENS=tokens)
+               HIDDEN=str(hidden), DTYPE=dtype, TOKENS=tokens, GO=str(tmp_path / "go"))
     procs = [subprocess.Popen([sys.executable, str(script), str(r), mode], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    early = ["", ""]
+    if between is not None:
+        for i, p in enumerate(procs):
+            for line in p.stdout:
+                early[i] += line
+                if line.startswith("READY"):
+                    break
+        between(procs)
+        (tmp_path / "go").write_text("")
+    outs = [e + p.communicate(timeout=600)[0] for e, p in zip(early, procs)]
     res = {}
     for o in outs:
         for line in o.splitlines():
@@ -163,3 +197,21 @@ def test_torch_compile_fullgraph_has_no_graph_break_and_matches_eager(tmp_path, 
     for r in (0, 1):
         assert res[r]["served"], (res, outs)
         assert res[r]["graph_breaks"] == 0 and res[r]["bit_identical"] is True, res[r]
+
+
+def test_a_sidecar_lost_while_serving_makes_the_next_op_raise_on_every_rank(tmp_path, sidecars):
+    """docs/integration.md, SGLang "Faults": rank 0's sidecar SIGKILLed after a served op; the
+    next op raises on both ranks (rank 0: Unavailable, its sidecar gone; rank 1: its kernel's
+    peer never arrives) within the spin timeout, and neither rank answers alone."""
+    def kill_rank0(_procs):
+        sidecars.procs[0].kill()
+        sidecars.procs[0].wait(10)
+
+    res, outs = run_ranks(tmp_path, sidecars, "lost", 4096, "bfloat16", between=kill_rank0)
+    assert res[0]["served"] and res[1]["served"], res
+    assert res[0]["first_served"] and res[1]["first_served"], res
+    assert res[0]["next"] == "Unavailable", res[0]
+    assert "sidecar gone" in res[0]["disabled"] + res[0]["message"], res[0]
+    assert res[1]["next"] == "Unavailable", res[1]
+    for r in (0, 1):
+        assert res[r]["seconds"] < 30, res[r]  # never a hang: bounded by the spin timeout
