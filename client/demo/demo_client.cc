@@ -184,7 +184,8 @@ int ClientMain(int rank) {
           // A declined shape is the client library's answer for the shape, never a failure; a
           // refused attach fails when --planes names the plane.
           const bool ok = skipped.declined || !planes->requires_plane(Plane::kInStream);
-          put(Plane::kInStream, shape, r->path, 0, 0, ok, skipped.why);
+          put(Plane::kInStream, shape, r->path, 0, 0, ok,
+              ok ? skipped.why : skipped.why + " (--planes names instream)");
         } else {
           put_result(Plane::kInStream, shape, r);
         }
