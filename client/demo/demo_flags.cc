@@ -23,7 +23,8 @@ ABSL_FLAG(std::string, backend, "auto",
 ABSL_FLAG(int, iters, 20, "Timed ops per shape (after 3 warm-up ops).");
 ABSL_FLAG(double, timeout, 120, "Seconds the whole demo may take before it gives up.");
 ABSL_FLAG(std::string, planes, "",
-          "The data planes to run every shape on, comma-separated, shown in this order: instream "
+          "The data planes to run every shape on, comma-separated (the rows always come in this "
+          "order): instream "
           "(libarfuse_client in the client process: host mode's CPU op, or the sidecar's kernel "
           "in a CUDA graph), eager (one Fusion.Execute per op), doorbell (--device=cuda: a ring "
           "kernel in a CUDA graph). Unset: instream, eager and, with --device=cuda, doorbell "
