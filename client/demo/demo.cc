@@ -1,11 +1,14 @@
-// arfuse-demo: starts N arfused sidecars and N client processes (one per rank), registers
-// regions, runs the fused op for several shapes on the eager plane and, with --device=cuda, on
-// the doorbell plane (a ring kernel captured in a CUDA graph, replayed with new inputs), checks
-// every output against the CPU reference, and prints a table (shape, plane, path, us per op, max
-// error). Exits non-zero on any wrong result or failed call.
+// arfuse-demo: starts N arfused sidecars and N client processes (one per rank) and runs the fused
+// op for several shapes on each data plane: in-stream (the default plane: the client attaches and
+// libarfuse_client runs the op, in host mode the CPU op in the client process, with CUDA the
+// sidecar's kernel captured in a CUDA graph and replayed with new inputs), eager (one
+// Fusion.Execute per op on registered regions) and, with --device=cuda, doorbell (a ring kernel
+// captured in a CUDA graph). It checks every output against the CPU reference and prints a table
+// (shape, plane, path, us per op, cost against the in-stream row, max error). Exits non-zero on
+// any wrong result or failed call.
 //
 //   arfuse-demo --ranks=2 --tokens=1,16,128 --hidden=1024,4096 [--device=host|cuda] [--json]
-//               [--doorbell=auto|on|off]
+//               [--planes=instream,eager,doorbell] [--doorbell=auto|on|off]
 //
 // Client processes are this binary again, started with --client_rank (internal).
 #include <signal.h>
@@ -32,6 +35,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/demo/demo_client.h"
 #include "client/demo/demo_flags.h"
@@ -116,7 +120,8 @@ int ParentMain(const char* argv0) {
   auto tokens = ParseList(absl::GetFlag(FLAGS_tokens), "tokens");
   auto hidden = ParseList(absl::GetFlag(FLAGS_hidden), "hidden");
   auto dt = ParseDType(absl::GetFlag(FLAGS_dtype));
-  for (const absl::Status& s : {tokens.status(), hidden.status(), dt.status()}) {
+  auto planes = ParsePlanes(absl::GetFlag(FLAGS_planes), device, absl::GetFlag(FLAGS_doorbell));
+  for (const absl::Status& s : {tokens.status(), hidden.status(), dt.status(), planes.status()}) {
     if (!s.ok()) {
       std::cerr << s.message() << "\n";
       return 2;
@@ -140,28 +145,39 @@ int ParentMain(const char* argv0) {
 
   std::vector<pid_t> sidecars, clients;
   for (int r = 0; r < ranks; ++r) {
-    sidecars.push_back(Spawn(
-        {arfused, "--device=" + device, absl::StrCat("--rank=", r),
-         absl::StrCat("--world-size=", ranks), "--peer-dir=" + dir + "/peers",
-         "--socket=" + SocketOf(dir, r), "--health-port=0", absl::StrCat("--max-tokens=", max_t),
-         absl::StrCat("--hidden=", max_h), "--dtype=" + absl::GetFlag(FLAGS_dtype),
-         "--log-level=info", absl::StrCat("--spin-timeout=", 5),
-         absl::GetFlag(FLAGS_backend).empty()
-             ? std::string("--enable-deterministic-inference=false")
-             : "--flashinfer-allreduce-fusion-backend=" + absl::GetFlag(FLAGS_backend)},
-        absl::StrCat(dir, "/arfused.", r, ".log")));
+    std::vector<std::string> args = {
+        arfused,
+        "--device=" + device,
+        absl::StrCat("--rank=", r),
+        absl::StrCat("--world-size=", ranks),
+        "--peer-dir=" + dir + "/peers",
+        "--socket=" + SocketOf(dir, r),
+        "--health-port=0",
+        absl::StrCat("--max-tokens=", max_t),
+        absl::StrCat("--hidden=", max_h),
+        "--dtype=" + absl::GetFlag(FLAGS_dtype),
+        "--log-level=info",
+        absl::StrCat("--spin-timeout=", 5),
+        absl::GetFlag(FLAGS_backend).empty()
+            ? std::string("--enable-deterministic-inference=false")
+            : "--flashinfer-allreduce-fusion-backend=" + absl::GetFlag(FLAGS_backend)};
+    // Host mode has no GPU to decide on: the sidecars decide as an SM 90 (H200) group, as the
+    // host-mode tests do, so that --backend=auto turns fusion on and the in-stream plane can
+    // attach (without it the config rules leave fusion off on a CPU machine).
+    if (device == "host") args.push_back("--sm=90");
+    sidecars.push_back(Spawn(args, absl::StrCat(dir, "/arfused.", r, ".log")));
   }
   std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (int r = 0; r < ranks; ++r) {
-    clients.push_back(
-        Spawn({self, absl::StrCat("--client_rank=", r), "--work_dir=" + dir,
-               absl::StrCat("--ranks=", ranks), "--device=" + device,
-               "--tokens=" + absl::GetFlag(FLAGS_tokens), "--hidden=" + absl::GetFlag(FLAGS_hidden),
-               "--dtype=" + absl::GetFlag(FLAGS_dtype),
-               absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
-               "--doorbell=" + absl::GetFlag(FLAGS_doorbell),
-               absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
-              ""));
+    clients.push_back(Spawn(
+        {self, absl::StrCat("--client_rank=", r), "--work_dir=" + dir,
+         absl::StrCat("--ranks=", ranks), "--device=" + device,
+         "--tokens=" + absl::GetFlag(FLAGS_tokens), "--hidden=" + absl::GetFlag(FLAGS_hidden),
+         "--dtype=" + absl::GetFlag(FLAGS_dtype),
+         absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
+         "--planes=" + absl::GetFlag(FLAGS_planes), "--doorbell=" + absl::GetFlag(FLAGS_doorbell),
+         absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout))},
+        ""));
   }
   // Wait for the clients. A sidecar that exits first (it cannot serve: a GPU it cannot use, a bad
   // flag) ends the wait at once: its clients would otherwise wait for it until --timeout.
@@ -208,79 +224,57 @@ int ParentMain(const char* argv0) {
     }
   }
 
-  // Gather: one row per shape, worst case over ranks.
+  // Gather: one row per shape and plane, worst case over ranks.
   struct Row {
+    Plane plane = Plane::kEager;
     uint32_t t = 0, h = 0;
-    std::string path;
+    std::string path = "-";
     double us = 0, err = 0;
     bool ok = true;
     int seen = 0;
     std::string why;
+    // Not run on this plane (a refused attach or doorbell plan, a declined shape), not failed.
+    bool skipped() const { return ok && (path == "skipped" || path == "declined"); }
   };
-  std::vector<Row> rows;
+  std::vector<Row> rows;  // by shape, then plane (the table's order)
   for (uint32_t t : *tokens)
-    for (uint32_t h : *hidden) {
-      Row row;
-      row.t = t;
-      row.h = h;
-      row.path = "-";
-      rows.push_back(row);
-    }
-  // The doorbell plane's rows (CUDA), one per shape as well.
-  const std::string doorbell = absl::GetFlag(FLAGS_doorbell);
-  const bool doorbell_rows = device == "cuda" && doorbell != "off";
-  std::vector<Row> drows = doorbell_rows ? rows : std::vector<Row>();
+    for (uint32_t h : *hidden)
+      for (Plane p : planes->planes()) {
+        Row row;
+        row.plane = p;
+        row.t = t;
+        row.h = h;
+        rows.push_back(row);
+      }
   std::vector<std::string> errors;
   for (int r = 0; r < ranks; ++r) {
     std::ifstream in(absl::StrCat(dir, "/result.", r));
     std::string line;
     while (std::getline(in, line)) {
       std::istringstream ls(line);
-      std::string kind;
+      std::string kind, plane;
       ls >> kind;
       if (kind == "error") {
         errors.push_back(absl::StrCat("rank ", r, ": ", line.substr(6)));
         continue;
       }
-      if (kind == "doorbell") {
-        Row got;
-        int ok = 0;
-        ls >> got.t >> got.h >> got.path >> got.us >> got.err >> ok;
-        std::getline(ls, got.why);
-        for (Row& row : drows) {
-          if (row.t != got.t || row.h != got.h) continue;
-          row.seen++;
-          row.path = got.path;
-          row.us = std::max(row.us, got.us);
-          row.err = std::max(row.err, got.err);
-          if (!ok || got.path == "skipped") row.why = absl::StrCat("rank ", r, ":", got.why);
-          if (!ok) row.ok = false;
-        }
-        continue;
-      }
+      if (kind != "row") continue;
       Row got;
       int ok = 0;
-      ls >> got.t >> got.h >> got.path >> got.us >> got.err >> ok;
+      ls >> plane >> got.t >> got.h >> got.path >> got.us >> got.err >> ok;
       std::getline(ls, got.why);
       for (Row& row : rows) {
-        if (row.t != got.t || row.h != got.h) continue;
+        if (PlaneName(row.plane) != plane || row.t != got.t || row.h != got.h) continue;
         row.seen++;
         row.path = got.path;
         row.us = std::max(row.us, got.us);
         row.err = std::max(row.err, got.err);
-        if (!ok) {
-          row.ok = false;
+        if (!ok || ((got.path == "skipped" || got.path == "declined") && row.why.empty())) {
           row.why = absl::StrCat("rank ", r, ":", got.why);
         }
+        if (!ok) row.ok = false;
       }
     }
-  }
-  for (Row& row : drows) {
-    if (row.seen != ranks) {
-      row.ok = false;
-      if (row.why.empty()) row.why = absl::StrCat(row.seen, " of ", ranks, " ranks reported");
-    }
-    if (!row.ok) rc = 1;
   }
   for (Row& row : rows) {
     if (row.seen != ranks) {
@@ -290,49 +284,63 @@ int ParentMain(const char* argv0) {
     if (!row.ok) rc = 1;
   }
   if (!errors.empty()) rc = 1;
+  // What a row costs against the in-stream row of its shape (us per op over the in-stream row's),
+  // where that row ran.
+  auto vs_instream = [&](const Row& row) -> std::optional<double> {
+    for (const Row& is : rows) {
+      if (is.plane != Plane::kInStream || is.t != row.t || is.h != row.h) continue;
+      if (!is.ok || is.skipped() || !row.ok || row.skipped() || !(is.us > 0)) return std::nullopt;
+      return row.us / is.us;
+    }
+    return std::nullopt;
+  };
   const char* dname = DTypeName(*dt);
+  std::vector<std::string> names;
+  for (Plane p : planes->planes()) names.push_back(PlaneName(p));
   if (absl::GetFlag(FLAGS_json)) {
     std::vector<std::string> items;
     for (const Row& row : rows) {
+      const std::optional<double> vs = vs_instream(row);
       // JsonNumber: a NaN error (a rank's output not a number) is null, not printf's "nan".
       items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"eager\",\"path\":%s,"
-          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s}",
-          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
-          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok)));
+          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":%s,\"path\":%s,"
+          "\"us_per_op\":%s,\"vs_instream\":%s,\"max_error\":%s,\"ok\":%s,\"skipped\":%s,"
+          "\"reason\":%s}",
+          row.t, row.h, JsonQuote(dname), JsonQuote(PlaneName(row.plane)), JsonQuote(row.path),
+          JsonNumber(row.us, 2), vs ? JsonNumber(*vs, 2) : std::string("null"),
+          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok), JsonBool(row.skipped()),
+          JsonQuote(std::string(absl::StripAsciiWhitespace(row.why)))));
     }
-    for (const Row& row : drows) {
-      items.push_back(absl::StrFormat(
-          "{\"tokens\":%u,\"hidden\":%u,\"dtype\":%s,\"plane\":\"doorbell\",\"path\":%s,"
-          "\"us_per_op\":%s,\"max_error\":%s,\"ok\":%s,\"skipped\":%s}",
-          row.t, row.h, JsonQuote(dname), JsonQuote(row.path), JsonNumber(row.us, 2),
-          JsonNumber(row.err, 3, 'g'), JsonBool(row.ok), JsonBool(row.path == "skipped")));
-    }
-    std::cout << absl::StrFormat("{\"device\":%s,\"ranks\":%d,\"results\":[%s],\"ok\":%s}\n",
-                                 JsonQuote(device), ranks, absl::StrJoin(items, ","),
-                                 JsonBool(rc == 0));
+    std::cout << absl::StrFormat(
+        "{\"device\":%s,\"ranks\":%d,\"planes\":[%s],\"results\":[%s],\"ok\":%s}\n",
+        JsonQuote(device), ranks,
+        absl::StrJoin(names, ",", [](std::string* o, const std::string& n) { *o += JsonQuote(n); }),
+        absl::StrJoin(items, ","), JsonBool(rc == 0));
   } else {
     std::cout << absl::StrFormat(
-        "arfuse-demo: device=%s ranks=%d dtype=%s (%s)\n", device, ranks, dname,
-        device != "cuda" ? "doorbell plane: needs --device=cuda"
-        : doorbell_rows  ? "planes: eager, doorbell (ring kernel captured in a CUDA graph)"
-                         : "doorbell plane: off");
-    std::cout << absl::StrFormat("%-14s %-8s %-8s %10s %10s  %s\n", "shape", "plane", "path",
-                                 "us/op", "max err", "result");
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& row = rows[i];
-      std::cout << absl::StrFormat("%-14s %-8s %-8s %10.1f %10.3g  %s\n",
-                                   absl::StrCat(row.t, "x", row.h), "eager", row.path, row.us,
-                                   row.err, row.ok ? "ok" : "FAIL " + row.why);
-      if (i < drows.size()) {
-        const Row& d = drows[i];
-        std::cout << absl::StrFormat(
-            "%-14s %-8s %-8s %10.1f %10.3g  %s\n", absl::StrCat(d.t, "x", d.h), "doorbell", d.path,
-            d.us, d.err,
-            !d.ok ? "FAIL " + d.why
-                  : (d.path == "skipped" ? absl::StrCat("skipped (", d.why, ")")
-                                         : std::string("ok")));
+        "arfuse-demo: device=%s ranks=%d dtype=%s (planes: %s; %s)\n", device, ranks, dname,
+        absl::StrJoin(names, ", "),
+        device != "cuda"
+            ? "host mode: in-stream runs the CPU op in the client process, doorbell needs "
+              "--device=cuda"
+        : planes->runs(Plane::kDoorbell)
+            ? "the in-stream op and the doorbell ring captured in CUDA graphs and replayed"
+            : "the in-stream op captured in a CUDA graph and replayed");
+    std::cout << absl::StrFormat("%-10s %-9s %-8s %10s %11s %10s  %s\n", "shape", "plane", "path",
+                                 "us/op", "vs instream", "max err", "result");
+    for (const Row& row : rows) {
+      const std::optional<double> vs = vs_instream(row);
+      std::string result = "ok";
+      if (!row.ok) {
+        result = "FAIL " + row.why;
+      } else if (row.skipped()) {
+        result = absl::StrCat(row.path, " (", absl::StripAsciiWhitespace(row.why), ")");
       }
+      std::cout << absl::StrFormat(
+          "%-10s %-9s %-8s %10.1f %11s %10.3g  %s\n", absl::StrCat(row.t, "x", row.h),
+          PlaneName(row.plane), row.path, row.us,
+          vs ? absl::StrFormat(*vs < 10 ? "%.2fx" : "%.1fx", *vs) : std::string("-"), row.err,
+          result);
     }
   }
   for (const std::string& e : errors) std::cerr << e << "\n";

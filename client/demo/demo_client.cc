@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
 #include "client/demo/demo_flags.h"
+#include "client/demo/demo_instream.h"
 #include "client/demo/demo_shape.h"
 #include "kernels/cpu/reference_op.h"
 #if defined(ARFUSE_DEMO_CUDA)
@@ -127,6 +128,8 @@ int ClientMain(int rank) {
   auto dt = ParseDType(absl::GetFlag(FLAGS_dtype));
   auto tokens = ParseList(absl::GetFlag(FLAGS_tokens), "tokens");
   auto hidden = ParseList(absl::GetFlag(FLAGS_hidden), "hidden");
+  auto planes = ParsePlanes(absl::GetFlag(FLAGS_planes), absl::GetFlag(FLAGS_device),
+                            absl::GetFlag(FLAGS_doorbell));
   std::ofstream out(absl::StrCat(dir, "/result.", rank));
   auto fail = [&](const absl::Status& s) {
     out << "error " << s.ToString() << "\n";
@@ -134,6 +137,7 @@ int ClientMain(int rank) {
     return 1;
   };
   if (!dt.ok()) return fail(dt.status());
+  if (!planes.ok()) return fail(planes.status());
   ClientOptions co;
   co.target = SocketOf(dir, rank);
   co.client_name = absl::StrCat("arfuse-demo-rank", rank);
@@ -154,36 +158,55 @@ int ClientMain(int rank) {
     }
     absl::SleepFor(absl::Milliseconds(50));
   }
+  // One line per row: "row <plane> <tokens> <hidden> <path> <us/op> <max err> <ok> <why>".
   int rc = 0;
+  auto put = [&](Plane p, const Shape& s, const std::string& path, double us, double err, bool ok,
+                 const std::string& why) {
+    out << "row " << PlaneName(p) << " " << s.tokens << " " << s.hidden << " " << path << " " << us
+        << " " << err << " " << (ok ? 1 : 0) << " " << why << "\n";
+    if (!ok) rc = 1;
+  };
+  auto put_result = [&](Plane p, const Shape& s, const absl::StatusOr<ShapeResult>& r) {
+    if (!r.ok()) return put(p, s, "-", 0, 0, false, r.status().ToString());
+    put(p, s, r->path, r->us_per_op, r->max_error, r->ok, r->error);
+  };
+  const int iters = absl::GetFlag(FLAGS_iters);
   for (uint32_t t : *tokens) {
     for (uint32_t h : *hidden) {
-      auto r = RunShape(**c, rank, world, Shape{t, h}, *dt, cuda, absl::GetFlag(FLAGS_iters));
-      if (!r.ok()) {
-        out << "shape " << t << " " << h << " - 0 0 0 " << r.status().ToString() << "\n";
-        rc = 1;
-        continue;
-      }
-      out << "shape " << t << " " << h << " " << r->path << " " << r->us_per_op << " "
-          << r->max_error << " " << (r->ok ? 1 : 0) << " " << r->error << "\n";
-      if (!r->ok) rc = 1;
-#if defined(ARFUSE_DEMO_CUDA)
-      const std::string doorbell = absl::GetFlag(FLAGS_doorbell);
-      if (cuda && doorbell != "off") {
-        DoorbellRefused refused;
-        auto d = RunDoorbellShape(**c, rank, world, Shape{t, h}, *dt, absl::GetFlag(FLAGS_iters),
-                                  &refused);
-        if (!d.ok() && !refused.why.empty() && doorbell == "auto") {
-          out << "doorbell " << t << " " << h << " skipped 0 0 1 refused: " << refused.why << "\n";
-        } else if (!d.ok()) {
-          out << "doorbell " << t << " " << h << " - 0 0 0 " << d.status().ToString() << "\n";
-          rc = 1;
+      const Shape shape{t, h};
+      // In-stream first: its attachment ends before the eager and doorbell rows, which the
+      // sidecar refuses while a client is attached (one plane per workspace).
+      if (planes->runs(Plane::kInStream)) {
+        InStreamSkipped skipped;
+        auto r = RunInStreamShape(**c, dir, rank, world, shape, *dt, cuda, iters,
+                                  absl::GetFlag(FLAGS_timeout), &skipped);
+        if (r.ok() && !skipped.why.empty()) {
+          // A declined shape is the client library's answer for the shape, never a failure; a
+          // refused attach fails when --planes names the plane.
+          const bool ok = skipped.declined || !planes->requires_plane(Plane::kInStream);
+          put(Plane::kInStream, shape, r->path, 0, 0, ok,
+              ok ? skipped.why : skipped.why + " (--planes names instream)");
         } else {
-          out << "doorbell " << t << " " << h << " " << d->path << " " << d->us_per_op << " "
-              << d->max_error << " " << (d->ok ? 1 : 0) << " " << d->error << "\n";
-          if (!d->ok) rc = 1;
+          put_result(Plane::kInStream, shape, r);
         }
       }
+      if (planes->runs(Plane::kEager)) {
+        put_result(Plane::kEager, shape, RunShape(**c, rank, world, shape, *dt, cuda, iters));
+      }
+      if (planes->runs(Plane::kDoorbell)) {
+#if defined(ARFUSE_DEMO_CUDA)
+        DoorbellRefused refused;
+        auto d = RunDoorbellShape(**c, rank, world, shape, *dt, iters, &refused);
+        if (!d.ok() && !refused.why.empty() && !planes->requires_plane(Plane::kDoorbell)) {
+          put(Plane::kDoorbell, shape, "skipped", 0, 0, true, "refused: " + refused.why);
+        } else {
+          put_result(Plane::kDoorbell, shape, d);
+        }
+#else
+        put(Plane::kDoorbell, shape, "-", 0, 0, false,
+            "this arfuse-demo was built without CUDA: no doorbell plane");
 #endif
+      }
     }
   }
   return rc;

@@ -1,6 +1,7 @@
 // arfuse-demo's client process (this binary again, with --client_rank): it connects to its rank's
-// sidecar, runs every shape on the eager plane (and, with --device=cuda, the doorbell plane),
-// checks every output against the CPU reference and writes <work dir>/result.<rank>.
+// sidecar, runs every shape on the planes --planes selects (in-stream, eager and, with
+// --device=cuda, doorbell), checks every output against the CPU reference and writes
+// <work dir>/result.<rank>.
 #pragma once
 
 namespace arfuse::demo {

@@ -26,9 +26,6 @@ absl::Status CudaCheck(cudaError_t err, const char* what) {
       absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
-// Inputs of replay variant k: other small multiples of 1/8 than the eager rows'.
-float VariantInput(int rank, uint64_t i, int k) { return InputValue(rank + 3 * k, i); }
-
 }  // namespace
 
 absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, const Shape& s,

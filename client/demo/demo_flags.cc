@@ -22,10 +22,18 @@ ABSL_FLAG(std::string, backend, "auto",
           "empty: unset, fusion off unless auto-enabled).");
 ABSL_FLAG(int, iters, 20, "Timed ops per shape (after 3 warm-up ops).");
 ABSL_FLAG(double, timeout, 120, "Seconds the whole demo may take before it gives up.");
+ABSL_FLAG(std::string, planes, "",
+          "The data planes to run every shape on, comma-separated (the rows always come in this "
+          "order): instream "
+          "(libarfuse_client in the client process: host mode's CPU op, or the sidecar's kernel "
+          "in a CUDA graph), eager (one Fusion.Execute per op), doorbell (--device=cuda: a ring "
+          "kernel in a CUDA graph). Unset: instream, eager and, with --device=cuda, doorbell "
+          "(see --doorbell); a sidecar's refusal of the in-stream attach shows its row as skipped. "
+          "A plane named here that a sidecar refuses fails the demo.");
 ABSL_FLAG(std::string, doorbell, "auto",
-          "--device=cuda: also run every shape on the doorbell plane. auto: a sidecar that refuses "
-          "the doorbell (FAILED_PRECONDITION, e.g. fusion off) shows the row as skipped; on: a "
-          "refusal fails the demo; off: eager plane only.");
+          "--device=cuda with --planes unset: the doorbell rows. auto: a sidecar that refuses the "
+          "doorbell (FAILED_PRECONDITION, e.g. fusion off) shows the row as skipped; on: a "
+          "refusal fails the demo; off: no doorbell rows.");
 ABSL_FLAG(int, client_rank, -1, "Internal: run as the client process of this rank.");
 ABSL_FLAG(std::string, work_dir, "", "Internal: the run's directory (sockets, peers, results).");
 
@@ -34,7 +42,7 @@ namespace arfuse::demo {
 const flags::FlagSet& DemoFlags() {
   static const flags::FlagSet set(
       "arfuse-demo", {"ranks", "tokens", "hidden", "dtype", "device", "json", "arfused", "backend",
-                      "iters", "timeout", "doorbell", "client_rank", "work_dir"});
+                      "iters", "timeout", "planes", "doorbell", "client_rank", "work_dir"});
   return set;
 }
 
@@ -43,9 +51,10 @@ std::string Usage() {
       "arfuse-demo: ", absl::ProgramUsageMessage(),
       "\nusage: arfuse-demo [--flag=value ...]\n\n"
       "Starts --ranks arfused sidecars and one client process per rank, runs every --tokens x\n"
-      "--hidden shape on the eager plane (and, with --device=cuda, the doorbell plane), checks\n"
-      "every output against the CPU reference and prints a table. Exits non-zero on any wrong\n"
-      "result or failed call.\n\nflags:\n");
+      "--hidden shape on the in-stream plane, then the eager plane (and, with --device=cuda,\n"
+      "the doorbell plane), checks every output against the CPU reference and prints a table:\n"
+      "each row's plane, path, us per op and its cost against the in-stream row of the same\n"
+      "shape. Exits non-zero on any wrong result or failed call.\n\nflags:\n");
   // The demo's flags, by name; the internal ones (a client process's) are left out.
   std::vector<absl::CommandLineFlag*> flags;
   for (const std::string& name : DemoFlags().names()) {

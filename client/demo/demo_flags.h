@@ -16,6 +16,7 @@ ABSL_DECLARE_FLAG(std::string, arfused);
 ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(int, iters);
 ABSL_DECLARE_FLAG(double, timeout);
+ABSL_DECLARE_FLAG(std::string, planes);
 ABSL_DECLARE_FLAG(std::string, doorbell);
 ABSL_DECLARE_FLAG(int, client_rank);
 ABSL_DECLARE_FLAG(std::string, work_dir);

@@ -1,6 +1,6 @@
-// arfuse-demo's shapes: what the parent and every client process agree on (the shapes, the
-// inputs every process can regenerate, the sockets), one shape's tensors in a client and what
-// a client reports for it.
+// arfuse-demo's shapes: what the parent and every client process agree on (the planes, the
+// shapes, the inputs every process can regenerate, the sockets), one shape's tensors in a client
+// and what a client reports for it.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +24,29 @@ struct Shape {
   uint32_t hidden;
 };
 
+// The data planes a run shows, in the table's order: in-stream first (the default plane, the one
+// every other row is compared with), then eager, then doorbell.
+enum class Plane { kInStream, kEager, kDoorbell };
+inline constexpr Plane kAllPlanes[] = {Plane::kInStream, Plane::kEager, Plane::kDoorbell};
+const char* PlaneName(Plane p);
+
+// What --planes (with --device and --doorbell) selects: the planes to run, and which of them a
+// sidecar's refusal fails (a plane named in --planes, or --doorbell=on) rather than shows as
+// skipped.
+struct PlaneChoice {
+  bool run[3] = {false, false, false};
+  bool required[3] = {false, false, false};
+  bool runs(Plane p) const { return run[static_cast<int>(p)]; }
+  bool requires_plane(Plane p) const { return required[static_cast<int>(p)]; }
+  std::vector<Plane> planes() const;
+};
+
+// `planes`: "" (the default: instream, eager and, with --device=cuda and --doorbell other than
+// off, doorbell) or a comma-separated list of plane names. INVALID_ARGUMENT for an unknown or
+// missing name; FAILED_PRECONDITION for a plane `device` cannot run (doorbell in host mode).
+absl::StatusOr<PlaneChoice> ParsePlanes(const std::string& planes, const std::string& device,
+                                        const std::string& doorbell);
+
 // --tokens and --hidden (`what` names the flag in the error); --dtype.
 absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& s, const char* what);
 absl::StatusOr<DType> ParseDType(const std::string& s);
@@ -32,6 +55,18 @@ absl::StatusOr<DType> ParseDType(const std::string& s);
 float InputValue(int rank, uint64_t i);
 float ResidualValue(uint64_t i);
 float GammaValue(uint64_t h);
+// Rank `rank`'s input of replay variant k (k >= 1: other small multiples of 1/8 than variant 0,
+// the eager rows' input), for the rows that run the op with a new input before every launch.
+float VariantInput(int rank, uint64_t i, int k);
+
+// The ranks' agreement before a plane's first op (every rank must launch the same ops, or its
+// peers spin until the spin timeout): each rank writes whether it can run `tag` (and why not)
+// under <dir>/votes, then waits until every rank has. OK with an empty string when every rank
+// can, OK with "rank R: why" naming the first rank that cannot, DEADLINE_EXCEEDED when a rank
+// does not vote by `deadline_s` seconds from now.
+absl::StatusOr<std::string> Agree(const std::string& dir, int rank, int world,
+                                  const std::string& tag, const std::string& why_not,
+                                  double deadline_s);
 
 // Rank `rank`'s sidecar socket in the run's directory.
 std::string SocketOf(const std::string& dir, int rank);
