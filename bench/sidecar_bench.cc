@@ -1,5 +1,5 @@
 // arfuse-bench sidecar: the sidecar's data planes per op, each against its yardstick measured in
-// the same run (design.md §7, issue 5 item 8).
+// the same run (the targets: docs/performance.md).
 //
 //   arfuse-bench sidecar [--ranks=2] [--device=host|cuda] [--tokens=1,16,128] [--hidden=4096]
 //                        [--iters=2000] [--warmup=200] [--block=50] [--graph_ops=100]

@@ -1,4 +1,4 @@
-// The config rules (design.md §4, issues 3 and 27): deprecated-flag migration, auto-enable,
+// The config rules (docs/config.md): deprecated-flag migration, auto-enable,
 // backend resolution under a named upstream rule set, the serving framework's runtime gate,
 // feasibility, per-phase capture-mode negotiation and the cross-rank consensus. Plain structs and
 // pure, deterministic functions: no gRPC, no CUDA, no protobuf, no logging. Every rank runs the

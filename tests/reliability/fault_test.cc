@@ -1,9 +1,9 @@
-// Faults injected into real `arfused` groups (issue 6, design §5 "nothing lost"; --device=host
-// here, --device=cuda in the gpu-labelled build, device_config.h):
-// a peer sidecar killed or frozen mid-op, a client killed mid-op and while holding regions, a
-// sidecar restarted under a live client, two clients racing on one workspace, SIGTERM under load.
-// Every call is bounded; every outcome is either OK with outputs equal to the CPU reference, or
-// a specific error code.
+// Faults injected into real `arfused` groups (docs/reliability.md, "Faults injected and survived"
+// and "Nothing lost"; --device=host here, --device=cuda in the gpu-labelled build,
+// device_config.h): a peer sidecar killed or frozen mid-op, a client killed mid-op and while
+// holding regions, a sidecar restarted under a live client, two clients racing on one workspace,
+// SIGTERM under load. Every call is bounded; every outcome is either OK with outputs equal to the
+// CPU reference, or a specific error code.
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
