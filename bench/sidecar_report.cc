@@ -26,8 +26,8 @@ std::vector<Check> CheckTargets(const SidecarFlags& f, const std::vector<RowResu
     }
     return nullptr;
   };
-  // Targets (design §7): eager p50 <= 1.25x echo p50; doorbell <= inproc + 3 us; the layer loop
-  // through the doorbell <= 0.7x in-process NCCL + add-RMSNorm at <= 128 tokens.
+  // Targets (docs/performance.md): eager p50 <= 1.25x echo p50; doorbell <= inproc + 3 us; the
+  // layer loop through the doorbell <= 0.7x in-process NCCL + add-RMSNorm at <= 128 tokens.
   const bool cuda = f.device == "cuda";
   std::vector<Check> checks;
   std::map<const RowResult*, std::string>& vs = *vs_out;

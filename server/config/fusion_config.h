@@ -46,7 +46,7 @@ inline constexpr uint32_t kFuseAllreduceMaxBatchSize = 2048;
 
 // Which upstream rules the decision follows (--fusion-rules).
 enum class RuleSet {
-  // SGLang PR #23402 (merged 2026-06-15): auto is mnnvl wherever mnnvl is supported, else trtllm;
+  // SGLang PR #23402: auto is mnnvl wherever mnnvl is supported, else trtllm;
   // an unsupported explicit mnnvl falls back to trtllm; auto-enable only on the SM100 family.
   kSglang23402,
   // SGLang #28789 and #29063 (eight days later): SM90 one node resolves auto to trtllm and is

@@ -693,7 +693,7 @@ TEST_F(RegistryTest, TotalsFollowRegionsPlansAndSessionEnd) {
   EXPECT_EQ(log.last(), Totals(1, 2, 266240, 2));
   EXPECT_EQ(reg_->totals(), log.last());
 
-  // A second session's holdings add up with the first's.
+  // Another session's holdings add up with the first's.
   auto other = reg_->OpenSession("other");
   ASSERT_TRUE(other.ok());
   ASSERT_TRUE(reg_->RegisterRegion(*other, HostSpec("c", 8192)).ok());

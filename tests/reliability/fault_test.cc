@@ -328,9 +328,9 @@ TEST(PeerFault, IdlePeerKilledAndRestartedReformsWithoutAnOp) {
 }
 
 // After a collective re-initialization the workspace generation must change, so that an op
-// stamped with the old one (workspace_generation) is refused as stale (design §5). Each re-form
-// builds a fresh engine; the ranks agree on the highest generation any of them served and count
-// on from it, so the generation grows and is the same on every rank.
+// stamped with the old one (workspace_generation) is refused as stale (docs/reliability.md,
+// "Nothing lost"). Each re-form builds a fresh engine; the ranks agree on the highest generation
+// any of them served and count on from it, so the generation grows and is the same on every rank.
 TEST(PeerFault, ReinitializationChangesTheWorkspaceGeneration) {
   Group g(2, Config());
   ASSERT_TRUE(g.StartAll()) << g.Logs();
