@@ -1,5 +1,5 @@
 // arfuse-bench sidecar: the sidecar's data planes per op, each against its yardstick measured in
-// the same run (design.md §7, issue 5 item 8).
+// the same run (the targets: docs/performance.md).
 //
 //   arfuse-bench sidecar [--ranks=2] [--device=host|cuda] [--tokens=1,16,128] [--hidden=4096]
 //                        [--iters=2000] [--warmup=200] [--block=50] [--graph_ops=100]
@@ -15,7 +15,7 @@
 //                with the same metadata and deadline as Execute: the bare gRPC round trip.
 //   eager        Fusion.Execute of a plan, client-side time per call. CUDA: the client records an
 //                interprocess event on its stream and sends it as wait_event, the sidecar replies
-//                after the enqueue, the client's stream waits on done_event (design §3). Host
+//                after the enqueue, the client's stream waits on done_event (docs/api.md). Host
 //                mode: the op completes before the reply. Echo and eager calls alternate in blocks
 //                of --block (50), so load on the machine hits both alike. Target: eager p50 <=
 //                1.25x echo.

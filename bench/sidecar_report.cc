@@ -26,8 +26,8 @@ std::vector<Check> CheckTargets(const SidecarFlags& f, const std::vector<RowResu
     }
     return nullptr;
   };
-  // Targets (design §7): eager p50 <= 1.25x echo p50; doorbell <= inproc + 3 us; the layer loop
-  // through the doorbell <= 0.7x in-process NCCL + add-RMSNorm at <= 128 tokens.
+  // Targets (docs/performance.md): eager p50 <= 1.25x echo p50; doorbell <= inproc + 3 us; the
+  // layer loop through the doorbell <= 0.7x in-process NCCL + add-RMSNorm at <= 128 tokens.
   const bool cuda = f.device == "cuda";
   std::vector<Check> checks;
   std::map<const RowResult*, std::string>& vs = *vs_out;
@@ -78,7 +78,7 @@ std::vector<Check> CheckTargets(const SidecarFlags& f, const std::vector<RowResu
         }
       }
       // Nothing of the sidecar stays resident: a register-heavy client kernel runs as fast
-      // attached as before (design.md §7: 1.000x; a thousandth is the run-to-run spread).
+      // attached as before (docs/performance.md: 1.000x; a thousandth is the run-to-run spread).
       if (const RowResult* bi = find("busy_sm_instream", t, h); bi) {
         if (const RowResult* b = find("busy_sm", t, h); b) {
           Check k{"busy_sm_instream_over_busy_sm", t, h, bi->p50 / b->p50, 1.001, "x"};

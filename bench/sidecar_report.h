@@ -1,5 +1,5 @@
-// arfuse-bench sidecar: what the gathered rows say. The targets (design.md §7) each row is held
-// to, and the report: the table on stdout and the same figures as JSON in --json.
+// arfuse-bench sidecar: what the gathered rows say. The targets (docs/performance.md) each row is
+// held to, and the report: the table on stdout and the same figures as JSON in --json.
 #pragma once
 
 #include <cstdint>

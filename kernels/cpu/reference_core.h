@@ -1,4 +1,4 @@
-// CPU implementation of the fused op (design.md §1) with exactly the summation order and
+// CPU implementation of the fused op (docs/kernels.md) with exactly the summation order and
 // rounding steps of the GPU kernels. It is the oracle of the kernel tests and the engine of
 // --device=host (the host engine gathers every rank's input in host shared memory and calls
 // ReferenceFusedOp on each rank).

@@ -1,4 +1,4 @@
-// The doorbell data plane's device words and kernels (design.md §3, docs/doorbell.md).
+// The doorbell data plane's device words and kernels (docs/doorbell.md).
 // Host-includable: no device code here, only layouts shared between processes and the launch
 // contract.
 //

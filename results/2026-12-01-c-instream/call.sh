@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: unpack the staged binaries, then the named runs in order (arguments).
+# Unpacks the staged binaries (stage.tar.gz beside this script, from scripts/gpu-stage), then runs
+# the named measurements in order (arguments) through scripts/gpu-run.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here" && tar xzf stage.tar.gz || exit 1
@@ -10,9 +11,9 @@ python3 -c 'import torch, grpc, google.protobuf, numpy; print("torch", torch.__v
 L8B="--hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 32000 --prompt-len 32"
 L70="--hidden 8192 --heads 64 --kv-heads 8 --intermediate 28672 --vocab 32000 --prompt-len 32"
 rc=0
-for run in "$@"; do
-  echo "##### $run"
-  case $run in
+for step in "$@"; do
+  echo "##### $step"
+  case $step in
     instream) "$here/gpu-run" instream ;;
     kernels) "$here/gpu-run" kernels ;;
     demo) "$here/gpu-run" demo ;;
@@ -34,7 +35,7 @@ for run in "$@"; do
     kill) TP_NAME=kill TP_SCENARIOS=off,kill TP_LIMIT=150 "$here/gpu-run" tp ;;
     oracle) ORACLE_LIMIT=300 ORACLE_ARGS="--timeout 280" "$here/gpu-run" oracle ;;
     bench) BENCH_LIMIT=300 "$here/gpu-run" sidecar ;;
-    *) echo "unknown run $run"; rc=2 ;;
+    *) echo "unknown step $step"; rc=2 ;;
   esac
   [ $? -eq 0 ] || rc=1
 done

@@ -1,4 +1,4 @@
-// The config rules (design.md §4, issues 3 and 27): deprecated-flag migration, auto-enable,
+// The config rules (docs/config.md): deprecated-flag migration, auto-enable,
 // backend resolution under a named upstream rule set, the serving framework's runtime gate,
 // feasibility, per-phase capture-mode negotiation and the cross-rank consensus. Plain structs and
 // pure, deterministic functions: no gRPC, no CUDA, no protobuf, no logging. Every rank runs the
@@ -46,7 +46,7 @@ inline constexpr uint32_t kFuseAllreduceMaxBatchSize = 2048;
 
 // Which upstream rules the decision follows (--fusion-rules).
 enum class RuleSet {
-  // SGLang PR #23402 (merged 2026-06-15): auto is mnnvl wherever mnnvl is supported, else trtllm;
+  // SGLang PR #23402: auto is mnnvl wherever mnnvl is supported, else trtllm;
   // an unsupported explicit mnnvl falls back to trtllm; auto-enable only on the SM100 family.
   kSglang23402,
   // SGLang #28789 and #29063 (eight days later): SM90 one node resolves auto to trtllm and is

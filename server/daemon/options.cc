@@ -152,8 +152,8 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain for --listen.
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --listen.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle that client certificates on --listen must chain to.");
-// Operations: the config file's format and the logs' (issue 29). Keep additions of this kind in
-// this block.
+// Operations: the config file's format and the logs' (docs/operations.md). Keep additions of this
+// kind in this block.
 ABSL_FLAG(std::string, config, "",
           "YAML file of flags, as vLLM's and SGLang's --config take it: one key per flag, "
           "named as on the command line (dashes or underscores, no leading --), each value a "

@@ -39,7 +39,7 @@ absl::StatusOr<DoorbellDispatch> ChooseDoorbellDispatch(const DispatchTable& tab
 // Each rank's serving launch stays resident between rings, and beside it run the other ranks'
 // serving launches, the clients' ring kernels and whatever else the clients launch: with 128
 // blocks per rank and two sidecars on one H200, a client's graph of rings at 128 tokens stalled
-// to its 90 s timeout, while 64 and 32 blocks ran it (docs/doorbell.md, twelfth session).
+// to its 90 s timeout, while 64 and 32 blocks ran it (docs/doorbell.md, the serving blocks).
 inline constexpr uint32_t kSharedGpuDoorbellServeBlocks = 32;
 
 // The serving launch's block cap a rank uses: `requested` (the --doorbell-serve-blocks flag; 0

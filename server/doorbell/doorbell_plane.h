@@ -1,4 +1,4 @@
-// The sidecar's doorbell plane (design.md §3, docs/doorbell.md): the device words a client's ring
+// The sidecar's doorbell plane (docs/doorbell.md): the device words a client's ring
 // kernel rings, and the kernels kept queued ahead on the engine's stream that serve them.
 //
 // Per queued op (a "triple"), on the engine's stream:

@@ -5,7 +5,7 @@
 
 namespace arfuse {
 
-// design.md §7: the doorbell may add at most 3 µs per op over the in-process op.
+// docs/performance.md: the doorbell may add at most 3 µs per op over the in-process op.
 constexpr double kHopTargetUs = 3.0;
 
 bool DoorbellExpectedFast(const DoorbellHopReport& report, bool mps_active) {

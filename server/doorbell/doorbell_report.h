@@ -22,7 +22,7 @@ struct DoorbellHopReport {
 
 // The self-test runs both sides in this process, where they always run concurrently. A real
 // client is another process: without MPS its kernels and the sidecar's time-slice the GPU and
-// every ring costs hundreds of microseconds (design.md §3). So the verdict needs both.
+// every ring costs hundreds of microseconds (docs/mps.md). So the verdict needs both.
 bool DoorbellExpectedFast(const DoorbellHopReport& report, bool mps_active);
 
 // One line: "doorbell self-test: +2.41 us/op over in-process (4.12 vs 1.71 us/op, 200 ops);

@@ -2,7 +2,7 @@
 // (kernels/allreduce_fusion/allreduce_fusion.h has the sizing rule), host-mapped abort and
 // error words, and the generation that a collective re-initialization bumps.
 //
-// Lifecycle (design.md §5):
+// Lifecycle (docs/reliability.md, "Nothing lost", says what each state means to a client):
 //   Create      collective; allocates, maps every peer unicast, runs LaunchWorkspaceInit, waits
 //               for it and barriers, so no rank writes into a peer that is not initialized.
 //               Refused while the stream captures a CUDA graph (no collectives inside capture).

@@ -1,5 +1,5 @@
 // Device memory that every rank of a group maps: this rank's buffer plus a unicast pointer to
-// every peer's buffer. Two owners, one per fused backend (design.md §2):
+// every peer's buffer. Two owners, one per fused backend (docs/architecture.md's backend table):
 //   trtllm: cudaMalloc + legacy CUDA IPC handles (bytes through Exchange::Allgather), one node.
 //   mnnvl:  cuMemCreate + FABRIC handles (bytes) where the device and the system allow them, else
 //           POSIX file descriptors (Exchange::AllgatherFd, SCM_RIGHTS); every peer mapped unicast

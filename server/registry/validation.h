@@ -1,7 +1,8 @@
-// Validation rules for regions and ops (design §5, issue 5). Pure functions over the plain types
-// of types.h: no state, no I/O, never open anything, so unit tests and fuzzers call them freely.
-// Messages name the field and the numbers the client sent, never handles, pointers or the names
-// and paths of memory objects (Triton's CVE-2025-23319 chain started from an echoed shm key).
+// Validation rules for regions and ops (docs/api.md; every rule's negative test:
+// tests/registry/validation_test.cc). Pure functions over the plain types of types.h: no state, no
+// I/O, never open anything, so unit tests and fuzzers call them freely. Messages name the field and
+// the numbers the client sent, never handles, pointers or the names and paths of memory objects
+// (Triton's CVE-2025-23319 chain started from an echoed shm key).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// arfusectl: the CLI contract of issue 3 item 8 (outputs and exit codes), run as the built binary;
-// argument-order independence in process; resolve/health/info against an in-process server.
+// arfusectl: the CLI contract of docs/operations.md (outputs and exit codes), run as the built
+// binary; argument-order independence in process; resolve/health/info against an in-process server.
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -326,7 +326,7 @@ TEST(ArfusectlResolve, InvalidInputExitsTwoWithOneClearLine) {
       {{"stats", "--ranks", "0,1", "--all"}, "give one of --rank, --ranks and --all"},
       {{"stats", "--rank", "0,1"}, "--rank takes one rank; use --ranks N,M,..."},
       {{"info", "--rank", "1", "--addr", "127.0.0.1:9310"}, "--addr must be one Unix socket"},
-      // The options issue 27 added.
+      // The world-size and rule-set options (docs/config.md, "World sizes").
       {with({"--fusion-rules", "sglang-latest"}),
        "unknown --fusion-rules value \"sglang-latest\": expected sglang-23402 or sglang-29063"},
       {with({"--model-architecture", "Deepseek V3"}),

@@ -253,7 +253,7 @@ TEST(ConfigService, ResolveRejectsInvalidInputWithTheLibrarysMessages) {
   ExpectResolveError(server, mode, grpc::StatusCode::INVALID_ARGUMENT,
                      "capture.cuda_graph_mode 9 is not a known mode");
 
-  // The fields issue 27 added, each with a bad value.
+  // The world-size and rule-set fields (docs/config.md), each with a bad value.
   v1::ResolveRequest prefill;
   prefill.mutable_capture()->set_prefill_cuda_graph_mode(static_cast<v1::CudaGraphMode>(7));
   ExpectResolveError(server, prefill, grpc::StatusCode::INVALID_ARGUMENT,

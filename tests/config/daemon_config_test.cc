@@ -1,4 +1,4 @@
-// arfused's config flags as a process (issue 27): SGLang's spellings, bad values refused at
+// arfused's config flags as a process (docs/config.md): SGLang's spellings, bad values refused at
 // startup, a repeated flag's last value, sglang-29063's five refused configurations, upstream's
 // log lines, and a group's negotiated decision under DP attention and the per-batch limit.
 #include <gmock/gmock.h>

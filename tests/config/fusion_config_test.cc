@@ -1,4 +1,4 @@
-// The config rules (design.md §4, issues 3 and 27): the full table, SGLang's rules case by case
+// The config rules (docs/config.md): the full table, SGLang's rules case by case
 // under both rule sets (upstream_cases.h), migration, overrides, per-phase negotiation, world
 // sizes against the dispatch table, consensus and the encodings.
 #include "server/config/fusion_config.h"
@@ -38,7 +38,7 @@ FusionFlags Backend(const char* value) {
 // ---------------------------------------------------------------------------------------------
 // The full table of the default rule set (sglang-23402): every architecture family x one/two
 // nodes x backend flag, at tp=2, no model architecture (so nothing is auto-enabled). Expected
-// values are written out by hand from design.md §4 and SGLang #23402
+// values are written out by hand from docs/config.md's rules and SGLang #23402
 // (flashinfer_comm_fusion.py _mnnvl_supported/_resolve_backend, communicator.py's runtime gate,
 // test_flashinfer_comm_fusion.py's "trtllm" for other architectures), not computed.
 // ---------------------------------------------------------------------------------------------
@@ -318,8 +318,8 @@ TEST(ResolveRules, WorldSizeTheKernelsDoNotSupportKeepsNameButUnfused) {
   }
 }
 
-// Decision and data path agree (issue 27 item 3): every group the config fuses finds a row of
-// the published dispatch table, so its ops do not all fall to the unfused path.
+// Decision and data path agree (docs/config.md, "World sizes"): every group the config fuses finds
+// a row of the published dispatch table, so its ops do not all fall to the unfused path.
 TEST(ResolveRules, EveryFusedGroupHasADispatchRow) {
   const DispatchTable table = DispatchTable::Published();
   int fused = 0;
@@ -399,7 +399,7 @@ TEST(Validation, Topology) {
   ExpectInvalid(ResolveBackend({}, Topology{90, -2, 1}).status(), "tp must be >= 1");
   ExpectInvalid(ResolveBackend({}, Topology{90, 1 << 20, 1}).status(), "too large");
   EXPECT_TRUE(ResolveBackend({}, Topology{90, 2, 1}).ok());
-  // More nodes than ranks: refused, naming both numbers (issue 27 item 3).
+  // More nodes than ranks: refused, naming both numbers (docs/config.md, "World sizes").
   ExpectInvalid(ResolveBackend(Backend("auto"), Topology{100, 2, 3}).status(),
                 "nnodes 3 is more than tp 2: every node holds at least one rank");
   ExpectInvalid(ValidateTopology(Topology{90, 1, 2}), "nnodes 2 is more than tp 1");

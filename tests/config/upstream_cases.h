@@ -1,4 +1,4 @@
-// The config rules against SGLang's, case by case, for both rule sets (issue 27). One table,
+// The config rules against SGLang's, case by case, for both rule sets (docs/config.md). One table,
 // checked through the library (fusion_config_test), the gRPC service (config_service_test) and
 // the arfusectl binary (arfusectl_test): the three must give the same answer. Every case names
 // the upstream source its expectation comes from; docs/config.md has the same table in prose.

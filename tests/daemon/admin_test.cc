@@ -342,7 +342,8 @@ TEST_F(AdminStatsTest, CountsRegionsPlansAndOpsAndReleasesThem) {
   ASSERT_TRUE(gamma.ok()) << gamma.status();
   auto fits = (*client)->CreatePlan(NormOp(*tensors, *gamma, kWorkspaceTokens));
   ASSERT_TRUE(fits.ok()) << fits.status();
-  // A plan the workspace can never serve is refused when it is made (issue 26), not counted.
+  // A plan the workspace can never serve is refused when it is made (docs/security.md), not
+  // counted.
   auto too_big = (*client)->CreatePlan(NormOp(*tensors, *gamma, 2 * kWorkspaceTokens));
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_THAT(too_big.status().message(), HasSubstr("fusion unavailable for this op: "));

@@ -1,6 +1,7 @@
 // The main socket's credential check (SO_PEERCRED), the main API over TCP with mutual TLS, and
-// the holes of issue 26: memory opened with the daemon's rights, a shrunk object killing the
-// daemon, descriptor exhaustion, the peer protocol on the client socket, oversized metadata.
+// the holes docs/security.md closes: memory opened with the daemon's rights, a shrunk object
+// killing the daemon, descriptor exhaustion, the peer protocol on the client socket, oversized
+// metadata.
 #include <fcntl.h>
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
@@ -253,7 +254,7 @@ TEST_F(MutualTls, UnreadableKeyExits2) {
                  "--tls-key: cannot read"));
 }
 
-// ---------------------------------------------------------------- issue 26
+// ------------------------------------------------ what the daemon opens on a client's behalf
 
 // Runs security_client as uid/gid 65534 with `args`; returns its "code=N message=..." line.
 std::string ClientAsNobody(const std::vector<std::string>& args) {

@@ -1,5 +1,6 @@
-"""The documentation reads as a book: present-tense wording, links that resolve inside the
-repository, every page reachable from docs/README.md (tests/docs/arfuse_docs_checks.py)."""
+"""The documentation reads as a book: present-tense wording (docs/, README.md, results/'s notes and
+the code comments), links that resolve inside the repository, every page reachable from
+docs/README.md (tests/docs/arfuse_docs_checks.py)."""
 import sys
 from pathlib import Path
 
@@ -18,6 +19,21 @@ def test_no_work_log_wording(page):
     problems = checks.wording_problems(page.read_text(), checks.rel(page))
     assert not problems, ("work-log wording (history goes to CHANGELOG.md):\n" +
                           _report(problems))
+
+
+@pytest.mark.parametrize("page", checks.results_notes(), ids=checks.rel)
+def test_no_work_log_wording_in_results_notes(page):
+    problems = checks.wording_problems(page.read_text(), checks.rel(page))
+    assert not problems, ("work-log wording in results/ (say what was measured, on which "
+                          "machine, with which command and commit):\n" + _report(problems))
+
+
+def test_no_work_log_wording_in_code_comments():
+    files = checks.comment_files()
+    assert len(files) > 100, "the comment scan found almost no code files"
+    problems = [p for f in files for p in checks.comment_problems(f, checks.rel(f))]
+    assert not problems, ("work-log wording or a citation of a document outside the repository "
+                          "in code comments:\n" + _report(problems))
 
 
 @pytest.mark.parametrize("page", checks.link_pages(), ids=checks.rel)
@@ -63,6 +79,19 @@ def test_every_docs_page_is_reachable_from_the_index():
     ("(docs/results/gpu-runs-2026-11-30-j.txt, call 2)", "a numbered device call"),
     ("calls 1-4 found that", "a numbered device call"),
     ("its device time was spent", "device time"),
+    ("the twelfth session's figures", "an ordinal work round"),
+    ("Results: results/2026-12-01-a-serving-blocks/run8/", "a numbered device call or run"),
+    ("as run 5 showed", "a numbered device call or run"),
+    ("runs 1-4 found that", "a numbered device call or run"),
+    ("(call2 of the set)", "a numbered device call or run"),
+    ("measured on 2026-12-01 on one H200", "a date in prose"),
+    ("measured on December 1, 2026", "a date in prose"),
+    ("the rules of design.md §4", "a document the repository does not hold"),
+    ("validation rules (design §5)", "a document the repository does not hold"),
+    ("the holes of issue 26", "a document the repository does not hold"),
+    ("as in the previous session", "a work session"),
+    ("a helper found it", "a helper"),
+    ("packed into .devpack/stage.tar.xz", "the lab's staging"),
 ])
 def test_work_log_wording_is_found_and_named(text, what):
     problems = checks.wording_problems(f"# Page\n\n{text}\n", "p.md")
@@ -79,6 +108,12 @@ def test_work_log_wording_is_found_and_named(text, what):
     "Per-session caps: 64 regions.",
     "unknown region or plan in this session",
     "the slowest call 3.5 ms",
+    "FlashInfer's mnnvl backend runs 2-64 ranks; NormOp runs 2 of them",
+    "both re-attach and run 20 verified ops",
+    "results/2026-12-01-c-instream/NOTES.txt and `2026-11-30-j-shared-spin/69b5bbc/`",
+    "the first session ticket of TLS; the session stream; arfuse-session",
+    "SGLang PR #23402 and #28789",
+    "the test helpers, a helper process, the memory-model helpers",
 ])
 def test_api_wording_is_allowed(text):
     assert checks.wording_problems(text) == []
@@ -119,3 +154,45 @@ def test_github_anchors():
     assert checks.github_slug("4x H200 (NVLink), world size 4") == "4x-h200-nvlink-world-size-4"
     assert checks.github_slug("`arfusectl`") == "arfusectl"
     assert checks.anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+# ---- code comments: every language's comments are read, strings and code are not ----
+
+_PLANTED = {
+    "kernels/k.cu": ('// The fused op (design.md §1).\nconst char* s = "run 5 of issue 26";\n'
+                     '/* measured in the tenth session\n   on 2026-11-30 */\nint x = 1;\n'),
+    "server/s.cc": ('auto r = R"(issue 7)";  // fine\n// see run7/ for the numbers\n'),
+    "client/python/p.py": ('"""Client (issue 25)."""\nx = "design.md"\n'
+                           'def f():\n    """As in call 3."""\n    return 1  # a lease\n'),
+    "scripts/s": ('#!/usr/bin/env bash\n# staged for the twelfth session\necho "#not a comment"\n'
+                  'n=$#  # fine\n'),
+    "tests/CMakeLists.txt": ("# Reliability (issue 6)\nadd_test(NAME x COMMAND y)\n"),
+    "tests/t.cc": ("// the test helpers of a gRPC session; the slowest call 3.5 ms\n"),
+}
+
+
+def test_work_log_wording_in_comments_is_found_in_every_language(tmp_path):
+    for name, text in _PLANTED.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    found = {}
+    for name in _PLANTED:
+        for p in checks.comment_problems(tmp_path / name, name):
+            found.setdefault(name, []).append(p.line)
+    assert found == {
+        "kernels/k.cu": [1, 3, 4],
+        "server/s.cc": [2],
+        "client/python/p.py": [1, 4, 5],
+        "scripts/s": [2],
+        "tests/CMakeLists.txt": [1],
+    }, found
+
+
+def test_comment_files_cover_the_code_and_leave_out_the_checks():
+    names = {checks.rel(p) for p in checks.comment_files()}
+    for expected in ("kernels/cpu/reference_core.h", "server/daemon/options.cc",
+                     "client/python/arfuse/_native.py", "scripts/gpu-stage",
+                     "tests/python/conftest.py"):
+        assert expected in names
+    assert not any(n.startswith("tests/docs/") for n in names)

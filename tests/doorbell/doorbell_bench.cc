@@ -1,6 +1,6 @@
 // doorbell_bench: µs per op of the doorbell plane against the same fused kernel launched
-// in-process, on one GPU with N ranks simulated in one process (design.md §7: the doorbell may
-// add at most 3 µs per op; the probe's floor is 2.3 µs under MPS).
+// in-process, on one GPU with N ranks simulated in one process (docs/performance.md: the doorbell
+// may add at most 3 µs per op; the probe's floor is 2.3 µs under MPS).
 //
 //   in-process: each rank replays a CUDA graph of `--per_graph` by-value fused launches
 //               (LaunchAllReduceFusion) on its client stream;

@@ -1,6 +1,7 @@
 // The Fusion service over a real gRPC server on a Unix socket, host shared memory and a fake
-// engine: the eager plane end to end, every bad input of issue 5 that reaches the service, and
-// the faults of ops in flight (unregister, disconnect, queue full, shutdown, deadlines).
+// engine: the eager plane end to end, every bad input of docs/reliability.md ("Bad input tried")
+// that reaches the service, and the faults of ops in flight (unregister, disconnect, queue full,
+// shutdown, deadlines).
 #include "server/services/fusion/fusion_service.h"
 
 #include <fcntl.h>
@@ -563,7 +564,7 @@ TEST_F(FusionServiceTest, RegionsAreListedWithInFlightCounts) {
   ASSERT_TRUE(call->Wait());
 }
 
-// ---- host memory by descriptor (issue 26): the service claims the ticket as the caller ----
+// ---- host memory by descriptor (docs/security.md): the service claims the ticket ----
 
 // Nobody's credentials are known (a TCP client).
 class NoCredentials final : public CallerCredentials {

@@ -263,8 +263,8 @@ TEST(DispatchTable, PublishedEntriesAreAllValid) {
 }
 
 TEST(DispatchTable, Tp16HasARowPerFamilyThatFusesSmallPayloads) {
-  // At TP16 the config fuses (issue 27 item 3): the data path must too, one-shot for decode-sized
-  // payloads, and the unfused path above the carried-over limit.
+  // At TP16 the config fuses (docs/config.md, "World sizes"): the data path must too, one-shot for
+  // decode-sized payloads, and the unfused path above the carried-over limit.
   const DispatchTable t = DispatchTable::Published();
   for (int sm : {90, 100, 103}) {
     const DispatchEntry* e = t.Find(sm, 16);

@@ -184,8 +184,9 @@ struct Vanished {
   uint8_t* base;
 };
 
-// Issue 26, item 2: a rank whose client's residual memory vanished fails that op alone; its peers
-// complete it, nobody dies, the workspace stays ready, and the next op runs on every rank.
+// docs/security.md (host memory by descriptor): a rank whose client's residual memory vanished
+// fails that op alone; its peers complete it, nobody dies, the workspace stays ready, and the next
+// op runs on every rank.
 TEST(HostEngine, ClientMemoryThatFaultsFailsThatRanksOpOnly) {
   Group g = MakeGroup(2, 4, 64, DType::kFP32);
   Vanished gone(1 << 16);

@@ -116,8 +116,8 @@ int MetricsPortOf(const DaemonProcess& d) {
   return std::stoi(m[1]);
 }
 
-// Issue 26: the metrics port binds --metrics-host, by default --health-host's address, instead of
-// every address. Bound to 127.0.0.1, another loopback address (127.0.0.2) is refused.
+// docs/security.md: the metrics port binds --metrics-host, by default --health-host's address,
+// instead of every address. Bound to 127.0.0.1, another loopback address (127.0.0.2) is refused.
 TEST(MetricsHost, DefaultsToTheHealthHostAndCanBeSetApart) {
   DaemonProcess loopback({"--metrics-port=0", "--health-host=127.0.0.1"});
   ASSERT_TRUE(loopback.ready) << loopback.proc->Stderr();

@@ -189,9 +189,9 @@ double CpuSecondsOfThisProcess() {
          1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
-// Issue 26's class of hole on the peer channel: out of descriptors, rank 0's listener stays
-// readable while accept() fails; the coordinator sheds the pending connections (their peers see
-// the connection close) and rests instead of spinning.
+// docs/security.md's class of hole ("Descriptors, connections, messages") on the peer channel: out
+// of descriptors, rank 0's listener stays readable while accept() fails; the coordinator sheds the
+// pending connections (their peers see the connection close) and rests instead of spinning.
 TEST_F(CoordinatorLiveness, OutOfDescriptorsTheCoordinatorShedsAndDoesNotSpin) {
   std::vector<UniqueFd> clients;
   for (int i = 0; i < 3; ++i)

@@ -225,7 +225,8 @@ TEST(Coordinator, StaleEpochAndUnformedGroupAreRefused) {
   ASSERT_TRUE(stale.has_value());
   EXPECT_EQ(stale->code(), absl::StatusCode::kAborted);
   EXPECT_THAT(stale->message(), HasSubstr("stale epoch"));
-  // Neither the epoch sent nor the group's is told back (issue 26: a client learnt one this way).
+  // Neither the epoch sent nor the group's is told back (docs/security.md: a client must never
+  // learn one).
   EXPECT_THAT(std::string(stale->message()),
               ::testing::Not(HasSubstr(std::to_string(c.epoch()))));
   EXPECT_THAT(std::string(stale->message()),

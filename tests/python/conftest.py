@@ -2,6 +2,12 @@
 
 The daemon is found through $ARFUSE_ARFUSED, else build*/server/daemon/arfused under the
 repository; tests skip with the reason when there is none.
+
+The package searches only itself and the system's library path for its native libraries
+(arfuse/_native.py), so this file names the build tree's copies through the package's variables
+when they are unset: ARFUSE_CLIENT_LIB (build*/client/instream/libarfuse_client.so) and
+ARFUSE_RING_LIB (build*/client/ring/libarfuse_ring.so), build/ first, else the newest. Child
+processes the tests start inherit them.
 """
 import glob
 import os
@@ -32,6 +38,28 @@ def find_arfused():
     if not found:
         return None
     return str(max(found, key=lambda p: p.stat().st_mtime))
+
+
+def find_build_library(filename, subdir):
+    """A native library of this checkout's build: build/<subdir>/ (what scripts/setup and CI
+    build) first, else the most recently built build*/<subdir>/; None when there is none."""
+    main = REPO / "build" / subdir / filename
+    if main.is_file():
+        return str(main)
+    found = [p for p in glob.glob(str(REPO / "build*" / subdir / filename)) if os.path.isfile(p)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _name_build_libraries():
+    for var, filename, subdir in (("ARFUSE_CLIENT_LIB", "libarfuse_client.so", "client/instream"),
+                                  ("ARFUSE_RING_LIB", "libarfuse_ring.so", "client/ring")):
+        if not os.environ.get(var):
+            path = find_build_library(filename, subdir)
+            if path:
+                os.environ[var] = path
+
+
+_name_build_libraries()
 
 
 class Group:

@@ -32,25 +32,28 @@ POISONED = arfuse.fusion_pb2.AttachEvent.KIND_POISONED
 # ---- finding and loading the library ----
 
 def test_library_search_order(tmp_path, monkeypatch):
-    pkg, repo = tmp_path / "pkg", tmp_path / "repo"
+    # The package as client/python/arfuse of a checkout, with builds and a stage folder beside.
+    repo = tmp_path / "repo"
+    pkg = repo / "client" / "python" / "arfuse"
     monkeypatch.setattr(_native, "PKG_DIR", pkg)
-    monkeypatch.setattr(_native, "REPO", repo)
     monkeypatch.delenv("ARFUSE_CLIENT_LIB", raising=False)
-    assert instream.find_client_library() is None
 
     def put(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
         return str(path)
 
-    staged = put(repo / ".devstage" / "bin" / "libarfuse_client.so")
-    assert instream.find_client_library() == staged
-    other = put(repo / "build-x" / "client" / "instream" / "libarfuse_client.so")
-    assert instream.find_client_library() == other
-    main = put(repo / "build" / "client" / "instream" / "libarfuse_client.so")
-    assert instream.find_client_library() == main  # build/ (what CI builds) before build*/
+    put(repo / "VERSION")
+    put(repo / "CMakeLists.txt")
+    put(repo / ".devstage" / "bin" / "libarfuse_client.so")
+    put(repo / "build-x" / "client" / "instream" / "libarfuse_client.so")
+    put(repo / "build" / "client" / "instream" / "libarfuse_client.so")
+    # Nothing outside the package is searched: the loader's path by name then.
+    assert instream.find_client_library() is None
     shipped = put(pkg / "libarfuse_client.so")
-    assert instream.find_client_library() == shipped  # a wheel's copy first
+    assert instream.find_client_library() == shipped
+    wheel = put(pkg / "_lib" / "libarfuse_client.so.0.1")
+    assert instream.find_client_library() == wheel  # a wheel's copy first
     monkeypatch.setenv("ARFUSE_CLIENT_LIB", "/somewhere/libarfuse_client.so")
     assert instream.find_client_library() == "/somewhere/libarfuse_client.so"
 

@@ -178,13 +178,13 @@ def test_a_client_killed_mid_op_is_never_paired(arfused, lib, dead, next_op, pee
         peer_client.wait_ready(30)
         peer_ctx = peer_client.attach([H])
 
-        # 1. One paired op (call 0): correct on the peer, done in the child.
+        # 1. One paired op (pattern 0): correct on the peer, done in the child.
         child.stdin.write("0\n")
         child.stdin.flush()
         assert check_or_failed(attempt(lambda: run_instream(peer_ctx, peer, 0)), 0,
                                "paired op") == "ok"
         assert child.stdout.readline().strip() == "done"
-        # 2. The dead client's op (call 99), which its peer never joins; SIGKILL 0.5 s into it.
+        # 2. The dead client's op (pattern 99), which its peer never joins; SIGKILL 0.5 s into it.
         child.stdin.write("99\n")
         child.stdin.flush()
         time.sleep(0.5)
@@ -192,7 +192,7 @@ def test_a_client_killed_mid_op_is_never_paired(arfused, lib, dead, next_op, pee
         child.wait(10)
         assert child.returncode == -9
 
-        # 3. Both ranks' next op (call 1), one starting 0.3 s before the other.
+        # 3. Both ranks' next op (pattern 1), one starting 0.3 s before the other.
         if next_op == "eager":
             peer_ctx.detach()  # the eager plane serves a rank without attachments
             dead_client = arfuse.Client(g.socket(dead))

@@ -1,7 +1,7 @@
-"""Real model sizes (issue 25, item 4): tp_decode --setup-only at layers 4, 8, 12, 32 and 80 at
-hidden 4096 (Llama-3-8B's layer) and 8 layers at hidden 8192 (a 70B layer), two host-mode
-sidecars: every site of the forward gets its fused op (no slot or plan exhausted), each site's op
-runs on known data and is checked against the CPU reference.
+"""Real model sizes (docs/performance.md, "Model-level check"): tp_decode --setup-only at
+layers 4, 8, 12, 32 and 80 at hidden 4096 (Llama-3-8B's layer) and 8 layers at hidden 8192 (a 70B
+layer), two host-mode sidecars: every site of the forward gets its fused op (no slot or plan
+exhausted), each site's op runs on known data and is checked against the CPU reference.
 
 - eager plane: one plan per site (2 x layers), every one created and run;
 - in-stream plane: one attachment for every site, every site served fused, each op through

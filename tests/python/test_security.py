@@ -1,4 +1,4 @@
-"""Issue 26 from the Python client: host memory by sealed memfd over the fd channel (the
+"""docs/security.md from the Python client: host memory by sealed memfd over the fd channel (the
 default), the seal the sidecar requires, single-use tickets, and what an oversized metadata
 value costs."""
 import fcntl

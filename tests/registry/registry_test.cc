@@ -693,7 +693,7 @@ TEST_F(RegistryTest, TotalsFollowRegionsPlansAndSessionEnd) {
   EXPECT_EQ(log.last(), Totals(1, 2, 266240, 2));
   EXPECT_EQ(reg_->totals(), log.last());
 
-  // A second session's holdings add up with the first's.
+  // Another session's holdings add up with the first's.
   auto other = reg_->OpenSession("other");
   ASSERT_TRUE(other.ok());
   ASSERT_TRUE(reg_->RegisterRegion(*other, HostSpec("c", 8192)).ok());
@@ -959,9 +959,9 @@ TEST(CallerMayReadWrite, FollowsTheOwnerGroupOtherClasses) {
   EXPECT_TRUE(CallerMayReadWrite(StatOf(10, 20, 0000), Caller(0, 0)));
 }
 
-// Issue 26, item 1: memory another user owns is not opened for a caller who could not open it,
-// whatever the sidecar's own rights. The object here is this process's, mode 0600; the caller
-// is another uid.
+// docs/security.md (what the daemon opens): memory another user owns is not opened for a caller who
+// could not open it, whatever the sidecar's own rights. The object here is this process's, mode
+// 0600; the caller is another uid.
 TEST(HostShmOpener, NamedMemoryTheCallerCouldNotOpenIsPermissionDenied) {
   ShmObject obj(4096);
   HostShmOpener opener;
@@ -1022,7 +1022,8 @@ TEST(HostShmOpener, SealedMemfdIsMappedSharedAndNeedsNoDescriptorAfterwards) {
   munmap(client, 8192);
 }
 
-// Issue 26, item 2: memory handed over by descriptor must be sealed against shrinking.
+// docs/security.md (what the daemon opens): memory handed over by descriptor must be sealed against
+// shrinking.
 TEST(HostShmOpener, UnsealedMemfdIsRefusedNamingTheSeal) {
   for (bool sealable : {true, false}) {
     HostShmOpener opener;
@@ -1062,8 +1063,8 @@ TEST(HostShmOpener, ReadOnlyOrNonMemoryDescriptorsAreRefused) {
   EXPECT_THAT(small.status().message(), HasSubstr("exceeds the exported allocation of 4096"));
 }
 
-// Issue 26, item 2: a named object the client shrinks after registering is measured again before
-// each op, and the op is refused instead of faulting.
+// docs/security.md (what the daemon opens): a named object the client shrinks after registering is
+// measured again before each op, and the op is refused instead of faulting.
 TEST(HostShmOpener, AShrunkNamedObjectIsRefusedAtTheNextOp) {
   RealRegistry r;
   ASSERT_TRUE(r.region.ok()) << r.region.status();

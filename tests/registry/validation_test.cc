@@ -1,4 +1,5 @@
-// Every validation rule of design §5 / issue 5 with a negative case asserting code and message.
+// Every validation rule of server/registry/validation.h (docs/api.md) with a negative case
+// asserting code and message.
 #include "server/registry/validation.h"
 
 #include <cmath>

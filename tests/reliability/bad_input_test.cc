@@ -1,7 +1,7 @@
-// Bad input over the wire to a real `arfused --device=host` (issue 6 item 2, issue 5's list):
-// malformed protobuf bytes, an oversized message, a newer client's unknown enum values and
-// fields, a client of another API version, and every data-path refusal. Each asserts the code
-// and part of the message, and after each the sidecar must still serve a correct op.
+// Bad input over the wire to a real `arfused --device=host` (docs/reliability.md, "Bad input
+// tried"): malformed protobuf bytes, an oversized message, a newer client's unknown enum values and
+// fields, a client of another API version, and every data-path refusal. Each asserts the code and
+// part of the message, and after each the sidecar must still serve a correct op.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 

@@ -1,9 +1,9 @@
-// Faults injected into real `arfused` groups (issue 6, design §5 "nothing lost"; --device=host
-// here, --device=cuda in the gpu-labelled build, device_config.h):
-// a peer sidecar killed or frozen mid-op, a client killed mid-op and while holding regions, a
-// sidecar restarted under a live client, two clients racing on one workspace, SIGTERM under load.
-// Every call is bounded; every outcome is either OK with outputs equal to the CPU reference, or
-// a specific error code.
+// Faults injected into real `arfused` groups (docs/reliability.md, "Faults injected and survived"
+// and "Nothing lost"; --device=host here, --device=cuda in the gpu-labelled build,
+// device_config.h): a peer sidecar killed or frozen mid-op, a client killed mid-op and while
+// holding regions, a sidecar restarted under a live client, two clients racing on one workspace,
+// SIGTERM under load. Every call is bounded; every outcome is either OK with outputs equal to the
+// CPU reference, or a specific error code.
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -328,9 +328,9 @@ TEST(PeerFault, IdlePeerKilledAndRestartedReformsWithoutAnOp) {
 }
 
 // After a collective re-initialization the workspace generation must change, so that an op
-// stamped with the old one (workspace_generation) is refused as stale (design §5). Each re-form
-// builds a fresh engine; the ranks agree on the highest generation any of them served and count
-// on from it, so the generation grows and is the same on every rank.
+// stamped with the old one (workspace_generation) is refused as stale (docs/reliability.md,
+// "Nothing lost"). Each re-form builds a fresh engine; the ranks agree on the highest generation
+// any of them served and count on from it, so the generation grows and is the same on every rank.
 TEST(PeerFault, ReinitializationChangesTheWorkspaceGeneration) {
   Group g(2, Config());
   ASSERT_TRUE(g.StartAll()) << g.Logs();

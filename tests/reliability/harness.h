@@ -1,7 +1,7 @@
-// Reliability harness (issue 6): real `arfused --device=host` processes, clients through
-// client/cpp, and outside-in observations of a sidecar (readiness, Admin.GetStats, the client
-// shared-memory objects it maps, its resident memory). Shared by the fault, bad-input and load
-// tests. Every wait here is on a condition with a bound, never a bare sleep.
+// Reliability harness (docs/reliability.md): real `arfused --device=host` processes, clients
+// through client/cpp, and outside-in observations of a sidecar (readiness, Admin.GetStats, the
+// client shared-memory objects it maps, its resident memory). Shared by the fault, bad-input and
+// load tests. Every wait here is on a condition with a bound, never a bare sleep.
 #pragma once
 
 #include <sys/types.h>

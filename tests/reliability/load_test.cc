@@ -1,7 +1,8 @@
-// Load (issue 6 item 4): K clients per rank drive two host-mode sidecars at a sustained rate for
-// a bounded time. Reports p50/p99 latency, errors and wrong results (both must be 0), sessions
-// and client mappings (Admin.GetStats, /proc/PID/maps) and the sidecars' RSS before, during and
-// after; sessions and mappings must return to the baseline, RSS within a tolerance.
+// Load (docs/reliability.md, "Load held"): K clients per rank drive two host-mode sidecars at a
+// sustained rate for a bounded time. Reports p50/p99 latency, errors and wrong results (both must
+// be 0), sessions and client mappings (Admin.GetStats, /proc/PID/maps) and the sidecars' RSS
+// before, during and after; sessions and mappings must return to the baseline, RSS within a
+// tolerance.
 //
 // Small in CI. Longer: ARFUSE_LOAD_SECONDS=120 ARFUSE_LOAD_CLIENTS=4 ARFUSE_LOAD_RATE=100
 // (per client), ARFUSE_LOAD_TOKENS, ARFUSE_LOAD_HIDDEN, ARFUSE_LOAD_DTYPE=bf16|fp16|fp32.

@@ -24,8 +24,8 @@ What the pieces do:
   that is gone (the stream ended) disables it with "sidecar gone: ...". reattach() makes a new
   client and context once the sidecar is back.
 
-The library is found through $ARFUSE_CLIENT_LIB, then beside this package, then a build of this
-checkout (build/client/instream/), then .devstage/bin/ (arfuse._native).
+The library is found through $ARFUSE_CLIENT_LIB, then in or beside this package, then by name
+through the system's library path (arfuse._native).
 """
 import ctypes
 import dataclasses
@@ -114,7 +114,7 @@ _libs_lock = threading.Lock()
 
 
 def find_client_library() -> Optional[str]:
-    return find_native_library(LIBRARY, "ARFUSE_CLIENT_LIB", "client/instream")
+    return find_native_library(LIBRARY, "ARFUSE_CLIENT_LIB")
 
 
 def _declare(lib):

@@ -11,9 +11,8 @@
 
 The C ABI is client/ring/arfuse_ring.h (docs/doorbell.md). The library links the CUDA runtime
 statically and exports only arfuse_*, so it loads beside torch's libcudart. Which file:
-$ARFUSE_RING_LIB, else the wheel's own (arfuse/_lib/) or one beside the package, else one built in this checkout
-(build/client/ring/, else the newest build*/client/ring/), else .devstage/bin/, else the loader's
-search path. Loading it needs no GPU; opening a slot does
+$ARFUSE_RING_LIB, else the wheel's own (arfuse/_lib/) or one beside the package, else the system's
+library path. Loading it needs no GPU; opening a slot does
 (the current CUDA device must be the client's GPU, e.g. after torch.cuda.set_device).
 """
 import ctypes
@@ -47,10 +46,9 @@ class RingError(RuntimeError):
 
 
 def find_ring_library() -> Optional[str]:
-    """Path of libarfuse_ring.so ($ARFUSE_RING_LIB, beside the package, a build of this
-    checkout, .devstage/bin/: arfuse._native), or None when there is none on disk (then the
-    loader's search path is tried by name)."""
-    return find_native_library("libarfuse_ring.so", "ARFUSE_RING_LIB", "client/ring")
+    """Path of libarfuse_ring.so ($ARFUSE_RING_LIB, in or beside the package: arfuse._native),
+    or None when neither names one (then the loader's search path is tried by name)."""
+    return find_native_library("libarfuse_ring.so", "ARFUSE_RING_LIB")
 
 
 def load_library(path: Optional[str] = None):

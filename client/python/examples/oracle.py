@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""oracle.py: the numerics oracle in one command (issue 25; tp_oracle.py says what it does).
+"""oracle.py: the numerics oracle in one command (docs/numerics.md; tp_oracle.py says what it does).
 
     # one H200, two ranks sharing it under MPS (see docs/integration.md for the MPS setup)
     python3 client/python/examples/oracle.py --gpus 1 --json-out oracle.json

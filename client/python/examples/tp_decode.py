@@ -53,8 +53,9 @@ from tpd_planes import (EAGER_BANNER, ExecPlan, create_site_plans,  # noqa: E402
                         decide_execution, destroy_plans, eager_decode_check, run_setup_only,
                         site_opspec, try_doorbell, try_instream)
 from tpd_sidecars import (PLANES, SidecarGroup, Watchdog, arfused_lib_dir,  # noqa: E402,F401
-                          capture_request, connect_sidecar, describe_failure, find_arfused,
-                          fusion_flags, negotiate, negotiation_key, sidecar_argv, socket_path)
+                          capture_request, checkout_library, connect_sidecar, describe_failure,
+                          find_arfused, fusion_flags, negotiate, negotiation_key, sidecar_argv,
+                          socket_path)
 from tpd_verdicts import judge_kill, judge_normal, print_perf, summarize  # noqa: E402,F401
 
 SCENARIOS = ("main", "off", "kill")
@@ -78,11 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tensor-parallel decode of a Llama-style model through arfuse "
                     "(docs/integration.md).",
         epilog="Paths: --arfused or $ARFUSE_ARFUSED, else the newest build*/server/daemon/arfused,"
-               " else .devstage/bin/arfused; libraries it needs from --arfused-lib-dir or "
+               " else arfused on $PATH; libraries it needs from --arfused-lib-dir or "
                "$ARFUSE_ARFUSED_LIBS, else <arfused's dir>/../devlibs when present (set for the "
-               "sidecars only). Ring library: --ring-lib or $ARFUSE_RING_LIB. Client library "
-               "(in-stream plane): --client-lib or $ARFUSE_CLIENT_LIB, else a build of this "
-               "checkout (build/client/instream/).")
+               "sidecars only). Ring library: --ring-lib or $ARFUSE_RING_LIB, else a build of "
+               "this checkout (build/client/ring/). Client library (in-stream plane): "
+               "--client-lib or $ARFUSE_CLIENT_LIB, else a build of this checkout "
+               "(build/client/instream/); else the system's library path.")
     g = p.add_argument_group("processes")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cuda (default when a GPU is visible) or cpu (host-mode sidecars, gloo, "
@@ -284,8 +286,10 @@ class RankContext:
         self.layout = pool_layout(self.cfg)
         self.want_mode = args.cuda_graph if self.device == "cuda" else "none"
         self.op_timeout = args.op_timeout
-        self.ring_lib = args.ring_lib or os.environ.get("ARFUSE_RING_LIB")
-        self.client_lib = args.client_lib or os.environ.get("ARFUSE_CLIENT_LIB")
+        self.ring_lib = (args.ring_lib or os.environ.get("ARFUSE_RING_LIB")
+                         or checkout_library("libarfuse_ring.so", "client/ring"))
+        self.client_lib = (args.client_lib or os.environ.get("ARFUSE_CLIENT_LIB")
+                           or checkout_library("libarfuse_client.so", "client/instream"))
         self.plane = args.plane
         self.allow_eager_decode = args.allow_eager_decode or args.plane == "eager"
         self.workdir = args.workdir
@@ -496,7 +500,7 @@ class RankProcs:
 
 def rank_env(device: str) -> dict:
     env = dict(os.environ)
-    # NVLink multicast stays off (design.md §2); the example needs none of it.
+    # NVLink multicast stays off (docs/operations.md, NCCL_NVLS_ENABLE): the example needs none.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     # Every rank of this launcher is on this host: bootstrap over loopback (a hostname that does

@@ -692,7 +692,8 @@ def setup_rank(ctx) -> RankSetup:
                             timeout=timedelta(seconds=args.pg_timeout))
     log(f"torch {torch.__version__}, torch.distributed {backend}, device {device}", rank)
 
-    # Every rank must run the same path (design §4.6): check the group decision is the same.
+    # Every rank must run the same path (docs/config.md, "Every rank alike"): check the group
+    # decision is the same.
     neg = ctx.neg
     keys = gather(negotiation_key(neg))
     if any(k != keys[0] for k in keys):

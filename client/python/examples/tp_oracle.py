@@ -1,4 +1,5 @@
-"""The numerics oracle (issue 25): the torch side of `tp_decode.py --oracle JSON` (oracle.py).
+"""The numerics oracle (docs/numerics.md): the torch side of `tp_decode.py --oracle JSON`
+(oracle.py).
 
 The same weights (tp_model.generate_weights, from --seed) run four ways on the same prompt:
 

@@ -22,10 +22,18 @@ def find_arfused(explicit: Optional[str] = None) -> Optional[str]:
              if os.access(p, os.X_OK)]
     if found:
         return max(found, key=os.path.getmtime)
-    staged = REPO / ".devstage" / "bin" / "arfused"
-    if os.access(staged, os.X_OK):
-        return str(staged)
     return shutil.which("arfused")
+
+
+def checkout_library(filename: str, subdir: str) -> Optional[str]:
+    """A native library built in this checkout (build/<subdir>/ first, else the newest
+    build*/<subdir>/), for the examples' defaults; the package itself searches only its own
+    folder and the system's library path."""
+    main = REPO / "build" / subdir / filename
+    if main.is_file():
+        return str(main)
+    found = [p for p in glob.glob(str(REPO / "build*" / subdir / filename)) if os.path.isfile(p)]
+    return max(found, key=os.path.getmtime) if found else None
 
 
 def arfused_lib_dir(binary: str, explicit: Optional[str] = None) -> Optional[str]:

@@ -1,4 +1,4 @@
-// Interprocess CUDA events of the eager plane (design §3): the client's event, recorded after it
+// Interprocess CUDA events of the eager plane (docs/api.md): the client's event, recorded after it
 // produced the input, is opened here and waited on by the engine's stream; the engine records a
 // done event that the reply exports. The CUDA implementation is in cuda/; host mode has none
 // (wait_event is then refused and done_event left empty).
