@@ -83,7 +83,8 @@ def test_a_hidden_above_the_workspace_is_refused(client):
 def test_one_attachment_per_session_and_the_eager_plane_waits_for_the_detach(client):
     first = client.attach_rpc(request())
     assert first.attach_id > 0 and first.memory_kind == "host_shm"
-    assert first.fd_count == 1 and first.fd_socket.endswith(".fd") and first.fd_ticket
+    # The host workspace and the attachment's op counter page.
+    assert first.fd_count == 2 and first.fd_socket.endswith(".fd") and first.fd_ticket
     e = refused(client, request())
     assert e.code == grpc.StatusCode.ALREADY_EXISTS
     assert "already holds attachment" in e.message
@@ -117,7 +118,7 @@ def test_detach_of_an_attachment_the_session_does_not_hold_is_denied(client):
 def test_the_descriptors_go_only_to_the_caller_and_once(client, group2):
     resp = client.attach_rpc(request())
     fds = instream.pick_up_fds(resp, 5.0)
-    assert len(fds) == 1
+    assert len(fds) == 2  # the host workspace and the attachment's op counter page
     import os
     for fd in fds:
         os.close(fd)
