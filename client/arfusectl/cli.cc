@@ -381,6 +381,57 @@ std::string StateText(v1::WorkspaceState state) {
   return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
 }
 
+// The in-stream clients' ops (GetWorkspaceInfoResponse.instream_ops): fused share and the
+// reasons of the declined ones, the largest first.
+constexpr int kTopDeclineReasons = 3;
+
+std::string FusedShare(const v1::InStreamOps& ops) {
+  const uint64_t all = ops.fused_total() + ops.declined_total();
+  if (all == 0) return "-";
+  return absl::StrFormat("%.1f%%",
+                         100.0 * static_cast<double>(ops.fused_total()) / static_cast<double>(all));
+}
+
+std::string InStreamOpsText(const v1::InStreamOps& ops) {
+  if (ops.fused_total() + ops.declined_total() == 0) return "in-stream ops: none counted";
+  std::string text = absl::StrCat("in-stream ops: ", ops.fused_total(), " fused (", FusedShare(ops),
+                                  "), ", ops.declined_total(), " declined");
+  if (ops.declined_size() > 0) {
+    std::vector<std::string> top;
+    for (int i = 0; i < ops.declined_size() && i < kTopDeclineReasons; ++i) {
+      top.push_back(absl::StrCat(ops.declined(i).reason(), " ", ops.declined(i).count()));
+    }
+    absl::StrAppend(&text, "; top declines: ", absl::StrJoin(top, ", "));
+  }
+  return text;
+}
+
+std::string InStreamOpsJson(const v1::InStreamOps& ops) {
+  const uint64_t all = ops.fused_total() + ops.declined_total();
+  std::string j = absl::StrCat("{\"fused\":", ops.fused_total(),
+                               ",\"declined\":", ops.declined_total(), ",\"fused_share\":");
+  if (all == 0) {
+    absl::StrAppend(&j, "null");
+  } else {
+    absl::StrAppend(&j, absl::StrFormat("%.4f", static_cast<double>(ops.fused_total()) /
+                                                    static_cast<double>(all)));
+  }
+  absl::StrAppend(&j, ",\"fused_by_bucket\":[");
+  for (int i = 0; i < ops.fused_size(); ++i) {
+    const v1::InStreamOps::Fused& f = ops.fused(i);
+    absl::StrAppend(&j, i ? "," : "", "{\"pattern\":", JsonQuote(f.pattern()),
+                    ",\"tokens\":", JsonQuote(f.tokens()), ",\"count\":", f.count(), "}");
+  }
+  absl::StrAppend(&j, "],\"declined_by_reason\":[");
+  for (int i = 0; i < ops.declined_size(); ++i) {
+    const v1::InStreamOps::Declined& d = ops.declined(i);
+    absl::StrAppend(&j, i ? "," : "", "{\"reason\":", JsonQuote(d.reason()),
+                    ",\"count\":", d.count(), "}");
+  }
+  absl::StrAppend(&j, "]}");
+  return j;
+}
+
 int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
   const Remote* server = &remote;
   v1::NegotiateRequest negotiate;
@@ -430,7 +481,8 @@ int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
            << ",\"device\":" << JsonQuote(DeviceName(ws.device()))
            << ",\"mps_detected\":" << (ws.mps_detected() ? "true" : "false")
            << ",\"doorbell_hop_us\":" << ws.doorbell_hop_us()
-           << "},\"negotiation\":" << (decision ? config::DecisionToJson(*decision) : "null");
+           << "},\"instream_ops\":" << InStreamOpsJson(ws.instream_ops())
+           << ",\"negotiation\":" << (decision ? config::DecisionToJson(*decision) : "null");
     if (decision) {
       io.out << ",\"server_api\":"
              << JsonQuote(absl::StrCat(neg.server_api().major(), ".", neg.server_api().minor()));
@@ -457,6 +509,7 @@ int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
     o << "  MPS " << (ws.mps_detected() ? "detected" : "not detected");
     if (ws.doorbell_hop_us() > 0) o << ", doorbell hop " << ws.doorbell_hop_us() << " us";
     o << "\n";
+    o << "  " << InStreamOpsText(ws.instream_ops()) << "\n";
     if (decision) {
       o << "  negotiation: cuda_graph_mode " << config::CudaGraphModeName(decision->cuda_graph_mode)
         << ", data plane " << config::DataPlaneName(decision->data_plane) << " (prefill "

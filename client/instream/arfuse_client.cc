@@ -13,11 +13,13 @@
 
 #include "client/instream/blob_reader.h"
 #include "client/instream/host_plane.h"
+#include "client/instream/op_counts.h"
 #include "client/instream/op_rules.h"
 #include "client/instream/plane.h"
 #include "kernels/common/plain_status.h"
 #include "kernels/cpu/host_workspace.h"
 #include "kernels/instream/attach_abi.h"
+#include "kernels/instream/op_counters.h"
 #if ARFUSE_CLIENT_CUDA
 #include "client/instream/cuda_plane.h"
 #endif
@@ -32,6 +34,9 @@ namespace plain = ::arfuse::plain;
 struct arfuse_ctx {
   lib::ParsedBlob blob;  // image cleared: it was loaded at attach and is not kept
   std::unique_ptr<lib::Plane> plane;
+  // The attachment's op counter page (kernels/instream/op_counters.h); empty when the sidecar
+  // handed out none.
+  lib::OpCountsMapping counts;
   // arfuse_disable may come from another thread (a session's drain) than the ops'.
   std::atomic<bool> disabled{false};
   mutable std::mutex mu;
@@ -53,6 +58,12 @@ static_assert(ARFUSE_UNAVAILABLE == static_cast<int>(plain::StatusCode::kUnavail
 static_assert(ARFUSE_DTYPE_BF16 == static_cast<int>(arfuse::DType::kBF16));
 static_assert(ARFUSE_DTYPE_FP16 == static_cast<int>(arfuse::DType::kFP16));
 static_assert(ARFUSE_DTYPE_FP32 == static_cast<int>(arfuse::DType::kFP32));
+// Clients send arfuse_client_abi_version() as AttachRequest.attach_abi_version: the C ABI and the
+// blob it reads change together.
+static_assert(ARFUSE_CLIENT_ABI_VERSION == arfuse::instream::kAttachAbiVersion);
+static_assert(ARFUSE_DECLINE_NOT_CONTIGUOUS ==
+              static_cast<int>(arfuse::instream::DeclineReason::kNotContiguous));
+static_assert(ARFUSE_DECLINE_OTHER == static_cast<int>(arfuse::instream::DeclineReason::kOther));
 
 namespace {
 
@@ -86,16 +97,33 @@ plain::Status CheckUsable(const arfuse_ctx* ctx) {
   return plain::OkStatus();
 }
 
+// Checks and runs one op, and counts the decision in the attachment's counter page (when it has
+// one) before the launch: fused by pattern and token bucket, or declined by reason. A launch that
+// fails after the decision counts as fused (the kernels' error word and the sidecar's poisoning
+// report it); tokens == 0 runs nothing and counts nothing.
 plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op) {
-  if (plain::Status s = CheckUsable(ctx); !s.ok()) return s;
-  if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
+  using arfuse::instream::DeclineReason;
+  if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
+  auto declined = [ctx](DeclineReason why, plain::Status s) {
+    ctx->counts.Declined(why);
+    return s;
+  };
+  if (plain::Status s = CheckUsable(ctx); !s.ok()) {
+    return declined(DeclineReason::kDisabled, std::move(s));
+  }
+  if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) {
+    return declined(DeclineReason::kInvalidArgument, std::move(s));
+  }
   op.pattern = static_cast<arfuse::Pattern>(pattern);
   op.dtype = static_cast<arfuse::DType>(dtype);
   if (op.num_tokens == 0) return plain::OkStatus();  // nothing to run, on every rank alike
+  DeclineReason why = DeclineReason::kOther;
   plain::StatusOr<lib::Dispatch> d =
-      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.num_tokens, op.hidden, op.dtype);
-  if (!d.ok()) return d.status();
-  if (plain::Status s = lib::CheckTensors(op); !s.ok()) return s;
+      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.num_tokens, op.hidden, op.dtype, &why);
+  if (!d.ok()) return declined(why, d.status());
+  if (plain::Status s = lib::CheckTensors(op); !s.ok()) {
+    return declined(DeclineReason::kInvalidArgument, std::move(s));
+  }
   const std::pair<const void*, const char*> tensors[] = {{op.input, "input"},
                                                          {op.output, "output"},
                                                          {op.residual_in, "residual_in"},
@@ -104,8 +132,11 @@ plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::
                                                          {op.gamma, "gamma"}};
   for (const auto& [ptr, name] : tensors) {
     if (ptr == nullptr) continue;  // not a tensor of this pattern (CheckTensors saw the others)
-    if (plain::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) return s;
+    if (plain::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) {
+      return declined(DeclineReason::kMemory, std::move(s));
+    }
   }
+  ctx->counts.Fused(op.pattern, op.num_tokens);
   return ctx->plane->Run(op, *d, stream);
 }
 
@@ -152,6 +183,12 @@ plain::Status Attach(const void* blob, size_t blob_bytes, const int* fds, size_t
     return plain::UnimplementedError(
         "this libarfuse_client was built without CUDA: only host-mode sidecars can be attached");
 #endif
+  }
+  if (parsed->header.counters_fd_index >= 0) {
+    plain::StatusOr<lib::OpCountsMapping> counts =
+        lib::OpCountsMapping::Map(fds[parsed->header.counters_fd_index]);
+    if (!counts.ok()) return counts.status();
+    ctx->counts = std::move(*counts);
   }
   ctx->blob = std::move(*parsed);
   ctx->blob.image = nullptr;
@@ -287,6 +324,19 @@ int arfuse_disable(arfuse_ctx* ctx, const char* reason) {
       ctx->disabled_reason = reason != nullptr && reason[0] != '\0' ? reason : "disabled";
     }
     ctx->disabled.store(true, std::memory_order_release);
+    return plain::OkStatus();
+  });
+}
+
+int arfuse_note_declined(arfuse_ctx* ctx, int reason) {
+  return Guarded([&]() -> plain::Status {
+    if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
+    if (reason < 0 || reason >= static_cast<int>(arfuse::instream::kDeclineReasons)) {
+      return plain::InvalidArgumentError(plain::StrCat("decline reason ", reason,
+                                                       " is not one of ARFUSE_DECLINE_* (0..",
+                                                       arfuse::instream::kDeclineReasons - 1, ")"));
+    }
+    ctx->counts.Declined(static_cast<arfuse::instream::DeclineReason>(reason));
     return plain::OkStatus();
   });
 }

@@ -43,8 +43,9 @@
 extern "C" {
 #endif
 
-/* The version of this C ABI (functions and structs below). */
-#define ARFUSE_CLIENT_ABI_VERSION 1
+/* The version of this C ABI (functions and structs below) and of the attach blob it reads.
+ * 2: the attachment's op counter page, arfuse_note_declined. */
+#define ARFUSE_CLIENT_ABI_VERSION 2
 
 /* Status codes (absl::StatusCode / grpc::StatusCode numbers). */
 #define ARFUSE_OK 0
@@ -64,6 +65,11 @@ extern "C" {
 #define ARFUSE_DTYPE_BF16 1
 #define ARFUSE_DTYPE_FP16 2
 #define ARFUSE_DTYPE_FP32 3
+
+/* Decline reasons a caller reports with arfuse_note_declined (kernels/instream/op_counters.h has
+ * the full list; the library counts the others itself). */
+#define ARFUSE_DECLINE_NOT_CONTIGUOUS 9
+#define ARFUSE_DECLINE_OTHER 10
 
 typedef struct arfuse_ctx arfuse_ctx;
 
@@ -145,6 +151,16 @@ int arfuse_check(arfuse_ctx* ctx, uint32_t* code);
 /* Disables the ctx: every later op returns ARFUSE_UNAVAILABLE with `reason` (a drain, a lost
  * sidecar). Launches already enqueued are not affected. */
 int arfuse_disable(arfuse_ctx* ctx, const char* reason);
+
+/* Every op the library decides is counted in the attachment's op counter page, shared with the
+ * sidecar (no RPC, one relaxed atomic add): fused ops by pattern and token bucket, declined ops
+ * (OUT_OF_RANGE, UNAVAILABLE, INVALID_ARGUMENT) by reason; the sidecar exports them as
+ * arfuse_instream_ops_total. Graph replays of a captured launch run no host code and are counted
+ * by the kernels only (arfuse_instream_launches_total). arfuse_supports counts nothing. A caller
+ * that declines an op before asking the library (its tensors are not contiguous, say) reports it
+ * here so the sidecar sees it: reason is ARFUSE_DECLINE_* (any reason number of
+ * kernels/instream/op_counters.h below 11); INVALID_ARGUMENT for another. */
+int arfuse_note_declined(arfuse_ctx* ctx, int reason);
 
 /* A static name for a kernel error code ("timeout", "stale_generation", ...). Never NULL. */
 const char* arfuse_error_name(uint32_t code);

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/cpu/host_collective.h"
+#include "kernels/instream/op_counters.h"
 
 namespace arfuse::instream::lib {
 namespace {
@@ -110,6 +111,34 @@ plain::Status CheckRank(const ParsedBlob& p, uint32_t r, size_t num_fds) {
     if (m.bytes != want) {
       return Malformed(plain::StrCat(at, "bytes ", m.bytes, " is not the host workspace's ", want));
     }
+  }
+  return plain::OkStatus();
+}
+
+// The op counter page: none (-1, 0), or a descriptor of its own of sizeof(OpCounterPage) bytes
+// (the library writes into it: it must not be a rank's workspace).
+plain::Status CheckCounters(const ParsedBlob& p, size_t num_fds) {
+  const AttachHeader& h = p.header;
+  if (h.counters_fd_index == -1) {
+    if (h.counters_bytes != 0) {
+      return Malformed(plain::StrCat("counters_bytes ", h.counters_bytes,
+                                     " without a counter page (counters_fd_index -1)"));
+    }
+    return plain::OkStatus();
+  }
+  if (h.counters_fd_index < 0 || static_cast<uint64_t>(h.counters_fd_index) >= num_fds) {
+    return Malformed(plain::StrCat("counters_fd_index ", h.counters_fd_index,
+                                   " is not -1 or below num_fds ", num_fds));
+  }
+  for (uint32_t r = 0; r < h.world_size; ++r) {
+    if (p.ranks[r].fd_index == h.counters_fd_index) {
+      return Malformed(plain::StrCat("counters_fd_index ", h.counters_fd_index, " is rank ", r,
+                                     "'s workspace descriptor"));
+    }
+  }
+  if (h.counters_bytes != sizeof(OpCounterPage)) {
+    return Malformed(plain::StrCat("counters_bytes ", h.counters_bytes, " is not ",
+                                   sizeof(OpCounterPage), " (this library's op counter page)"));
   }
   return plain::OkStatus();
 }
@@ -226,6 +255,7 @@ plain::StatusOr<ParsedBlob> ParseAttachBlob(const void* blob, size_t blob_bytes,
   for (uint32_t r = 0; r < h.world_size; ++r) {
     if (plain::Status s = CheckRank(p, r, num_fds); !s.ok()) return s;
   }
+  if (plain::Status s = CheckCounters(p, num_fds); !s.ok()) return s;
   return p;
 }
 

@@ -41,12 +41,17 @@ plain::Status CheckEnums(int pattern, int dtype) {
 }
 
 plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
-                                     uint32_t tokens, uint32_t hidden, DType dtype) {
+                                     uint32_t tokens, uint32_t hidden, DType dtype,
+                                     DeclineReason* why) {
+  DeclineReason unused;
+  DeclineReason& reason = why != nullptr ? *why : unused;
   const AttachHeader& h = blob.header;
+  reason = DeclineReason::kDtype;
   if (dtype != blob.dtype()) {
     return Unavailable(plain::StrCat("dtype ", DTypeName(dtype), " differs from the workspace's ",
                                      DTypeName(blob.dtype())));
   }
+  reason = DeclineReason::kShape;
   if (hidden == 0 || hidden % kHiddenMultiple != 0) {
     return Unavailable(
         plain::StrCat("hidden ", hidden, " is not a positive multiple of ", kHiddenMultiple));
@@ -55,6 +60,7 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
     return Unavailable(plain::StrCat("hidden ", hidden, " exceeds the workspace's ", h.hidden));
   }
   const uint64_t elems = uint64_t{tokens} * hidden;
+  reason = DeclineReason::kCapacity;
   if (elems > uint64_t{h.max_tokens} * h.hidden) {
     return Unavailable(plain::StrCat(tokens, " tokens x ", hidden,
                                      " hidden exceeds the workspace's ", h.max_tokens, " tokens x ",
@@ -63,6 +69,7 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
   if (plain::Status s = plane.CheckCapacity(tokens, hidden, dtype); !s.ok()) return s;
   Dispatch d;
   d.payload = elems * DTypeSize(dtype);
+  reason = DeclineReason::kRange;
   if (d.payload > h.twoshot_max_bytes) {
     return Unavailable(plain::StrCat("a payload of ", d.payload,
                                      " bytes is above the fused range (twoshot_max_bytes ",
@@ -82,6 +89,7 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
     }
   }
   if (!hidden_attached) {
+    reason = DeclineReason::kNotAttached;
     std::vector<uint32_t> attached;
     for (const KernelEntry& e : blob.entries) {
       if (std::find(attached.begin(), attached.end(), e.hidden) == attached.end()) {
@@ -91,6 +99,7 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
     return Unavailable(plain::StrCat("hidden ", hidden, " was not attached (attached: ",
                                      plain::StrJoin(attached, ", "), "): attach with it"));
   }
+  reason = DeclineReason::kNoKernel;
   return Unavailable(plain::StrCat("the sidecar has no ", AlgoName(d.algo), " kernel for ",
                                    PatternName(pattern), " ", DTypeName(dtype), " at hidden ",
                                    hidden));

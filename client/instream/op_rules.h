@@ -7,13 +7,16 @@
 #include "client/instream/blob_reader.h"
 #include "client/instream/plane.h"
 #include "kernels/common/plain_status.h"
+#include "kernels/instream/op_counters.h"
 
 namespace arfuse::instream::lib {
 
 // The algorithm and entry for (pattern, tokens, hidden, dtype); INVALID_ARGUMENT for a pattern or
-// dtype value that does not exist. tokens may be 0 (nothing would run, and it fits).
+// dtype value that does not exist. tokens may be 0 (nothing would run, and it fits). On failure
+// `*why` (when not null) is the reason the op counter page counts it under.
 plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
-                                     uint32_t tokens, uint32_t hidden, DType dtype);
+                                     uint32_t tokens, uint32_t hidden, DType dtype,
+                                     DeclineReason* why = nullptr);
 
 // INVALID_ARGUMENT when a tensor is NULL or not 16-byte aligned, an output overlaps another
 // tensor (residual_out may equal residual_in, output may equal input) or eps is not finite and

@@ -12,9 +12,10 @@
 //   the kernel image (a fatbin)      at image_offset, image_bytes long (CUDA only; 0 in host mode)
 // Every offset is a multiple of 16 and every region lies inside the blob; the client checks both.
 //
-// File descriptors (VMM POSIX-FD handles, the host-mode workspace) do not travel in the blob: the
-// sidecar offers them on its fd socket under Attach's `fd_ticket`, and RankMemory::fd_index is the
-// index of a rank's descriptor in the list the client picked up.
+// File descriptors (VMM POSIX-FD handles, the host-mode workspace, the attachment's op counter
+// page) do not travel in the blob: the sidecar offers them on its fd socket under Attach's
+// `fd_ticket`, and RankMemory::fd_index (AttachHeader::counters_fd_index) is the index of a
+// rank's descriptor (of the counter page) in the list the client picked up.
 #pragma once
 
 #include <cstddef>
@@ -23,8 +24,9 @@
 namespace arfuse::instream {
 
 inline constexpr uint32_t kAttachMagic = 0x49534641;  // "AFSI" little-endian
-// 1: first version.
-inline constexpr uint32_t kAttachAbiVersion = 1;
+// 1: first version. 2: the op counter page (counters_fd_index, counters_bytes;
+// kernels/instream/op_counters.h).
+inline constexpr uint32_t kAttachAbiVersion = 2;
 // The kernels' launch-parameter ABI (kernels/instream/launch_abi.h): a client built for another
 // version refuses to attach, because the kernel would read its parameters at other offsets.
 inline constexpr uint32_t kLaunchAbiVersion = 1;
@@ -97,7 +99,12 @@ struct AttachHeader {
   uint32_t hidden;
   // Host mode: bytes of one rank's slot in one buffer of the host workspace (0 on CUDA).
   uint64_t host_slot_bytes;
-  uint64_t reserved2[2];
+  // The attachment's op counter page (OpCounterPage, kernels/instream/op_counters.h): the index
+  // of its descriptor in the picked-up list, and sizeof(OpCounterPage); -1 and 0 when the
+  // sidecar hands out none (it serves no fd channel), and the library then counts nothing.
+  int32_t counters_fd_index;
+  uint32_t counters_bytes;
+  uint64_t reserved2;
 };
 static_assert(sizeof(AttachHeader) == 288);
 static_assert(offsetof(AttachHeader, generation) == 48);
@@ -109,6 +116,8 @@ static_assert(offsetof(AttachHeader, layout) == 144);
 static_assert(offsetof(AttachHeader, entries_offset) == 224);
 static_assert(offsetof(AttachHeader, max_tokens) == 256);
 static_assert(offsetof(AttachHeader, host_slot_bytes) == 264);
+static_assert(offsetof(AttachHeader, counters_fd_index) == 272);
+static_assert(offsetof(AttachHeader, counters_bytes) == 276);
 
 // One launchable function of the image, for one (hidden, pattern, algorithm). The grid of a
 // launch is clamp(ceil(num_tokens / rows_divisor), 1, max_grid) blocks of block_threads threads:

@@ -830,6 +830,7 @@ void Sidecar::SuperviseGroup() {
       if (fusion_ != nullptr) {
         InStreamAttachments& a = fusion_->instream();
         metrics_->SetInStream(a.size(), a.launches(), a.stale());
+        metrics_->SetInStreamOps(a.op_counts());
       }
       WaitFor(absl::Milliseconds(50));
     }

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/instream/attach_abi.h"
+#include "kernels/instream/op_counters.h"
 
 namespace arfuse {
 namespace {
@@ -42,7 +43,8 @@ const char* AttachMemoryKindName(const InStreamExport& e) {
   return "none";
 }
 
-absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id) {
+absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id,
+                                            bool counters) {
   const bool cuda = e.device == instream::DeviceKind::kCuda;
   if (!cuda && e.device != instream::DeviceKind::kHost) {
     return absl::InvalidArgumentError(
@@ -173,6 +175,9 @@ absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t at
   h.max_tokens = e.max_tokens;
   h.hidden = e.hidden;
   h.host_slot_bytes = e.host_slot_bytes;
+  // The counter page's descriptor comes after the export's own (next is their count).
+  h.counters_fd_index = counters ? next : -1;
+  h.counters_bytes = counters ? sizeof(instream::OpCounterPage) : 0;
   h.entries_offset = AlignBlob(sizeof(AttachHeader));
   h.ranks_offset = AlignBlob(h.entries_offset + e.entries.size() * sizeof(KernelEntry));
   h.image_offset = AlignBlob(h.ranks_offset + ranks.size() * sizeof(RankMemory));

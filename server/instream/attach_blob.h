@@ -16,8 +16,11 @@ namespace arfuse {
 // (naming the field) for an export the client would refuse: ranks not world_size long, rank out
 // of range, a handle that is not 64 bytes, a descriptor missing where the kind needs one (or
 // present where it must not be), an image on a host export or none on a CUDA one, too many
-// entries, or a function name that does not fit.
-absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id);
+// entries, or a function name that does not fit. With `counters`, the blob names an op counter
+// page (kernels/instream/op_counters.h) whose descriptor follows AttachBlobFds(e) in the offer
+// (OfferAttachFds' counters_fd); without, counters_fd_index is -1 and the client counts nothing.
+absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id,
+                                            bool counters = false);
 
 // The descriptors the blob's fd_index values refer to, in index order (the export keeps owning
 // them): those the rank entries hold, in rank order. A kVmmPosixFd rank points at its own; every

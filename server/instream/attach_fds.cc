@@ -16,9 +16,11 @@ namespace arfuse {
 absl::StatusOr<AttachFdOffer> OfferAttachFds(const InStreamExport& exported,
                                              FdTicketBroker* tickets, const std::string& fd_socket,
                                              const std::optional<SocketCredentials>& caller,
-                                             absl::Duration ttl, FdTicketScope scope) {
+                                             absl::Duration ttl, FdTicketScope scope,
+                                             int counters_fd) {
   AttachFdOffer offer;
-  const std::vector<int> fd_refs = AttachBlobFds(exported);
+  std::vector<int> fd_refs = AttachBlobFds(exported);
+  if (counters_fd >= 0) fd_refs.push_back(counters_fd);
   if (fd_refs.empty()) return offer;
   if (tickets == nullptr || fd_socket.empty()) {
     return absl::FailedPreconditionError(

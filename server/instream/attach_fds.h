@@ -29,10 +29,12 @@ struct AttachFdOffer {
 // PERMISSION_DENIED when the caller's credentials are not known, RESOURCE_EXHAUSTED when a
 // descriptor cannot be duplicated.
 // `scope` names the attachment the offer is for: the ticket dies with it
-// (FdTicketBroker::RevokeAttachment, RevokeSession).
+// (FdTicketBroker::RevokeAttachment, RevokeSession). `counters_fd` (>= 0) is the attachment's op
+// counter page, offered after the export's descriptors (the blob's counters_fd_index).
 absl::StatusOr<AttachFdOffer> OfferAttachFds(const InStreamExport& exported,
                                              FdTicketBroker* tickets, const std::string& fd_socket,
                                              const std::optional<SocketCredentials>& caller,
-                                             absl::Duration ttl, FdTicketScope scope = {});
+                                             absl::Duration ttl, FdTicketScope scope = {},
+                                             int counters_fd = -1);
 
 }  // namespace arfuse

@@ -23,7 +23,8 @@ InStreamAttachments::~InStreamAttachments() {
   watcher_.join();  // the thread waits at most one probe (a bounded copy) before it sees stop_
 }
 
-absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t generation) {
+absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t generation,
+                                                  std::shared_ptr<InStreamOpCounterPage> counters) {
   std::lock_guard<std::mutex> lock(mu_);
   if (draining_) {
     return absl::FailedPreconditionError(
@@ -51,7 +52,7 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
   do {
     id = RandomNonZeroId();
   } while (entries_.contains(id));
-  entries_[id] = Entry{session, generation, false, false};
+  entries_[id] = Entry{session, generation, false, false, std::move(counters)};
   cv_.notify_all();  // the watcher starts probing
   return id;
 }
@@ -65,6 +66,7 @@ absl::Status InStreamAttachments::Remove(uint64_t session, uint64_t attach_id) {
         "the attachment is not held by this session (detached, drained, never made here, or its "
         "workspace was rebuilt): attach again");
   }
+  EndLocked(it->second);
   entries_.erase(it);
   cv_.notify_all();
   return absl::OkStatus();
@@ -76,6 +78,7 @@ std::vector<uint64_t> InStreamAttachments::RemoveSession(uint64_t session) {
   for (auto it = entries_.begin(); it != entries_.end();) {
     if (it->second.session == session) {
       ended.push_back(it->first);
+      EndLocked(it->second);
       it = entries_.erase(it);
     } else {
       ++it;
@@ -88,7 +91,10 @@ std::vector<uint64_t> InStreamAttachments::RemoveSession(uint64_t session) {
 void InStreamAttachments::Acknowledge(uint64_t session, uint64_t attach_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(attach_id);
-  if (it != entries_.end() && it->second.session == session) entries_.erase(it);
+  if (it != entries_.end() && it->second.session == session) {
+    EndLocked(it->second);
+    entries_.erase(it);
+  }
   cv_.notify_all();
 }
 
@@ -110,6 +116,26 @@ uint64_t InStreamAttachments::launches() const {
 uint64_t InStreamAttachments::stale() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stale_base_ + last_stale_;
+}
+
+void InStreamAttachments::EndLocked(const Entry& e) {
+  if (e.counters != nullptr) ops_ended_ += e.counters->Sample();
+}
+
+InStreamOpCounts InStreamAttachments::op_counts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  InStreamOpCounts total = ops_ended_;
+  for (const auto& [id, e] : entries_) {
+    if (e.counters != nullptr) total += e.counters->Sample();
+  }
+  return total;
+}
+
+std::optional<InStreamOpCounts> InStreamAttachments::op_counts(uint64_t attach_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(attach_id);
+  if (it == entries_.end() || it->second.counters == nullptr) return std::nullopt;
+  return it->second.counters->Sample();
 }
 
 void InStreamAttachments::QueueLocked(uint64_t session, AttachEventData event) {
@@ -150,6 +176,7 @@ void InStreamAttachments::ReinitializedLocked(uint64_t generation) {
     if (it->second.generation < serving_generation_) {
       QueueLocked(it->second.session, AttachEventData{AttachEventKind::kReinitialized, it->first,
                                                       "the workspace was rebuilt; attach again"});
+      EndLocked(it->second);
       it = entries_.erase(it);
     } else {
       ++it;
@@ -171,6 +198,7 @@ size_t InStreamAttachments::Drain(const std::string& reason, absl::Time deadline
   if (left != 0) {
     spdlog::warn("event=instream_drain_incomplete attachments={} action=abort_workspace", left);
   }
+  for (const auto& [id, e] : entries_) EndLocked(e);
   entries_.clear();
   // Attaches stay refused until the drain's own events are out (delivery never blocks: each is
   // queued on its session's stream), so none of them reaches an attachment made after it.

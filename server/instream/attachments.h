@@ -23,7 +23,9 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/instream/op_counters.h"
 
 namespace arfuse {
 
@@ -68,8 +71,10 @@ class InStreamAttachments {
   // A new attachment of `session` to the workspace of `generation`, with a random 64-bit id.
   // ALREADY_EXISTS when the session holds one; FAILED_PRECONDITION while a drain is in progress,
   // for a workspace known to be poisoned (with the poisoning's reason) and for one already
-  // replaced by a newer one.
-  absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation);
+  // replaced by a newer one. `counters` is the attachment's op counter page (null: none), read
+  // for op_counts() while the attachment lives and once more when it ends.
+  absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation,
+                               std::shared_ptr<InStreamOpCounterPage> counters = nullptr);
   // PERMISSION_DENIED for an id the session does not hold, the same whether another session
   // holds it or none does, and without the id.
   absl::Status Remove(uint64_t session, uint64_t attach_id);
@@ -102,12 +107,21 @@ class InStreamAttachments {
   uint64_t launches() const;
   uint64_t stale() const;
 
+  // The clients' op counts (their counter pages): those of attachments that ended plus every
+  // live attachment's, each page read now (monotonic; bounded per attachment, see
+  // InStreamOpCounterPage::Sample).
+  InStreamOpCounts op_counts();
+  // One live attachment's counts (its page read now); nullopt for an unknown id or one without
+  // a page.
+  std::optional<InStreamOpCounts> op_counts(uint64_t attach_id);
+
  private:
   struct Entry {
     uint64_t session = 0;
     uint64_t generation = 0;
     bool draining = false;
     bool told_poisoned = false;
+    std::shared_ptr<InStreamOpCounterPage> counters;
   };
   struct Pending {
     uint64_t session = 0;
@@ -121,6 +135,8 @@ class InStreamAttachments {
   // attachments exist.
   void Watch();
   void ApplyProbeLocked(const InStreamProbe& p);
+  // mu_ held: an attachment ends: its page is read a last time into ops_ended_.
+  void EndLocked(const Entry& e);
 
   const Notify notify_;
   const Probe probe_;
@@ -142,6 +158,8 @@ class InStreamAttachments {
   // Counters: those of workspaces gone, plus the last probe of the current one.
   uint64_t launches_base_ = 0, stale_base_ = 0, last_launches_ = 0, last_stale_ = 0;
   uint64_t probed_generation_ = 0;
+  // Op counts of the attachments that ended.
+  InStreamOpCounts ops_ended_;
   std::thread watcher_;
 };
 

@@ -46,9 +46,15 @@ struct Metrics::InStreamFamilies {
   prometheus::Gauge& attachments;
   prometheus::Counter& launches;
   prometheus::Counter& stale;
+  prometheus::Family<prometheus::Counter>& ops;
   std::mutex mu;
   uint64_t launches_seen = 0;
   uint64_t stale_seen = 0;
+  // arfuse_instream_ops_total's series, made at start so that every one is exported from the
+  // first scrape (a dashboard's rate() needs the zero), and the counts they last took.
+  prometheus::Counter* fused[instream::kOpPatterns][instream::kOpTokenBuckets] = {};
+  prometheus::Counter* declined[instream::kDeclineReasons] = {};
+  InStreamOpCounts ops_seen;
 };
 
 namespace {
@@ -163,7 +169,26 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const Buil
           .Labels(constant)
           .Register(r)
           .Add({}),
+      prometheus::BuildCounter()
+          .Name("arfuse_instream_ops_total")
+          .Help("Ops the in-stream client library decided: fused (by pattern and token bucket) or "
+                "declined, the framework running its own path (by reason)")
+          .Labels(constant)
+          .Register(r),
   });
+  for (uint32_t p = 0; p < instream::kOpPatterns; ++p) {
+    for (uint32_t b = 0; b < instream::kOpTokenBuckets; ++b) {
+      instream_->fused[p][b] =
+          &instream_->ops.Add({{"path", "fused"},
+                               {"reason", "none"},
+                               {"pattern", p == 0 ? "allreduce" : "allreduce_residual_rmsnorm"},
+                               {"tokens", instream::kOpTokenBucketNames[b]}});
+    }
+  }
+  for (uint32_t q = 0; q < instream::kDeclineReasons; ++q) {
+    instream_->declined[q] =
+        &instream_->ops.Add({{"path", "declined"}, {"reason", instream::kDeclineReasonNames[q]}});
+  }
   prometheus::BuildGauge()
       .Name("arfuse_build_info")
       .Help("Build and group information")
@@ -284,6 +309,25 @@ void Metrics::SetInStream(uint64_t attachments, uint64_t launches, uint64_t stal
   if (stale > instream_->stale_seen) {
     instream_->stale.Increment(static_cast<double>(stale - instream_->stale_seen));
     instream_->stale_seen = stale;
+  }
+}
+
+void Metrics::SetInStreamOps(const InStreamOpCounts& counts) {
+  std::lock_guard<std::mutex> lock(instream_->mu);
+  auto add = [](prometheus::Counter* c, uint64_t now, uint64_t& seen) {
+    if (now > seen) {
+      c->Increment(static_cast<double>(now - seen));
+      seen = now;
+    }
+  };
+  InStreamOpCounts& seen = instream_->ops_seen;
+  for (uint32_t p = 0; p < instream::kOpPatterns; ++p) {
+    for (uint32_t b = 0; b < instream::kOpTokenBuckets; ++b) {
+      add(instream_->fused[p][b], counts.fused[p][b], seen.fused[p][b]);
+    }
+  }
+  for (uint32_t q = 0; q < instream::kDeclineReasons; ++q) {
+    add(instream_->declined[q], counts.declined[q], seen.declined[q]);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/instream/op_counts.h"
 
 namespace prometheus {
 class Registry;
@@ -72,6 +73,9 @@ class Metrics {
   // The in-stream plane: attachments now, and the kernels' launch counters as the sidecar last
   // read them (monotonic; counted up by the difference).
   void SetInStream(uint64_t attachments, uint64_t launches, uint64_t stale);
+  // The in-stream clients' op decisions as the sidecar last summed their counter pages
+  // (monotonic; counted up by the difference): arfuse_instream_ops_total.
+  void SetInStreamOps(const InStreamOpCounts& counts);
 
   // The text exposition of every family (what a scrape returns).
   std::string Render() const;

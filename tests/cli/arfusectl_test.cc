@@ -489,6 +489,10 @@ class FakeFusion final : public v1::Fusion::CallbackService {
     response->set_mps_detected(true);
     response->set_doorbell_hop_us(2.5);
     response->set_sm(100);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      *response->mutable_instream_ops() = ops_;
+    }
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -497,6 +501,10 @@ class FakeFusion final : public v1::Fusion::CallbackService {
   std::string api_version() {
     std::lock_guard<std::mutex> lock(mu_);
     return api_version_;
+  }
+  void set_ops(const v1::InStreamOps& ops) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ops_ = ops;
   }
   std::chrono::system_clock::time_point deadline() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -507,6 +515,7 @@ class FakeFusion final : public v1::Fusion::CallbackService {
   std::mutex mu_;
   std::string api_version_;
   std::chrono::system_clock::time_point deadline_;
+  v1::InStreamOps ops_;
 };
 
 // arfused's front, minus the data path: Config (real), Fusion (fake info), health.
@@ -689,6 +698,53 @@ TEST(ArfusectlInfo, HumanReadableAndJson) {
   EXPECT_THAT(json.out, HasSubstr("\"negotiation\":{\"backend\":\"mnnvl\",\"fusion_enabled\":true,"
                                   "\"cuda_graph_mode\":\"full\",\"data_plane\":\"doorbell\""));
   EXPECT_EQ(std::count(json.out.begin(), json.out.end(), '\n'), 1);
+}
+
+// The in-stream clients' ops as the sidecar counted them: the fused share and the top decline
+// reasons (at most three, as the sidecar ordered them: largest first); every series in --json.
+TEST(ArfusectlInfo, ShowsTheFusedShareAndTheTopDeclineReasons) {
+  Sidecar sidecar;
+  ASSERT_TRUE(sidecar.started());
+  Result none = RunBinary({"info", "--addr", sidecar.addr()});
+  ASSERT_EQ(none.code, 0) << none.err;
+  EXPECT_THAT(none.out, HasSubstr("\n  in-stream ops: none counted\n"));
+  Result none_json = RunBinary({"info", "--addr", sidecar.addr(), "--json"});
+  EXPECT_THAT(none_json.out,
+              HasSubstr("\"instream_ops\":{\"fused\":0,\"declined\":0,\"fused_share\":null,"
+                        "\"fused_by_bucket\":[],\"declined_by_reason\":[]}"));
+
+  v1::InStreamOps ops;
+  ops.set_fused_total(90);
+  ops.set_declined_total(10);
+  auto fused = [&](const char* pattern, const char* tokens, uint64_t n) {
+    v1::InStreamOps::Fused* f = ops.add_fused();
+    f->set_pattern(pattern);
+    f->set_tokens(tokens);
+    f->set_count(n);
+  };
+  fused("allreduce_residual_rmsnorm", "1", 60);
+  fused("allreduce_residual_rmsnorm", "9-64", 30);
+  for (auto [reason, n] : std::vector<std::pair<const char*, uint64_t>>{
+           {"range", 5}, {"dtype", 3}, {"disabled", 1}, {"shape", 1}}) {
+    v1::InStreamOps::Declined* d = ops.add_declined();
+    d->set_reason(reason);
+    d->set_count(n);
+  }
+  sidecar.fusion().set_ops(ops);
+  Result human = RunBinary({"info", "--addr", sidecar.addr()});
+  ASSERT_EQ(human.code, 0) << human.err;
+  EXPECT_THAT(human.out, HasSubstr("\n  in-stream ops: 90 fused (90.0%), 10 declined; top "
+                                   "declines: range 5, dtype 3, disabled 1\n"));
+  Result json = RunBinary({"info", "--addr", sidecar.addr(), "--json"});
+  ASSERT_EQ(json.code, 0) << json.err;
+  EXPECT_THAT(json.out,
+              HasSubstr("\"instream_ops\":{\"fused\":90,\"declined\":10,\"fused_share\":0.9000,"
+                        "\"fused_by_bucket\":[{\"pattern\":\"allreduce_residual_rmsnorm\","
+                        "\"tokens\":\"1\",\"count\":60},{\"pattern\":"
+                        "\"allreduce_residual_rmsnorm\",\"tokens\":\"9-64\",\"count\":30}],"
+                        "\"declined_by_reason\":[{\"reason\":\"range\",\"count\":5},"
+                        "{\"reason\":\"dtype\",\"count\":3},{\"reason\":\"disabled\","
+                        "\"count\":1},{\"reason\":\"shape\",\"count\":1}]}"));
 }
 
 TEST(ArfusectlInfo, ServerWithoutFusionServiceIsAFailure) {

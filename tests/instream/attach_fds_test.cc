@@ -3,6 +3,7 @@
 #include "server/instream/attach_fds.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <optional>
@@ -73,6 +74,32 @@ TEST(OfferAttachFds, TheCallerPicksUpDuplicatesAndTheExportKeepsItsOwn) {
   ASSERT_EQ(fds->size(), 1u);
   EXPECT_NE((*fds)[0].get(), e.ranks[0].fd.get());
   EXPECT_TRUE(e.ranks[0].fd.valid());
+}
+
+// The op counter page follows the export's descriptors (the blob's counters_fd_index), also when
+// the export has none (CUDA IPC, FABRIC): the offer then holds the page alone.
+TEST(OfferAttachFds, TheCounterPageIsOfferedAfterTheExportsDescriptors) {
+  FdTicketBroker broker;
+  InStreamExport e = ExportWithFd();
+  UniqueFd page(::memfd_create("attach-fds-test-page", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(page.get(), 4096), 0);
+  absl::StatusOr<AttachFdOffer> offer =
+      OfferAttachFds(e, &broker, "/tmp/x.fd", Me(), absl::Seconds(30), {}, page.get());
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_EQ(offer->count, 2u);
+  absl::StatusOr<std::vector<UniqueFd>> fds = broker.Pickup(offer->ticket, ::getuid());
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  ASSERT_EQ(fds->size(), 2u);
+  struct stat st;
+  ASSERT_EQ(::fstat((*fds)[1].get(), &st), 0);
+  EXPECT_EQ(st.st_size, 4096);  // the page, not the workspace (an empty memfd)
+
+  InStreamExport none;
+  none.ranks.resize(2);
+  absl::StatusOr<AttachFdOffer> alone =
+      OfferAttachFds(none, &broker, "/tmp/x.fd", Me(), absl::Seconds(30), {}, page.get());
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ(alone->count, 1u);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
+#include "kernels/instream/op_counters.h"
 #include "server/instream/attach_blob.h"
 #include "tests/instream/instream_test_util.h"
 
@@ -181,8 +182,11 @@ TEST_F(BlobTest, Magic) {
 }
 
 TEST_F(BlobTest, Versions) {
-  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 2; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 2 differs from this library's 1");
+  // A sidecar of the first attach ABI (no op counter page) is refused, as is a newer one.
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 1; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 1 differs from this library's 2");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 3; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 3 differs from this library's 2");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_abi_version = 9; }),
           ARFUSE_FAILED_PRECONDITION, "launch_abi_version 9 of the sidecar's kernels differs");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_args_bytes = 352; }),
@@ -398,6 +402,74 @@ TEST_F(BlobTest, TheHostWorkspaceBehindTheDescriptor) {
                  {(*other_gen)->fd.get()});
   EXPECT_EQ(r.rc, ARFUSE_FAILED_PRECONDITION);
   EXPECT_THAT(r.message, HasSubstr("magic"));
+}
+
+}  // namespace
+}  // namespace arfuse::instream
+
+namespace arfuse::instream {
+namespace {
+
+// The op counter page's fields (counters_fd_index, counters_bytes): one test per rule.
+class CounterBlobTest : public BlobTest {
+ protected:
+  void SetUp() override {
+    BlobTest::SetUp();
+    page_fd_.reset(::memfd_create("arfuse-test-counters", MFD_CLOEXEC));
+    ASSERT_TRUE(page_fd_.valid());
+    ASSERT_EQ(::ftruncate(page_fd_.get(), kOpCounterObjectBytes), 0);
+    counted_ = Blob(HostExport(*ws_, 0), 7, /*counters=*/true);
+  }
+  AttachResult Attach(const std::string& blob, int page_fd) {
+    return AttachBlob(blob, {ws_->fd.get(), page_fd});
+  }
+  void RefusedWithPage(const std::string& blob, const std::string& part) {
+    AttachResult r = Attach(blob, page_fd_.get());
+    EXPECT_EQ(r.rc, ARFUSE_INVALID_ARGUMENT) << r.message;
+    EXPECT_THAT(r.message, HasSubstr(part));
+    EXPECT_EQ(r.ctx, nullptr);
+  }
+  UniqueFd page_fd_;
+  std::string counted_;
+};
+
+TEST_F(CounterBlobTest, TheBuilderNamesThePageAfterTheWorkspacesDescriptor) {
+  const AttachHeader h = HeaderOf(counted_);
+  EXPECT_EQ(h.counters_fd_index, 1);
+  EXPECT_EQ(h.counters_bytes, sizeof(OpCounterPage));
+  EXPECT_EQ(HeaderOf(host_).counters_fd_index, -1);
+  EXPECT_EQ(HeaderOf(host_).counters_bytes, 0u);
+  AttachResult r = Attach(counted_, page_fd_.get());
+  ASSERT_EQ(r.rc, ARFUSE_OK) << r.message;
+  arfuse_detach(r.ctx);
+}
+
+TEST_F(CounterBlobTest, AnIndexBeyondTheDescriptorsIsRefused) {
+  RefusedWithPage(WithHeader(counted_, [](AttachHeader& h) { h.counters_fd_index = 2; }),
+                  "counters_fd_index 2 is not -1 or below num_fds 2");
+  RefusedWithPage(WithHeader(counted_, [](AttachHeader& h) { h.counters_fd_index = -2; }),
+                  "counters_fd_index -2 is not -1 or below num_fds 2");
+}
+
+TEST_F(CounterBlobTest, TheWorkspacesDescriptorIsNoCounterPage) {
+  RefusedWithPage(WithHeader(counted_, [](AttachHeader& h) { h.counters_fd_index = 0; }),
+                  "counters_fd_index 0 is rank 0's workspace descriptor");
+}
+
+TEST_F(CounterBlobTest, AnotherPageSizeIsRefused) {
+  RefusedWithPage(WithHeader(counted_, [](AttachHeader& h) { h.counters_bytes = 256; }),
+                  "counters_bytes 256 is not 512");
+  RefusedWithPage(WithHeader(host_, [](AttachHeader& h) { h.counters_bytes = 512; }),
+                  "counters_bytes 512 without a counter page");
+}
+
+TEST_F(CounterBlobTest, AnObjectSmallerThanAPageIsNotMapped) {
+  UniqueFd small(::memfd_create("arfuse-test-small", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(small.get(), 100), 0);
+  AttachResult r = Attach(counted_, small.get());
+  EXPECT_EQ(r.rc, ARFUSE_INVALID_ARGUMENT);
+  EXPECT_THAT(r.message, HasSubstr("the op counter page is 100 bytes, not 4096"));
+  EXPECT_EQ(r.ctx, nullptr);
 }
 
 }  // namespace

@@ -23,6 +23,9 @@
 #include "gtest/gtest.h"
 #include "server/host/host_engine.h"
 #include "server/instream/attach_blob.h"
+#include "server/instream/attachments.h"
+#include "server/instream/op_counters.h"
+#include "server/metrics/metrics.h"
 #include "server/peers/local_exchange.h"
 #include "tests/instream/instream_test_util.h"
 
@@ -571,6 +574,134 @@ TEST(InStreamHost, AnOpClaimedAndNeverFinishedIsAbandonedNotReused) {
   EXPECT_EQ(r1.status.code(), plain::StatusCode::kAborted);
   EXPECT_THAT(r1.status.message(), HasSubstr("rank 0 gave up on this op"));
   EXPECT_EQ(t1.bytes(2, t1.tensor_bytes), std::vector<uint8_t>(t1.tensor_bytes, 0xee));
+}
+
+// Every op the client decides is counted in its attachment's counter page, through the real
+// library in host mode, and the sidecar's numbers (the attachments' table, the metrics) equal
+// what the client did: fused ops by pattern and token bucket (a batch in each bucket, up to the
+// top of the fused range), declined ops by reason (a batch above the fused range, one beyond the
+// workspace, another dtype, hidden sizes not attached or not a multiple of 16, a misaligned
+// tensor, a disabled ctx, and what the caller reports itself). Series carry the sidecar's rank
+// first, then their own labels in name order.
+TEST(InStreamHostCounters, TheSidecarCountsWhatTheClientDidOpForOp) {
+  constexpr int kWorld = 2;
+  constexpr uint32_t kHidden = 64, kFusedTokens = 600;
+  auto ws = TestHostWorkspace::Create(kWorld, 1024, kHidden, DType::kBF16, 1);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  std::vector<std::unique_ptr<InStreamAttachments>> tables;
+  std::vector<uint64_t> ids;
+  Ctxs ctxs;
+  for (int r = 0; r < kWorld; ++r) {
+    tables.push_back(std::make_unique<InStreamAttachments>([](uint64_t, const AttachEventData&) {},
+                                                           [] { return InStreamProbe{}; }));
+    absl::StatusOr<std::unique_ptr<InStreamOpCounterPage>> page = InStreamOpCounterPage::Create();
+    ASSERT_TRUE(page.ok()) << page.status();
+    std::shared_ptr<InStreamOpCounterPage> shared = std::move(*page);
+    absl::StatusOr<uint64_t> id = tables[r]->Add(1, 1, shared);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+    InStreamExport e = HostExport(**ws, r);
+    // The fused range ends at 600 tokens, below the workspace's 1024.
+    e.oneshot_max_bytes = e.twoshot_max_bytes = uint64_t{kFusedTokens} * kHidden * 2;
+    AttachResult a = AttachBlob(Blob(e, *id, /*counters=*/true), {(*ws)->fd.get(), shared->fd()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  const Pattern kNorm = Pattern::kAllReduceResidualRmsNorm, kSum = Pattern::kAllReduce;
+  int call = 0;
+  auto fused = [&](Pattern p, uint32_t tokens) {
+    std::vector<RankTensors> t;
+    for (int r = 0; r < kWorld; ++r) t.emplace_back(DType::kBF16, r, call, tokens, kHidden);
+    std::vector<int> rc(kWorld, -1);
+    OnRanks(kWorld,
+            [&](int r) { rc[r] = RunOp(ctxs.ctx[r], p, DType::kBF16, tokens, kHidden, t[r]); });
+    for (int r = 0; r < kWorld; ++r) ASSERT_EQ(rc[r], ARFUSE_OK) << "tokens " << tokens;
+    ExpectReference(p, DType::kBF16, tokens, kHidden, t, call++);
+  };
+  // Declined on every rank alike (nothing runs, no peer is waited for).
+  auto declined = [&](int want_rc, Pattern p, DType dt, uint32_t tokens, uint32_t hidden) {
+    for (int r = 0; r < kWorld; ++r) {
+      RankTensors t(dt, r, 0, tokens, hidden);
+      EXPECT_EQ(RunOp(ctxs.ctx[r], p, dt, tokens, hidden, t), want_rc)
+          << "tokens " << tokens << " hidden " << hidden;
+    }
+  };
+  for (int i = 0; i < 3; ++i) fused(kNorm, 1);
+  fused(kNorm, 5);
+  fused(kNorm, 8);
+  fused(kNorm, 64);
+  fused(kSum, 65);
+  fused(kSum, 512);
+  fused(kNorm, 513);
+  fused(kNorm, kFusedTokens);
+  declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, kFusedTokens + 1, kHidden);  // range
+  declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, 700, kHidden);               // range
+  declined(ARFUSE_OUT_OF_RANGE, kSum, DType::kBF16, 2000, kHidden);               // capacity
+  declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kFP16, 4, kHidden);                 // dtype
+  declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, 4, 48);                      // not_attached
+  declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, 4, 36);                      // shape
+  declined(ARFUSE_OK, kNorm, DType::kBF16, 0, kHidden);  // no tokens: nothing runs or counts
+  for (int r = 0; r < kWorld; ++r) {
+    RankTensors t(DType::kBF16, r, 0, 4, kHidden);
+    EXPECT_EQ(arfuse_fused_allreduce(ctxs.ctx[r], nullptr, t.input() + 2, t.output(), 4, kHidden,
+                                     ARFUSE_DTYPE_BF16),
+              ARFUSE_INVALID_ARGUMENT);
+    EXPECT_EQ(arfuse_supports(ctxs.ctx[r], 2, 4, kHidden, ARFUSE_DTYPE_BF16), ARFUSE_OK);
+    EXPECT_EQ(arfuse_note_declined(ctxs.ctx[r], ARFUSE_DECLINE_NOT_CONTIGUOUS), ARFUSE_OK);
+    EXPECT_EQ(arfuse_note_declined(ctxs.ctx[r], ARFUSE_DECLINE_NOT_CONTIGUOUS), ARFUSE_OK);
+    EXPECT_EQ(arfuse_note_declined(ctxs.ctx[r], 11), ARFUSE_INVALID_ARGUMENT);
+    EXPECT_THAT(arfuse_last_error(), HasSubstr("decline reason 11 is not one of ARFUSE_DECLINE_*"));
+    ASSERT_EQ(arfuse_disable(ctxs.ctx[r], "drained"), ARFUSE_OK);
+  }
+  declined(ARFUSE_UNAVAILABLE, kNorm, DType::kBF16, 4, kHidden);  // disabled
+  declined(ARFUSE_UNAVAILABLE, kSum, DType::kBF16, 4, kHidden);   // disabled
+
+  InStreamOpCounts want;
+  const uint32_t norm = 1, sum = 0;
+  want.fused[norm][0] = 3;  // 1 token
+  want.fused[norm][1] = 2;  // 2-8
+  want.fused[norm][2] = 1;  // 9-64
+  want.fused[sum][3] = 2;   // 65-512
+  want.fused[norm][4] = 2;  // 513+
+  auto slot = [](DeclineReason r) { return static_cast<uint32_t>(r); };
+  want.declined[slot(DeclineReason::kRange)] = 2;
+  want.declined[slot(DeclineReason::kCapacity)] = 1;
+  want.declined[slot(DeclineReason::kDtype)] = 1;
+  want.declined[slot(DeclineReason::kNotAttached)] = 1;
+  want.declined[slot(DeclineReason::kShape)] = 1;
+  want.declined[slot(DeclineReason::kInvalidArgument)] = 1;
+  want.declined[slot(DeclineReason::kNotContiguous)] = 2;
+  want.declined[slot(DeclineReason::kDisabled)] = 2;
+  ASSERT_EQ(want.fused_total(), 10u);
+  ASSERT_EQ(want.declined_total(), 11u);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(*tables[r]->op_counts(ids[r]), want) << "rank " << r;
+    EXPECT_EQ(tables[r]->op_counts(), want) << "rank " << r;
+  }
+
+  // The metrics export the same numbers.
+  Metrics m(0, kWorld, "host", {"0.0.0", "test", "1.0"});
+  m.SetInStreamOps(tables[0]->op_counts());
+  const std::string text = m.Render();
+  for (const char* series :
+       {"{rank=\"0\",path=\"fused\",pattern=\"allreduce_residual_rmsnorm\",reason=\"none\","
+        "tokens=\"1\"} 3",
+        "{rank=\"0\",path=\"fused\",pattern=\"allreduce\",reason=\"none\",tokens=\"65-512\"} 2",
+        "{rank=\"0\",path=\"fused\",pattern=\"allreduce_residual_rmsnorm\",reason=\"none\","
+        "tokens=\"513+\"} 2",
+        "{rank=\"0\",path=\"fused\",pattern=\"allreduce\",reason=\"none\",tokens=\"1\"} 0",
+        "{rank=\"0\",path=\"declined\",reason=\"range\"} 2",
+        "{rank=\"0\",path=\"declined\",reason=\"shape\"} 1",
+        "{rank=\"0\",path=\"declined\",reason=\"not_contiguous\"} 2",
+        "{rank=\"0\",path=\"declined\",reason=\"memory\"} 0"}) {
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("\narfuse_instream_ops_total", series, "\n")));
+  }
+
+  // Detached: the counts stay (read a last time as the attachment ends).
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(tables[r]->Remove(1, ids[r]).ok());
+    EXPECT_EQ(tables[r]->op_counts(), want);
+  }
 }
 
 }  // namespace

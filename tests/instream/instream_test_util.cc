@@ -126,8 +126,8 @@ InStreamExport CudaExport(int fd) {
   return e;
 }
 
-std::string Blob(const InStreamExport& e, uint64_t attach_id) {
-  absl::StatusOr<std::string> b = BuildAttachBlob(e, attach_id);
+std::string Blob(const InStreamExport& e, uint64_t attach_id, bool counters) {
+  absl::StatusOr<std::string> b = BuildAttachBlob(e, attach_id, counters);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? *b : std::string();
 }

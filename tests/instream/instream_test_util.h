@@ -40,8 +40,8 @@ InStreamExport HostExport(const TestHostWorkspace& ws, uint32_t rank,
 // hidden 1024, VMM POSIX-FD memory with fd `fd`), over a fake image of 64 bytes.
 InStreamExport CudaExport(int fd);
 
-// The blob of `e`, or a test failure.
-std::string Blob(const InStreamExport& e, uint64_t attach_id = 7);
+// The blob of `e`, or a test failure; `counters`: naming an op counter page after e's descriptors.
+std::string Blob(const InStreamExport& e, uint64_t attach_id = 7, bool counters = false);
 
 // arfuse_attach's result: the code, the message and the ctx (null on failure).
 struct AttachResult {

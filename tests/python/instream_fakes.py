@@ -72,6 +72,10 @@ class RecordingLib:
         self.calls.append(("check",))
         return 0
 
+    def arfuse_note_declined(self, handle, reason):
+        self.calls.append(("note_declined", reason))
+        return 0
+
     def arfuse_detach(self, handle):
         self.calls.append(("detach",))
         self.detached = True

@@ -14,7 +14,7 @@ fusion_pb2 = arfuse.fusion_pb2
 
 
 def request(hiddens=(1024,), **overrides):
-    versions = {"attach_abi_version": 1, "launch_abi_version": 1, "launch_args_bytes": 344}
+    versions = {"attach_abi_version": 2, "launch_abi_version": 1, "launch_args_bytes": 344}
     versions.update(overrides)
     return fusion_pb2.AttachRequest(hidden=list(hiddens), **versions)
 
@@ -34,14 +34,15 @@ def refused(client, req):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("attach_abi_version", 2, "attach ABI 2"),
+    # A client library of the first attach ABI (no op counter page) is refused.
+    ("attach_abi_version", 1, "attach ABI 1"),
     ("launch_abi_version", 7, "launch ABI 7"),
     ("launch_args_bytes", 312, "312-byte arguments"),
 ])
 def test_another_client_abi_is_refused_before_anything_is_handed_out(client, field, value, words):
     e = refused(client, request(**{field: value}))
     assert e.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert words in e.message and "needs attach ABI 1, launch ABI 1" in e.message
+    assert words in e.message and "needs attach ABI 2, launch ABI 1" in e.message
     assert "the client library of an unnamed release speaks" in e.message
 
 
@@ -60,8 +61,8 @@ def test_a_client_library_of_another_release_is_refused_naming_both_releases(cli
     with pytest.raises(arfuse.ArfuseError) as e:
         instream.attach(client, [1024], lib=lib)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "the client library 0.0.9 speaks attach ABI 1, launch ABI 9" in e.value.message
-    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 1, launch ABI 1",
+    assert "the client library 0.0.9 speaks attach ABI 2, launch ABI 9" in e.value.message
+    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 2, launch ABI 1",
                      e.value.message), e.value.message
     # Refused before anything existed: the session's one attachment is still free.
     assert client.attach_rpc(request()).attach_id > 0
@@ -82,7 +83,8 @@ def test_a_hidden_above_the_workspace_is_refused(client):
 def test_one_attachment_per_session_and_the_eager_plane_waits_for_the_detach(client):
     first = client.attach_rpc(request())
     assert first.attach_id > 0 and first.memory_kind == "host_shm"
-    assert first.fd_count == 1 and first.fd_socket.endswith(".fd") and first.fd_ticket
+    # The host workspace and the attachment's op counter page.
+    assert first.fd_count == 2 and first.fd_socket.endswith(".fd") and first.fd_ticket
     e = refused(client, request())
     assert e.code == grpc.StatusCode.ALREADY_EXISTS
     assert "already holds attachment" in e.message
@@ -116,7 +118,7 @@ def test_detach_of_an_attachment_the_session_does_not_hold_is_denied(client):
 def test_the_descriptors_go_only_to_the_caller_and_once(client, group2):
     resp = client.attach_rpc(request())
     fds = instream.pick_up_fds(resp, 5.0)
-    assert len(fds) == 1
+    assert len(fds) == 2  # the host workspace and the attachment's op counter page
     import os
     for fd in fds:
         os.close(fd)

@@ -48,7 +48,7 @@ CHILD = textwrap.dedent(r"""
                               connect_timeout=5.0)
             c.wait_ready(10)
             req = arfuse.fusion_pb2.AttachRequest(
-                hidden=[arg["hidden"]], attach_abi_version=1, launch_abi_version=1,
+                hidden=[arg["hidden"]], attach_abi_version=2, launch_abi_version=1,
                 launch_args_bytes=344)
             resp = c.attach_rpc(req)
             fds = instream.pick_up_fds(resp, 5.0)
@@ -128,7 +128,8 @@ def test_an_admitted_uid_attaches_and_picks_up_its_own_descriptors(arfused, as_r
             c.wait_ready(30)  # the group is formed: the attach can be served
         seen = run_as_other_uid("attach", {"socket": g.socket(0), "hidden": 256})
         assert seen.get("ok"), seen
-        assert seen["fds"] == 1 and seen["memory_kind"] == "host_shm", seen
+        # The host workspace and the attachment's op counter page.
+        assert seen["fds"] == 2 and seen["memory_kind"] == "host_shm", seen
     finally:
         g.stop()
 
@@ -140,8 +141,8 @@ def test_the_descriptors_of_an_attach_go_only_to_its_uid(arfused, as_root):
         with arfuse.Client(g.socket(0), client_name="owner") as c:
             c.wait_ready(30)
             resp = c.attach_rpc(fusion_pb2.AttachRequest(
-                hidden=[256], attach_abi_version=1, launch_abi_version=1, launch_args_bytes=344))
-            assert resp.fd_count == 1 and resp.fd_ticket
+                hidden=[256], attach_abi_version=2, launch_abi_version=1, launch_args_bytes=344))
+            assert resp.fd_count == 2 and resp.fd_ticket
             # Another (admitted) uid holding the ticket: refused, and the ticket is not spent.
             seen = run_as_other_uid("pickup", {"fd_socket": resp.fd_socket,
                                                "fd_ticket": resp.fd_ticket,
@@ -150,7 +151,7 @@ def test_the_descriptors_of_an_attach_go_only_to_its_uid(arfused, as_root):
             assert "fd ticket unknown, expired or not the caller's" in seen["message"], seen
             assert str(OTHER_UID) not in seen["message"], seen
             fds = instream.pick_up_fds(resp, 5.0)
-            assert len(fds) == 1
+            assert len(fds) == 2
             for fd in fds:
                 os.close(fd)
             c.detach_rpc(resp.attach_id)

@@ -41,7 +41,7 @@ from .client import ArfuseError, Client, SidecarLost, fusion_pb2
 
 LIBRARY = "libarfuse_client.so"
 # The C ABI this binding is written for (ARFUSE_CLIENT_ABI_VERSION in arfuse_client.h).
-CLIENT_ABI_VERSION = 1
+CLIENT_ABI_VERSION = 2
 
 # Return codes (absl/gRPC status code numbers).
 OK = 0
@@ -51,6 +51,10 @@ FAILED_PRECONDITION = 9
 ABORTED = 10
 OUT_OF_RANGE = 11
 UNAVAILABLE = 14
+
+# Reasons a caller reports with note_declined (ARFUSE_DECLINE_* in arfuse_client.h); the library
+# counts every other decline itself.
+DECLINE_REASONS = {"not_contiguous": 9, "other": 10}
 
 DTYPES = {"bf16": 1, "fp16": 2, "fp32": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -135,6 +139,7 @@ def _declare(lib):
             ("arfuse_fused_allreduce", cint, [vp, vp, vp, vp, u32, u32, cint]),
             ("arfuse_check", cint, [vp, ctypes.POINTER(u32)]),
             ("arfuse_disable", cint, [vp, ctypes.c_char_p]),
+            ("arfuse_note_declined", cint, [vp, cint]),
             ("arfuse_error_name", ctypes.c_char_p, [u32])):
         fn = getattr(lib, name)
         fn.restype = res
@@ -152,15 +157,22 @@ def load_library(path: Optional[str] = None):
             return lib
         try:
             lib = ctypes.CDLL(path)
-            _declare(lib)
+            lib.arfuse_client_abi_version.restype = ctypes.c_uint32
+            lib.arfuse_client_abi_version.argtypes = []
         except (OSError, AttributeError) as e:
             raise InStreamError(UNAVAILABLE, f"{LIBRARY} did not load from {path} ({e}); build "
                                 "target arfuse_instream, or set ARFUSE_CLIENT_LIB") from None
+        # The version first: a library of another ABI may lack functions this binding declares.
         abi = lib.arfuse_client_abi_version()
         if abi != CLIENT_ABI_VERSION:
             raise InStreamError(FAILED_PRECONDITION,
                                 f"{path} speaks client ABI {abi}; this arfuse package binds "
                                 f"ABI {CLIENT_ABI_VERSION} (install matching versions)")
+        try:
+            _declare(lib)
+        except AttributeError as e:
+            raise InStreamError(UNAVAILABLE, f"{LIBRARY} at {path} lacks a function of ABI "
+                                f"{CLIENT_ABI_VERSION} ({e})") from None
         lib._arfuse_path = path
         _LIBS[path] = lib
         return lib
@@ -420,6 +432,19 @@ class InStreamContext:
         with self._lock:
             self._require()
             self._disable("disabled", reason)
+
+    def note_declined(self, reason: str):
+        """Counts an op the caller declined before asking the library ("not_contiguous" or
+        "other") in the attachment's op counter page, which the sidecar exports as
+        arfuse_instream_ops_total{path="declined"}. No RPC."""
+        code = DECLINE_REASONS.get(reason)
+        if code is None:
+            raise ValueError(f"decline reason {reason!r} is not one of {sorted(DECLINE_REASONS)}")
+        with self._lock:
+            self._require()
+            rc = self._lib.arfuse_note_declined(self._handle, code)
+            if rc != OK:
+                raise InStreamError(rc, f"arfuse_note_declined: {_last_error(self._lib)}")
 
     # -- queries --
     def why_not(self, tokens: int, hidden: int, dtype,

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/op_types.h"
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
 #include "server/registry/openers.h"
@@ -517,6 +518,31 @@ grpc::ServerUnaryReactor* FusionService::DestroyPlan(grpc::CallbackServerContext
 
 // ---- GetWorkspaceInfo ----
 
+void FillInStreamOps(const InStreamOpCounts& c, v1::InStreamOps* out) {
+  out->set_fused_total(c.fused_total());
+  out->set_declined_total(c.declined_total());
+  for (uint32_t p = 0; p < instream::kOpPatterns; ++p) {
+    for (uint32_t b = 0; b < instream::kOpTokenBuckets; ++b) {
+      if (c.fused[p][b] == 0) continue;
+      v1::InStreamOps::Fused* f = out->add_fused();
+      f->set_pattern(PatternName(static_cast<Pattern>(p + 1)));
+      f->set_tokens(instream::kOpTokenBucketNames[b]);
+      f->set_count(c.fused[p][b]);
+    }
+  }
+  std::vector<uint32_t> reasons;
+  for (uint32_t r = 0; r < instream::kDeclineReasons; ++r) {
+    if (c.declined[r] != 0) reasons.push_back(r);
+  }
+  std::stable_sort(reasons.begin(), reasons.end(),
+                   [&c](uint32_t a, uint32_t b) { return c.declined[a] > c.declined[b]; });
+  for (uint32_t r : reasons) {
+    v1::InStreamOps::Declined* d = out->add_declined();
+    d->set_reason(instream::kDeclineReasonNames[r]);
+    d->set_count(c.declined[r]);
+  }
+}
+
 grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerContext* ctx,
                                                           const v1::GetWorkspaceInfoRequest*,
                                                           v1::GetWorkspaceInfoResponse* resp) {
@@ -532,6 +558,7 @@ grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerCo
   resp->set_mps_detected(options_.mps_detected);
   resp->set_doorbell_hop_us(options_.doorbell_hop_us);
   resp->set_sm(options_.sm);
+  FillInStreamOps(instream_->op_counts(), resp->mutable_instream_ops());
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) {
     resp->set_backend("none");

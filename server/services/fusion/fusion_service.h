@@ -80,6 +80,10 @@ struct FusionServiceOptions {
 // and with the session's end.
 FdTicketScope AttachTicketScope(uint64_t session, uint64_t attach_id);
 
+// The in-stream clients' op counts as GetWorkspaceInfo reports them: fused series and decline
+// reasons with a nonzero count, the reasons largest first.
+void FillInStreamOps(const InStreamOpCounts& counts, v1::InStreamOps* out);
+
 class FusionService final : public v1::Fusion::CallbackService {
  public:
   // Returns the engine, or null while the daemon is still initializing it (calls that need it

@@ -2,6 +2,7 @@
 // client library launches the sidecar's kernels in the client's own stream; these calls hand it
 // the workspace (the attach blob and its descriptors) and take it back. Nothing here is on the
 // per-op path.
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "server/engine/instream_host.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attach_fds.h"
+#include "server/instream/op_counters.h"
 #include "server/services/fusion/fusion_service.h"
 #include "server/services/fusion/service_helpers.h"
 #include "spdlog/spdlog.h"
@@ -125,19 +127,33 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
           return;
         }
         const uint64_t generation = exported->generation;
-        absl::StatusOr<uint64_t> id = instream_->Add(sid, generation);
+        // The client counts its ops in a page of its own (kernels/instream/op_counters.h), handed
+        // out with the workspace's descriptors: a sidecar without an fd channel hands out none.
+        // Held here until the offer duplicated its descriptor, whatever ends the attachment.
+        std::shared_ptr<InStreamOpCounterPage> counters;
+        if (options_.fd_tickets != nullptr && !options_.fd_socket.empty()) {
+          absl::StatusOr<std::unique_ptr<InStreamOpCounterPage>> page =
+              InStreamOpCounterPage::Create();
+          if (!page.ok()) {
+            reactor->Finish(ToGrpcStatus(page.status()));
+            return;
+          }
+          counters = std::move(*page);
+        }
+        absl::StatusOr<uint64_t> id = instream_->Add(sid, generation, counters);
         if (!id.ok()) {
           reactor->Finish(ToGrpcStatus(id.status()));
           return;
         }
-        absl::StatusOr<std::string> blob = BuildAttachBlob(*exported, *id);
+        absl::StatusOr<std::string> blob = BuildAttachBlob(*exported, *id, counters != nullptr);
         absl::Status done = blob.status();
         if (done.ok()) {
           std::optional<SocketCredentials> caller;
           if (options_.callers != nullptr) caller = options_.callers->ForPeer(ctx->peer());
           const FdTicketScope scope = AttachTicketScope(sid, *id);
-          absl::StatusOr<AttachFdOffer> offer = OfferAttachFds(
-              *exported, options_.fd_tickets, options_.fd_socket, caller, kOfferTtl, scope);
+          absl::StatusOr<AttachFdOffer> offer =
+              OfferAttachFds(*exported, options_.fd_tickets, options_.fd_socket, caller, kOfferTtl,
+                             scope, counters != nullptr ? counters->fd() : -1);
           done = offer.status();
           if (offer.ok() && offer->count != 0) {
             // The session may have ended (and revoked its tickets) before this one existed: the

@@ -1,0 +1,92 @@
+// The in-stream plane's op counter page: one small host shared-memory object per attachment
+// (a sealed memfd the sidecar creates and hands to the client with the attach's other
+// descriptors, AttachHeader::counters_fd_index), in which libarfuse_client counts every op it
+// decides: fused ops by pattern and token bucket, declined ops (the caller runs its own path) by
+// reason. The library increments its own slots with relaxed atomic adds at decision time, so
+// counting costs no RPC and no system call; the sidecar reads the slots with relaxed loads and
+// exports them (arfuse_instream_ops_total, docs/metrics.md).
+//
+// The page is written by the client, so the sidecar trusts nothing in it: it reads only the fixed
+// slots below, each as one aligned 64-bit word, and bounds the difference between two reads of a
+// slot (OpCounterDelta), so a client that writes garbage changes only its own attachment's
+// numbers. Counters wrap at 2^64; differences are taken modulo 2^64, so a wrap counts right.
+//
+// No CUDA and no protobuf: the sidecar and host-only client builds include this header.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace arfuse::instream {
+
+// Token buckets of fused ops (tokens of the op, the batch's rows): decode batches fall in the
+// first three, prefill chunks in the last two. Bucket b holds tokens in
+// [kOpTokenBucketLow[b], kOpTokenBucketLow[b + 1]).
+inline constexpr uint32_t kOpTokenBuckets = 5;
+inline constexpr uint32_t kOpTokenBucketLow[kOpTokenBuckets] = {1, 2, 9, 65, 513};
+inline constexpr const char* kOpTokenBucketNames[kOpTokenBuckets] = {"1", "2-8", "9-64", "65-512",
+                                                                     "513+"};
+
+inline constexpr uint32_t OpTokenBucket(uint32_t tokens) {
+  uint32_t b = 0;
+  while (b + 1 < kOpTokenBuckets && tokens >= kOpTokenBucketLow[b + 1]) ++b;
+  return b;
+}
+
+// Why the library declined an op. The numbers are slot indexes of the page: never reuse one.
+enum class DeclineReason : uint32_t {
+  kDisabled = 0,         // the ctx is disabled (a drain, a lost sidecar): ARFUSE_UNAVAILABLE
+  kDtype = 1,            // another dtype than the workspace's
+  kShape = 2,            // hidden not a multiple of kHiddenMultiple, or above the workspace's
+  kNotAttached = 3,      // hidden not among the attach's hidden sizes
+  kCapacity = 4,         // tokens x hidden above the workspace's buffers
+  kRange = 5,            // payload above the fused range (twoshot_max_bytes)
+  kNoKernel = 6,         // the sidecar has no kernel for this pattern, algorithm and dtype
+  kInvalidArgument = 7,  // a NULL, misaligned or overlapping tensor, a bad eps, pattern or dtype
+  kMemory = 8,           // a tensor is not device memory of the attachment's GPU (CUDA)
+  kNotContiguous = 9,    // the caller's tensors are not contiguous (reported by the caller)
+  kOther = 10,           // anything else the caller reports (arfuse_note_declined)
+};
+inline constexpr uint32_t kDeclineReasons = 11;
+// Slots reserved for reasons: a later release adds reasons without moving the page's layout.
+inline constexpr uint32_t kDeclineSlots = 16;
+inline constexpr const char* kDeclineReasonNames[kDeclineReasons] = {
+    "disabled", "dtype",          "shape",     "not_attached",
+    "capacity", "range",          "no_kernel", "invalid_argument",
+    "memory",   "not_contiguous", "other"};
+
+// Patterns counted (arfuse::Pattern 1 and 2, at index pattern - 1).
+inline constexpr uint32_t kOpPatterns = 2;
+inline constexpr uint32_t kOpBucketSlots = 8;
+
+struct OpCounterPage {
+  // fused[pattern - 1][OpTokenBucket(tokens)]: ops the library launched fused (CUDA: launched or
+  // captured into a graph once; replays of a captured op are counted by the kernels, as
+  // arfuse_instream_launches_total, not here).
+  uint64_t fused[kOpPatterns][kOpBucketSlots];
+  // declined[DeclineReason]: ops the library did not launch, the caller runs its own path.
+  uint64_t declined[kDeclineSlots];
+  uint64_t reserved[32];
+};
+static_assert(sizeof(OpCounterPage) == 512);
+static_assert(offsetof(OpCounterPage, declined) == 128);
+static_assert(kOpTokenBuckets <= kOpBucketSlots);
+static_assert(kDeclineReasons <= kDeclineSlots);
+
+// Bytes of the shared-memory object (a page; the counters use its first sizeof(OpCounterPage)).
+inline constexpr uint64_t kOpCounterObjectBytes = 4096;
+static_assert(sizeof(OpCounterPage) <= kOpCounterObjectBytes);
+
+// The most one slot may advance between two reads of the sidecar (which reads at least every
+// probe interval and at every scrape): 2^40 ops is days of ops at any rate one client reaches, so
+// a larger difference is a client writing garbage (or lowering a counter), not counting.
+inline constexpr uint64_t kMaxOpCounterDelta = uint64_t{1} << 40;
+
+// What a slot advanced from `last` to `now` (modulo 2^64: a wrap counts right), or 0 when the
+// difference is beyond kMaxOpCounterDelta (the sidecar then takes `now` as the new baseline).
+inline constexpr uint64_t OpCounterDelta(uint64_t last, uint64_t now) {
+  const uint64_t d = now - last;
+  return d <= kMaxOpCounterDelta ? d : 0;
+}
+
+}  // namespace arfuse::instream
