@@ -89,8 +89,8 @@ def bound_context(client, lib):
     ctx = instream.InStreamContext(lib, object(), client,
                                    types.SimpleNamespace(attach_id=lib.attach_id,
                                                          memory_kind="host_shm"), [256])
-    client._expect_attachment(lib.attach_id)
-    client._bind_attachment(lib.attach_id, ctx)
+    client.expect_attachment(lib.attach_id)
+    client.bind_attachment(lib.attach_id, ctx)
     return ctx
 
 

@@ -90,8 +90,8 @@ def test_fd_pickup_from_a_channel_that_is_not_there_names_it():
 def client(group2):
     c = arfuse.Client(group2.socket(0), client_name="instream-test")
     answered = []
-    original = c._answer_drain
-    c._answer_drain = lambda attach_id: (answered.append(attach_id), original(attach_id))
+    original = c.answer_drain
+    c.answer_drain = lambda attach_id: (answered.append(attach_id), original(attach_id))
     c.answered = answered
     yield c
     c.close()
@@ -164,11 +164,11 @@ def test_reinitialized_and_poisoned_disable_with_the_reason(client, kind, state,
 
 def test_events_before_the_context_is_bound_are_kept(client):
     lib = RecordingLib(attach_id=11)
-    client._expect_attachment(11)
+    client.expect_attachment(11)
     client._on_attach_event(POISONED, 11, "early")  # between Attach's answer and arfuse_attach
     ctx = instream.InStreamContext(lib, object(), client,
                                    types.SimpleNamespace(attach_id=11), [256])
-    client._bind_attachment(11, ctx)
+    client.bind_attachment(11, ctx)
     assert ctx.disabled == "poisoned" and "early" in ctx.disabled_reason
 
 

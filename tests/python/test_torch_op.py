@@ -125,12 +125,12 @@ def test_no_context_is_none_none_and_the_raw_op_raises():
 def test_drained_falls_back_but_a_failed_workspace_raises(host_ctx):
     ctx, lib = host_ctx
     x, r, w = tensors()
-    ctx._event(instream.EVENT_DRAIN, "switch")
+    ctx.on_session_event(instream.EVENT_DRAIN, "switch")
     assert aft.fused_allreduce_residual_rmsnorm(x, r, w) == (None, None)
     lib2 = RecordingLib(device_kind=2)
     ctx2 = unbound_context(lib2)
     aft.set_context(ctx2, "cpu")
-    ctx2._event(instream.EVENT_POISONED, "op 3 timed out")
+    ctx2.on_session_event(instream.EVENT_POISONED, "op 3 timed out")
     with pytest.raises(instream.Unavailable) as e:
         aft.fused_allreduce_residual_rmsnorm(x, r, w)
     assert e.value.disabled == "poisoned" and "op 3 timed out" in e.value.message

@@ -2,8 +2,8 @@
 
     from arfuse import Client, FusionWorkspace, HostShmBuffer, allreduce_fusion
 
-Imported on demand: arfuse.instream (the in-stream plane: libarfuse_client through ctypes;
-Client.attach() returns its context), arfuse.torch (the in-stream plane as torch ops),
+Imported with the package: arfuse.instream (the in-stream plane: libarfuse_client through ctypes,
+loaded at the first attach; Client.attach() returns its context). Imported on demand: arfuse.torch (the in-stream plane as torch ops),
 arfuse.integrations.sglang (in SGLang's place for FlashInfer's fused op), arfuse.ring (ring a
 doorbell plan inside CUDA graph capture) and arfuse.pool (static tensors carved out of one
 registered buffer). docs/integration.md walks through them.
@@ -20,6 +20,7 @@ from .client import (API_VERSION, ArfuseError, Client, Negotiation, OpSpec, Plan
 from .fusion import (AllReduceFusionPattern, FusionUnavailableWarning, FusionWorkspace,
                      allreduce_fusion)
 from .regions import CudaBuffer, HostShmBuffer, IpcEvent, TensorView
+from . import instream  # noqa: F401,E402  (registers Client.attach; loads no library yet)
 
 __all__ = ["__version__", "API_VERSION", "ArfuseError", "AllReduceFusionPattern", "Client", "CudaBuffer",
            "FusionUnavailableWarning", "FusionWorkspace", "HostShmBuffer", "IpcEvent", "Negotiation", "OpSpec", "Plan",

@@ -49,6 +49,17 @@ DEVICE_NAMES = {common_pb2.DEVICE_KIND_UNSPECIFIED: "unknown",
                 common_pb2.DEVICE_KIND_CUDA: "cuda", common_pb2.DEVICE_KIND_HOST: "host"}
 
 
+# arfuse.instream.attach, registered by that module when it is imported (register_attach), so
+# that this module does not import it back.
+_ATTACH = None
+
+
+def register_attach(fn):
+    """Client.attach's implementation (arfuse.instream registers its attach())."""
+    global _ATTACH
+    _ATTACH = fn
+
+
 class ArfuseError(Exception):
     """A call the sidecar refused or that failed; `code` is a grpc.StatusCode."""
 
@@ -309,9 +320,9 @@ class Client:
             # Not ours (any more): a drain of an attachment this client no longer holds is
             # answered at once, so the sidecar does not wait for it.
             if kind == fusion_pb2.AttachEvent.KIND_DRAIN:
-                self._answer_drain(attach_id)
+                self.answer_drain(attach_id)
             return
-        ctx._event(kind, reason)
+        ctx.on_session_event(kind, reason)
 
     def _session_end_event(self):
         """(kind, reason) for the contexts once the session ended: 0 = the sidecar is gone,
@@ -325,27 +336,35 @@ class Client:
         with self._att_lock:
             ctxs = list(self._attachments.values())
         for ctx in ctxs:
-            ctx._event(kind, reason)
+            ctx.on_session_event(kind, reason)
 
-    def _expect_attachment(self, attach_id: int):
+    # The session-event hook of arfuse.instream: an attach announces its id before its context
+    # exists (events that arrive meanwhile are kept), binds the context once made, and forgets
+    # it at detach; a drain is answered on the session's request stream.
+    def expect_attachment(self, attach_id: int):
         with self._att_lock:
             self._early_events.setdefault(attach_id, [])
 
-    def _bind_attachment(self, attach_id: int, ctx):
+    def bind_attachment(self, attach_id: int, ctx):
         with self._att_lock:
             early = self._early_events.pop(attach_id, [])
             self._attachments[attach_id] = ctx
         for kind, reason in early:
-            ctx._event(kind, reason)
+            ctx.on_session_event(kind, reason)
         if self._session_ended.is_set():
-            ctx._event(*self._session_end_event())
+            ctx.on_session_event(*self._session_end_event())
 
-    def _forget_attachment(self, attach_id: int):
+    def forget_attachment(self, attach_id: int):
         with self._att_lock:
             self._attachments.pop(attach_id, None)
             self._early_events.pop(attach_id, None)
 
-    def _answer_drain(self, attach_id: int):
+    @property
+    def closed(self) -> bool:
+        """True once close() ran."""
+        return self._closed
+
+    def answer_drain(self, attach_id: int):
         """SessionRequest.drained_attach_id on the request stream."""
         if not self._closed and self._lost_reason is None:
             self._outbox.put(fusion_pb2.SessionRequest(drained_attach_id=attach_id))
@@ -366,8 +385,10 @@ class Client:
     def attach(self, hiddens: Optional[Sequence[int]] = None, **kwargs):
         """The in-stream plane: attaches to this sidecar's workspace for ops of these hidden
         sizes and returns an arfuse.instream.InStreamContext (its arguments: instream.attach)."""
-        from . import instream
-        return instream.attach(self, hiddens, **kwargs)
+        if _ATTACH is None:  # arfuse/__init__ imports arfuse.instream, which sets it
+            raise ArfuseError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "arfuse.instream is not imported: import arfuse first")
+        return _ATTACH(self, hiddens, **kwargs)
 
     def detach(self, ctx) -> None:
         ctx.detach()

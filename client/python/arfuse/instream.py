@@ -37,6 +37,7 @@ from typing import Callable, List, Optional, Sequence
 import grpc
 
 from ._native import find_native_library
+from . import client as _client_module
 from .client import ArfuseError, Client, SidecarLost, fusion_pb2
 
 LIBRARY = "libarfuse_client.so"
@@ -355,7 +356,7 @@ class InStreamContext:
             raise InStreamError(FAILED_PRECONDITION, "the in-stream context is detached")
 
     # -- events (from the client's session thread) --
-    def _event(self, kind: int, reason: str):
+    def on_session_event(self, kind: int, reason: str):
         """Records an AttachEvent or a lost session; applied by the caller's next op/check."""
         self._pending.append((kind, reason))
         # An idle context can be settled at once (nothing launched, or a host-mode context with
@@ -414,7 +415,7 @@ class InStreamContext:
                       file=sys.stderr)
                 return
         self._drain_unanswered = False
-        client._answer_drain(self.attach_id)
+        client.answer_drain(self.attach_id)
 
     def poll(self, at_agreement: bool = False):
         """Applies what the sidecar said since the last call (called by every op and check).
@@ -570,8 +571,8 @@ class InStreamContext:
             msg = _last_error(self._lib) if rc != OK else ""
         client = self.client
         if client is not None:
-            client._forget_attachment(self.attach_id)
-            if not client.session_lost and not client._closed:
+            client.forget_attachment(self.attach_id)
+            if not client.session_lost and not client.closed:
                 try:
                     client.detach_rpc(self.attach_id)
                 except ArfuseError:
@@ -632,7 +633,7 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
                                    launch_args_bytes=v["launch_args_bytes"],
                                    client_version=v["version"])
     resp = client.attach_rpc(req, timeout)
-    client._expect_attachment(resp.attach_id)
+    client.expect_attachment(resp.attach_id)
     fds: List[int] = []
     try:
         if resp.fd_count:
@@ -653,7 +654,7 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
             lib.arfuse_detach(handle)
             raise
     except BaseException:
-        client._forget_attachment(resp.attach_id)
+        client.forget_attachment(resp.attach_id)
         if not client.session_lost:
             try:
                 client.detach_rpc(resp.attach_id)
@@ -667,7 +668,7 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
                 os.close(fd)  # the library keeps its own duplicates
             except OSError:
                 pass
-    client._bind_attachment(resp.attach_id, ctx)
+    client.bind_attachment(resp.attach_id, ctx)
     return ctx
 
 
@@ -713,3 +714,6 @@ def reattach(ctx: InStreamContext, timeout: float = 60.0, detach_old: bool = Tru
             raise InStreamError(UNAVAILABLE, f"reattach to {target}: no attachment within "
                                              f"{timeout:g} s (last: {last})")
         time.sleep(poll)
+
+
+_client_module.register_attach(attach)
