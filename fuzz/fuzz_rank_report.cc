@@ -4,10 +4,10 @@
 // decoded reports never crashes and never enables fusion when a rank reports a failure.
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_split.h"
 #include "server/config/fusion_config.h"
 
 namespace {
@@ -33,13 +33,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (group.ok() && !r0.failure.empty()) Check(!group->fusion_enabled);
     (void)Consensus({*r});
   }
-  // The same bytes as flag values and as a command line (NUL-separated arguments).
+  // The same bytes as flag values.
   (void)ParseCudaGraphMode(text);
   (void)ParseBackendFlag(text);
   (void)ParseSm(text);
   (void)ParsePositiveInt("--tp", text);
   (void)ParseBool("--x", text);
-  std::vector<std::string> args = absl::StrSplit(text, '\0');
-  (void)ExtractFusionArgs(args);
+  // Every fusion flag's value as the command lines set it: what is taken reads back the same.
+  for (const FusionFlagSpec& spec : FusionFlagTable()) {
+    FusionFlags flags;
+    if (!spec.Set(flags, text).ok()) continue;
+    FusionFlags again;
+    const std::optional<std::string> back = spec.Get(flags);
+    Check(!back || (spec.Set(again, *back).ok() && spec.Get(again) == back));
+  }
   return 0;
 }

@@ -1,10 +1,12 @@
 #include "client/arfusectl/args.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "server/config/fusion_flags.h"
 #include "server/core/status_macros.h"
 
 // Every option of every subcommand, once: a subcommand's FlagSet names the ones it takes, and
@@ -20,14 +22,18 @@ ABSL_FLAG(std::string, arfusectl_backend, "", "set-backend: the backend");
 ABSL_FLAG(std::string, arfusectl_sm, "", "compute capability");
 ABSL_FLAG(std::string, arfusectl_nnodes, "", "nodes in the group");
 ABSL_FLAG(std::string, arfusectl_tp, "", "tensor-parallel size");
-ABSL_FLAG(std::string, arfusectl_flashinfer_allreduce_fusion_backend, "", "fusion backend");
-ABSL_FLAG(bool, arfusectl_enable_flashinfer_allreduce_fusion, false, "deprecated enable");
-ABSL_FLAG(bool, arfusectl_enforce_disable_flashinfer_allreduce_fusion, false, "fusion off");
-ABSL_FLAG(bool, arfusectl_enable_deterministic_inference, false, "deterministic inference");
-ABSL_FLAG(std::string, arfusectl_fusion_rules, "", "the upstream rule set");
-ABSL_FLAG(std::string, arfusectl_model_architecture, "", "the model's architecture");
-ABSL_FLAG(bool, arfusectl_enable_dp_attention, false, "DP attention");
-ABSL_FLAG(std::string, arfusectl_moe_a2a_backend, "", "MoE all-to-all backend");
+// The fusion flags, from their one declaration (server/config/fusion_flags.inc): a switch is a
+// bool, a value text.
+#define ARFUSECTL_FLAG_TYPE_kSwitch bool
+#define ARFUSECTL_FLAG_TYPE_kOptional std::string
+#define ARFUSECTL_FLAG_TYPE_kValue std::string
+#define ARFUSECTL_FLAG_DEFAULT_kSwitch false
+#define ARFUSECTL_FLAG_DEFAULT_kOptional ""
+#define ARFUSECTL_FLAG_DEFAULT_kValue ""
+#define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) \
+  ABSL_FLAG(ARFUSECTL_FLAG_TYPE_##kind, arfusectl_##ident, ARFUSECTL_FLAG_DEFAULT_##kind, help);
+#include "server/config/fusion_flags.inc"
+#undef ARFUSE_FUSION_FLAG
 ABSL_FLAG(std::string, arfusectl_cuda_graph_mode, "", "CUDA-graph mode, every phase");
 ABSL_FLAG(std::string, arfusectl_prefill_cuda_graph_mode, "", "CUDA-graph mode, prefill");
 ABSL_FLAG(std::string, arfusectl_decode_cuda_graph_mode, "", "CUDA-graph mode, decode");
@@ -81,6 +87,36 @@ absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
     ARFUSE_RETURN_IF_ERROR(set.Set(g.name, g.value, "command line"));
   }
   return ParsedArgs(std::move(set), std::move(given));
+}
+
+std::vector<OptionSpec> FusionFlagOptions() {
+  std::vector<OptionSpec> options;
+  for (const config::FusionFlagSpec& spec : config::FusionFlagTable()) {
+    const bool is_switch = spec.kind == config::FusionFlagKind::kSwitch;
+    OptionSpec o{spec.name, is_switch ? OptionSpec::Kind::kSwitch : OptionSpec::Kind::kValue,
+                 spec.ValueHint(), spec.ShortHelp(), true};
+    // Switches are checked by the flag library's strict rules.
+    if (!is_switch) {
+      o.check = [&spec](const std::string& text) { return spec.Check(text); };
+    }
+    options.push_back(std::move(o));
+  }
+  return options;
+}
+
+std::vector<OptionSpec> WithFusionFlags(size_t at, std::vector<OptionSpec> options) {
+  std::vector<OptionSpec> fusion = FusionFlagOptions();
+  options.insert(options.begin() + std::min(at, options.size()), fusion.begin(), fusion.end());
+  return options;
+}
+
+absl::Status ReadFusionFlags(const ParsedArgs& args, config::FusionFlags& flags) {
+  for (const config::FusionFlagSpec& spec : config::FusionFlagTable()) {
+    if (std::optional<std::string> text = args.Get(spec.name)) {
+      ARFUSE_RETURN_IF_ERROR(spec.Set(flags, *text));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string OptionsHelp(const std::vector<OptionSpec>& specs) {

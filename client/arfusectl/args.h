@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/config/fusion_flags.h"
 #include "server/core/flags.h"
 
 namespace arfuse::cli {
@@ -56,6 +57,15 @@ class ParsedArgs {
 absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
                                      const std::vector<OptionSpec>& specs,
                                      const std::vector<std::string>& args);
+
+// The fusion flags' options, one per row of server/config/fusion_flags.inc: the serving
+// frameworks' own flags, so a repeated one takes its last value (argparse's rule), each value
+// checked as it comes; the help is the table's first sentence.
+std::vector<OptionSpec> FusionFlagOptions();
+// `options` with FusionFlagOptions() inserted before its element `at`.
+std::vector<OptionSpec> WithFusionFlags(size_t at, std::vector<OptionSpec> options);
+// The fusion flags given in `args`, into `flags` (the others keep their values).
+absl::Status ReadFusionFlags(const ParsedArgs& args, config::FusionFlags& flags);
 
 // "  --name VALUE   help" lines for usage text.
 std::string OptionsHelp(const std::vector<OptionSpec>& specs);

@@ -136,31 +136,14 @@ std::function<absl::Status(const std::string&)> Checked(Parse parse) {
   return [parse](const std::string& text) { return parse(text).status(); };
 }
 
-// The serving frameworks' own flags take the last value when repeated, each value checked as it
-// comes (argparse); arfusectl's own options stay single.
+// The serving frameworks' own flags (FusionFlagOptions) take the last value when repeated, each
+// value checked as it comes (argparse); arfusectl's own options stay single.
 const std::vector<OptionSpec>& ResolveOptions() {
-  static const std::vector<OptionSpec> options = {
+  // arfusectl's own options; the fusion flags go after --tp.
+  static const std::vector<OptionSpec> own = {
       {"sm", Kind::kValue, "<major><minor>", "compute capability, e.g. 90 or 100"},
       {"nnodes", Kind::kValue, "N", "nodes in the group (at most --tp)"},
       {"tp", Kind::kValue, "N", "tensor-parallel size"},
-      {"flashinfer-allreduce-fusion-backend", Kind::kValue, "auto|trtllm|mnnvl",
-       "backend; unset means off (subject to auto-enable)", true,
-       Checked(config::ParseBackendFlag)},
-      {"enable-flashinfer-allreduce-fusion", Kind::kSwitch, "",
-       "deprecated: same as --flashinfer-allreduce-fusion-backend=auto", true},
-      {"enforce-disable-flashinfer-allreduce-fusion", Kind::kSwitch, "", "fusion off, always",
-       true},
-      {"enable-deterministic-inference", Kind::kSwitch, "", "clears the backend", true},
-      {"fusion-rules", Kind::kValue, "sglang-23402|sglang-29063",
-       "the upstream rules to follow (default sglang-23402; with --addr: the server's)", true,
-       Checked(config::ParseRuleSet)},
-      {"model-architecture", Kind::kValue, "NAME",
-       "the model's config.json architecture, e.g. DeepseekV3ForCausalLM (for auto-enable)", true,
-       Checked(config::ParseModelArchitecture)},
-      {"enable-dp-attention", Kind::kSwitch, "", "DP attention: no fusion, no auto-enable", true},
-      {"moe-a2a-backend", Kind::kValue, "none|deepep|...",
-       "MoE all-to-all backend (default none; auto-enable needs none)", true,
-       Checked(config::ParseMoeA2aBackend)},
       {"cuda-graph-mode", Kind::kValue, "none|piecewise|full",
        "the CUDA-graph mode wanted for every phase (default none)"},
       {"prefill-cuda-graph-mode", Kind::kValue, "none|piecewise|full",
@@ -178,6 +161,7 @@ const std::vector<OptionSpec>& ResolveOptions() {
       {"addr", Kind::kValue, "ADDR", "ask a running arfused instead of computing locally"},
       kTimeoutOption,
   };
+  static const std::vector<OptionSpec> options = WithFusionFlags(3, own);
   return options;
 }
 
@@ -202,22 +186,9 @@ absl::Status ReadOption(const ParsedArgs& args, const char* name, Parse parse, T
 
 absl::StatusOr<ResolveInput> ReadResolveInput(const ParsedArgs& args, bool remote) {
   ResolveInput in;
-  absl::Status st = ReadOption(args, "flashinfer-allreduce-fusion-backend",
-                               config::ParseBackendFlag, &in.flags.backend);
-  if (st.ok()) st = ReadOption(args, "fusion-rules", config::ParseRuleSet, &in.flags.rules);
-  if (st.ok()) {
-    st = ReadOption(args, "model-architecture", config::ParseModelArchitecture,
-                    &in.flags.model_architecture);
-  }
-  if (st.ok()) {
-    st = ReadOption(args, "moe-a2a-backend", config::ParseMoeA2aBackend, &in.flags.moe_a2a_backend);
-  }
+  absl::Status st = ReadFusionFlags(args, in.flags);
   if (!st.ok()) return st;
   in.rules_given = args.Has("fusion-rules");
-  in.flags.enable_deprecated = args.Switch("enable-flashinfer-allreduce-fusion");
-  in.flags.enforce_disable = args.Switch("enforce-disable-flashinfer-allreduce-fusion");
-  in.flags.deterministic = args.Switch("enable-deterministic-inference");
-  in.flags.dp_attention = args.Switch("enable-dp-attention");
 
   const int given = args.Has("sm") + args.Has("tp") + args.Has("nnodes");
   if (given > 0 || !remote) {

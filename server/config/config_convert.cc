@@ -2,9 +2,12 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "server/core/status_macros.h"
 
 namespace arfuse::config {
@@ -17,41 +20,46 @@ absl::StatusOr<int> ToInt(const char* field, uint32_t value) {
   return static_cast<int>(value);
 }
 
+const google::protobuf::FieldDescriptor* FlagField(const FusionFlagSpec& spec) {
+  return v1::FusionFlags::descriptor()->FindFieldByName(spec.ident);
+}
+
 }  // namespace
 
+// The fusion flags travel field by field through reflection: each flag's v1.FusionFlags field has
+// the flag's ident for its name (a bool for a switch, a string otherwise; the config tests check
+// every one), so a new flag needs no code here.
 v1::FusionFlags FlagsToProto(const FusionFlags& flags) {
   v1::FusionFlags p;
-  if (flags.backend) p.set_flashinfer_allreduce_fusion_backend(*flags.backend);
-  p.set_enable_flashinfer_allreduce_fusion(flags.enable_deprecated);
-  p.set_enforce_disable_flashinfer_allreduce_fusion(flags.enforce_disable);
-  p.set_enable_deterministic_inference(flags.deterministic);
-  p.set_fusion_rules(RuleSetName(flags.rules));
-  p.set_model_architecture(flags.model_architecture);
-  p.set_enable_dp_attention(flags.dp_attention);
-  p.set_moe_a2a_backend(flags.moe_a2a_backend);
+  const google::protobuf::Reflection* reflection = p.GetReflection();
+  for (const FusionFlagSpec& spec : FusionFlagTable()) {
+    const google::protobuf::FieldDescriptor* field = FlagField(spec);
+    std::optional<std::string> text = spec.Get(flags);
+    if (field == nullptr || !text) continue;
+    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_BOOL) {
+      reflection->SetBool(&p, field, *text == "true");
+    } else {
+      reflection->SetString(&p, field, *text);
+    }
+  }
   return p;
 }
 
 absl::StatusOr<FusionFlags> FlagsFromProto(const v1::FusionFlags& p, RuleSet default_rules) {
   FusionFlags flags;
-  if (p.has_flashinfer_allreduce_fusion_backend()) {
-    flags.backend = p.flashinfer_allreduce_fusion_backend();
-  }
-  flags.enable_deprecated = p.enable_flashinfer_allreduce_fusion();
-  flags.enforce_disable = p.enforce_disable_flashinfer_allreduce_fusion();
-  flags.deterministic = p.enable_deterministic_inference();
   flags.rules = default_rules;
-  if (p.has_fusion_rules()) {
-    absl::StatusOr<RuleSet> rules = ParseRuleSet(p.fusion_rules());
-    if (!rules.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flags.fusion_rules: ", rules.status().message()));
+  const google::protobuf::Reflection* reflection = p.GetReflection();
+  for (const FusionFlagSpec& spec : FusionFlagTable()) {
+    const google::protobuf::FieldDescriptor* field = FlagField(spec);
+    // Unset (or, without presence, the type's zero value): the flag's default.
+    if (field == nullptr || !reflection->HasField(p, field)) continue;
+    const std::string text = field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_BOOL
+                                 ? (reflection->GetBool(p, field) ? "true" : "false")
+                                 : reflection->GetString(p, field);
+    if (absl::Status st = spec.Assign(flags, text); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("flags.", spec.ident, ": ", st.message()));
     }
-    flags.rules = *rules;
   }
-  flags.model_architecture = p.model_architecture();
-  flags.dp_attention = p.enable_dp_attention();
-  if (!p.moe_a2a_backend().empty()) flags.moe_a2a_backend = p.moe_a2a_backend();
   return flags;
 }
 

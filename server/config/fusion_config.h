@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/config/fusion_flags.h"
 
 namespace arfuse::config {
 
@@ -21,69 +22,13 @@ namespace arfuse::config {
 inline constexpr int kMinSm = 10;
 inline constexpr int kMaxSm = 999;
 
-// Requested backend values (the flag's choices) and resolved backend names.
-inline constexpr char kBackendAuto[] = "auto";
-inline constexpr char kBackendTrtllm[] = "trtllm";
-inline constexpr char kBackendMnnvl[] = "mnnvl";
-inline constexpr char kBackendNone[] = "none";
-
-// The flag spellings, as the serving frameworks use them; messages name them verbatim.
-inline constexpr char kFlagBackend[] = "--flashinfer-allreduce-fusion-backend";
-inline constexpr char kFlagDeprecatedEnable[] = "--enable-flashinfer-allreduce-fusion";
-inline constexpr char kFlagEnforceDisable[] = "--enforce-disable-flashinfer-allreduce-fusion";
-inline constexpr char kFlagDeterministic[] = "--enable-deterministic-inference";
-inline constexpr char kFlagDpAttention[] = "--enable-dp-attention";
-inline constexpr char kFlagMoeA2aBackend[] = "--moe-a2a-backend";
-// arfuse's own (SGLang reads the architecture from the model's config.json).
-inline constexpr char kFlagModelArchitecture[] = "--model-architecture";
-inline constexpr char kFlagFusionRules[] = "--fusion-rules";
-inline constexpr char kFlagMnnvlCaptureSafe[] = "--mnnvl-capture-safe";
-
 // Upstream's per-batch limit of the fused path: the communicator's runtime gate
 // (apply_flashinfer_allreduce_fusion) fuses only batches of 1..FUSE_ALLREDUCE_MAX_BATCH_SIZE
 // tokens; larger batches run the framework's own allreduce and norm.
 inline constexpr uint32_t kFuseAllreduceMaxBatchSize = 2048;
 
-// Which upstream rules the decision follows (--fusion-rules).
-enum class RuleSet {
-  // SGLang PR #23402: auto is mnnvl wherever mnnvl is supported, else trtllm;
-  // an unsupported explicit mnnvl falls back to trtllm; auto-enable only on the SM100 family.
-  kSglang23402,
-  // SGLang #28789 and #29063 (eight days later): SM90 one node resolves auto to trtllm and is
-  // auto-enabled again; five configurations stop the server with a ValueError.
-  kSglang29063,
-};
-inline constexpr RuleSet kDefaultRuleSet = RuleSet::kSglang23402;
-const char* RuleSetName(RuleSet rules);  // "sglang-23402", "sglang-29063"
-absl::StatusOr<RuleSet> ParseRuleSet(const std::string& text);
-
-// --moe-a2a-backend's choices, as SGLang's MOE_A2A_BACKEND_CHOICES lists them.
-const std::vector<std::string>& MoeA2aBackendChoices();
 // The model architectures upstream auto-enables fusion for (hf_config.architectures[0]).
 const std::vector<std::string>& AutoEnableArchitectures(RuleSet rules);
-
-struct FusionFlags {
-  // --flashinfer-allreduce-fusion-backend: "auto", "trtllm" or "mnnvl"; unset means off
-  // (subject to auto-enable).
-  std::optional<std::string> backend;
-  // --enable-flashinfer-allreduce-fusion (deprecated).
-  bool enable_deprecated = false;
-  // --enforce-disable-flashinfer-allreduce-fusion.
-  bool enforce_disable = false;
-  // --enable-deterministic-inference.
-  bool deterministic = false;
-  // --fusion-rules.
-  RuleSet rules = kDefaultRuleSet;
-  // --model-architecture: the model's hf_config.architectures[0]; empty: not known (then nothing
-  // is auto-enabled, as no architecture is on the allowlist).
-  std::string model_architecture;
-  // --enable-dp-attention.
-  bool dp_attention = false;
-  // --moe-a2a-backend: one of MoeA2aBackendChoices().
-  std::string moe_a2a_backend = "none";
-
-  bool operator==(const FusionFlags&) const = default;
-};
 
 struct Topology {
   // Compute capability as major*10 + minor: 90 (H100/H200), 100 (B200), 103 (B300), 120, ...
@@ -181,36 +126,14 @@ const char* CudaGraphModeName(CudaGraphMode mode);  // "none", "piecewise", "ful
 const char* DataPlaneName(DataPlane plane);         // "eager", "doorbell", "instream"
 absl::StatusOr<CudaGraphMode> ParseCudaGraphMode(const std::string& text,
                                                  const std::string& flag = "--cuda-graph-mode");
-// "auto", "trtllm" or "mnnvl", exactly (the frameworks' choices are case-sensitive).
-absl::StatusOr<std::string> ParseBackendFlag(const std::string& text);
-// One of MoeA2aBackendChoices(), exactly.
-absl::StatusOr<std::string> ParseMoeA2aBackend(const std::string& text);
-// A Python class name (letters, digits, '_', not starting with a digit), 1..128 characters.
-absl::StatusOr<std::string> ParseModelArchitecture(const std::string& text);
 // Compute capability as <major><minor> digits ("90", "100", "103").
 absl::StatusOr<int> ParseSm(const std::string& text);
 // A decimal integer >= 1; `flag` names it in the message ("--tp").
 absl::StatusOr<int> ParsePositiveInt(const std::string& flag, const std::string& text);
-// "true"/"false" (also "1"/"0").
-absl::StatusOr<bool> ParseBool(const std::string& flag, const std::string& text);
 
 // INVALID_ARGUMENT for an sm outside kMinSm..kMaxSm, tp or nnodes below 1, or more nodes than
 // ranks (the message names both numbers).
 absl::Status ValidateTopology(const Topology& topology);
-absl::Status ValidateFlags(const FusionFlags& flags);
-
-// The fusion flags of a command line, as the serving frameworks spell them (hyphenated; abseil
-// flags cannot). ExtractFusionArgs removes them from `args` and leaves every other argument, in
-// order, for the program's own parser. Accepts "--flag value" and "--flag=value" for valued
-// flags, "--switch" and "--switch=true|false" for switches; stops at "--". A flag given twice
-// takes the last value (argparse's rule). INVALID_ARGUMENT naming the flag for a bad or missing
-// value.
-struct FusionArgs {
-  FusionFlags flags;
-  // --mnnvl-capture-safe[=true|false]: the ops override; unset means ours are capture-safe.
-  std::optional<bool> mnnvl_capture_safe;
-};
-absl::StatusOr<FusionArgs> ExtractFusionArgs(std::vector<std::string>& args);
 
 // ---- The rules. ----
 

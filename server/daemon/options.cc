@@ -84,32 +84,20 @@ ABSL_FLAG(double, peer_heartbeat_timeout, 5,
           "readiness goes NOT_SERVING and the group re-forms. 0 turns heartbeats off (then only "
           "an op's --spin-timeout notices such a peer); otherwise 0.1..3600.");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
-ABSL_FLAG(std::optional<std::string>, flashinfer_allreduce_fusion_backend, std::nullopt,
-          "Fused-allreduce backend: auto, trtllm or mnnvl (SGLang's flag). Unset: off, unless "
-          "auto-enabled (--model-architecture on the allowlist, world size > 1, no DP attention, "
-          "--moe-a2a-backend=none; the SM100 family under sglang-23402, SM90 too under "
-          "sglang-29063). Given twice, the last value wins.");
-ABSL_FLAG(bool, enable_flashinfer_allreduce_fusion, false,
-          "Deprecated: use --flashinfer-allreduce-fusion-backend=auto. Maps to auto when the "
-          "backend is unset.");
-ABSL_FLAG(bool, enforce_disable_flashinfer_allreduce_fusion, false,
-          "Turns fusion off whatever else is given (the unfused path runs).");
-ABSL_FLAG(bool, enable_deterministic_inference, false,
-          "Deterministic inference: clears the backend, the unfused path always runs.");
-ABSL_FLAG(std::string, fusion_rules, "sglang-23402",
-          "The upstream rules the config follows: sglang-23402 (SGLang PR #23402) or sglang-29063 "
-          "(today's SGLang, #28789 and #29063: SM90 one node resolves auto to trtllm, and five "
-          "configurations are refused at startup as SGLang refuses them). docs/config.md.");
-ABSL_FLAG(std::string, model_architecture, "",
-          "The served model's architecture as its config.json names it (e.g. "
-          "DeepseekV3ForCausalLM); fusion is auto-enabled only for allowlisted architectures. "
-          "Empty: unknown, nothing is auto-enabled.");
-ABSL_FLAG(bool, enable_dp_attention, false,
-          "The framework runs DP attention (SGLang's flag): fusion is refused, as SGLang's runtime "
-          "gate refuses it, and nothing is auto-enabled.");
-ABSL_FLAG(std::string, moe_a2a_backend, "none",
-          "The framework's MoE all-to-all backend (SGLang's flag: none, deepep, mooncake, ...); "
-          "auto-enable needs none.");
+// The fusion flags, from their one declaration (server/config/fusion_flags.inc): a switch is a
+// bool, a value unset by default an optional string, any other value a string with the table's
+// default.
+#define ARFUSED_FLAG_TYPE_kSwitch bool
+#define ARFUSED_FLAG_TYPE_kOptional std::optional<std::string>
+#define ARFUSED_FLAG_TYPE_kValue std::string
+#define ARFUSED_FLAG_DEFAULT_kSwitch(ident) \
+  (::arfuse::config::FindFusionFlag(#ident)->default_text == "true")
+#define ARFUSED_FLAG_DEFAULT_kOptional(ident) std::nullopt
+#define ARFUSED_FLAG_DEFAULT_kValue(ident) ::arfuse::config::FindFusionFlag(#ident)->default_text
+#define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) \
+  ABSL_FLAG(ARFUSED_FLAG_TYPE_##kind, ident, ARFUSED_FLAG_DEFAULT_##kind(ident), help);
+#include "server/config/fusion_flags.inc"
+#undef ARFUSE_FUSION_FLAG
 ABSL_FLAG(std::optional<int>, sm, std::nullopt,
           "Compute capability as major*10+minor (90, 100, ...); overrides the GPU's (tests, CPU "
           "machines).");
@@ -171,58 +159,41 @@ namespace {
 
 // Flags defined in this file, in the order --help lists them.
 const std::vector<std::string>& OwnFlagNames() {
-  static const std::vector<std::string> names = {"socket",
-                                                 "health_port",
-                                                 "health_host",
-                                                 "metrics_port",
-                                                 "metrics_host",
-                                                 "device",
-                                                 "rank",
-                                                 "gpu",
-                                                 "world_size",
-                                                 "nnodes",
-                                                 "peer_dir",
-                                                 "peer_addr",
-                                                 "peer_tls_cert",
-                                                 "peer_tls_key",
-                                                 "peer_tls_ca",
-                                                 "group",
-                                                 "peer_timeout",
-                                                 "peer_heartbeat_timeout",
-                                                 "log_level",
-                                                 "log_format",
-                                                 "flashinfer_allreduce_fusion_backend",
-                                                 "enable_flashinfer_allreduce_fusion",
-                                                 "enforce_disable_flashinfer_allreduce_fusion",
-                                                 "enable_deterministic_inference",
-                                                 "fusion_rules",
-                                                 "model_architecture",
-                                                 "enable_dp_attention",
-                                                 "moe_a2a_backend",
-                                                 "sm",
-                                                 "cuda_graph_mode",
-                                                 "mnnvl_capture_safe",
-                                                 "max_tokens",
-                                                 "hidden",
-                                                 "dtype",
-                                                 "spin_timeout",
-                                                 "sm_budget",
-                                                 "doorbell_serve_blocks",
-                                                 "grace_period",
-                                                 "default_deadline",
-                                                 "allowed_uids",
-                                                 "allowed_gids",
-                                                 "max_connections_per_uid",
-                                                 "max_fd_connections_per_uid",
-                                                 "max_pending_fds",
-                                                 "max_pending_fds_per_uid",
-                                                 "listen",
-                                                 "tls_cert",
-                                                 "tls_key",
-                                                 "tls_client_ca",
-                                                 "config",
-                                                 "help",
-                                                 "version"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n = {"socket",        "health_port",  "health_host",
+                                  "metrics_port",  "metrics_host", "device",
+                                  "rank",          "gpu",          "world_size",
+                                  "nnodes",        "peer_dir",     "peer_addr",
+                                  "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
+                                  "group",         "peer_timeout", "peer_heartbeat_timeout",
+                                  "log_level",     "log_format"};
+    for (const config::FusionFlagSpec& spec : config::FusionFlagTable()) n.push_back(spec.ident);
+    n.insert(n.end(), {"sm",
+                       "cuda_graph_mode",
+                       "mnnvl_capture_safe",
+                       "max_tokens",
+                       "hidden",
+                       "dtype",
+                       "spin_timeout",
+                       "sm_budget",
+                       "doorbell_serve_blocks",
+                       "grace_period",
+                       "default_deadline",
+                       "allowed_uids",
+                       "allowed_gids",
+                       "max_connections_per_uid",
+                       "max_fd_connections_per_uid",
+                       "max_pending_fds",
+                       "max_pending_fds_per_uid",
+                       "listen",
+                       "tls_cert",
+                       "tls_key",
+                       "tls_client_ca",
+                       "config",
+                       "help",
+                       "version"});
+    return n;
+  }();
   return names;
 }
 
@@ -365,8 +336,8 @@ absl::Status ApplyEnvironment(std::map<std::string, std::string>& sources) {
 }
 
 absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
-                        std::initializer_list<absl::string_view> allowed) {
-  for (auto a : allowed) {
+                        const std::vector<std::string>& allowed) {
+  for (const std::string& a : allowed) {
     if (value == a) return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat("bad value \"", value, "\" for --", flag,
@@ -374,22 +345,54 @@ absl::Status CheckOneOf(absl::string_view flag, const std::string& value,
                                                  absl::StrJoin(allowed, ", ")));
 }
 
-// The serving frameworks' choice flags: argparse checks every occurrence against the choices
-// (the last one wins), so an earlier bad value is refused even when a later one is good.
+// One value of a fusion flag, from the command line, the environment or the config file.
+absl::Status CheckFusionValue(const config::FusionFlagSpec& spec, const std::string& value) {
+  // A valued flag's default is its default ("" for --model-architecture: not known).
+  if (spec.kind == config::FusionFlagKind::kValue && value == spec.default_text) {
+    return absl::OkStatus();
+  }
+  absl::Status checked = spec.Check(value);
+  // A choice flag that is unset by default (the backend) is worded as arfused's own choice flags
+  // (--device, --dtype, ...): "bad value ... expected one of ...".
+  if (!checked.ok() && spec.kind == config::FusionFlagKind::kOptional && !spec.choices.empty()) {
+    return CheckOneOf(spec.name, value, spec.choices);
+  }
+  return checked;
+}
+
+// The serving frameworks' flags: argparse checks every occurrence against the choices (the last
+// one wins), so an earlier bad value is refused even when a later one is good. Switches are
+// abseil's bools, which abseil checks.
 absl::Status CheckFrameworkFlagOccurrence(const GivenFlag& flag) {
-  const std::string& v = flag.value;
-  if (flag.name == "flashinfer_allreduce_fusion_backend") {
-    return CheckOneOf("flashinfer-allreduce-fusion-backend", v, {"auto", "trtllm", "mnnvl"});
-  }
-  if (flag.name == "fusion_rules") return config::ParseRuleSet(v).status();
-  if (flag.name == "model_architecture" && !v.empty()) {
-    return config::ParseModelArchitecture(v).status();
-  }
-  if (flag.name == "moe_a2a_backend") return config::ParseMoeA2aBackend(v).status();
+  const config::FusionFlagSpec* spec = config::FindFusionFlag(flag.name);
+  if (spec == nullptr || spec->kind == config::FusionFlagKind::kSwitch) return absl::OkStatus();
+  return CheckFusionValue(*spec, flag.value);
+}
+
+// The fusion flags' values into `to`, checked as on the command line.
+absl::Status ReadFusionFlag(const char* ident, bool value, config::FusionFlags& to) {
+  return config::FindFusionFlag(ident)->Assign(to, value ? "true" : "false");
+}
+absl::Status ReadFusionFlag(const char* ident, const std::string& value, config::FusionFlags& to) {
+  const config::FusionFlagSpec& spec = *config::FindFusionFlag(ident);
+  ARFUSE_RETURN_IF_ERROR(CheckFusionValue(spec, value));
+  return spec.Assign(to, value);
+}
+absl::Status ReadFusionFlag(const char* ident, const std::optional<std::string>& value,
+                            config::FusionFlags& to) {
+  return value ? ReadFusionFlag(ident, *value, to) : absl::OkStatus();
+}
+
+absl::Status ReadFusionFlags(config::FusionFlags& to) {
+#define ARFUSE_FUSION_FLAG(kind, ident, ...) \
+  ARFUSE_RETURN_IF_ERROR(ReadFusionFlag(#ident, absl::GetFlag(FLAGS_##ident), to));
+#include "server/config/fusion_flags.inc"
+#undef ARFUSE_FUSION_FLAG
   return absl::OkStatus();
 }
 
-absl::Status Validate(const DaemonOptions& o) {
+// `fusion`: how reading the fusion flags went (ReadFusionFlags).
+absl::Status Validate(const DaemonOptions& o, const absl::Status& fusion) {
   if (!o.device.empty()) ARFUSE_RETURN_IF_ERROR(CheckOneOf("device", o.device, {"cuda", "host"}));
   // The workspace holds one slot per rank up to kMaxWorldSize; a larger group would start and
   // never become ready (the peer exchange refuses it), so it is refused here, at startup.
@@ -453,15 +456,7 @@ absl::Status Validate(const DaemonOptions& o) {
         "bad value \"", o.log_level,
         "\" for --log-level: expected trace, debug, info, warn, error, critical or off"));
   }
-  if (o.fusion_backend) {
-    ARFUSE_RETURN_IF_ERROR(CheckOneOf("flashinfer-allreduce-fusion-backend", *o.fusion_backend,
-                                      {"auto", "trtllm", "mnnvl"}));
-  }
-  ARFUSE_RETURN_IF_ERROR(config::ParseRuleSet(o.fusion_rules).status());
-  if (!o.model_architecture.empty()) {
-    ARFUSE_RETURN_IF_ERROR(config::ParseModelArchitecture(o.model_architecture).status());
-  }
-  ARFUSE_RETURN_IF_ERROR(config::ParseMoeA2aBackend(o.moe_a2a_backend).status());
+  ARFUSE_RETURN_IF_ERROR(fusion);
   ARFUSE_RETURN_IF_ERROR(
       CheckOneOf("cuda-graph-mode", o.cuda_graph_mode, {"none", "piecewise", "full"}));
   ARFUSE_RETURN_IF_ERROR(CheckOneOf("dtype", o.dtype, {"bf16", "fp16", "fp32"}));
@@ -606,14 +601,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.peer_heartbeat_timeout_s = absl::GetFlag(FLAGS_peer_heartbeat_timeout);
   o.log_level = absl::GetFlag(FLAGS_log_level);
   o.log_format = absl::GetFlag(FLAGS_log_format);
-  o.fusion_backend = absl::GetFlag(FLAGS_flashinfer_allreduce_fusion_backend);
-  o.enable_flashinfer_allreduce_fusion = absl::GetFlag(FLAGS_enable_flashinfer_allreduce_fusion);
-  o.enforce_disable_fusion = absl::GetFlag(FLAGS_enforce_disable_flashinfer_allreduce_fusion);
-  o.deterministic = absl::GetFlag(FLAGS_enable_deterministic_inference);
-  o.fusion_rules = absl::GetFlag(FLAGS_fusion_rules);
-  o.model_architecture = absl::GetFlag(FLAGS_model_architecture);
-  o.enable_dp_attention = absl::GetFlag(FLAGS_enable_dp_attention);
-  o.moe_a2a_backend = absl::GetFlag(FLAGS_moe_a2a_backend);
+  const absl::Status fusion = ReadFusionFlags(o.fusion);
   o.sm = absl::GetFlag(FLAGS_sm);
   o.cuda_graph_mode = absl::GetFlag(FLAGS_cuda_graph_mode);
   o.mnnvl_capture_safe = absl::GetFlag(FLAGS_mnnvl_capture_safe);
@@ -631,7 +619,7 @@ absl::StatusOr<ParsedCommandLine> ParseDaemonCommandLine(int argc, char** argv) 
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  ARFUSE_RETURN_IF_ERROR(Validate(o));
+  ARFUSE_RETURN_IF_ERROR(Validate(o, fusion));
   o.socket = absl::GetFlag(FLAGS_socket);
   if (o.socket.empty()) o.socket = DefaultSocketPath(o.rank);
   return parsed;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/config/fusion_flags.h"
 #include "server/peers/peer_tls.h"
 
 namespace arfuse {
@@ -44,15 +45,8 @@ struct DaemonOptions {
   double peer_heartbeat_timeout_s = 5;
   std::string log_level = "info";
   std::string log_format = "text";  // "text" or "json"
-  // Fusion flags as SGLang spells them.
-  std::optional<std::string> fusion_backend;
-  bool enable_flashinfer_allreduce_fusion = false;
-  bool enforce_disable_fusion = false;
-  bool deterministic = false;
-  std::string fusion_rules = "sglang-23402";
-  std::string model_architecture;
-  bool enable_dp_attention = false;
-  std::string moe_a2a_backend = "none";
+  // The fusion flags (server/config/fusion_flags.inc), as SGLang spells them.
+  config::FusionFlags fusion;
   std::optional<int> sm;
   std::string cuda_graph_mode = "full";
   bool mnnvl_capture_safe = true;

@@ -143,19 +143,7 @@ config::Topology Sidecar::OwnTopology() const {
   return config::Topology{options_.sm.value_or(gpu_.sm), options_.world_size, options_.nnodes};
 }
 
-config::FusionFlags Sidecar::OwnFlags() const {
-  config::FusionFlags flags;
-  flags.backend = options_.fusion_backend;
-  flags.enable_deprecated = options_.enable_flashinfer_allreduce_fusion;
-  flags.enforce_disable = options_.enforce_disable_fusion;
-  flags.deterministic = options_.deterministic;
-  // Validated by ParseDaemonCommandLine.
-  flags.rules = config::ParseRuleSet(options_.fusion_rules).value_or(config::kDefaultRuleSet);
-  flags.model_architecture = options_.model_architecture;
-  flags.dp_attention = options_.enable_dp_attention;
-  flags.moe_a2a_backend = options_.moe_a2a_backend;
-  return flags;
-}
+config::FusionFlags Sidecar::OwnFlags() const { return options_.fusion; }
 
 absl::Status Sidecar::Start() {
   // The TCP peer channel (--peer-addr) authenticates with these every time the group forms: a
