@@ -39,6 +39,10 @@ ABSL_FLAG(std::string, arfusectl_prefill_cuda_graph_mode, "", "CUDA-graph mode, 
 ABSL_FLAG(std::string, arfusectl_decode_cuda_graph_mode, "", "CUDA-graph mode, decode");
 ABSL_FLAG(std::string, arfusectl_fused_op_in_graph, "", "the fused op in graphs");
 ABSL_FLAG(std::string, arfusectl_mnnvl_capture_safe, "", "mnnvl kernels capture-safe");
+ABSL_FLAG(std::string, arfusectl_interval_ms, "", "top: the refresh interval");
+ABSL_FLAG(std::string, arfusectl_iterations, "", "top: refreshes before exiting");
+ABSL_FLAG(std::string, arfusectl_metrics, "", "top: metrics endpoints");
+ABSL_FLAG(bool, arfusectl_plain, false, "top: plain lines, no screen redraw");
 
 namespace arfuse::cli {
 namespace {

@@ -1,6 +1,7 @@
 #include "client/arfusectl/cli.h"
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -8,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <random>
@@ -24,6 +26,7 @@
 #include "arfuse/v1/config.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/args.h"
+#include "client/arfusectl/top.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/config/config_convert.h"
 #include "server/config/fusion_config.h"
@@ -821,6 +824,50 @@ int RunEach(const ParsedArgs& args, Io& io,
   return worst;
 }
 
+// ---- top ----
+
+int RunTopCommand(const ParsedArgs& args, Io& io) {
+  TopOptions o;
+  auto positive = [&](const char* name, int* out) -> absl::Status {
+    if (auto v = args.Get(name)) {
+      absl::StatusOr<int> n = config::ParsePositiveInt(absl::StrCat("--", name), *v);
+      if (!n.ok()) return n.status();
+      *out = *n;
+    }
+    return absl::OkStatus();
+  };
+  for (const auto& [name, field] :
+       std::vector<std::pair<const char*, int*>>{{"interval-ms", &o.interval_ms},
+                                                 {"iterations", &o.iterations},
+                                                 {"timeout-ms", &o.timeout_ms}}) {
+    if (absl::Status st = positive(name, field); !st.ok()) {
+      return Usage(io, std::string(st.message()));
+    }
+  }
+  absl::StatusOr<Addressed> to = OpenRemotes(args, o.timeout_ms, /*collective_default=*/false);
+  if (!to.ok()) return Usage(io, std::string(to.status().message()));
+  for (const Remote& r : to->remotes) o.addrs.push_back(r.addr);
+  if (auto m = args.Get("metrics")) {
+    for (absl::string_view part : absl::StrSplit(*m, ',')) {
+      if (part.empty() || part.rfind(':') == absl::string_view::npos) {
+        return Usage(io, absl::StrCat("--metrics: \"", std::string(part).substr(0, 64),
+                                      "\" is not HOST:PORT (one per address, in --addr's order)"));
+      }
+      o.metrics.emplace_back(part);
+    }
+    if (o.metrics.size() != o.addrs.size()) {
+      return Usage(io, absl::StrCat("--metrics names ", o.metrics.size(), " endpoint(s) for ",
+                                    o.addrs.size(),
+                                    " address(es): give one HOST:PORT per address, in order"));
+    }
+  }
+  o.json = args.Switch("json");
+  // A terminal gets one screen redrawn per refresh; a pipe or file gets plain lines.
+  o.screen = !o.json && !args.Switch("plain") && io.out.rdbuf() == std::cout.rdbuf() &&
+             isatty(STDOUT_FILENO) == 1;
+  return RunTop(o, io.out, io.err);
+}
+
 // ---- the table ----
 
 std::vector<OptionSpec> WithRanks(std::vector<OptionSpec> options) {
@@ -884,6 +931,22 @@ const std::vector<Command>& Commands() {
        "rank whose socket is next to " +
            DefaultAddress() + ")",
        WithRanks({kAddrListOption, kTimeoutOption}), RunReinitialize, ""},
+      {"top",
+       "one line per rank, refreshed: plane, backend, generation, ops/s fused and declined, "
+       "latency, poisonings",
+       "arfusectl top [--addr ADDR[,ADDR...] | --ranks N,M | --all] [--metrics HOST:PORT[,...]] "
+       "[--interval-ms N] [--iterations N] [--plain | --json]",
+       WithRanks(
+           {kAddrListOption,
+            {"metrics", Kind::kValue, "HOST:PORT[,...]",
+             "each sidecar's --metrics-port endpoint, in --addr's order (planes, fused and "
+             "declined ops, latency; without it those columns show -)"},
+            {"interval-ms", Kind::kValue, "N", "refresh interval (default 1000)"},
+            {"iterations", Kind::kValue, "N", "refreshes before exiting (default: until stopped)"},
+            {"plain", Kind::kSwitch, "", "plain lines even on a terminal"},
+            {"json", Kind::kSwitch, "", "one JSON object per rank and refresh"},
+            {"timeout-ms", Kind::kValue, "N", "deadline of each call (default 2000)"}}),
+       RunTopCommand, ""},
       {"version",
        "print the version (also: arfusectl --version)",
        "arfusectl version",
@@ -945,9 +1008,10 @@ int RunArfusectl(const std::vector<std::string>& args, std::ostream& out, std::o
     if (!parsed.ok()) return Usage(io, std::string(parsed.status().message()));
     return command.run(*parsed, io);
   }
-  return Usage(io, absl::StrCat("unknown command \"", verb.substr(0, 64),
-                                "\" (commands: resolve, health, info, stats, drain, set-backend, "
-                                "reinitialize, version; see arfusectl --help)"));
+  return Usage(io,
+               absl::StrCat("unknown command \"", verb.substr(0, 64),
+                            "\" (commands: resolve, health, info, stats, top, drain, set-backend, "
+                            "reinitialize, version; see arfusectl --help)"));
 }
 
 }  // namespace arfuse::cli

@@ -688,6 +688,7 @@ absl::Status Sidecar::FormGroup() {
     std::lock_guard<std::mutex> lock(state_mu_);
     served_generation_ = std::max(served_generation_, generation);
   }
+  metrics_->SetGeneration(generation);
   gate_.Resume();
   Publish(decision, true);
   if (decision.fusion_enabled) {
@@ -1061,6 +1062,7 @@ absl::StatusOr<v1::SetBackendResponse> Sidecar::SetBackend(
     flags_ = flags;
     served_generation_ = std::max(served_generation_, es.generation);
   }
+  metrics_->SetGeneration(es.generation);
   Publish(decision, true);
   spdlog::info("event=backend_switched from={} to={} fusion_enabled={} generation={}",
                previous.backend, decision.backend, decision.fusion_enabled, es.generation);

@@ -209,6 +209,12 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const Buil
       .Register(r)
       .Add({})
       .Set(world_size);
+  generation_ = &prometheus::BuildGauge()
+                     .Name("arfuse_workspace_generation")
+                     .Help("Workspace generation this rank serves (0 before the first)")
+                     .Labels(constant)
+                     .Register(r)
+                     .Add({});
 }
 
 Metrics::~Metrics() = default;
@@ -298,6 +304,9 @@ void Metrics::SetMps(bool detected, double hop_s) {
   families_->doorbell_hop.Set(hop_s);
 }
 void Metrics::SetReady(bool ready) { families_->ready.Set(ready ? 1 : 0); }
+void Metrics::SetGeneration(uint64_t generation) {
+  generation_->Set(static_cast<double>(generation));
+}
 
 void Metrics::SetInStream(uint64_t attachments, uint64_t launches, uint64_t stale) {
   instream_->attachments.Set(static_cast<double>(attachments));

@@ -13,6 +13,7 @@
 namespace prometheus {
 class Registry;
 class Exposer;
+class Gauge;
 }  // namespace prometheus
 
 namespace arfuse {
@@ -70,6 +71,9 @@ class Metrics {
   void SetPeersReady(int ready);
   void SetMps(bool detected, double doorbell_hop_s);
   void SetReady(bool ready);
+  // The workspace generation this rank serves (it grows with every re-formed group and backend
+  // switch; an op stamped with an older one fails fast).
+  void SetGeneration(uint64_t generation);
   // The in-stream plane: attachments now, and the kernels' launch counters as the sidecar last
   // read them (monotonic; counted up by the difference).
   void SetInStream(uint64_t attachments, uint64_t launches, uint64_t stale);
@@ -88,6 +92,7 @@ class Metrics {
   std::unique_ptr<InStreamFamilies> instream_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
+  prometheus::Gauge* generation_ = nullptr;  // owned by registry_
   // Kept apart from the Prometheus families so GetStats reads them without parsing labels.
   std::atomic<uint64_t> ops_ok_{0};
   std::atomic<uint64_t> ops_failed_{0};

@@ -215,7 +215,10 @@ def test_every_metric_the_runbook_names_exists(scrape):
     # Histogram series names stand for their family.
     named = {re.sub(r"_(bucket|sum|count)$", "", n) for n in named}
     assert named, "the runbook names no metric"
-    assert sorted(named - set(fam)) == [], "named in docs/operations.md, not served by arfused"
+    # Names the dashboard test allows before the sidecar exports them.
+    from test_dashboard import NOT_YET_EXPORTED
+    assert sorted(named - set(fam) - set(NOT_YET_EXPORTED)) == [], \
+        "named in docs/operations.md, not served by arfused"
 
 
 def test_metric_labels_in_the_table_exist(scrape):

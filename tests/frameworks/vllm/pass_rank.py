@@ -17,6 +17,7 @@ parallel_state._groups so vLLM's all_reduce op finds it): a real one needs vLLM'
 communicators, which need its CUDA extension.
 """
 import argparse
+import logging
 import copy
 import json
 import os
@@ -31,7 +32,18 @@ sys.path.insert(0, str(REPO / "client" / "python"))
 sys.path.insert(0, str(HERE))
 
 
+# What the integration logs (the path line, first declines), returned with the results.
+LOGS = []
+
+
+class _Keep(logging.Handler):
+    def emit(self, record):
+        LOGS.append(f"{record.levelname} {record.getMessage()}")
+
+
 def main():
+    logging.getLogger("arfuse").addHandler(_Keep())
+    logging.getLogger("arfuse").setLevel(logging.INFO)
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
@@ -149,6 +161,7 @@ def run(args):
                   endpoints=list(cc.compile_ranges_endpoints or []),
                   status=av.status())
     if p.disabled:
+        result["logs"] = list(LOGS)
         json.dump(result, open(args.out, "w"))
         dist.barrier()
         return
@@ -251,6 +264,7 @@ def run(args):
         result["sweep"] = [sweep_point(int(n), p, run_pass, model, per_rank, w_in, w_post, w_last,
                                        w_mid, dev, Range, torch)
                            for n in args.sweep.split(",")]
+    result["logs"] = list(LOGS)
     json.dump(result, open(args.out, "w"))
     dist.barrier()
 

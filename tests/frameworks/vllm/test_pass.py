@@ -88,6 +88,19 @@ def test_the_pass_serves_vllms_sites_within_the_fused_range(arfused, vllm_source
             assert res[declined]["matched"] == 0, (declined, res[declined])
             assert res[declined]["after"] == res[declined]["before"]
             assert res[declined]["after"]["arfuse"] == 0
+        # One line for the path (attached, vote, patched), and each decline reason once, at
+        # INFO, however many sites and compile ranges declined for it.
+        logs = res["logs"]
+        path = [l for l in logs if "path arfuse" in l]
+        assert len(path) == 1 and path[0].startswith("INFO "), logs
+        assert "attached: yes; vote: on on every TP rank" in path[0], path[0]
+        assert "compile ranges up to 64 tokens" in path[0], path[0]
+        declines = [l for l in logs if "arfuse: declined (" in l]
+        reasons = [l.split("declined (", 1)[1].split(")", 1)[0] for l in declines]
+        assert sorted(reasons) == sorted(set(reasons)), declines
+        assert {"quant", "dtype", "range"} <= set(reasons), declines
+        assert all(l.startswith("INFO ") and "vLLM's own allreduce + RMSNorm runs there" in l
+                   for l in declines), declines
 
 
 def test_a_rank_that_cannot_attach_turns_the_pass_off_on_every_rank(arfused, vllm_source,
@@ -99,6 +112,12 @@ def test_a_rank_that_cannot_attach_turns_the_pass_off_on_every_rank(arfused, vll
         assert res["max_token_num"] == 0
     assert "TP rank 1" in results[1]["status"]["reason"]
     assert results[0]["status"]["reason"] == "another TP rank could not attach"
+    # Each rank says, once, that vLLM's own path serves, whether it attached, and why.
+    for r, res in enumerate(results):
+        path = [l for l in res["logs"] if "path vLLM's own allreduce + RMSNorm" in l]
+        assert len(path) == 1 and path[0].startswith("WARNING "), res["logs"]
+        assert f"vLLM TP rank {r}/2" in path[0] and "vote: off on every TP rank" in path[0]
+        assert ("attached: yes" if r == 0 else "attached: no (") in path[0], path[0]
 
 
 REGISTER = r"""

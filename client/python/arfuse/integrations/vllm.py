@@ -44,7 +44,7 @@ import os
 import threading
 from typing import Optional
 
-from . import _patches
+from . import _decisions, _patches
 
 logger = logging.getLogger("arfuse.integrations.vllm")
 
@@ -149,9 +149,38 @@ class _State:
         self.client = None
         self.ctx = None
         self.replaced = 0          # sites replaced, all compile ranges
+        self.rank_world = (0, 1)
+        self.attach_error = ""
 
 
 _state = _State()
+
+OWN_PATH = "vLLM's own allreduce + RMSNorm"
+# Each reason the fusion pass declines a site or a compile range for, logged the first time: the
+# pass decides at compile time, in Python, outside the graphs it rewrites.
+_declines = _decisions.FirstDeclines(logger, OWN_PATH)
+_paths_logged = set()
+
+
+def _declined(reason: str, detail: str) -> bool:
+    """False (the site stays on vLLM's path), noting the reason the first time."""
+    _declines.note(reason, detail)
+    return False
+
+
+def _path(level, on: bool, why: str):
+    """The one line per TP rank (per distinct outcome) saying which path serves and why."""
+    rank, world = _state.rank_world
+    attached = "yes" if _state.ctx is not None else \
+        f"no ({_state.attach_error})" if _state.attach_error else "no"
+    vote = "not held" if not _state.voted else \
+        "on on every TP rank" if _state.on else "off on every TP rank"
+    key = (on, why, attached, vote)
+    if key in _paths_logged:
+        return
+    _paths_logged.add(key)
+    _decisions.path_line(logger, level, f"vLLM TP rank {rank}/{world}", on, OWN_PATH, attached,
+                         vote, status()["patched"], why)
 
 
 def status() -> dict:
@@ -159,7 +188,8 @@ def status() -> dict:
     replaced (summed over compile ranges and compiled models)."""
     return {"registered": _state.registered, "on": _state.on, "reason": _state.reason,
             "replaced": _state.replaced,
-            "patched": [_label(o, n, had) for o, n, _, had in _state.patched]}
+            "patched": [_label(o, n, had) for o, n, _, had in _state.patched],
+            "declined": _declines.seen()}
 
 
 def _label(owner, name, had) -> str:
@@ -256,6 +286,7 @@ def attach_and_vote(hiddens, tp_group, device=None, timeout: float = 60.0,
         if _state.voted:
             return _state.on
         rank, world = tp_group.rank_in_group, tp_group.world_size
+        _state.rank_world = (rank, world)
         local = None
         try:
             if client is None:
@@ -271,6 +302,7 @@ def attach_and_vote(hiddens, tp_group, device=None, timeout: float = 60.0,
             _state.client, _state.ctx = client, ctx
         except (arfuse.ArfuseError, ValueError, OSError) as e:
             local = f"TP rank {rank}: {e}"
+            _state.attach_error = str(e)
             logger.warning("arfuse: in-stream attach failed: %s", local)
         # agree() counts a rank without a context as unavailable, so every rank disables its
         # own when any could not attach.
@@ -301,6 +333,9 @@ def _reset_for_tests():
         _state.voted = _state.on = False
         _state.reason = "not set up"
         _state.replaced = 0
+        _state.attach_error = ""
+        _declines.reset()
+        _paths_logged.clear()
 
 
 # ---- the pass ----
@@ -377,6 +412,7 @@ def pass_class():
             self.tp_size = ps.get_tensor_model_parallel_world_size()
             if self.tp_size <= 1:
                 logger.info("arfuse: allreduce fusion pass off for TP size %d", self.tp_size)
+                _path(logging.INFO, False, f"TP size {self.tp_size}: nothing to reduce")
                 return
             if config.model_config is None:
                 logger.warning("arfuse: allreduce fusion pass off: no model_config")
@@ -391,10 +427,12 @@ def pass_class():
             tp = ps.get_tp_group()
             self.group_name = tp.unique_name
             if not attach_and_vote(hiddens, tp, device=self.device):
+                _path(logging.WARNING, False, _state.reason)
                 return
             if aft.dtype_name(self.model_dtype) is None:
                 logger.warning("arfuse: allreduce fusion pass off: model dtype %s not served",
                                self.model_dtype)
+                _path(logging.WARNING, False, f"model dtype {self.model_dtype} not served")
                 return
             self.max_token_num = min(aft.max_fused_tokens(h, self.model_dtype)
                                      for h in hiddens)
@@ -404,6 +442,8 @@ def pass_class():
             if self.max_token_num <= 0:
                 logger.warning("arfuse: allreduce fusion pass off: hidden %s in %s has no "
                                "fused range", hiddens, self.model_dtype)
+                _path(logging.WARNING, False,
+                      f"hidden {hiddens} in {self.model_dtype} has no fused range")
                 return
             self._add_compile_range_endpoint(config, max_batched)
             aft.register_ops()
@@ -413,6 +453,9 @@ def pass_class():
             logger.info("arfuse: allreduce fusion pass on: hidden %s %s, compile ranges up to "
                         "%d tokens (TP %d)", hiddens, self.model_dtype, self.max_token_num,
                         self.tp_size)
+            _path(logging.INFO, True,
+                  f"fusion pass on: hidden {hiddens} {self.model_dtype}, compile ranges up to "
+                  f"{self.max_token_num} tokens; sites outside it run {OWN_PATH}")
 
         def _add_compile_range_endpoint(self, config, max_batched):
             """vLLM compiles each compile range separately and the pass applies to a range
@@ -438,21 +481,25 @@ def pass_class():
                     continue
                 if len(node.args) > 4 and node.args[4] is not None or \
                         node.kwargs.get("variance_size") is not None:
-                    return False
+                    return _declined("shape", "an RMSNorm over part of the hidden size "
+                                     "(variance_size)")
                 vals = [a.meta.get("val") if hasattr(a, "meta") else None
                         for a in (x, residual, weight) if a is not None]
                 if any(v is None for v in vals) or len({v.dtype for v in vals}) != 1:
-                    return False
+                    return _declined("dtype", "input, residual and weight of different "
+                                     "dtypes (or unknown)")
                 if aft.dtype_name(vals[0].dtype) is None:
-                    return False
+                    return _declined("dtype", f"dtype {vals[0].dtype} is not served")
                 hidden = int(vals[0].shape[-1])
                 end = self.range_end if self.range_end is not None else self.max_token_num
                 if aft.max_fused_tokens(hidden, vals[0].dtype) < end:
-                    return False
+                    return _declined("range", f"hidden {hidden} {vals[0].dtype}: fused "
+                                     f"range below the compile range's end {end}")
                 norm_nodes = [node] if node.target == ir_rms else \
                     [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
                 if any(_feeds_quant(n) for n in norm_nodes):
-                    return False
+                    return _declined("quant", "the RMSNorm's output feeds a quantization "
+                                     "op (arfuse has no quantized outputs)")
             return True
 
         @staticmethod
@@ -514,7 +561,11 @@ def pass_class():
         def is_applicable_for_range(self, compile_range) -> bool:
             if self.disabled:
                 return False
-            return bool(compile_range.end <= self.max_token_num)
+            if compile_range.end <= self.max_token_num:
+                return True
+            _declines.note("range", f"compile ranges ending above {self.max_token_num} tokens "
+                           "(the fused range)")
+            return False
 
         def uuid(self) -> str:
             return ip.InductorPass.hash_dict({

@@ -41,8 +41,11 @@ torch.compile: what SGLang calls is a plain function that reads one attribute an
 opaque custom op torch.ops.arfuse.allreduce_residual_rmsnorm (fake implementation registered):
 no locks, ctypes or dict lookups on the traced path, so fullgraph=True traces through it.
 
-status() says what was decided and why; the setup logs one line per rank saying which path
-serves.
+status() says what was decided and why. The setup logs one line per rank: the path that serves
+(arfuse or SGLang's own), whether this rank attached, the vote, every patched name and why. A
+gate or op call that declines (the gate says no: not set up, voted off) logs its reason the first
+time it occurs, at INFO, once per distinct reason; outside torch.compile's tracing only (the
+note is skipped while Dynamo traces, so compiled graphs hold nothing of it).
 """
 import importlib
 import logging
@@ -51,7 +54,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import _patches
+from .. import _decisions, _patches
 from . import layouts
 from .layouts import FUSION_MODULE, OP_NAME, Layout
 
@@ -73,6 +76,7 @@ class _State:
         self.served = False          # the gate's answer: set only by setup(), after the vote
         self.op = None               # torch.ops.arfuse.allreduce_residual_rmsnorm once set up
         self.reason = "not set up (SGLang calls pre_initialize_workspaces before capture)"
+        self.reason_class = "not_set_up"
         self.ctx = None
         self.client = None
         self.owns_client = False
@@ -91,6 +95,30 @@ class _State:
 
 _state = _State()
 
+OWN_PATH = "SGLang's own allreduce + RMSNorm"
+# Each reason the gate or the op declines for, logged the first time (docs/integration.md).
+_declines = _decisions.FirstDeclines(logger, OWN_PATH)
+
+
+def _compiling() -> bool:
+    """torch.compiler.is_compiling once torch is loaded (setup binds it): Dynamo folds it to
+    True while tracing, so the decline note below never enters a traced graph."""
+    return False
+
+
+def _bind_compiling():
+    global _compiling
+    try:
+        import torch
+        _compiling = torch.compiler.is_compiling
+    except (ImportError, AttributeError):  # no torch: nothing compiles
+        pass
+
+
+def _note_decline():
+    if not _compiling():
+        _declines.note(_state.reason_class, _state.reason)
+
 
 # ---- what SGLang's callers get ----
 
@@ -105,12 +133,16 @@ def flashinfer_allreduce_residual_rmsnorm(
     the sidecars' group (setup checked it) and max_token_num is SGLang's bookkeeping (the op
     serves any token count)."""
     if not _state.served:
+        _note_decline()
         return None, None
     return _state.op(input_tensor, residual, weight, float(eps))
 
 
 def is_flashinfer_allreduce_unavailable() -> bool:
-    return not _state.served
+    if _state.served:
+        return False
+    _note_decline()
+    return True
 
 
 def ensure_workspace_initialized(max_token_num: int = 2048, hidden_dim: int = 4096,
@@ -255,6 +287,7 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
     attach through instead of connecting to the socket."""
     import arfuse.torch as aft
 
+    _bind_compiling()
     with _state.lock:
         if timeout is None:
             timeout = float(os.environ.get("ARFUSE_TIMEOUT", "30"))
@@ -265,19 +298,23 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         name = _dtype_name(dtype)
         if (int(hidden), name) == _state.decided and _state.served:
             return True
+        who = f"SGLang rank {rank}/{world}"
         if world <= 1:
-            _disable(f"world size {world}: nothing to reduce")
-            logger.info("arfuse: rank %d/%d: %s; SGLang's own path serves", rank, world,
-                        _state.reason)
+            _disable(f"world size {world}: nothing to reduce", "world_size")
+            _decisions.path_line(logger, logging.INFO, who, False, OWN_PATH, "no",
+                                 "not needed", _state.patched_names, _state.reason)
             return False
         local = _local_decision(int(hidden), name, tp, attn, moe, socket, client, timeout)
+        attached = ("yes" if _state.ctx is not None
+                    else f"no ({local})" if local else "no")
         reasons = _gather(local, tp.cpu_group, world)
         bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
         _state.decided = (int(hidden), name)
         if bad:
-            _disable("; ".join(f"rank {r}: {why}" for r, why in bad))
-            logger.warning("arfuse: fused allreduce + RMSNorm off on every rank, SGLang's own "
-                           "path serves (rank %d/%d): %s", rank, world, _state.reason)
+            _disable("; ".join(f"rank {r}: {why}" for r, why in bad),
+                     _decisions.reason_class(bad[0][1]))
+            _decisions.path_line(logger, logging.WARNING, who, False, OWN_PATH, attached,
+                                 "off on every rank", _state.patched_names, _state.reason)
             return False
         aft.register_ops()
         import torch
@@ -285,21 +322,23 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         from arfuse import instream
         per_launch = _state.ctx.max_fused_tokens(hidden, name,
                                                  instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM)
-        _state.served, _state.reason = True, ""
-        logger.info("arfuse: rank %d/%d: SGLang's fused allreduce + residual + RMSNorm served "
-                    "by arfuse (%s adapter, SGLang %s): hidden %d %s, both groups, every batch "
-                    "the gate admits (up to %d tokens per fused launch, larger batches in "
-                    "chunks); %r", rank, world, _state.layout.name if _state.layout else "-",
-                    _state.version or "?", hidden, name, per_launch, _state.ctx)
+        _state.served, _state.reason, _state.reason_class = True, "", ""
+        _decisions.path_line(
+            logger, logging.INFO, who, True, OWN_PATH, attached, "on on every rank",
+            _state.patched_names,
+            f"{_state.layout.name if _state.layout else '-'} adapter, SGLang "
+            f"{_state.version or '?'}: hidden {hidden} {name}, both groups, every batch the "
+            f"gate admits (up to {per_launch} tokens per fused launch, larger batches in "
+            f"chunks); {_state.ctx!r}")
         return True
 
 
-def _disable(reason: str):
+def _disable(reason: str, reason_class: str = "not_set_up"):
     """Under _state.lock: the gate says no from now on; detaches what setup attached."""
     import arfuse
     import arfuse.torch as aft
 
-    _state.served, _state.reason = False, reason
+    _state.served, _state.reason, _state.reason_class = False, reason, reason_class
     ctx, _state.ctx = _state.ctx, None
     if ctx is not None:
         aft.set_context(None, "cpu" if ctx.device == "host" else None)
@@ -327,7 +366,7 @@ def status() -> Dict[str, object]:
             "gate": _state.gate_name, "sglang": _state.version,
             "rank": _state.rank, "world_size": _state.world_size,
             "decided": _state.decided, "launches": ctx.launches if ctx is not None else 0,
-            "patched": list(_state.patched_names)}
+            "patched": list(_state.patched_names), "declined": _declines.seen()}
 
 
 # ---- install ----
@@ -396,6 +435,7 @@ def install(socket: Optional[str] = None, import_module=importlib.import_module)
         if _state.installed:
             return list(_state.patched_names)
         layout, gate = detect_layout(import_module)
+        _bind_compiling()
         me = sys.modules[__name__]
         fusion = import_module(FUSION_MODULE)
         for name in REPLACEMENTS:
