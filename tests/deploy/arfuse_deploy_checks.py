@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIONS_CC = REPO / "server" / "daemon" / "options.cc"
+FUSION_FLAGS_INC = REPO / "server" / "config" / "fusion_flags.inc"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 K8S = REPO / "deploy" / "k8s"
@@ -112,11 +113,33 @@ def _macro_calls(source: str, macro: str) -> list[list[str]]:
     return calls
 
 
+def fusion_flags_from_table(path: Path = FUSION_FLAGS_INC) -> dict[str, Flag]:
+    """The fusion flags (hyphenated name -> Flag) from their one declaration: a switch is a bool,
+    a value unset by default an optional string, any other a string with the table's default;
+    choices where the row names them and no parser."""
+    flags = {}
+    for args in _macro_calls(path.read_text(), "ARFUSE_FUSION_FLAG"):
+        if len(args) != 8 or args[0] not in ("kSwitch", "kOptional", "kValue"):
+            continue  # the macro's description in the header comment
+        kind, ident, _field, _type, init, values, check = args[:7]
+        ctype = {"kSwitch": "bool", "kOptional": "std::optional<std::string>"}.get(kind,
+                                                                                 "std::string")
+        default = init if kind == "kSwitch" else ("std::nullopt" if kind == "kOptional" else init)
+        choices = () if check != "nullptr" or not values.strip('"') else \
+            tuple("".join(re.findall(r'"([^"]*)"', values)).split("|"))
+        hyphen = ident.replace("_", "-")
+        flags[hyphen] = Flag(hyphen, ctype, default, choices)
+    if not flags:
+        raise ValueError(f"no ARFUSE_FUSION_FLAG row found in {path}")
+    return flags
+
+
 def flags_from_options_cc(path: Path = OPTIONS_CC) -> dict[str, Flag]:
-    """arfused's own flags (hyphenated name -> Flag) from options.cc."""
+    """arfused's own flags (hyphenated name -> Flag) from options.cc and, for the fusion flags,
+    their table (server/config/fusion_flags.inc), which options.cc expands into its flags."""
     source = path.read_text()
     own = None
-    m = re.search(r"OwnFlagNames\(\)\s*\{.*?=\s*\{(.*?)\};", source, re.S)
+    m = re.search(r"OwnFlagNames\(\)\s*\{(.*?)return names;", source, re.S)
     if m:
         own = set(re.findall(r'"([a-z0-9_]+)"', m.group(1)))
     choices = {}
@@ -134,6 +157,8 @@ def flags_from_options_cc(path: Path = OPTIONS_CC) -> dict[str, Flag]:
         flags[hyphen] = Flag(hyphen, ctype, default, choices.get(hyphen, ()))
     if not flags:
         raise ValueError(f"no ABSL_FLAG found in {path}")
+    if path == OPTIONS_CC:
+        flags.update(fusion_flags_from_table())
     return flags
 
 
