@@ -96,3 +96,72 @@ def host_sidecar(directory: Path, *extra: str) -> Sidecar:
     return Sidecar([str(binary("server/daemon/arfused")), "--device=host",
                     f"--socket={directory / 'arfused.sock'}", "--health-port=0", "--world-size=1",
                     "--max-tokens=16", "--hidden=256", *extra], directory / "arfused.log")
+
+
+def _one_op(socket: Path):
+    """One eager op through the checkout's Python client, so that every op series exists."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "client" / "python"))
+    try:
+        import arfuse
+    except ImportError as e:
+        missing("the Python client's dependencies", str(e))
+    hidden, tokens, f32 = 256, 4, 4
+    with arfuse.Client(f"unix:{socket}") as c:
+        ws = arfuse.FusionWorkspace(c)
+        buf = arfuse.HostShmBuffer(3 * tokens * hidden * f32 + hidden * f32)
+        ws.register(buf, "tensors")
+        x = buf.view("fp32", tokens * hidden, 0)
+        res = buf.view("fp32", tokens * hidden, tokens * hidden * f32)
+        y = buf.view("fp32", tokens * hidden, 2 * tokens * hidden * f32)
+        g = buf.view("fp32", hidden, 3 * tokens * hidden * f32)
+        for i in range(hidden):
+            g[i] = 1.0
+        xi = x.reshape(tokens, hidden)
+        assert arfuse.allreduce_fusion(input=xi, workspace=ws, residual_in=res,
+                                       residual_out=res, norm_out=y, rms_gamma=g) is y
+        for v in (xi, x, res, y, g):
+            v.release()
+        buf.close()
+
+
+def scrape_after_one_op(directory: Path) -> str:
+    """/metrics of rank 0 of two host-mode sidecars (sockets and logs in `directory`) after one
+    eager op on both, so that every op series exists."""
+    import re
+    import threading
+    import urllib.request
+
+    arfused = binary("server/daemon/arfused")
+    socks = [directory / "arfused.sock", directory / "arfused.sock.rank1"]
+    sidecars = [Sidecar([str(arfused), "--device=host", "--sm=90", f"--socket={socks[r]}",
+                         f"--rank={r}", "--world-size=2", f"--peer-dir={directory}",
+                         "--health-port=0", "--metrics-port=0", "--max-tokens=16",
+                         "--hidden=256", "--dtype=fp32",
+                         "--flashinfer-allreduce-fusion-backend=trtllm"],
+                        directory / f"arfused.{r}.log")
+                for r in range(2)]
+    try:
+        for s in sidecars:
+            s.wait_for("event=ready")
+        errors = []
+
+        def rank(r):
+            try:
+                _one_op(socks[r])
+            except BaseException as e:  # noqa: B902 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        port = re.search(r"event=listening .*metrics_port=(\d+)", sidecars[0].text()).group(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+    finally:
+        for s in sidecars:
+            s.stop()

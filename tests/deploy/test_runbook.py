@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
@@ -132,69 +131,10 @@ def test_a_failing_block_fails(unshare, pod_sidecars, kubectl, tmp_path):
 
 # ---- what the runbook names exists -----------------------------------------------------------
 
-def _one_op(socket):
-    """One eager op through the checkout's Python client, so that every op series exists."""
-    sys.path.insert(0, str(run.REPO / "client" / "python"))
-    try:
-        import arfuse
-    except ImportError as e:
-        run.missing("the Python client's dependencies", str(e))
-    hidden, tokens, f32 = 256, 4, 4
-    with arfuse.Client(f"unix:{socket}") as c:
-        ws = arfuse.FusionWorkspace(c)
-        buf = arfuse.HostShmBuffer(3 * tokens * hidden * f32 + hidden * f32)
-        ws.register(buf, "tensors")
-        x = buf.view("fp32", tokens * hidden, 0)
-        res = buf.view("fp32", tokens * hidden, tokens * hidden * f32)
-        y = buf.view("fp32", tokens * hidden, 2 * tokens * hidden * f32)
-        g = buf.view("fp32", hidden, 3 * tokens * hidden * f32)
-        for i in range(hidden):
-            g[i] = 1.0
-        xi = x.reshape(tokens, hidden)
-        assert arfuse.allreduce_fusion(input=xi, workspace=ws, residual_in=res,
-                                       residual_out=res, norm_out=y, rms_gamma=g) is y
-        for v in (xi, x, res, y, g):
-            v.release()
-        buf.close()
-
-
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory):
     """/metrics of rank 0 of two host-mode sidecars after one op on both."""
-    import threading
-
-    arfused = run.binary("server/daemon/arfused")
-    d = tmp_path_factory.mktemp("metrics")
-    socks = [d / "arfused.sock", d / "arfused.sock.rank1"]
-    sidecars = [run.Sidecar([str(arfused), "--device=host", "--sm=90", f"--socket={socks[r]}",
-                             f"--rank={r}", "--world-size=2", f"--peer-dir={d}",
-                             "--health-port=0", "--metrics-port=0", "--max-tokens=16",
-                             "--hidden=256", "--dtype=fp32",
-                             "--flashinfer-allreduce-fusion-backend=trtllm"], d / f"arfused.{r}.log")
-                for r in range(2)]
-    try:
-        for s in sidecars:
-            s.wait_for("event=ready")
-        errors = []
-
-        def rank(r):
-            try:
-                _one_op(socks[r])
-            except BaseException as e:  # noqa: B902 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
-        port = re.search(r"event=listening .*metrics_port=(\d+)", sidecars[0].text()).group(1)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            return r.read().decode()
-    finally:
-        for s in sidecars:
-            s.stop()
+    return run.scrape_after_one_op(tmp_path_factory.mktemp("metrics"))
 
 
 def _families(text):
