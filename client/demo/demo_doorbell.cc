@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/demo/demo_cuda.h"
 #include "kernels/cpu/reference_op.h"
 #include "kernels/doorbell/doorbell.h"
 
@@ -18,20 +19,8 @@ using client::Client;
 using client::OpDesc;
 using client::TensorLoc;
 
-namespace {
-
-absl::Status CudaCheck(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
-
-}  // namespace
-
 absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, const Shape& s,
                                              DType dt, int iters, DoorbellRefused* refused) {
-  constexpr int kVariants = 3;
-  constexpr int kWarmup = 3;
   constexpr uint64_t kRingTimeoutNs = 20'000'000'000ull;  // a peer rank's client may be late
   ShapeResult r;
   r.shape = s;
@@ -47,8 +36,8 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
   const size_t tbytes = n * DTypeSize(dt);
   // inputs[k][q]: rank q's input of variant k.
   std::vector<std::vector<std::vector<char>>> inputs(
-      kVariants, std::vector<std::vector<char>>(world, std::vector<char>(tbytes)));
-  for (int k = 0; k < kVariants; ++k)
+      kDemoVariants, std::vector<std::vector<char>>(world, std::vector<char>(tbytes)));
+  for (int k = 0; k < kDemoVariants; ++k)
     for (int q = 0; q < world; ++q)
       for (uint64_t i = 0; i < n; ++i)
         StoreFromFloat(dt, inputs[k][q].data(), i, VariantInput(q, i, k));
@@ -65,14 +54,12 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
   cudaStream_t stream = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  std::vector<cudaEvent_t> events;
   client::Plan plan;
   bool have_plan = false;
   auto cleanup = [&] {
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
     if (graph != nullptr) cudaGraphDestroy(graph);
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (have_plan) c.DestroyPlan(plan).IgnoreError();
     if (base != nullptr) cudaIpcCloseMemHandle(base);
@@ -139,13 +126,14 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
   }
   DoorbellSlot* slot = reinterpret_cast<DoorbellSlot*>(static_cast<char*>(base) + bell.offset());
 
-  absl::Status st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&variants), kVariants * tbytes),
-                              "cudaMalloc (variants)");
+  absl::Status st =
+      CudaCheck(cudaMalloc(reinterpret_cast<void**>(&variants), kDemoVariants * tbytes),
+                "cudaMalloc (variants)");
   if (st.ok()) {
-    st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&history), kVariants * 2 * tbytes),
+    st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&history), kDemoVariants * 2 * tbytes),
                    "cudaMalloc (history)");
   }
-  for (int k = 0; st.ok() && k < kVariants; ++k) {
+  for (int k = 0; st.ok() && k < kDemoVariants; ++k) {
     st = CudaCheck(
         cudaMemcpy(variants + k * tbytes, inputs[k][rank].data(), tbytes, cudaMemcpyHostToDevice),
         "cudaMemcpy (variants)");
@@ -164,36 +152,13 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
     if (st.ok()) st = CudaCheck(launched, "LaunchDoorbellRing (captured)");
   }
   if (st.ok()) st = CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-  events.resize(2 * static_cast<size_t>(iters), nullptr);
-  for (size_t i = 0; st.ok() && i < events.size(); ++i) {
-    st = CudaCheck(cudaEventCreate(&events[i]), "cudaEventCreate");
-  }
   if (!st.ok()) return fail(st);
 
   // The registered tensors, as this process sees them (the region is this client's allocation).
   char* dev = static_cast<char*>(static_cast<CudaBuffer*>(buf.get())->ptr());
-  for (int i = 0; st.ok() && i < kWarmup + iters; ++i) {
-    const int k = i % kVariants;
-    const int t = i - kWarmup;  // timed replay index, < 0 for warm-up
-    st = CudaCheck(cudaMemcpyAsync(dev + L.input, variants + k * tbytes, tbytes,
-                                   cudaMemcpyDeviceToDevice, stream),
-                   "input update");
-    if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t], stream), "event");
-    if (st.ok()) st = CudaCheck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t + 1], stream), "event");
-    if (st.ok()) {
-      st = CudaCheck(cudaMemcpyAsync(history + (2 * k) * tbytes, dev + L.residual_out, tbytes,
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "output copy");
-    }
-    if (st.ok()) {
-      st = CudaCheck(cudaMemcpyAsync(history + (2 * k + 1) * tbytes, dev + L.norm_out, tbytes,
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "output copy");
-    }
-  }
-  if (st.ok()) st = CudaCheck(cudaStreamSynchronize(stream), "replays");
-  if (!st.ok()) return fail(st);
+  absl::StatusOr<std::vector<double>> us =
+      ReplayVariants(exec, stream, dev, L, variants, history, tbytes, iters);
+  if (!us.ok()) return fail(us.status());
   // The slot's sticky error says whether every ring was served (a 4-byte read, after replays).
   uint32_t slot_error = 0;
   st = CudaCheck(cudaMemcpy(&slot_error, &slot->error, sizeof(slot_error), cudaMemcpyDeviceToHost),
@@ -203,20 +168,16 @@ absl::StatusOr<ShapeResult> RunDoorbellShape(Client& c, int rank, int world, con
     return fail(
         absl::InternalError(absl::StrCat("doorbell slot error ", DoorbellErrorName(slot_error))));
   }
-  double total_ms = 0;
-  for (int t = 0; t < iters; ++t) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, events[2 * t], events[2 * t + 1]);
-    total_ms += ms;
-  }
-  r.us_per_op = iters > 0 ? total_ms * 1e3 / iters : 0;
+  double total_us = 0;
+  for (double t : *us) total_us += t;
+  r.us_per_op = iters > 0 ? total_us / iters : 0;
 
   // Every variant's outputs against the CPU reference over every rank's inputs of that variant.
-  std::vector<char> got(kVariants * 2 * tbytes);
+  std::vector<char> got(kDemoVariants * 2 * tbytes);
   st = CudaCheck(cudaMemcpy(got.data(), history, got.size(), cudaMemcpyDeviceToHost), "download");
   if (!st.ok()) return fail(st);
   bool ok = true;
-  for (int k = 0; k < kVariants; ++k) {
+  for (int k = 0; k < kDemoVariants; ++k) {
     std::vector<const void*> rank_inputs;
     for (auto& in : inputs[k]) rank_inputs.push_back(in.data());
     absl::StatusOr<bool> matched = MatchesReference(

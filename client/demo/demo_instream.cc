@@ -12,22 +12,11 @@
 #include "client/cpp/instream_attach.h"
 #include "kernels/cpu/reference_op.h"
 #if defined(ARFUSE_DEMO_CUDA)
-#include <cuda_runtime_api.h>
+#include "client/demo/demo_cuda.h"
 #endif
 
 namespace arfuse::demo {
 namespace {
-
-constexpr int kVariants = 3;
-constexpr int kWarmup = 3;
-
-#if defined(ARFUSE_DEMO_CUDA)
-absl::Status CudaCheck(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
-#endif
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -56,14 +45,14 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
   const size_t tbytes = n * DTypeSize(dt);
   // inputs[k][q]: rank q's input of variant k.
   std::vector<std::vector<std::vector<char>>> inputs(
-      kVariants, std::vector<std::vector<char>>(world, std::vector<char>(tbytes)));
-  for (int k = 0; k < kVariants; ++k)
+      kDemoVariants, std::vector<std::vector<char>>(world, std::vector<char>(tbytes)));
+  for (int k = 0; k < kDemoVariants; ++k)
     for (int q = 0; q < world; ++q)
       for (uint64_t i = 0; i < n; ++i)
         StoreFromFloat(dt, inputs[k][q].data(), i, VariantInput(q, i, k));
   const std::vector<char> image = RegionImage(L, s, dt, inputs[0][rank]);
   // The outputs of the last op of each variant: [variant][residual_out | norm_out].
-  std::vector<char> got(kVariants * 2 * tbytes);
+  std::vector<char> got(kDemoVariants * 2 * tbytes);
 
   // The op's tensors are this process's own memory, registered nowhere: the in-stream plane
   // launches on the caller's tensors. The region layout is the eager rows' (demo_shape.h).
@@ -75,7 +64,6 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
   cudaStream_t stream = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  std::vector<cudaEvent_t> events;
 #endif
   std::optional<instream::InStreamContext> ctx;
   uint64_t attach_id = 0;
@@ -86,7 +74,6 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
     if (graph != nullptr) cudaGraphDestroy(graph);
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (stream != nullptr) cudaStreamDestroy(stream);
 #endif
     ctx.reset();
@@ -114,7 +101,7 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
       st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&base), L.total), "cudaMalloc (tensors)");
     }
     if (st.ok()) {
-      st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&variants), kVariants * tbytes),
+      st = CudaCheck(cudaMalloc(reinterpret_cast<void**>(&variants), kDemoVariants * tbytes),
                      "cudaMalloc (variants)");
     }
     if (st.ok()) {
@@ -125,7 +112,7 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
       st = CudaCheck(cudaMemcpy(base, image.data(), image.size(), cudaMemcpyHostToDevice),
                      "cudaMemcpy (tensors)");
     }
-    for (int k = 0; st.ok() && k < kVariants; ++k) {
+    for (int k = 0; st.ok() && k < kDemoVariants; ++k) {
       st = CudaCheck(
           cudaMemcpy(variants + k * tbytes, inputs[k][rank].data(), tbytes, cudaMemcpyHostToDevice),
           "cudaMemcpy (variants)");
@@ -207,13 +194,13 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
   if (!cuda) {
     // Host mode: each call runs the op in this thread with the peers' clients and returns when
     // its outputs are written (the stream is ignored).
-    for (int i = 0; i < kWarmup + iters; ++i) {
-      const int k = i % kVariants;
+    for (int i = 0; i < kDemoWarmup + iters; ++i) {
+      const int k = i % kDemoVariants;
       std::memcpy(base + L.input, inputs[k][rank].data(), tbytes);
       const auto start = std::chrono::steady_clock::now();
       if (absl::Status op = launch(nullptr); !op.ok()) return fail(op);
       const auto end = std::chrono::steady_clock::now();
-      if (i >= kWarmup)
+      if (i >= kDemoWarmup)
         us.push_back(std::chrono::duration<double, std::micro>(end - start).count());
       std::memcpy(got.data() + (2 * k) * tbytes, base + L.residual_out, tbytes);
       std::memcpy(got.data() + (2 * k + 1) * tbytes, base + L.norm_out, tbytes);
@@ -234,35 +221,14 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
       if (st.ok()) st = captured;
     }
     if (st.ok()) st = CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-    events.resize(2 * static_cast<size_t>(iters), nullptr);
-    for (size_t i = 0; st.ok() && i < events.size(); ++i) {
-      st = CudaCheck(cudaEventCreate(&events[i]), "cudaEventCreate");
-    }
-    for (int i = 0; st.ok() && i < kWarmup + iters; ++i) {
-      const int k = i % kVariants;
-      const int t = i - kWarmup;  // timed replay index, < 0 for warm-up
-      st = CudaCheck(cudaMemcpyAsync(base + L.input, variants + k * tbytes, tbytes,
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "input update");
-      if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t], stream), "event");
-      if (st.ok()) st = CudaCheck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-      if (st.ok() && t >= 0) st = CudaCheck(cudaEventRecord(events[2 * t + 1], stream), "event");
-      if (st.ok()) {
-        st = CudaCheck(cudaMemcpyAsync(history + (2 * k) * tbytes, base + L.residual_out, tbytes,
-                                       cudaMemcpyDeviceToDevice, stream),
-                       "output copy");
+    if (st.ok()) {
+      absl::StatusOr<std::vector<double>> timed =
+          ReplayVariants(exec, stream, base, L, variants, history, tbytes, iters);
+      if (timed.ok()) {
+        us = *std::move(timed);
+      } else {
+        st = timed.status();
       }
-      if (st.ok()) {
-        st = CudaCheck(cudaMemcpyAsync(history + (2 * k + 1) * tbytes, base + L.norm_out, tbytes,
-                                       cudaMemcpyDeviceToDevice, stream),
-                       "output copy");
-      }
-    }
-    if (st.ok()) st = CudaCheck(cudaStreamSynchronize(stream), "replays");
-    for (int t = 0; st.ok() && t < iters; ++t) {
-      float ms = 0;
-      st = CudaCheck(cudaEventElapsedTime(&ms, events[2 * t], events[2 * t + 1]), "event time");
-      us.push_back(double(ms) * 1e3);
     }
     if (st.ok()) {
       st = CudaCheck(cudaMemcpy(got.data(), history, got.size(), cudaMemcpyDeviceToHost),
@@ -283,7 +249,7 @@ absl::StatusOr<ShapeResult> RunInStreamShape(client::Client& c, const std::strin
 
   // Every variant's outputs against the CPU reference over every rank's inputs of that variant.
   bool ok = true;
-  for (int k = 0; k < kVariants; ++k) {
+  for (int k = 0; k < kDemoVariants; ++k) {
     std::vector<const void*> rank_inputs;
     for (auto& in : inputs[k]) rank_inputs.push_back(in.data());
     absl::StatusOr<bool> matched = MatchesReference(

@@ -71,6 +71,11 @@ absl::StatusOr<std::string> Agree(const std::string& dir, int rank, int world,
 // Rank `rank`'s sidecar socket in the run's directory.
 std::string SocketOf(const std::string& dir, int rank);
 
+// Each plane's row runs kDemoWarmup untimed ops, then the timed ones, cycling through
+// kDemoVariants inputs per rank (VariantInput); the last op of each variant is checked.
+constexpr int kDemoVariants = 3;
+constexpr int kDemoWarmup = 3;
+
 // Memory for one shape: input | residual_in | residual_out | norm_out | gamma, each 256-aligned.
 struct Layout {
   uint64_t tensor = 0, gamma = 0;
