@@ -445,7 +445,10 @@ def worker(args):
 # ---------------------------------------------------------------- the launcher
 
 class Sidecars:
-    def __init__(self, args, d, backend="trtllm"):
+    """args.world sidecars (args.arfused, args.device, args.gpus, args.hidden) in directory d:
+    sockets d/r<rank>.sock, logs d/arfused.<rank>.log. spin_timeout None: arfused's default."""
+
+    def __init__(self, args, d, backend="trtllm", max_tokens=256, spin_timeout=SPIN_TIMEOUT_S):
         self.args, self.dir, self.procs, self.argv = args, d, [], []
         (d / "peers").mkdir(exist_ok=True)
         for r in range(args.world):
@@ -455,9 +458,10 @@ class Sidecars:
             self.argv.append(
                 [args.arfused, *where, f"--rank={r}",
                  f"--world-size={args.world}", f"--peer-dir={d}/peers", f"--socket={d}/r{r}.sock",
-                 "--health-port=0", f"--hidden={args.hidden}", "--max-tokens=256", "--dtype=bf16",
-                 f"--flashinfer-allreduce-fusion-backend={backend}",
-                 f"--spin-timeout={SPIN_TIMEOUT_S}", "--log-level=info"])
+                 "--health-port=0", f"--hidden={args.hidden}", f"--max-tokens={max_tokens}",
+                 "--dtype=bf16", f"--flashinfer-allreduce-fusion-backend={backend}",
+                 *([f"--spin-timeout={spin_timeout}"] if spin_timeout is not None else []),
+                 "--log-level=info"])
             self.procs.append(None)
             self.start(r)
 

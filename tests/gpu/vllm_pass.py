@@ -35,7 +35,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -43,41 +42,6 @@ sys.path[:0] = [str(HERE), str(REPO / "client" / "python")]
 
 TOKENS = (1, 2, 16, 64, 512, 2048, 4096)
 WORLD = 2
-
-
-class Sidecars:
-    def __init__(self, args, d, hidden):
-        self.procs, self.dir = [], d
-        (d / "peers").mkdir(exist_ok=True)
-        for r in range(WORLD):
-            argv = [args.arfused, "--device=cuda", f"--gpu={r % args.gpus}", f"--rank={r}",
-                    f"--world-size={WORLD}", f"--peer-dir={d}/peers", f"--socket={d}/r{r}.sock",
-                    "--health-port=0", f"--hidden={hidden}", "--max-tokens=2048",
-                    "--dtype=bf16", "--flashinfer-allreduce-fusion-backend=trtllm",
-                    "--log-level=info"]
-            log = open(d / f"arfused.{hidden}.{r}.log", "w")
-            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-
-    def wait_ready(self):
-        import arfuse
-        for r in range(WORLD):
-            until = time.monotonic() + 120
-            while not (self.dir / f"r{r}.sock").exists():
-                if time.monotonic() > until or self.procs[r].poll() is not None:
-                    raise RuntimeError(f"sidecar {r} did not start: see {self.dir}")
-                time.sleep(0.1)
-            with arfuse.Client(str(self.dir / f"r{r}.sock")) as c:
-                c.wait_ready(120)
-
-    def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def judge(point, tol, fused_max):
@@ -100,7 +64,10 @@ def judge(point, tol, fused_max):
 
 
 def run_hidden(args, d, hidden):
-    sc = Sidecars(args, d, hidden)
+    from instream_scenarios import Sidecars
+    ns = argparse.Namespace(arfused=args.arfused, device="cuda", world=WORLD, gpus=args.gpus,
+                            hidden=hidden)
+    sc = Sidecars(ns, d, max_tokens=2048, spin_timeout=None)
     try:
         sc.wait_ready()
         env = dict(os.environ)
