@@ -261,45 +261,11 @@ def rank_main(args):
 
 # ---------------------------------------------------------------- the launcher
 
-class Sidecars:
-    def __init__(self, args, d, hidden):
-        self.procs, self.dir = [], d
-        (d / "peers").mkdir(exist_ok=True)
-        for r in range(WORLD):
-            where = (["--device=cuda", "--gpu=0"] if args.device == "cuda"
-                     else ["--device=host", "--sm=90"])  # host mode decides as an H200 group
-            argv = [args.arfused, *where, f"--rank={r}", f"--world-size={WORLD}",
-                    f"--peer-dir={d}/peers", f"--socket={d}/r{r}.sock", "--health-port=0",
-                    f"--hidden={hidden}", "--max-tokens=2048", "--dtype=bf16",
-                    "--flashinfer-allreduce-fusion-backend=trtllm",
-                    "--log-level=info"]
-            log = open(d / f"arfused.{hidden}.{r}.log", "w")
-            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-
-    def wait_ready(self):
-        import arfuse
-        for r in range(WORLD):
-            until = time.monotonic() + 120
-            while not (self.dir / f"r{r}.sock").exists():
-                if time.monotonic() > until or self.procs[r].poll() is not None:
-                    raise RuntimeError(f"sidecar {r} did not start: see {self.dir}")
-                time.sleep(0.1)
-            with arfuse.Client(str(self.dir / f"r{r}.sock")) as c:
-                c.wait_ready(120)
-
-    def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def run_hidden(args, d, hidden):
-    sc = Sidecars(args, d, hidden)
+    from instream_scenarios import Sidecars
+    ns = argparse.Namespace(arfused=args.arfused, device=args.device, world=WORLD, gpus=1,
+                            hidden=hidden)
+    sc = Sidecars(ns, d, max_tokens=2048, spin_timeout=None)
     try:
         sc.wait_ready()
         env = dict(os.environ, ARFUSE_SOCKET=f"{d}/r{{rank}}.sock", ARFUSE_SGLANG="1",
