@@ -1,0 +1,223 @@
+// Device math for FP8 E4M3 outputs computed in a fused kernel's epilogue from the fp32
+// normalized value: the conversion, the amax reductions of a row held in registers with the
+// row layout of kernels/add_rmsnorm/row_math.cuh, the scale formulas and the UE8M0 scales. CUDA
+// only. kernels/quant/fp8_reference.h computes the same bits on the CPU; the formulas and the
+// special values: docs/kernels.md, "FP8 outputs (quantization math)".
+//
+// Every arithmetic step is an explicitly rounded intrinsic (__fdiv_rn, __fmul_rn), so no
+// compiler flag (--use_fast_math, FMA contraction) changes a result.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/quant/fp8_format.h"
+
+namespace arfuse::device::fp8 {
+
+using ::arfuse::fp8::GroupScaleLayout;
+using ::arfuse::fp8::kE4m3Max;
+using ::arfuse::fp8::kGroupEps;
+using ::arfuse::fp8::kMinScalingFactor;
+
+__host__ __device__ __forceinline__ float DivRn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+__host__ __device__ __forceinline__ float MulRn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// fp32 -> E4M3 code, round to nearest even, saturating to +-448 (cvt.rn.satfinite.e4m3x2.f32
+// on sm_89 and later; cuda_fp8.hpp's software conversion on the host).
+__host__ __device__ __forceinline__ uint8_t E4m3FromFloat(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Two codes in one instruction, `lo` in the low byte (each exactly as E4m3FromFloat rounds it).
+__host__ __device__ __forceinline__ uint32_t E4m3PairFromFloats(float lo, float hi) {
+  return static_cast<uint32_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four codes as one little-endian word, element 0 in the low byte (the order in memory).
+__host__ __device__ __forceinline__ uint32_t E4m3QuadFromFloats(float a, float b, float c,
+                                                                float d) {
+  return E4m3PairFromFloats(a, b) | (E4m3PairFromFloats(c, d) << 16);
+}
+
+// Scale formulas (fp8_reference.h states each; these are the same operations).
+__host__ __device__ __forceinline__ float StaticInvScale(float scale) { return DivRn(1.0f, scale); }
+__host__ __device__ __forceinline__ float DynamicTokenScale(float amax) {
+  return fmaxf(DivRn(amax, kE4m3Max), kMinScalingFactor);
+}
+__host__ __device__ __forceinline__ float GroupScaleFp32(float amax) {
+  return DivRn(fmaxf(amax, kGroupEps), kE4m3Max);
+}
+// 2^ceil(log2(max(amax / 448, 1e-10))) as its exponent byte: the fp32 exponent field, plus one
+// when any fraction bit is set (the value is then not a power of two). The floor keeps the
+// scale a normal float, and a finite amax / 448 is far below 2^127, so no carry overflows.
+__host__ __device__ __forceinline__ uint8_t Ue8m0FromAmax(float amax) {
+  const float s = fmaxf(DivRn(amax, kE4m3Max), kGroupEps);
+  uint32_t bits;
+  memcpy(&bits, &s, sizeof(bits));
+  return static_cast<uint8_t>(((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u));
+}
+// 1 / 2^(byte - 127), exact: dividing by a power of two and multiplying by its reciprocal round
+// the same real number, so x * Ue8m0Reciprocal(e) has the bits of x / 2^(e - 127) (byte 0xff,
+// from an infinite amax, gives 2^128 = inf and reciprocal 0: x / inf and x * 0 agree too).
+__host__ __device__ __forceinline__ float Ue8m0Reciprocal(uint8_t byte) {
+  const uint32_t bits = static_cast<uint32_t>(byte) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof(scale));
+  return DivRn(1.0f, scale);
+}
+
+// ---- amax over a row held in registers --------------------------------------------------------
+// The row layout (kernels/add_rmsnorm/row_math.cuh): a row of V 16-byte vectors of kElems
+// elements (8 for bf16/fp16, 4 for fp32) is held by T row threads, a whole number of warps;
+// row thread t holds vectors t, t + T, ..., t + (P - 1) T. An epilogue has the fp32 normalized
+// values of its vectors in registers. fmaxf is exact, commutative and associative on the
+// non-negative values |x| (NaN is never returned while another operand is a number), so any
+// tree gives the CPU's bits.
+
+// max(acc, |f[j]|) over the kElems values of one vector.
+template <int kElems>
+__device__ __forceinline__ float AbsMaxInto(float acc, const float (&f)[kElems]) {
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) acc = fmaxf(acc, fabsf(f[j]));
+  return acc;
+}
+
+// Max over aligned groups of kLanes lanes of a warp (a power of two up to 32): each lane ends
+// with its group's maximum. Every lane of the warp must call it (full shuffle mask).
+template <int kLanes>
+__device__ __forceinline__ float LaneGroupMax(float v) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// Max over the block, the tree of device::BlockSum with fmaxf: lanes, then every warp reduces
+// the per-warp partials (0 beyond the last warp: amax starts at 0). blockDim.x must be a
+// multiple of 32 and every thread must call it. `scratch` holds 32 floats and is read after
+// the call's barrier without a trailing one: it must not be written again before every thread
+// has passed a later barrier (alternate two buffers row by row, as the fused kernels'
+// RowSumOfSquares does, or __syncthreads() before reuse).
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+  v = LaneGroupMax<32>(v);
+  const uint32_t lane = threadIdx.x & 31u;
+  if (lane == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return LaneGroupMax<32>(lane < (blockDim.x >> 5) ? scratch[lane] : 0.0f);
+}
+
+// Row threads that share one group of kGroupElems elements: the group is kGroupElems / kElems
+// consecutive vectors, so with T a multiple of 32 it is held by that many consecutive, aligned
+// lanes of one warp at the same k (at group 128: 16 lanes for bf16/fp16, the whole warp for
+// fp32). A group never straddles two warps or two k.
+template <int kGroupElems, int kElems>
+inline constexpr int kGroupLanes = kGroupElems / kElems;
+
+// The group amax of vector k of this thread: the thread's |max| over its vector, reduced over
+// the group's lanes. Every lane of the warp must call it for the same k (lanes whose vector is
+// past the row pass any value; their result is not used, since hidden is a multiple of the group
+// and so a group is wholly in or out of the row).
+template <int kGroupElems, int kElems>
+__device__ __forceinline__ float GroupAbsMax(const float (&f)[kElems]) {
+  constexpr int kLanes = kGroupLanes<kGroupElems, kElems>;
+  static_assert(kGroupElems % kElems == 0 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0,
+                "a group must be a power-of-two number of vectors, at most a warp");
+  return LaneGroupMax<kLanes>(AbsMaxInto<kElems>(0.0f, f));
+}
+
+// ---- stores -----------------------------------------------------------------------------------
+
+// The kElems codes of one vector (4 or 8 bytes) at `dst` (aligned to kElems bytes: vector v of a
+// row of E4M3 codes starts at byte v * kElems).
+template <int kElems>
+__device__ __forceinline__ void StoreE4m3(const float (&scaled)[kElems], void* dst) {
+  static_assert(kElems == 4 || kElems == 8);
+  if constexpr (kElems == 4) {
+    *static_cast<uint32_t*>(dst) = E4m3QuadFromFloats(scaled[0], scaled[1], scaled[2], scaled[3]);
+  } else {
+    *static_cast<uint2*>(dst) =
+        make_uint2(E4m3QuadFromFloats(scaled[0], scaled[1], scaled[2], scaled[3]),
+                   E4m3QuadFromFloats(scaled[4], scaled[5], scaled[6], scaled[7]));
+  }
+}
+
+// q = E4M3(f * inv_scale): the static pattern (inv_scale = StaticInvScale(*scale)) and UE8M0
+// groups (inv_scale = Ue8m0Reciprocal(byte)).
+template <int kElems>
+__device__ __forceinline__ void StoreE4m3Multiplied(const float (&f)[kElems], float inv_scale,
+                                                    void* dst) {
+  float s[kElems];
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) s[j] = MulRn(f[j], inv_scale);
+  StoreE4m3<kElems>(s, dst);
+}
+
+// q = E4M3(f / scale): per-token dynamic and fp32 group scales. IEEE division, as vLLM's and
+// FlashInfer's kernels: a multiply by the reciprocal would differ by an ulp now and then.
+template <int kElems>
+__device__ __forceinline__ void StoreE4m3Divided(const float (&f)[kElems], float scale, void* dst) {
+  float s[kElems];
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) s[j] = DivRn(f[j], scale);
+  StoreE4m3<kElems>(s, dst);
+}
+
+// The scale of group g of token t: a float, or the exponent byte (kUe8m0Packed).
+__device__ __forceinline__ void StoreGroupScale(GroupScaleLayout layout, void* scales,
+                                                uint32_t token, uint32_t group, uint32_t tokens,
+                                                uint32_t groups, float fp32_scale,
+                                                uint8_t ue8m0_byte) {
+  const uint64_t at = ::arfuse::fp8::GroupScaleByteOffset(layout, token, group, tokens, groups);
+  if (layout == GroupScaleLayout::kUe8m0Packed) {
+    static_cast<uint8_t*>(scales)[at] = ue8m0_byte;
+  } else {
+    *reinterpret_cast<float*>(static_cast<char*>(scales) + at) = fp32_scale;
+  }
+}
+
+// Writes 0 into the bytes of the scale tensor that hold no group's scale and belong to token
+// t's share: for kUe8m0Packed the unused bytes of t's last packed word; for the token-contiguous
+// layouts, when t is the last token, the TMA padding entries (tokens .. TmaAlignedTokens - 1)
+// of every column but the last. Called by one thread per token, so a tensor from an
+// uninitialized allocation comes out fully defined, as DeepGEMM's TMA loads read padding too.
+__device__ __forceinline__ void ZeroGroupScalePadding(GroupScaleLayout layout, void* scales,
+                                                      uint32_t token, uint32_t tokens,
+                                                      uint32_t groups) {
+  if (layout == GroupScaleLayout::kFp32RowMajor || groups == 0) return;
+  auto* bytes = static_cast<uint8_t*>(scales);
+  if (layout == GroupScaleLayout::kUe8m0Packed) {
+    for (uint32_t g = groups; g % 4u != 0u; ++g) {
+      bytes[::arfuse::fp8::GroupScaleByteOffset(layout, token, g, tokens, groups)] = 0u;
+    }
+  }
+  if (token + 1u != tokens) return;
+  const uint32_t aligned = ::arfuse::fp8::TmaAlignedTokens(tokens);
+  const uint32_t columns = ::arfuse::fp8::GroupScaleColumns(layout, groups);
+  auto* words = reinterpret_cast<uint32_t*>(scales);
+  for (uint32_t c = 0; c + 1u < columns; ++c) {
+    for (uint32_t pad = tokens; pad < aligned; ++pad) {
+      words[static_cast<uint64_t>(c) * aligned + pad] = 0u;
+    }
+  }
+}
+
+}  // namespace arfuse::device::fp8
