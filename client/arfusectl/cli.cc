@@ -369,7 +369,8 @@ std::string FusedShare(const v1::InStreamOps& ops) {
 std::string InStreamOpsText(const v1::InStreamOps& ops) {
   if (ops.fused_total() + ops.declined_total() == 0) return "in-stream ops: none counted";
   std::string text = absl::StrCat("in-stream ops: ", ops.fused_total(), " fused (", FusedShare(ops),
-                                  "), ", ops.declined_total(), " declined");
+                                  ops.kernel_counted() ? ", counted by the kernels" : "", "), ",
+                                  ops.declined_total(), " declined");
   if (ops.declined_size() > 0) {
     std::vector<std::string> top;
     for (int i = 0; i < ops.declined_size() && i < kTopDeclineReasons; ++i) {
@@ -402,8 +403,24 @@ std::string InStreamOpsJson(const v1::InStreamOps& ops) {
     absl::StrAppend(&j, i ? "," : "", "{\"reason\":", JsonQuote(d.reason()),
                     ",\"count\":", d.count(), "}");
   }
-  absl::StrAppend(&j, "]}");
+  absl::StrAppend(&j, "],\"kernel_counted\":", ops.kernel_counted() ? "true" : "false", "}");
   return j;
+}
+
+// GetWorkspaceInfoResponse.instream_divergence: ranks found declining what their peers fused.
+std::string InStreamDivergenceText(const v1::InStreamDivergence& d) {
+  if (d.total() == 0) return "in-stream divergence: none found";
+  std::string text =
+      absl::StrCat("in-stream divergence: ERROR, found ", d.total(), " time(s); last: rank ",
+                   d.last_rank(), " declined ", d.last_ops(), " op(s) its peers fused");
+  if (!d.last_reasons().empty()) absl::StrAppend(&text, " (top declines: ", d.last_reasons(), ")");
+  return text;
+}
+
+std::string InStreamDivergenceJson(const v1::InStreamDivergence& d) {
+  return absl::StrCat("{\"total\":", d.total(), ",\"last_rank\":", d.last_rank(),
+                      ",\"last_ops\":", d.last_ops(),
+                      ",\"last_reasons\":", JsonQuote(d.last_reasons()), "}");
 }
 
 int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
@@ -456,6 +473,7 @@ int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
            << ",\"mps_detected\":" << (ws.mps_detected() ? "true" : "false")
            << ",\"doorbell_hop_us\":" << ws.doorbell_hop_us()
            << "},\"instream_ops\":" << InStreamOpsJson(ws.instream_ops())
+           << ",\"instream_divergence\":" << InStreamDivergenceJson(ws.instream_divergence())
            << ",\"negotiation\":" << (decision ? config::DecisionToJson(*decision) : "null");
     if (decision) {
       io.out << ",\"server_api\":"
@@ -484,6 +502,7 @@ int RunInfoOne(const Remote& remote, const ParsedArgs& args, Io& io) {
     if (ws.doorbell_hop_us() > 0) o << ", doorbell hop " << ws.doorbell_hop_us() << " us";
     o << "\n";
     o << "  " << InStreamOpsText(ws.instream_ops()) << "\n";
+    o << "  " << InStreamDivergenceText(ws.instream_divergence()) << "\n";
     if (decision) {
       o << "  negotiation: cuda_graph_mode " << config::CudaGraphModeName(decision->cuda_graph_mode)
         << ", data plane " << config::DataPlaneName(decision->data_plane) << " (prefill "

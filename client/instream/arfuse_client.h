@@ -45,7 +45,7 @@ extern "C" {
 
 /* The version of this C ABI (functions and structs below) and of the attach blob it reads.
  * 2: the attachment's op counter page, arfuse_note_declined. */
-#define ARFUSE_CLIENT_ABI_VERSION 2
+#define ARFUSE_CLIENT_ABI_VERSION 3
 
 /* Status codes (absl::StatusCode / grpc::StatusCode numbers). */
 #define ARFUSE_OK 0
@@ -155,8 +155,9 @@ int arfuse_disable(arfuse_ctx* ctx, const char* reason);
 /* Every op the library decides is counted in the attachment's op counter page, shared with the
  * sidecar (no RPC, one relaxed atomic add): fused ops by pattern and token bucket, declined ops
  * (OUT_OF_RANGE, UNAVAILABLE, INVALID_ARGUMENT) by reason; the sidecar exports them as
- * arfuse_instream_ops_total. Graph replays of a captured launch run no host code and are counted
- * by the kernels only (arfuse_instream_launches_total). arfuse_supports counts nothing. A caller
+ * arfuse_instream_ops_total. Graph replays of a captured launch run no host code: the kernels
+ * count every launch in the attachment's counter slot of the workspace (on CUDA the sidecar
+ * exports those as the fused ops). arfuse_supports counts nothing. A caller
  * that declines an op before asking the library (its tensors are not contiguous, say) reports it
  * here so the sidecar sees it: reason is ARFUSE_DECLINE_* (any reason number of
  * kernels/instream/op_counters.h below 11); INVALID_ARGUMENT for another. */

@@ -367,6 +367,7 @@ class CudaPlane final : public Plane {
     std::memcpy(args.kernel_config, header_.kernel_config, sizeof(args.kernel_config));
     args.abi_version = kLaunchAbiVersion;
     args.generation = header_.generation;
+    args.counter_slot = header_.counter_slot;
 
     const KernelEntry& e = *d.entry;
     const uint32_t blocks = (op.num_tokens + e.rows_divisor - 1) / e.rows_divisor;

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/instream/op_counters.h"
 
 namespace arfuse {
 
@@ -83,6 +84,15 @@ struct FusionControl {
   // barrier-A signal (which publishes it) and read after that barrier; q writes it again only in
   // its next call, which starts after this rank's blocks all passed barrier B.
   FusionOpDesc twoshot_desc[kMaxWorldSize];
+  // In-stream launches that passed the generation check, by attachment slot, pattern - 1 and
+  // token bucket (instream::OpTokenBucket of num_tokens; the layout of instream::InStreamOpTable):
+  // counted by block 0's thread 0 of each launch beside instream_launches (a relaxed atomic add in
+  // this rank's own memory: no PCIe write, nothing the op waits for), read by the sidecar. A
+  // graph's replays never pass through the client library, so these are the only per-attachment
+  // count of them. Zeroed by every initialization; the sidecar takes differences, so a slot handed
+  // to a new attachment starts from the value it last read.
+  uint64_t instream_ops[instream::kInStreamCounterSlots][instream::kOpPatterns]
+                       [instream::kOpBucketSlots];
 };
 static_assert(offsetof(FusionControl, error) == 0);
 static_assert(offsetof(FusionControl, abort) == 4);
@@ -96,7 +106,11 @@ constexpr size_t kFusionBarrierBytes = kMaxFusionBlocks * kMaxWorldSize * 4;
 static_assert(offsetof(FusionControl, lamport_desc) == 256 + kFusionBarrierBytes);
 static_assert(offsetof(FusionControl, twoshot_desc) ==
               256 + kFusionBarrierBytes + 3 * kMaxWorldSize * sizeof(FusionOpDesc));
-static_assert(sizeof(FusionControl) ==
-              256 + kFusionBarrierBytes + 4 * kMaxWorldSize * sizeof(FusionOpDesc));
+constexpr size_t kFusionInStreamOpsOffset =
+    256 + kFusionBarrierBytes + 4 * kMaxWorldSize * sizeof(FusionOpDesc);
+static_assert(offsetof(FusionControl, instream_ops) == kFusionInStreamOpsOffset);
+static_assert(kFusionInStreamOpsOffset % 64 == 0);
+constexpr size_t kFusionInStreamOpsBytes = sizeof(instream::InStreamOpTable);
+static_assert(sizeof(FusionControl) == kFusionInStreamOpsOffset + kFusionInStreamOpsBytes);
 
 }  // namespace arfuse

@@ -25,12 +25,13 @@ namespace arfuse::instream {
 
 inline constexpr uint32_t kAttachMagic = 0x49534641;  // "AFSI" little-endian
 // 1: first version. 2: the op counter page (counters_fd_index, counters_bytes;
-// kernels/instream/op_counters.h).
-inline constexpr uint32_t kAttachAbiVersion = 2;
+// kernels/instream/op_counters.h). 3: the kernels' per-attachment launch counts (counter_slot).
+inline constexpr uint32_t kAttachAbiVersion = 3;
 // The kernels' launch-parameter ABI (kernels/instream/launch_abi.h): a client built for another
 // version refuses to attach, because the kernel would read its parameters at other offsets.
-inline constexpr uint32_t kLaunchAbiVersion = 1;
-inline constexpr uint32_t kLaunchArgsBytes = 344;
+// 1: first version. 2: counter_slot (the kernels count each launch per attachment).
+inline constexpr uint32_t kLaunchAbiVersion = 2;
+inline constexpr uint32_t kLaunchArgsBytes = 352;
 // At most this many hidden sizes per attach (each gets its kernel entries).
 inline constexpr uint32_t kMaxAttachHiddens = 16;
 inline constexpr uint32_t kFunctionNameBytes = 96;
@@ -58,7 +59,11 @@ struct AttachHeader {
   uint32_t header_bytes;        // sizeof(AttachHeader)
   uint32_t entry_bytes;         // sizeof(KernelEntry)
   uint32_t rank_bytes;          // sizeof(RankMemory)
-  uint32_t reserved0;
+  // The attachment's slot of the kernels' launch counts (FusionControl::instream_ops), which
+  // the client passes in every launch (InStreamLaunchArgs::counter_slot). The last slot
+  // (kInStreamUnattributedSlot) when the sidecar had none free: launches are then counted for
+  // the rank, not for the attachment.
+  uint32_t counter_slot;
   uint32_t device_kind;  // DeviceKind
   uint32_t rank;
   uint32_t world_size;
@@ -107,6 +112,7 @@ struct AttachHeader {
   uint64_t reserved2;
 };
 static_assert(sizeof(AttachHeader) == 288);
+static_assert(offsetof(AttachHeader, counter_slot) == 28);
 static_assert(offsetof(AttachHeader, generation) == 48);
 static_assert(offsetof(AttachHeader, gpu_uuid) == 64);
 static_assert(offsetof(AttachHeader, spin_timeout_ns) == 88);

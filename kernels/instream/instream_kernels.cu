@@ -10,13 +10,15 @@
 //   * the workspace's generation tag is compared with the launch's inside the body's first
 //     control-word access, so a launch captured before a re-initialization (or replayed on a
 //     workspace the sidecar dropped) stores nothing and records nothing in the workspace;
-//   * the outcome is counted in the workspace (instream_launches / instream_stale, read by the
-//     sidecar for metrics) and mirrored into the client's host-mapped error word, so the client
+//   * the outcome is counted in the workspace (instream_launches / instream_stale, and the launch
+//     per attachment, pattern and token bucket in instream_ops, read by the sidecar for metrics)
+//     and mirrored into the client's host-mapped error word, so the client
 //     sees a failed launch without a copy (FusionParams::host_error).
 #include <cstdint>
 
 #include "kernels/allreduce_fusion/fusion_device.cuh"
 #include "kernels/instream/launch_abi.h"
+#include "kernels/instream/op_counters.h"
 
 namespace arfuse::instream {
 namespace {
@@ -53,6 +55,13 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
     atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->instream_stale), 1ull);
   } else {
     atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->instream_launches), 1ull);
+    // The index comes from the client: bounded here, so a garbage one lands in the unattributed
+    // slot instead of outside the control block.
+    const uint32_t slot =
+        a.counter_slot < kInStreamAttachSlots ? a.counter_slot : kInStreamUnattributedSlot;
+    atomicAdd(reinterpret_cast<unsigned long long*>(
+                  &ctrl->instream_ops[slot][kNorm ? 1 : 0][OpTokenBucket(p.num_tokens)]),
+              1ull);
   }
   // Other blocks' failures reach the word through RecordError (the workspace's first error);
   // this covers a refused launch (poisoned, aborted, stale), which RecordError does not mirror.

@@ -23,10 +23,17 @@ struct InStreamLaunchArgs {
   uint32_t abi_version;
   // The workspace generation the client attached to (FusionControl::generation must match).
   uint64_t generation;
+  // The attachment's slot of FusionControl::instream_ops (AttachHeader::counter_slot,
+  // kernels/instream/op_counters.h), where the
+  // kernel counts this launch. Written by the client, so the kernel trusts nothing in it: an
+  // index of kInStreamAttachSlots or more is counted in kInStreamUnattributedSlot.
+  uint32_t counter_slot;
+  uint32_t reserved;
 };
 static_assert(sizeof(InStreamLaunchArgs) == kLaunchArgsBytes);
 static_assert(offsetof(InStreamLaunchArgs, kernel_config) == 312);
 static_assert(offsetof(InStreamLaunchArgs, abi_version) == 332);
 static_assert(offsetof(InStreamLaunchArgs, generation) == 336);
+static_assert(offsetof(InStreamLaunchArgs, counter_slot) == 344);
 
 }  // namespace arfuse::instream

@@ -11,11 +11,20 @@
 // slot (OpCounterDelta), so a client that writes garbage changes only its own attachment's
 // numbers. Counters wrap at 2^64; differences are taken modulo 2^64, so a wrap counts right.
 //
-// No CUDA and no protobuf: the sidecar and host-only client builds include this header.
+// No CUDA and no protobuf: the sidecar and host-only client builds include this header, and the
+// in-stream kernels (kernels/instream/instream_kernels.cu) take their token bucket from it too.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+// OpTokenBucket runs on the host (the library's page) and on the GPU (the kernels' launch counts,
+// FusionControl::instream_ops), so that both count an op in the same bucket.
+#if defined(__CUDACC__)
+#define ARFUSE_OP_COUNTERS_HD __host__ __device__
+#else
+#define ARFUSE_OP_COUNTERS_HD
+#endif
 
 namespace arfuse::instream {
 
@@ -27,11 +36,21 @@ inline constexpr uint32_t kOpTokenBucketLow[kOpTokenBuckets] = {1, 2, 9, 65, 513
 inline constexpr const char* kOpTokenBucketNames[kOpTokenBuckets] = {"1", "2-8", "9-64", "65-512",
                                                                      "513+"};
 
-inline constexpr uint32_t OpTokenBucket(uint32_t tokens) {
-  uint32_t b = 0;
-  while (b + 1 < kOpTokenBuckets && tokens >= kOpTokenBucketLow[b + 1]) ++b;
-  return b;
+// The edges are literals, not reads of kOpTokenBucketLow: a namespace-scope host array is not
+// device memory. The static_asserts below pin them to the table.
+ARFUSE_OP_COUNTERS_HD inline constexpr uint32_t OpTokenBucket(uint32_t tokens) {
+  return tokens >= 513u ? 4u : tokens >= 65u ? 3u : tokens >= 9u ? 2u : tokens >= 2u ? 1u : 0u;
 }
+static_assert(OpTokenBucket(0) == 0 && OpTokenBucket(1) == 0);
+static_assert(OpTokenBucket(kOpTokenBucketLow[1] - 1) == 0 &&
+              OpTokenBucket(kOpTokenBucketLow[1]) == 1);
+static_assert(OpTokenBucket(kOpTokenBucketLow[2] - 1) == 1 &&
+              OpTokenBucket(kOpTokenBucketLow[2]) == 2);
+static_assert(OpTokenBucket(kOpTokenBucketLow[3] - 1) == 2 &&
+              OpTokenBucket(kOpTokenBucketLow[3]) == 3);
+static_assert(OpTokenBucket(kOpTokenBucketLow[4] - 1) == 3 &&
+              OpTokenBucket(kOpTokenBucketLow[4]) == 4);
+static_assert(OpTokenBucket(0xffffffffu) == kOpTokenBuckets - 1);
 
 // Why the library declined an op. The numbers are slot indexes of the page: never reuse one.
 enum class DeclineReason : uint32_t {
@@ -61,8 +80,9 @@ inline constexpr uint32_t kOpBucketSlots = 8;
 
 struct OpCounterPage {
   // fused[pattern - 1][OpTokenBucket(tokens)]: ops the library launched fused (CUDA: launched or
-  // captured into a graph once; replays of a captured op are counted by the kernels, as
-  // arfuse_instream_launches_total, not here).
+  // captured into a graph once). On CUDA the sidecar exports the kernels' own per-attachment
+  // launch counts instead (FusionControl::instream_ops: replays included); this slot is what
+  // the library decided.
   uint64_t fused[kOpPatterns][kOpBucketSlots];
   // declined[DeclineReason]: ops the library did not launch, the caller runs its own path.
   uint64_t declined[kDeclineSlots];
@@ -72,6 +92,21 @@ static_assert(sizeof(OpCounterPage) == 512);
 static_assert(offsetof(OpCounterPage, declined) == 128);
 static_assert(kOpTokenBuckets <= kOpBucketSlots);
 static_assert(kDeclineReasons <= kDeclineSlots);
+
+// The kernels' own launch counts (FusionControl::instream_ops, in the workspace's control block):
+// the sidecar gives each in-stream attachment one of the first kInStreamAttachSlots slots at
+// attach (AttachHeader::counter_slot), its launches carry the index
+// (InStreamLaunchArgs::counter_slot), and block 0's thread 0 of each launch that passed the
+// generation check adds one to ops[slot][pattern - 1][OpTokenBucket(num_tokens)]. The last slot
+// counts launches carrying an index out of range, and those of attachments that found every slot
+// taken. The sidecar reads the table with one small copy beside instream_launches.
+inline constexpr uint32_t kInStreamCounterSlots = 32;
+inline constexpr uint32_t kInStreamAttachSlots = kInStreamCounterSlots - 1;
+inline constexpr uint32_t kInStreamUnattributedSlot = kInStreamCounterSlots - 1;
+struct InStreamOpTable {
+  uint64_t ops[kInStreamCounterSlots][kOpPatterns][kOpBucketSlots];
+};
+static_assert(sizeof(InStreamOpTable) == 4096);
 
 // Bytes of the shared-memory object (a page; the counters use its first sizeof(OpCounterPage)).
 inline constexpr uint64_t kOpCounterObjectBytes = 4096;

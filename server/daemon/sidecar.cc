@@ -33,6 +33,7 @@
 #include "server/fdpass/ticket_broker.h"
 #include "server/gpu/mps.h"
 #include "server/host/host_engine.h"
+#include "server/instream/divergence_watch.h"
 #include "server/metrics/metrics.h"
 #include "server/peers/exchange.h"
 #include "server/peers/local_exchange.h"
@@ -767,6 +768,13 @@ void Sidecar::SuperviseGroup() {
     absl::StatusOr<InStreamCounters> c = gate_.InStreamStatus();
     return c.ok() ? c->generation : 0;
   };
+  // The ranks compare their in-stream decisions while the group serves (divergence_watch.h).
+  InStreamDivergenceWatch divergence(
+      options_.world_size, fusion_ != nullptr ? &fusion_->instream() : nullptr,
+      [this](const std::string& p, absl::Time d) {
+        return exchange_->Allgather("instream-decisions", p, d);
+      },
+      [this](const DivergenceFinding& f) { metrics_->IncInStreamDivergence(f.rank); });
   while (!ShutdownRequested()) {
     reinit_requested_ = false;
     absl::Status formed = FormGroup();
@@ -821,6 +829,7 @@ void Sidecar::SuperviseGroup() {
         metrics_->SetInStream(a.size(), a.launches(), a.stale());
         metrics_->SetInStreamOps(a.op_counts());
       }
+      divergence.Tick(absl::Now());
       WaitFor(absl::Milliseconds(50));
     }
     if (ShutdownRequested()) break;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/instream/attach_abi.h"
+#include "kernels/instream/op_counters.h"
 #include "server/engine/engine.h"
 #include "server/fdpass/unique_fd.h"
 
@@ -66,6 +68,10 @@ struct InStreamCounters {
   // An op is in flight on this rank (CUDA: the control block's one-shot or two-shot in-flight
   // counts are nonzero; a launch killed mid-op leaves them so).
   bool op_in_flight = false;
+  // CUDA: the kernels' launch counts by attachment slot, pattern and token bucket
+  // (FusionControl::instream_ops), graph replays included. Absent in host mode, where the client
+  // library runs every op itself and its counter page is the count.
+  std::optional<instream::InStreamOpTable> ops;
 };
 
 class InStreamHost {

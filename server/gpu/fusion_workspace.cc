@@ -185,6 +185,10 @@ absl::StatusOr<InStreamCounters> FusionWorkspace::ReadInStreamCounters(absl::Tim
   static_assert(sizeof(ControlStaging::control) >= offsetof(FusionControl, instream_stale) + 8);
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging_->control, control, sizeof(staging_->control),
                                               cudaMemcpyDeviceToHost, control_stream_));
+  static_assert(sizeof(ControlStaging::instream_ops) == sizeof(FusionControl::instream_ops));
+  ARFUSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(staging_->instream_ops, control + offsetof(FusionControl, instream_ops),
+                      sizeof(staging_->instream_ops), cudaMemcpyDeviceToHost, control_stream_));
   ARFUSE_RETURN_IF_ERROR(WaitStream(control_stream_, deadline));
   FusionControl c;
   std::memcpy(&c, staging_->control, sizeof(staging_->control));
@@ -193,6 +197,8 @@ absl::StatusOr<InStreamCounters> FusionWorkspace::ReadInStreamCounters(absl::Tim
   out.stale = c.instream_stale;
   out.error = c.error;
   out.op_in_flight = c.lamport_arrived != 0 || c.twoshot_arrived != 0;
+  out.ops.emplace();
+  std::memcpy(&*out.ops, staging_->instream_ops, sizeof(staging_->instream_ops));
   return out;
 }
 

@@ -134,6 +134,8 @@ class FusionWorkspace {
     uint32_t error;                   // PoisonGroup's code
     uint32_t peer_abort;              // FusionError::kPeerAbort, for the peers' abort words
     alignas(16) uint8_t control[96];  // FusionControl's first bytes (error .. instream_stale)
+    // FusionControl::instream_ops, the kernels' per-attachment launch counts.
+    alignas(64) uint8_t instream_ops[sizeof(instream::InStreamOpTable)];
   };
 
   WorkspaceOptions options_;

@@ -44,7 +44,11 @@ const char* AttachMemoryKindName(const InStreamExport& e) {
 }
 
 absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id,
-                                            bool counters) {
+                                            bool counters, uint32_t counter_slot) {
+  if (counter_slot >= instream::kInStreamCounterSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("counter_slot ", counter_slot, " is not below ",
+                                                   instream::kInStreamCounterSlots));
+  }
   const bool cuda = e.device == instream::DeviceKind::kCuda;
   if (!cuda && e.device != instream::DeviceKind::kHost) {
     return absl::InvalidArgumentError(
@@ -155,6 +159,7 @@ absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t at
   h.header_bytes = sizeof(AttachHeader);
   h.entry_bytes = sizeof(KernelEntry);
   h.rank_bytes = sizeof(RankMemory);
+  h.counter_slot = counter_slot;
   h.device_kind = static_cast<uint32_t>(e.device);
   h.rank = e.rank;
   h.world_size = e.world_size;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/instream/op_counters.h"
 #include "server/engine/instream_host.h"
 
 namespace arfuse {
@@ -19,8 +20,11 @@ namespace arfuse {
 // entries, or a function name that does not fit. With `counters`, the blob names an op counter
 // page (kernels/instream/op_counters.h) whose descriptor follows AttachBlobFds(e) in the offer
 // (OfferAttachFds' counters_fd); without, counters_fd_index is -1 and the client counts nothing.
-absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t attach_id,
-                                            bool counters = false);
+// `counter_slot` is the attachment's slot of the kernels' launch counts (AttachHeader::
+// counter_slot; INVALID_ARGUMENT at kInStreamCounterSlots or above).
+absl::StatusOr<std::string> BuildAttachBlob(
+    const InStreamExport& e, uint64_t attach_id, bool counters = false,
+    uint32_t counter_slot = instream::kInStreamUnattributedSlot);
 
 // The descriptors the blob's fd_index values refer to, in index order (the export keeps owning
 // them): those the rank entries hold, in rank order. A kVmmPosixFd rank points at its own; every

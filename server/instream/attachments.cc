@@ -1,6 +1,7 @@
 #include "server/instream/attachments.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -52,7 +53,22 @@ absl::StatusOr<uint64_t> InStreamAttachments::Add(uint64_t session, uint64_t gen
   do {
     id = RandomNonZeroId();
   } while (entries_.contains(id));
-  entries_[id] = Entry{session, generation, false, false, std::move(counters)};
+  Entry entry;
+  entry.session = session;
+  entry.generation = generation;
+  entry.counters = std::move(counters);
+  for (uint32_t s = 0; s < instream::kInStreamAttachSlots; ++s) {
+    if (slots_[s].holder == 0 && !slots_[s].retiring) {
+      slots_[s].holder = id;
+      entry.slot = s;
+      break;
+    }
+  }
+  if (entry.slot == instream::kInStreamUnattributedSlot) {
+    spdlog::warn("event=instream_counter_slots_exhausted slots={} action=count_for_the_rank_only",
+                 instream::kInStreamAttachSlots);
+  }
+  entries_[id] = std::move(entry);
   cv_.notify_all();  // the watcher starts probing
   return id;
 }
@@ -120,6 +136,18 @@ uint64_t InStreamAttachments::stale() const {
 
 void InStreamAttachments::EndLocked(const Entry& e) {
   if (e.counters != nullptr) ops_ended_ += e.counters->Sample();
+  if (e.slot < instream::kInStreamAttachSlots) {
+    slots_[e.slot].holder = 0;
+    slots_[e.slot].retiring = true;
+  }
+}
+
+bool InStreamAttachments::AnyRetiringLocked() const { return RetiringMaskLocked() != 0; }
+
+InStreamOpCounts InStreamAttachments::WithKernelFusedLocked(InStreamOpCounts c,
+                                                            const InStreamOpCounts& fused) const {
+  if (kernel_counts_) std::memcpy(c.fused, fused.fused, sizeof(c.fused));
+  return c;
 }
 
 InStreamOpCounts InStreamAttachments::op_counts() {
@@ -128,14 +156,90 @@ InStreamOpCounts InStreamAttachments::op_counts() {
   for (const auto& [id, e] : entries_) {
     if (e.counters != nullptr) total += e.counters->Sample();
   }
-  return total;
+  return WithKernelFusedLocked(total, kernel_total_);
 }
 
 std::optional<InStreamOpCounts> InStreamAttachments::op_counts(uint64_t attach_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(attach_id);
+  if (it == entries_.end()) return std::nullopt;
+  const Entry& e = it->second;
+  if (e.counters == nullptr && !kernel_counts_) return std::nullopt;
+  return WithKernelFusedLocked(e.counters != nullptr ? e.counters->Sample() : InStreamOpCounts{},
+                               e.kernel);
+}
+
+std::optional<InStreamOpCounts> InStreamAttachments::library_op_counts(uint64_t attach_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(attach_id);
   if (it == entries_.end() || it->second.counters == nullptr) return std::nullopt;
   return it->second.counters->Sample();
+}
+
+std::optional<uint32_t> InStreamAttachments::counter_slot(uint64_t attach_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(attach_id);
+  if (it == entries_.end()) return std::nullopt;
+  return it->second.slot;
+}
+
+uint64_t InStreamAttachments::unattributed_launches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unattributed_;
+}
+
+bool InStreamAttachments::kernel_counted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kernel_counts_;
+}
+
+void InStreamAttachments::ExpectKernelCounts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  kernel_counts_ = true;
+}
+
+uint64_t InStreamAttachments::refused_kernel_reads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_kernel_reads_;
+}
+
+void InStreamAttachments::RecordDivergence(uint32_t rank, uint64_t ops,
+                                           const std::string& reasons) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++divergence_.total;
+  divergence_.last_rank = rank;
+  divergence_.last_ops = ops;
+  divergence_.last_reasons = reasons;
+}
+
+InStreamAttachments::DivergenceRecord InStreamAttachments::divergence() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return divergence_;
+}
+
+void InStreamAttachments::ApplyOpTableLocked(const instream::InStreamOpTable& table) {
+  kernel_counts_ = true;
+  for (uint32_t s = 0; s < instream::kInStreamCounterSlots; ++s) {
+    Entry* holder = nullptr;
+    if (s < instream::kInStreamAttachSlots && slots_[s].holder != 0) {
+      auto it = entries_.find(slots_[s].holder);
+      if (it != entries_.end()) holder = &it->second;
+    }
+    for (uint32_t pi = 0; pi < instream::kOpPatterns; ++pi) {
+      for (uint32_t b = 0; b < instream::kOpTokenBuckets; ++b) {
+        uint64_t& last = last_ops_.ops[s][pi][b];
+        const uint64_t now = table.ops[s][pi][b];
+        // The workspace is mapped writable by its clients: a slot that jumped (or went back) is
+        // garbage, adds nothing, and is read from its new value on.
+        const uint64_t d = instream::OpCounterDelta(last, now);
+        if (d == 0 && now != last) ++refused_kernel_reads_;
+        last = now;
+        kernel_total_.fused[pi][b] += d;
+        if (s == instream::kInStreamUnattributedSlot) unattributed_ += d;
+        if (holder != nullptr) holder->kernel.fused[pi][b] += d;
+      }
+    }
+  }
 }
 
 void InStreamAttachments::QueueLocked(uint64_t session, AttachEventData event) {
@@ -208,16 +312,40 @@ size_t InStreamAttachments::Drain(const std::string& reason, absl::Time deadline
   return left;
 }
 
-void InStreamAttachments::ApplyProbeLocked(const InStreamProbe& p) {
-  if (!p.ok) return;
+uint32_t InStreamAttachments::RetiringMaskLocked() const {
+  static_assert(instream::kInStreamAttachSlots <= 32);
+  uint32_t mask = 0;
+  for (uint32_t s = 0; s < instream::kInStreamAttachSlots; ++s) {
+    if (slots_[s].retiring) mask |= 1u << s;
+  }
+  return mask;
+}
+
+void InStreamAttachments::ApplyProbeLocked(const InStreamProbe& p, uint32_t retiring) {
+  // Slots whose holder had ended when this probe started reading are free after it: what they
+  // launched last is credited below (or was lost with a workspace that is gone). A slot whose
+  // holder ended while the probe read waits for the next one.
+  auto free_retired = [&] {
+    for (uint32_t s = 0; s < instream::kInStreamAttachSlots; ++s) {
+      if ((retiring >> s) & 1u) slots_[s].retiring = false;
+    }
+  };
+  if (!p.ok) {
+    free_retired();
+    return;
+  }
   if (p.generation != probed_generation_) {
     launches_base_ += last_launches_;
     stale_base_ += last_stale_;
     last_launches_ = last_stale_ = 0;
+    // A new workspace's table starts zeroed (its initialization).
+    last_ops_ = instream::InStreamOpTable{};
     probed_generation_ = p.generation;
   }
   last_launches_ = p.launches;
   last_stale_ = p.stale;
+  if (p.ops.has_value()) ApplyOpTableLocked(*p.ops);
+  free_retired();
   // The kernels' error word is sticky for the workspace's life, so a probe cannot miss it while
   // the workspace lives; the supervisor records the poisoning itself before it drops one.
   if (p.error != 0) {
@@ -242,16 +370,20 @@ void InStreamAttachments::Watch() {
       cv_.notify_all();
       continue;
     }
-    if (entries_.empty()) {
-      cv_.wait(lock, [this] { return stop_ || !entries_.empty() || !queue_.empty(); });
+    // A retiring slot waits for one more probe (its holder's last launches) before it is free.
+    if (entries_.empty() && !AnyRetiringLocked()) {
+      cv_.wait(lock, [this] {
+        return stop_ || !entries_.empty() || !queue_.empty() || AnyRetiringLocked();
+      });
       continue;
     }
     if (absl::Now() >= next_probe) {
+      const uint32_t retiring = RetiringMaskLocked();
       lock.unlock();
       const InStreamProbe p = probe_();
       lock.lock();
       if (stop_) break;
-      ApplyProbeLocked(p);
+      ApplyProbeLocked(p, retiring);
       next_probe = absl::Now() + interval_;
       continue;
     }

@@ -54,6 +54,8 @@ struct InStreamProbe {
   std::string error_name;
   uint64_t launches = 0;
   uint64_t stale = 0;
+  // CUDA: the kernels' per-attachment launch counts (InStreamCounters::ops); absent in host mode.
+  std::optional<instream::InStreamOpTable> ops;
 };
 
 class InStreamAttachments {
@@ -72,7 +74,9 @@ class InStreamAttachments {
   // ALREADY_EXISTS when the session holds one; FAILED_PRECONDITION while a drain is in progress,
   // for a workspace known to be poisoned (with the poisoning's reason) and for one already
   // replaced by a newer one. `counters` is the attachment's op counter page (null: none), read
-  // for op_counts() while the attachment lives and once more when it ends.
+  // for op_counts() while the attachment lives and once more when it ends. The attachment gets
+  // a free slot of the kernels' launch counts (counter_slot()); when all kInStreamAttachSlots
+  // are taken it shares kInStreamUnattributedSlot, whose launches count for the rank only.
   absl::StatusOr<uint64_t> Add(uint64_t session, uint64_t generation,
                                std::shared_ptr<InStreamOpCounterPage> counters = nullptr);
   // PERMISSION_DENIED for an id the session does not hold, the same whether another session
@@ -107,13 +111,42 @@ class InStreamAttachments {
   uint64_t launches() const;
   uint64_t stale() const;
 
-  // The clients' op counts (their counter pages): those of attachments that ended plus every
-  // live attachment's, each page read now (monotonic; bounded per attachment, see
-  // InStreamOpCounterPage::Sample).
+  // The in-stream ops of this rank (monotonic): declined ops from the clients' counter pages
+  // (those of attachments that ended plus every live attachment's, each page read now; bounded
+  // per attachment, see InStreamOpCounterPage::Sample). Fused ops, once a probe carried the
+  // kernels' launch counts (CUDA), are every launch the kernels counted, graph replays and the
+  // unattributed slot included; before that (host mode) the pages' fused counts.
   InStreamOpCounts op_counts();
-  // One live attachment's counts (its page read now); nullopt for an unknown id or one without
-  // a page.
+  // One live attachment's counts: as above, with fused ops the kernels counted in its slot while
+  // it held it. nullopt for an unknown id, or one with neither a page nor kernel counts.
   std::optional<InStreamOpCounts> op_counts(uint64_t attach_id);
+  // What one live attachment's library decided (its page alone: on CUDA a captured op counts
+  // once, however often its graph replays); nullopt for an unknown id or one without a page.
+  std::optional<InStreamOpCounts> library_op_counts(uint64_t attach_id);
+  // The attachment's slot of the kernels' launch counts; nullopt for an unknown id.
+  std::optional<uint32_t> counter_slot(uint64_t attach_id) const;
+  // Launches the kernels counted in kInStreamUnattributedSlot (an index out of range, or an
+  // attachment that found no free slot), and slot reads refused as garbage (a slot that moved
+  // by more than kMaxOpCounterDelta: the workspace is mapped writable by its clients).
+  uint64_t unattributed_launches() const;
+  // Whether fused counts are the kernels' (a CUDA attach or probe was seen).
+  bool kernel_counted() const;
+  // A CUDA workspace is being attached: fused ops are the kernels' counts from now on, also
+  // before the first probe reads them (the pages' fused counts are never exported on CUDA).
+  void ExpectKernelCounts();
+  uint64_t refused_kernel_reads() const;
+
+  // The sidecars' comparison of their ranks' decisions (server/instream/divergence.h): the last
+  // divergence found and how many were, for GetWorkspaceInfo. Recorded by the watch that runs
+  // the exchange.
+  struct DivergenceRecord {
+    uint64_t total = 0;
+    uint32_t last_rank = 0;
+    uint64_t last_ops = 0;
+    std::string last_reasons;  // "other 3, dtype 1"
+  };
+  void RecordDivergence(uint32_t rank, uint64_t ops, const std::string& reasons);
+  DivergenceRecord divergence() const;
 
  private:
   struct Entry {
@@ -122,6 +155,16 @@ class InStreamAttachments {
     bool draining = false;
     bool told_poisoned = false;
     std::shared_ptr<InStreamOpCounterPage> counters;
+    uint32_t slot = instream::kInStreamUnattributedSlot;
+    // Fused launches the kernels counted in `slot` while this attachment held it.
+    InStreamOpCounts kernel;
+  };
+  // A slot of the kernels' launch counts: held by an attachment, or retiring (its holder ended;
+  // the next probe credits what it launched last, then frees it, so that a new holder starts from
+  // a fresh baseline and never inherits the previous one's launches).
+  struct Slot {
+    uint64_t holder = 0;  // attach id, 0: none
+    bool retiring = false;
   };
   struct Pending {
     uint64_t session = 0;
@@ -134,9 +177,16 @@ class InStreamAttachments {
   // The delivery thread: delivers the queue in order and probes every interval_ while
   // attachments exist.
   void Watch();
-  void ApplyProbeLocked(const InStreamProbe& p);
+  // `retiring`: RetiringMaskLocked() as it was before the probe was read.
+  void ApplyProbeLocked(const InStreamProbe& p, uint32_t retiring);
+  uint32_t RetiringMaskLocked() const;
   // mu_ held: an attachment ends: its page is read a last time into ops_ended_.
   void EndLocked(const Entry& e);
+  bool AnyRetiringLocked() const;
+  // mu_ held: the probe's kernel counts since the last probe, per slot.
+  void ApplyOpTableLocked(const instream::InStreamOpTable& table);
+  // mu_ held: `c` with its fused counts replaced by `fused` when the kernels count (CUDA).
+  InStreamOpCounts WithKernelFusedLocked(InStreamOpCounts c, const InStreamOpCounts& fused) const;
 
   const Notify notify_;
   const Probe probe_;
@@ -160,6 +210,14 @@ class InStreamAttachments {
   uint64_t probed_generation_ = 0;
   // Op counts of the attachments that ended.
   InStreamOpCounts ops_ended_;
+  // The kernels' launch counts: the slots, the table as last probed (of probed_generation_'s
+  // workspace), every launch counted so far (all slots), those of the unattributed slot.
+  Slot slots_[instream::kInStreamAttachSlots];
+  instream::InStreamOpTable last_ops_{};
+  bool kernel_counts_ = false;  // a probe carried the table (CUDA)
+  InStreamOpCounts kernel_total_;
+  uint64_t unattributed_ = 0, refused_kernel_reads_ = 0;
+  DivergenceRecord divergence_;
   std::thread watcher_;
 };
 

@@ -47,6 +47,7 @@ struct Metrics::InStreamFamilies {
   prometheus::Counter& launches;
   prometheus::Counter& stale;
   prometheus::Family<prometheus::Counter>& ops;
+  prometheus::Family<prometheus::Counter>& divergence;
   std::mutex mu;
   uint64_t launches_seen = 0;
   uint64_t stale_seen = 0;
@@ -171,11 +172,22 @@ Metrics::Metrics(int rank, int world_size, const std::string& device, const Buil
           .Add({}),
       prometheus::BuildCounter()
           .Name("arfuse_instream_ops_total")
-          .Help("Ops the in-stream client library decided: fused (by pattern and token bucket) or "
-                "declined, the framework running its own path (by reason)")
+          .Help("In-stream ops: fused (by pattern and token bucket; on CUDA every launch the "
+                "kernels counted, graph replays included) or declined by the client library, the "
+                "framework running its own path (by reason)")
+          .Labels(constant)
+          .Register(r),
+      prometheus::BuildCounter()
+          .Name("arfuse_instream_divergence_total")
+          .Help("Times the group's sidecars found a rank declining in-stream ops its peers fused "
+                "(a hang), by the rank that declined")
           .Labels(constant)
           .Register(r),
   });
+  // Every rank's series from the first scrape, so that a dashboard's increase() sees the zero.
+  for (int q = 0; q < world_size; ++q) {
+    instream_->divergence.Add({{"diverged_rank", std::to_string(q)}});
+  }
   for (uint32_t p = 0; p < instream::kOpPatterns; ++p) {
     for (uint32_t b = 0; b < instream::kOpTokenBuckets; ++b) {
       instream_->fused[p][b] =
@@ -338,6 +350,10 @@ void Metrics::SetInStreamOps(const InStreamOpCounts& counts) {
   for (uint32_t q = 0; q < instream::kDeclineReasons; ++q) {
     add(instream_->declined[q], counts.declined[q], seen.declined[q]);
   }
+}
+
+void Metrics::IncInStreamDivergence(uint32_t diverged_rank) {
+  instream_->divergence.Add({{"diverged_rank", std::to_string(diverged_rank)}}).Increment();
 }
 
 std::string Metrics::Render() const {

@@ -80,6 +80,9 @@ class Metrics {
   // The in-stream clients' op decisions as the sidecar last summed their counter pages
   // (monotonic; counted up by the difference): arfuse_instream_ops_total.
   void SetInStreamOps(const InStreamOpCounts& counts);
+  // The sidecars found `diverged_rank` declining in-stream ops its peers fused
+  // (server/instream/divergence.h): arfuse_instream_divergence_total{diverged_rank}.
+  void IncInStreamDivergence(uint32_t diverged_rank);
 
   // The text exposition of every family (what a scrape returns).
   std::string Render() const;

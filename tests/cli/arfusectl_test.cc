@@ -492,6 +492,7 @@ class FakeFusion final : public v1::Fusion::CallbackService {
     {
       std::lock_guard<std::mutex> lock(mu_);
       *response->mutable_instream_ops() = ops_;
+      *response->mutable_instream_divergence() = divergence_;
     }
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
@@ -506,6 +507,10 @@ class FakeFusion final : public v1::Fusion::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     ops_ = ops;
   }
+  void set_divergence(const v1::InStreamDivergence& d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    divergence_ = d;
+  }
   std::chrono::system_clock::time_point deadline() {
     std::lock_guard<std::mutex> lock(mu_);
     return deadline_;
@@ -516,6 +521,7 @@ class FakeFusion final : public v1::Fusion::CallbackService {
   std::string api_version_;
   std::chrono::system_clock::time_point deadline_;
   v1::InStreamOps ops_;
+  v1::InStreamDivergence divergence_;
 };
 
 // arfused's front, minus the data path: Config (real), Fusion (fake info), health.
@@ -711,7 +717,12 @@ TEST(ArfusectlInfo, ShowsTheFusedShareAndTheTopDeclineReasons) {
   Result none_json = RunBinary({"info", "--addr", sidecar.addr(), "--json"});
   EXPECT_THAT(none_json.out,
               HasSubstr("\"instream_ops\":{\"fused\":0,\"declined\":0,\"fused_share\":null,"
-                        "\"fused_by_bucket\":[],\"declined_by_reason\":[]}"));
+                        "\"fused_by_bucket\":[],\"declined_by_reason\":[],"
+                        "\"kernel_counted\":false}"));
+  EXPECT_THAT(none.out, HasSubstr("\n  in-stream divergence: none found\n"));
+  EXPECT_THAT(none_json.out,
+              HasSubstr("\"instream_divergence\":{\"total\":0,\"last_rank\":0,\"last_ops\":0,"
+                        "\"last_reasons\":\"\"}"));
 
   v1::InStreamOps ops;
   ops.set_fused_total(90);
@@ -744,7 +755,32 @@ TEST(ArfusectlInfo, ShowsTheFusedShareAndTheTopDeclineReasons) {
                         "\"allreduce_residual_rmsnorm\",\"tokens\":\"9-64\",\"count\":30}],"
                         "\"declined_by_reason\":[{\"reason\":\"range\",\"count\":5},"
                         "{\"reason\":\"dtype\",\"count\":3},{\"reason\":\"disabled\","
-                        "\"count\":1},{\"reason\":\"shape\",\"count\":1}]}"));
+                        "\"count\":1},{\"reason\":\"shape\",\"count\":1}],"
+                        "\"kernel_counted\":false}"));
+
+  // On CUDA the fused counts are the kernels' own, and a divergence the sidecars found is an
+  // error line of its own.
+  ops.set_kernel_counted(true);
+  sidecar.fusion().set_ops(ops);
+  v1::InStreamDivergence d;
+  d.set_total(2);
+  d.set_last_rank(3);
+  d.set_last_ops(7);
+  d.set_last_reasons("other 5, dtype 2");
+  sidecar.fusion().set_divergence(d);
+  Result cuda = RunBinary({"info", "--addr", sidecar.addr()});
+  ASSERT_EQ(cuda.code, 0) << cuda.err;
+  EXPECT_THAT(cuda.out, HasSubstr("in-stream ops: 90 fused (90.0%, counted by the kernels), 10 "
+                                  "declined"));
+  EXPECT_THAT(cuda.out, HasSubstr("\n  in-stream divergence: ERROR, found 2 time(s); last: rank 3 "
+                                  "declined 7 op(s) its peers fused (top declines: other 5, "
+                                  "dtype 2)\n"));
+  Result cuda_json = RunBinary({"info", "--addr", sidecar.addr(), "--json"});
+  ASSERT_EQ(cuda_json.code, 0) << cuda_json.err;
+  EXPECT_THAT(cuda_json.out, HasSubstr("\"kernel_counted\":true}"));
+  EXPECT_THAT(cuda_json.out,
+              HasSubstr("\"instream_divergence\":{\"total\":2,\"last_rank\":3,\"last_ops\":7,"
+                        "\"last_reasons\":\"other 5, dtype 2\"}"));
 }
 
 TEST(ArfusectlInfo, ServerWithoutFusionServiceIsAFailure) {

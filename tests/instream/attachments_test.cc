@@ -4,6 +4,7 @@
 #include "server/instream/attachments.h"
 
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -311,6 +312,207 @@ TEST(InStreamAttachments, ADrainFollowsEarlierEventsAndAPlainReformIsReinitializ
   EXPECT_EQ(rec.events[4].first, 3u);
   EXPECT_EQ(rec.events[4].second.kind, AttachEventKind::kReinitialized);
   EXPECT_EQ(rec.events[4].second.attach_id, *id);
+}
+
+}  // namespace
+}  // namespace arfuse
+
+namespace arfuse {
+namespace {
+
+// The kernels' per-attachment launch counts (FusionControl::instream_ops), as the probe reads
+// them: each attachment gets its own slot, the slot's launches are its fused ops, a reused slot
+// starts from a fresh baseline, and what a client writes into the table stays bounded.
+struct TableEngine {
+  std::mutex mu;
+  InStreamProbe probe{true, 5, 0, "", 0, 0, instream::InStreamOpTable{}};
+  std::atomic<int> probes{0};
+  InStreamProbe Get() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++probes;
+    return probe;
+  }
+  void Launch(uint32_t slot, int pattern_index, uint32_t tokens, uint64_t n = 1) {
+    std::lock_guard<std::mutex> lock(mu);
+    probe.ops->ops[slot][pattern_index][instream::OpTokenBucket(tokens)] += n;
+  }
+  void Set(uint32_t slot, int pattern_index, uint32_t bucket, uint64_t v) {
+    std::lock_guard<std::mutex> lock(mu);
+    probe.ops->ops[slot][pattern_index][bucket] = v;
+  }
+  // Waits until two more probes completed (the table's next read has been applied).
+  void Settle() {
+    const int want = probes.load() + 2;
+    WaitFor([&] { return probes.load() >= want; });
+  }
+};
+
+uint64_t Fused(const InStreamOpCounts& c, int pattern_index, uint32_t tokens) {
+  return c.fused[pattern_index][instream::OpTokenBucket(tokens)];
+}
+
+TEST(InStreamKernelCounts, EachAttachmentCountsItsOwnSlotReplaysIncluded) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  absl::StatusOr<uint64_t> y = a.Add(2, 5);
+  ASSERT_TRUE(x.ok() && y.ok());
+  const uint32_t sx = *a.counter_slot(*x), sy = *a.counter_slot(*y);
+  EXPECT_NE(sx, sy);
+  EXPECT_LT(sx, instream::kInStreamAttachSlots);
+  EXPECT_LT(sy, instream::kInStreamAttachSlots);
+  EXPECT_FALSE(a.counter_slot(424242).has_value());
+  engine.Launch(sx, 1, 1, 100);  // one captured op replayed 100 times
+  engine.Launch(sx, 0, 600, 2);
+  engine.Launch(sy, 1, 7, 3);
+  engine.Settle();
+  EXPECT_TRUE(a.kernel_counted());
+  EXPECT_EQ(Fused(*a.op_counts(*x), 1, 1), 100u);
+  EXPECT_EQ(Fused(*a.op_counts(*x), 0, 600), 2u);
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 102u);
+  EXPECT_EQ(a.op_counts(*y)->fused_total(), 3u);
+  EXPECT_EQ(Fused(*a.op_counts(*y), 1, 7), 3u);
+  EXPECT_EQ(a.op_counts().fused_total(), 105u);
+  // Without counter pages the library's own counts are unknown.
+  EXPECT_FALSE(a.library_op_counts(*x).has_value());
+}
+
+TEST(InStreamKernelCounts, AGarbageSlotIndexCountsForTheRankOnly) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  // The kernels count a launch with an index out of range in the last slot.
+  engine.Launch(instream::kInStreamUnattributedSlot, 0, 4, 9);
+  engine.Launch(*a.counter_slot(*x), 0, 4, 1);
+  engine.Settle();
+  EXPECT_EQ(a.unattributed_launches(), 9u);
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 1u);
+  EXPECT_EQ(a.op_counts().fused_total(), 10u);
+}
+
+TEST(InStreamKernelCounts, AJumpOrADecreaseIsRefusedAndReadFromItsNewValueOn) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  const uint32_t s = *a.counter_slot(*x);
+  engine.Launch(s, 1, 1, 5);
+  engine.Settle();
+  ASSERT_EQ(a.op_counts(*x)->fused_total(), 5u);
+  // A client wrote garbage into the (writable) workspace: the read adds nothing.
+  engine.Set(s, 1, 0, uint64_t{1} << 50);
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 5u);
+  EXPECT_GE(a.refused_kernel_reads(), 1u);
+  engine.Launch(s, 1, 1, 2);  // counted again from the new value
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 7u);
+  engine.Set(s, 1, 0, 3);  // lowered: refused too
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 7u);
+}
+
+TEST(InStreamKernelCounts, CountersWrappingAt2To64CountRight) {
+  TableEngine engine;
+  const uint64_t near = std::numeric_limits<uint64_t>::max() - 1;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  const uint32_t s = *a.counter_slot(*x);
+  engine.Set(s, 0, 2, near);  // refused (a jump from 0), the baseline is now `near`
+  engine.Settle();
+  engine.Set(s, 0, 2, near + 5);  // wraps to 3
+  engine.Settle();
+  EXPECT_EQ(Fused(*a.op_counts(*x), 0, 9), 5u);
+}
+
+TEST(InStreamKernelCounts, AReusedSlotStartsFromAFreshBaseline) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  const uint32_t s = *a.counter_slot(*x);
+  engine.Launch(s, 1, 1, 40);
+  engine.Settle();
+  // The holder launches more and ends before the next probe: its slot is not handed out until a
+  // probe read those last launches.
+  engine.Launch(s, 1, 1, 2);
+  ASSERT_TRUE(a.Remove(1, *x).ok());
+  engine.Settle();
+  EXPECT_EQ(a.op_counts().fused_total(), 42u);
+  absl::StatusOr<uint64_t> z = a.Add(3, 5);
+  ASSERT_TRUE(z.ok());
+  EXPECT_EQ(*a.counter_slot(*z), s);  // the lowest free slot, now free again
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*z)->fused_total(), 0u);
+  engine.Launch(s, 1, 1, 1);
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*z)->fused_total(), 1u);
+  EXPECT_EQ(a.op_counts().fused_total(), 43u);
+}
+
+TEST(InStreamKernelCounts, ExhaustedSlotsAreSharedAsUnattributed) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  std::vector<uint64_t> ids;
+  for (uint32_t i = 0; i < instream::kInStreamAttachSlots; ++i) {
+    absl::StatusOr<uint64_t> id = a.Add(100 + i, 5);
+    ASSERT_TRUE(id.ok());
+    EXPECT_EQ(*a.counter_slot(*id), i);
+    ids.push_back(*id);
+  }
+  absl::StatusOr<uint64_t> extra = a.Add(999, 5);
+  ASSERT_TRUE(extra.ok());  // attached, counted for the rank only
+  EXPECT_EQ(*a.counter_slot(*extra), instream::kInStreamUnattributedSlot);
+  engine.Launch(instream::kInStreamUnattributedSlot, 0, 1, 4);
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*extra)->fused_total(), 0u);
+  EXPECT_EQ(a.unattributed_launches(), 4u);
+  EXPECT_EQ(a.op_counts().fused_total(), 4u);
+}
+
+TEST(InStreamKernelCounts, ANewWorkspaceStartsItsTableAtZero) {
+  TableEngine engine;
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  engine.Launch(*a.counter_slot(*x), 0, 1, 30);
+  engine.Settle();
+  {
+    // The group re-formed: generation 6, a zeroed table.
+    std::lock_guard<std::mutex> lock(engine.mu);
+    engine.probe.generation = 6;
+    engine.probe.ops = instream::InStreamOpTable{};
+  }
+  ASSERT_TRUE(WaitFor([&] { return !a.Busy(); }));  // REINITIALIZED ended the attachment
+  absl::StatusOr<uint64_t> y = a.Add(2, 6);
+  ASSERT_TRUE(y.ok());
+  engine.Launch(*a.counter_slot(*y), 0, 1, 3);
+  engine.Settle();
+  EXPECT_EQ(a.op_counts(*y)->fused_total(), 3u);
+  EXPECT_EQ(a.op_counts().fused_total(), 33u);
+}
+
+TEST(InStreamKernelCounts, HostModeKeepsTheLibrarysCounts) {
+  FakeEngine engine;  // probes without a table
+  InStreamAttachments a([](uint64_t, const AttachEventData&) {}, [&] { return engine.Get(); },
+                        absl::Milliseconds(2));
+  absl::StatusOr<uint64_t> x = a.Add(1, 5);
+  ASSERT_TRUE(x.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(a.kernel_counted());
+  EXPECT_FALSE(a.op_counts(*x).has_value());  // no page, no kernel counts
+  a.ExpectKernelCounts();                     // a CUDA attach
+  EXPECT_TRUE(a.kernel_counted());
+  EXPECT_EQ(a.op_counts(*x)->fused_total(), 0u);
 }
 
 }  // namespace

@@ -182,11 +182,19 @@ TEST_F(BlobTest, Magic) {
 }
 
 TEST_F(BlobTest, Versions) {
-  // A sidecar of the first attach ABI (no op counter page) is refused, as is a newer one.
+  // A sidecar of an older attach ABI (no op counter page, no counter slot) is refused, as is a
+  // newer one.
   Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 1; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 1 differs from this library's 2");
-  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 3; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 3 differs from this library's 2");
+          "abi_version 1 differs from this library's 3");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 2; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 2 differs from this library's 3");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 4; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 4 differs from this library's 3");
+  // A sidecar of the first launch ABI (no counter_slot in the arguments).
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_abi_version = 1; }),
+          ARFUSE_FAILED_PRECONDITION, "launch_abi_version 1 of the sidecar's kernels differs");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_args_bytes = 344; }),
+          ARFUSE_FAILED_PRECONDITION, "launch_args_bytes 344 of the sidecar's kernels differs");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_abi_version = 9; }),
           ARFUSE_FAILED_PRECONDITION, "launch_abi_version 9 of the sidecar's kernels differs");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_args_bytes = 352; }),

@@ -1,8 +1,8 @@
 // libarfuse_client on a GPU: two ranks of one process sharing the GPU (each grid within SMs / 2,
 // the sm_budget), each rank's workspace a VMM allocation exported as a POSIX descriptor and
 // initialized here, attached through arfuse_attach with blobs from the blob builder and a kernel
-// image (kernels/instream, the one a sidecar hands out). Results against the CPU reference, graph capture
-// and replay, the pointer checks, the GPU and context checks, a peer that never launches.
+// image (kernels/instream, the one a sidecar hands out). Results against the CPU reference, graph
+// capture and replay, the pointer checks, the GPU and context checks, a peer that never launches.
 // Run on a GPU machine: ctest --test-dir <build> -L gpu -R InStreamGpu --output-on-failure
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -21,10 +21,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/cpu/reference_op.h"
-#include "server/instream/attach_blob.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
+#include "kernels/cpu/reference_op.h"
 #include "kernels/instream/instream_image.h"
+#include "server/instream/attach_blob.h"
+#include "server/instream/attachments.h"
 #include "tests/instream/instream_test_util.h"
 
 namespace arfuse::instream {
@@ -138,10 +139,9 @@ class InStreamGpu : public ::testing::Test {
     const uint32_t tag = GenerationTag(generation_);
     for (int r = 0; r < kWorld; ++r) {
       CUDA_OK(LaunchWorkspaceInit(reinterpret_cast<void*>(ws_[r]->ptr), layout_, streams_[r]));
-      CUDA_OK(cudaMemcpyAsync(
-          reinterpret_cast<char*>(ws_[r]->ptr) + layout_.control_offset +
-              offsetof(FusionControl, generation),
-          &tag, sizeof(tag), cudaMemcpyHostToDevice, streams_[r]));
+      CUDA_OK(cudaMemcpyAsync(reinterpret_cast<char*>(ws_[r]->ptr) + layout_.control_offset +
+                                  offsetof(FusionControl, generation),
+                              &tag, sizeof(tag), cudaMemcpyHostToDevice, streams_[r]));
     }
     CUDA_OK(cudaDeviceSynchronize());
   }
@@ -459,6 +459,150 @@ TEST_F(InStreamGpu, LaunchesOfAnOlderGenerationAreStaleAndWriteNothing) {
   }
   EXPECT_EQ(stale, 4u);  // two launches on each of two ranks
   EXPECT_EQ(error, 0u);
+}
+
+// The kernels count every launch per attachment slot, pattern and token bucket in the control
+// block (FusionControl::instream_ops): a graph's replays never pass through the library, so this
+// is the only per-attachment count of them. One op captured on each rank and replayed kReplays
+// times, plus one eager launch: the slot counts kReplays + 1, the library's page would count 2
+// (the capture and the eager launch). The sidecar's attachments table, probing the control
+// block as the CUDA engine does, reports the same for the attachment.
+TEST_F(InStreamGpu, ReplaysOfACapturedOpCountPerAttachment) {
+  constexpr int kReplays = 25;
+  constexpr uint32_t kTokens = 2;
+  auto read_control = [&](int r) {
+    auto c = std::make_unique<FusionControl>();
+    EXPECT_EQ(cudaMemcpy(c.get(), reinterpret_cast<char*>(ws_[r]->ptr) + layout_.control_offset,
+                         sizeof(FusionControl), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return c;
+  };
+  // The sidecar's view of rank 0: its attachments table, probing the control block the way
+  // CudaEngine::InStreamStatus does (one copy of the table), hands out the slot.
+  InStreamAttachments table([](uint64_t, const AttachEventData&) {},
+                            [&] {
+                              InStreamProbe p;
+                              std::unique_ptr<FusionControl> c = read_control(0);
+                              p.ok = true;
+                              p.generation = generation_;
+                              p.launches = c->instream_launches;
+                              p.ops.emplace();
+                              std::memcpy(&*p.ops, c->instream_ops, sizeof(c->instream_ops));
+                              return p;
+                            },
+                            absl::Milliseconds(5));
+  table.ExpectKernelCounts();
+  absl::StatusOr<uint64_t> id = table.Add(1, generation_);
+  ASSERT_TRUE(id.ok());
+  const uint32_t slot[kWorld] = {*table.counter_slot(*id), 7};
+  for (int r = 0; r < kWorld; ++r) {
+    AttachResult a = AttachRank(r, [&](std::string& blob) {
+      std::memcpy(blob.data() + offsetof(AttachHeader, counter_slot), &slot[r], sizeof(uint32_t));
+    });
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctx_[r] = a.ctx;
+  }
+  Op op(kTokens, 1);
+  for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+  cudaGraphExec_t exec[kWorld] = {};
+  for (int r = 0; r < kWorld; ++r) {
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal));
+    ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, true), ARFUSE_OK) << arfuse_last_error();
+    CUDA_OK(cudaStreamEndCapture(streams_[r], &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec[r], graph, 0));
+    CUDA_OK(cudaGraphDestroy(graph));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(read_control(r)->instream_launches, 0u) << "a capture runs nothing";
+  }
+  for (int replay = 0; replay < kReplays; ++replay) {
+    for (int r = 0; r < kWorld; ++r) CUDA_OK(cudaGraphLaunch(exec[r], streams_[r]));
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, true), ARFUSE_OK) << arfuse_last_error();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(arfuse_check(ctx_[r], nullptr), ARFUSE_OK) << arfuse_last_error();
+    std::unique_ptr<FusionControl> c = read_control(r);
+    EXPECT_EQ(c->instream_launches, uint64_t{kReplays} + 1) << "rank " << r;
+    uint64_t total = 0;
+    for (uint32_t s = 0; s < kInStreamCounterSlots; ++s) {
+      for (uint32_t pi = 0; pi < kOpPatterns; ++pi) {
+        for (uint32_t b = 0; b < kOpBucketSlots; ++b) total += c->instream_ops[s][pi][b];
+      }
+    }
+    EXPECT_EQ(c->instream_ops[slot[r]][1][OpTokenBucket(kTokens)], uint64_t{kReplays} + 1)
+        << "rank " << r;
+    EXPECT_EQ(total, uint64_t{kReplays} + 1) << "nothing counted elsewhere, rank " << r;
+  }
+  for (cudaGraphExec_t e : exec) CUDA_OK(cudaGraphExecDestroy(e));
+  const auto settled = [&] {
+    return table.op_counts(*id)->fused_total() == uint64_t{kReplays} + 1;
+  };
+  for (int i = 0; i < 200 && !settled(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const InStreamOpCounts mine = *table.op_counts(*id);
+  EXPECT_EQ(mine.fused[1][OpTokenBucket(kTokens)], uint64_t{kReplays} + 1);
+  EXPECT_EQ(mine.fused_total(), uint64_t{kReplays} + 1);
+  EXPECT_EQ(table.op_counts().fused_total(), uint64_t{kReplays} + 1);
+  EXPECT_EQ(table.unattributed_launches(), 0u);
+}
+
+// The same through a slot the table handed out, and a client whose launches carry an index out
+// of range: counted in the unattributed slot, nothing written outside the control block.
+TEST_F(InStreamGpu, ASlotIndexOutOfRangeCountsUnattributed) {
+  InStreamAttachments table(
+      [](uint64_t, const AttachEventData&) {},
+      [&] {
+        InStreamProbe p;
+        auto c = std::make_unique<FusionControl>();
+        if (cudaMemcpy(c.get(), reinterpret_cast<char*>(ws_[0]->ptr) + layout_.control_offset,
+                       sizeof(FusionControl), cudaMemcpyDeviceToHost) != cudaSuccess) {
+          return p;
+        }
+        p.ok = true;
+        p.generation = generation_;
+        p.ops.emplace();
+        std::memcpy(&*p.ops, c->instream_ops, sizeof(c->instream_ops));
+        return p;
+      },
+      absl::Milliseconds(5));
+  table.ExpectKernelCounts();
+  absl::StatusOr<uint64_t> id = table.Add(1, generation_);
+  ASSERT_TRUE(id.ok());
+  const uint32_t slots[kWorld] = {*table.counter_slot(*id), 0xdeadbeefu};
+  for (int r = 0; r < kWorld; ++r) {
+    AttachResult a = AttachRank(r, [&](std::string& blob) {
+      std::memcpy(blob.data() + offsetof(AttachHeader, counter_slot), &slots[r], sizeof(uint32_t));
+    });
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctx_[r] = a.ctx;
+  }
+  constexpr int kOps = 6;
+  for (int call = 1; call <= kOps; ++call) {
+    Op op(100, call);  // the 65-512 bucket, two-shot
+    for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, false), ARFUSE_OK) << arfuse_last_error();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_NO_FATAL_FAILURE(op.Verify(false, call));
+  }
+  FusionControl c1;
+  CUDA_OK(cudaMemcpy(&c1, reinterpret_cast<char*>(ws_[1]->ptr) + layout_.control_offset,
+                     sizeof(FusionControl), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(c1.instream_ops[kInStreamUnattributedSlot][0][OpTokenBucket(100)], uint64_t{kOps});
+  EXPECT_EQ(c1.error, 0u);
+  const auto settled = [&] { return table.op_counts(*id)->fused_total() == uint64_t{kOps}; };
+  for (int i = 0; i < 200 && !settled(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(table.op_counts(*id)->fused[0][OpTokenBucket(100)], uint64_t{kOps});
+  EXPECT_EQ(table.unattributed_launches(), 0u);  // rank 0's table: its client used its slot
 }
 
 }  // namespace

@@ -104,6 +104,24 @@ TEST(Metrics, BackendSwitchLeavesOneCurrentBackend) {
   EXPECT_THAT(text, HasSubstr("{rank=\"0\",backend=\"none\",fusion_enabled=\"false\"} 1"));
 }
 
+TEST(Metrics, DivergenceIsCountedByTheRankThatDeclinedFromZero) {
+  Metrics metrics(0, 3, "host", {"0.1.0", "abc1234", "1.0"});
+  std::string text = metrics.Render();
+  // Every rank's series from the first scrape.
+  for (const char* r : {"0", "1", "2"}) {
+    EXPECT_THAT(text, HasSubstr(std::string("arfuse_instream_divergence_total{rank=\"0\","
+                                            "diverged_rank=\"") +
+                                r + "\"} 0"));
+  }
+  metrics.IncInStreamDivergence(2);
+  metrics.IncInStreamDivergence(2);
+  text = metrics.Render();
+  EXPECT_THAT(text,
+              HasSubstr("arfuse_instream_divergence_total{rank=\"0\",diverged_rank=\"2\"} 2"));
+  EXPECT_THAT(text,
+              HasSubstr("arfuse_instream_divergence_total{rank=\"0\",diverged_rank=\"1\"} 0"));
+}
+
 TEST(Metrics, PortInUseIsUnavailable) {
   Metrics first(0, 1, "host", {"0.1.0", "abc1234", "1.0"});
   ASSERT_TRUE(first.Serve("0.0.0.0", 0).ok());

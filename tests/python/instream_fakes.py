@@ -21,10 +21,10 @@ class RecordingLib:
         return instream.CLIENT_ABI_VERSION
 
     def arfuse_launch_abi_version(self):
-        return 1
+        return 2
 
     def arfuse_launch_args_bytes(self):
-        return 344
+        return 352
 
     def arfuse_client_version(self):
         return b"recording"

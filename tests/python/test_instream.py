@@ -242,7 +242,7 @@ def test_real_library_versions(real_lib):
     v = instream.library_versions(real_lib)
     assert v["attach_abi_version"] == instream.CLIENT_ABI_VERSION
     # kernels/instream/attach_abi.h: kLaunchAbiVersion, kLaunchArgsBytes.
-    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (1, 344)
+    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (2, 352)
     assert "stale" in instream.error_name(16, real_lib)
 
 
@@ -311,7 +311,7 @@ LIB_STUB = r"""
 #include <stdint.h>
 uint32_t arfuse_client_abi_version(void) { return 99; }
 uint32_t arfuse_launch_abi_version(void) { return 1; }
-uint32_t arfuse_launch_args_bytes(void) { return 344; }
+uint32_t arfuse_launch_args_bytes(void) { return 352; }
 const char* arfuse_client_version(void) { return "stub"; }
 const char* arfuse_last_error(void) { return ""; }
 int arfuse_attach(const void* b, size_t n, const int* f, size_t m, void** o) { return 3; }
@@ -393,7 +393,7 @@ def test_attach_binds_the_context_and_detach_tells_the_sidecar(group2, monkeypat
         req = requests[0]
         assert list(req.hidden) == [256, 512]
         assert (req.attach_abi_version, req.launch_abi_version, req.launch_args_bytes) == \
-            (instream.CLIENT_ABI_VERSION, 1, 344)
+            (instream.CLIENT_ABI_VERSION, 2, 352)
         assert lib.calls[0] == ("attach", b"blob", 1)
         with pytest.raises(OSError):
             os.fstat(handed[0])  # the caller's descriptors are closed after arfuse_attach

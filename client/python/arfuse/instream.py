@@ -42,7 +42,7 @@ from .client import ArfuseError, Client, SidecarLost, fusion_pb2
 
 LIBRARY = "libarfuse_client.so"
 # The C ABI this binding is written for (ARFUSE_CLIENT_ABI_VERSION in arfuse_client.h).
-CLIENT_ABI_VERSION = 2
+CLIENT_ABI_VERSION = 3
 
 # Return codes (absl/gRPC status code numbers).
 OK = 0

@@ -559,6 +559,13 @@ grpc::ServerUnaryReactor* FusionService::GetWorkspaceInfo(grpc::CallbackServerCo
   resp->set_doorbell_hop_us(options_.doorbell_hop_us);
   resp->set_sm(options_.sm);
   FillInStreamOps(instream_->op_counts(), resp->mutable_instream_ops());
+  resp->mutable_instream_ops()->set_kernel_counted(instream_->kernel_counted());
+  const InStreamAttachments::DivergenceRecord divergence = instream_->divergence();
+  v1::InStreamDivergence* d = resp->mutable_instream_divergence();
+  d->set_total(divergence.total);
+  d->set_last_rank(divergence.last_rank);
+  d->set_last_ops(divergence.last_ops);
+  d->set_last_reasons(divergence.last_reasons);
   Engine* engine = engine_ ? engine_() : nullptr;
   if (engine == nullptr) {
     resp->set_backend("none");

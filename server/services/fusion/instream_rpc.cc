@@ -78,6 +78,7 @@ InStreamProbe FusionService::ProbeInStream() const {
   p.error_name = c->error_name;
   p.launches = c->launches;
   p.stale = c->stale;
+  p.ops = c->ops;
   return p;
 }
 
@@ -140,12 +141,16 @@ grpc::ServerUnaryReactor* FusionService::Attach(grpc::CallbackServerContext* ctx
           }
           counters = std::move(*page);
         }
+        if (exported->device == instream::DeviceKind::kCuda) instream_->ExpectKernelCounts();
         absl::StatusOr<uint64_t> id = instream_->Add(sid, generation, counters);
         if (!id.ok()) {
           reactor->Finish(ToGrpcStatus(id.status()));
           return;
         }
-        absl::StatusOr<std::string> blob = BuildAttachBlob(*exported, *id, counters != nullptr);
+        absl::StatusOr<std::string> blob =
+            BuildAttachBlob(*exported, *id, counters != nullptr,
+                            instream_->counter_slot(*id).value_or(
+                                instream::kInStreamUnattributedSlot));
         absl::Status done = blob.status();
         if (done.ok()) {
           std::optional<SocketCredentials> caller;
