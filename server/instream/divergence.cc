@@ -41,14 +41,16 @@ RankDecisions DecisionsOf(const InStreamOpCounts& counts) {
 }
 
 std::string EncodeRankDecisions(const RankDecisions& d) {
-  std::string out = absl::StrCat(kMagic, " ", d.fused, " ", d.declined);
+  std::string out = absl::StrCat(absl::string_view(kMagic.data(), kMagic.size()), " ", d.fused, " ", d.declined);
   for (uint64_t v : d.declined_by_reason) absl::StrAppend(&out, " ", v);
   return out;
 }
 
 RankDecisions DecodeRankDecisions(std::string_view payload) {
   RankDecisions d;
-  const std::vector<std::string_view> words = absl::StrSplit(payload, ' ');
+  std::vector<std::string_view> words;
+  for (absl::string_view w : absl::StrSplit(absl::string_view(payload.data(), payload.size()), ' '))
+    words.emplace_back(w.data(), w.size());
   if (words.size() != 3 + instream::kDeclineReasons || words[0] != kMagic) return d;
   uint64_t values[2 + instream::kDeclineReasons];
   for (size_t i = 1; i < words.size(); ++i) {

@@ -24,7 +24,7 @@ std::vector<DivergenceFinding> InStreamDivergenceWatch::Tick(absl::Time now) {
       allgather_(EncodeRankDecisions(own), now + interval_ / 2);
   if (!gathered.ok()) {
     spdlog::debug("event=instream_counts_exchange_failed error=\"{}\"",
-                  gathered.status().message());
+                  std::string(gathered.status().message()));
     return {};
   }
   std::vector<RankDecisions> ranks;

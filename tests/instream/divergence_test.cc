@@ -34,7 +34,7 @@ RankDecisions Snap(uint64_t fused, std::vector<std::pair<DeclineReason, uint64_t
 }
 
 // Runs the step over a sequence of exchanges; returns every exchange's findings.
-std::vector<std::vector<DivergenceFinding>> Run(
+std::vector<std::vector<DivergenceFinding>> ObserveAll(
     const std::vector<std::vector<RankDecisions>>& exchanges, DivergenceState* state = nullptr) {
   DivergenceState s;
   std::vector<std::vector<DivergenceFinding>> out;
@@ -77,7 +77,7 @@ TEST(DivergencePayload, GarbageIsInvalid) {
 }
 
 TEST(Divergence, EqualDecisionsReportNothing) {
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(0), Snap(0)},
       {Snap(10, {{DeclineReason::kRange, 2}}), Snap(10, {{DeclineReason::kRange, 2}})},
       {Snap(20, {{DeclineReason::kRange, 4}}), Snap(20, {{DeclineReason::kRange, 4}})},
@@ -88,7 +88,7 @@ TEST(Divergence, EqualDecisionsReportNothing) {
 
 TEST(Divergence, ADecliningRankIsReportedAfterTwoExchanges) {
   DivergenceState s;
-  const auto found = Run(
+  const auto found = ObserveAll(
       {
           {Snap(5), Snap(5)},                                // the baseline
           {Snap(8), Snap(5, {{DeclineReason::kOther, 3}})},  // seen once
@@ -114,7 +114,7 @@ TEST(Divergence, ADecliningRankIsReportedAfterTwoExchanges) {
 TEST(Divergence, AnOpInFlightIsNotReported) {
   // Rank 1 counted an op rank 0 has not counted yet, once; and a lag without declines (a rank
   // whose ops are still in flight) however long.
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(0), Snap(0), Snap(0)},
       {Snap(4, {{DeclineReason::kOther, 1}}), Snap(5), Snap(5)},  // rank 0: one exchange only
       {Snap(6, {{DeclineReason::kOther, 1}}), Snap(5, {{DeclineReason::kOther, 1}}),
@@ -128,7 +128,7 @@ TEST(Divergence, AnOpInFlightIsNotReported) {
 }
 
 TEST(Divergence, ReportsTheSmallerOfLagAndExcessAndTheTopReasons) {
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(0), Snap(0)},
       {Snap(10), Snap(4, {{DeclineReason::kOther, 2},
                           {DeclineReason::kDtype, 5},
@@ -146,7 +146,7 @@ TEST(Divergence, ReportsTheSmallerOfLagAndExcessAndTheTopReasons) {
 
 TEST(Divergence, DeclinesEveryRankMadeAreNotDivergence) {
   // Both declined 4 (the same ops); rank 1 declined 1 more, but nobody fused more than it.
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(0), Snap(0)},
       {Snap(3, {{DeclineReason::kRange, 4}}), Snap(3, {{DeclineReason::kRange, 5}})},
       {Snap(3, {{DeclineReason::kRange, 4}}), Snap(3, {{DeclineReason::kRange, 5}})},
@@ -155,7 +155,7 @@ TEST(Divergence, DeclinesEveryRankMadeAreNotDivergence) {
 }
 
 TEST(Divergence, EveryRankAgainstTheLeadInAGroupOfFour) {
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(0), Snap(0), Snap(0), Snap(0)},
       {Snap(7), Snap(7), Snap(5, {{DeclineReason::kMemory, 2}}),
        Snap(6, {{DeclineReason::kOther, 1}})},
@@ -178,7 +178,7 @@ TEST(Divergence, CountsThatWrapAt2To64CompareRight) {
   RankDecisions r1_now = Snap(near);
   r1_now.declined_by_reason[R(DeclineReason::kOther)] = near + 4;  // wraps to 2
   r1_now.declined = near + 4;
-  const auto found = Run({
+  const auto found = ObserveAll({
       {Snap(near), r1_base},
       {Snap(near + 4), r1_now},  // rank 0's fused wraps too
       {Snap(near + 4), r1_now},
@@ -192,7 +192,7 @@ TEST(Divergence, CountsThatWrapAt2To64CompareRight) {
 TEST(Divergence, GarbageOrACountThatWentBackRestartsTheBaseline) {
   RankDecisions garbage;  // valid == false: a payload that did not parse
   DivergenceState s;
-  const auto found = Run(
+  const auto found = ObserveAll(
       {
           {Snap(0), Snap(0)},
           {Snap(5), Snap(2, {{DeclineReason::kOther, 3}})},
@@ -205,7 +205,7 @@ TEST(Divergence, GarbageOrACountThatWentBackRestartsTheBaseline) {
   EXPECT_TRUE(s.based);
 
   // A restarted peer's counts start again from 0: a rebase, not a lag of 100.
-  const auto restarted = Run({
+  const auto restarted = ObserveAll({
       {Snap(100), Snap(100)},
       {Snap(100), Snap(0, {{DeclineReason::kOther, 1}})},
       {Snap(100), Snap(0, {{DeclineReason::kOther, 1}})},
@@ -213,7 +213,7 @@ TEST(Divergence, GarbageOrACountThatWentBackRestartsTheBaseline) {
   for (const auto& f : restarted) EXPECT_TRUE(f.empty());
 
   // A jump beyond kMaxOpCounterDelta is garbage too.
-  const auto jumped = Run({
+  const auto jumped = ObserveAll({
       {Snap(0), Snap(0)},
       {Snap(instream::kMaxOpCounterDelta + 1), Snap(0, {{DeclineReason::kOther, 5}})},
       {Snap(instream::kMaxOpCounterDelta + 1), Snap(0, {{DeclineReason::kOther, 5}})},
@@ -226,7 +226,7 @@ TEST(Divergence, OneRankOrAChangedGroupSizeComparesNothing) {
   EXPECT_FALSE(one.next.based);
   EXPECT_TRUE(one.findings.empty());
   DivergenceState s;
-  const auto found = Run(
+  const auto found = ObserveAll(
       {
           {Snap(0), Snap(0)},
           {Snap(5), Snap(2, {{DeclineReason::kOther, 3}})},

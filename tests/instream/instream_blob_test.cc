@@ -197,8 +197,8 @@ TEST_F(BlobTest, Versions) {
           ARFUSE_FAILED_PRECONDITION, "launch_args_bytes 344 of the sidecar's kernels differs");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_abi_version = 9; }),
           ARFUSE_FAILED_PRECONDITION, "launch_abi_version 9 of the sidecar's kernels differs");
-  Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_args_bytes = 352; }),
-          ARFUSE_FAILED_PRECONDITION, "launch_args_bytes 352 of the sidecar's kernels differs");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_args_bytes = 360; }),
+          ARFUSE_FAILED_PRECONDITION, "launch_args_bytes 360 of the sidecar's kernels differs");
   EXPECT_EQ(arfuse_launch_abi_version(), kLaunchAbiVersion);
   EXPECT_EQ(arfuse_launch_args_bytes(), kLaunchArgsBytes);
   EXPECT_EQ(arfuse_client_abi_version(), static_cast<uint32_t>(ARFUSE_CLIENT_ABI_VERSION));
