@@ -4,91 +4,23 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <map>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "server/doorbell/doorbell_dispatch.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/fusion_workspace.h"
-#include "server/gpu/group_step.h"
 #include "server/gpu/nccl_comm.h"
 #include "server/gpu/op_agreement.h"
-#include "server/instream/cuda/workspace_export.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {
-namespace {
-
-// How long a copy of the workspace's control words may take (a copy engine; never behind ops).
-constexpr absl::Duration kInStreamReadTimeout = absl::Milliseconds(20);
-
-// What every rank tells the others at the start of Initialize.
-struct Hello {
-  uint64_t generation = 0;
-  bool has_workspace = false;
-  bool has_nccl = false;
-  int sms = 0;
-  std::string device;  // host name + GPU UUID
-};
-
-std::string EncodeHello(const Hello& h) {
-  return absl::StrCat(h.generation, "|", h.has_workspace ? 1 : 0, "|", h.has_nccl ? 1 : 0, "|",
-                      h.sms, "|", h.device);
-}
-
-absl::StatusOr<Hello> DecodeHello(const std::string& s) {
-  std::vector<std::string> parts = absl::StrSplit(s, absl::MaxSplits('|', 4));
-  Hello h;
-  int ws = 0, nc = 0;
-  if (parts.size() != 5 || !absl::SimpleAtoi(parts[0], &h.generation) ||
-      !absl::SimpleAtoi(parts[1], &ws) || !absl::SimpleAtoi(parts[2], &nc) ||
-      !absl::SimpleAtoi(parts[3], &h.sms)) {
-    return absl::InternalError("malformed engine hello from a peer");
-  }
-  h.has_workspace = ws != 0;
-  h.has_nccl = nc != 0;
-  h.device = parts[4];
-  return h;
-}
-
-absl::StatusOr<std::string> DeviceIdentity(int device) {
-  cudaDeviceProp prop;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::string uuid;
-  for (char c : prop.uuid.bytes)
-    absl::StrAppend(&uuid, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
-  return absl::StrCat(host, "/", uuid);
-}
-
-std::string VoteReasons(const VoteResult& v) {
-  std::string out;
-  for (const std::string& r : v.reasons) absl::StrAppend(&out, out.empty() ? "" : "; ", r);
-  return out;
-}
-
-// Half of what is left: a collective that can hang on a missing rank (NCCL init) must leave
-// time for the vote that follows it.
-absl::Time HalfwayTo(absl::Time deadline) {
-  const absl::Time now = absl::Now();
-  if (deadline <= now || deadline == absl::InfiniteFuture()) return deadline;
-  return now + (deadline - now) / 2;
-}
-
-}  // namespace
 
 CudaEngine::CudaEngine(const EngineOptions& options, const CudaEngineOptions& cuda_options)
-    : options_(options),
-      cuda_options_(cuda_options),
-      doorbell_(options.rank, options.spin_timeout) {
+    : options_(options), cuda_options_(cuda_options), planes_(options.rank, options.spin_timeout) {
   status_.state = WorkspaceState::kInitializing;
   status_.backend = options.backend;
   status_.reason = "not initialized";
@@ -111,17 +43,17 @@ CudaEngine::~CudaEngine() {
     MarkDeviceWedged(
         "an NCCL kernel waits for a peer rank that agreed to the op and is gone; restart this "
         "sidecar");
-    doorbell_.Leak();
+    planes_.DeviceWedged();
     static_cast<void>(workspace_.release());
     static_cast<void>(sym_nccl_.release());
     static_cast<void>(nccl_.release());
     return;
   }
-  // The doorbell plane goes before its workspace: the abort sends its waiters away (and ends a
-  // fused op spinning on a peer), then the plane stops; workspace teardown then waits a bounded
-  // time for its spins; NCCL aborts its communicator.
+  // The planes go before their workspace: the abort sends the doorbell plane's waiters away (and
+  // ends a fused op spinning on a peer), then the planes stop; workspace teardown then waits a
+  // bounded time for its spins; NCCL aborts its communicator.
   if (workspace_ != nullptr) workspace_->Abort();
-  doorbell_.Close();
+  planes_.EngineClosing();
   workspace_.reset();
   sym_nccl_.reset();
   nccl_.reset();
@@ -182,216 +114,6 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& 
   ARFUSE_CUDA_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&engine->unfused_done_, cudaEventDisableTiming));
   return engine;
-}
-
-absl::Status CudaEngine::Initialize(Exchange& exchange, absl::Time deadline) {
-  if (exchange.world_size() != options_.world_size || exchange.rank() != options_.rank) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "exchange is rank ", exchange.rank(), " of ", exchange.world_size(),
-        " but the engine was made for rank ", options_.rank, " of ", options_.world_size));
-  }
-  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
-    mu_.Unlock();
-    return absl::DeadlineExceededError("an op held the engine until the initialize deadline");
-  }
-  absl::Status s = InitializeLocked(exchange, deadline);
-  mu_.Unlock();
-  if (!s.ok()) {
-    absl::MutexLock state(&state_mu_);
-    status_.state = WorkspaceState::kInitializing;
-    status_.fusion_enabled = false;
-    status_.reason = absl::StrCat("initialize failed: ", s.message());
-    spdlog::error("event=engine_init_failed rank={} code={}", options_.rank,
-                  absl::StatusCodeToString(s.code()));
-  }
-  return s;
-}
-
-absl::Status CudaEngine::InitializeLocked(Exchange& exchange, absl::Time deadline) {
-  exchange_ = &exchange;
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  const int world = options_.world_size;
-  // The doorbell plane stops queuing and its waiters leave before the workspace is touched
-  // (docs/doorbell.md: Pause, re-initialize, ResetSlots, Resume). A doorbell op that waits for a
-  // peer ends at the latest when Reinitialize aborts the workspace.
-  doorbell_.PauseForReinitialize(deadline);
-  {
-    absl::MutexLock state(&state_mu_);
-    status_.state = WorkspaceState::kInitializing;
-    status_.fusion_enabled = false;
-  }
-  Hello mine;
-  {
-    absl::MutexLock state(&state_mu_);
-    mine.generation = status_.generation;
-  }
-  mine.has_workspace = workspace_ != nullptr;
-  mine.has_nccl = nccl_ != nullptr;
-  ARFUSE_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&mine.sms, cudaDevAttrMultiProcessorCount, device_));
-  absl::StatusOr<std::string> hello = DeviceIdentity(device_);
-  if (hello.ok()) {
-    mine.device = *hello;
-    hello = EncodeHello(mine);
-  }
-  ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> hellos,
-                          AllgatherStep(exchange, "engine.hello", hello, "engine hello", deadline));
-  uint64_t generation = 0;
-  bool all_have_workspace = true, all_have_nccl = true;
-  int min_sms = mine.sms;
-  std::map<std::string, int> per_gpu;
-  for (const std::string& h : hellos) {
-    ARFUSE_ASSIGN_OR_RETURN(Hello peer, DecodeHello(h));
-    generation = std::max(generation, peer.generation);
-    all_have_workspace &= peer.has_workspace;
-    all_have_nccl &= peer.has_nccl;
-    min_sms = std::min(min_sms, peer.sms);
-    ++per_gpu[peer.device];
-  }
-  ++generation;
-  int max_share = 0;
-  for (const auto& [device, n] : per_gpu) max_share = std::max(max_share, n);
-  shares_gpu_ = max_share > 1;
-  // Ranks sharing one GPU (MPS) must not starve each other of SMs while they spin: each gets an
-  // equal share, the same number on every rank so every rank's grid is the same. With the
-  // doorbell plane every rank also keeps a waiter or a serving launch resident, and its client a
-  // ring block (docs/doorbell.md): the fused grids leave room for all of them, since a serving
-  // launch of one rank stays resident while another rank's fused grid (an eager prefill op)
-  // runs (SharedGpuSmBudget).
-  const uint32_t sm_budget =
-      cuda_options_.sm_budget != 0
-          ? cuda_options_.sm_budget
-          : (shares_gpu_ ? SharedGpuSmBudget(
-                               min_sms, max_share, cuda_options_.enable_doorbell,
-                               DoorbellServeBlocksFor(cuda_options_.doorbell_serve_blocks, true))
-                         : 0);
-  PrefixedExchange ex(exchange, absl::StrCat("g", generation, "/"));
-
-  // Unfused path: NCCL. Kept when every rank still has its communicator.
-  std::string nccl_reason;
-  if (!all_have_nccl) {
-    symmetric_buffer_ = nullptr;
-    symmetric_bytes_ = 0;
-    sym_nccl_.reset();
-    nccl_.reset();
-  }
-  if (!cuda_options_.enable_nccl) {
-    sym_nccl_.reset();
-    nccl_.reset();
-    nccl_reason = "NCCL disabled by options";
-  } else if (shares_gpu_) {
-    nccl_.reset();
-    nccl_reason = "ranks share a GPU (NCCL refuses duplicate GPUs)";
-  } else if (nccl_ == nullptr) {
-    absl::StatusOr<std::unique_ptr<NcclComm>> comm = NcclComm::Create(ex, HalfwayTo(deadline));
-    ARFUSE_ASSIGN_OR_RETURN(
-        VoteResult voted, ex.Vote("nccl.ok", comm.ok(),
-                                  comm.ok() ? "" : std::string(comm.status().message()), deadline));
-    if (voted.all_yes) {
-      nccl_ = std::move(*comm);
-      const size_t cap = static_cast<size_t>(options_.max_tokens) * options_.max_hidden *
-                         DTypeSize(options_.dtype);
-      if (cuda_options_.enable_nccl_symmetric) {
-        absl::StatusOr<std::unique_ptr<NcclComm>> sym_comm =
-            NcclComm::Create(ex, HalfwayTo(deadline), /*blocking=*/true);
-        absl::StatusOr<void*> sym = sym_comm.ok()
-                                        ? (*sym_comm)->AllocSymmetric(cap, HalfwayTo(deadline))
-                                        : absl::StatusOr<void*>(sym_comm.status());
-        ARFUSE_ASSIGN_OR_RETURN(
-            VoteResult sym_voted,
-            ex.Vote("nccl.symmetric", sym.ok(), sym.ok() ? "" : std::string(sym.status().message()),
-                    deadline));
-        if (sym_voted.all_yes) {
-          sym_nccl_ = std::move(*sym_comm);
-          symmetric_buffer_ = *sym;
-          symmetric_bytes_ = cap;
-        } else {
-          spdlog::warn("event=nccl_symmetric_unavailable rank={} reason=\"{}\"", options_.rank,
-                       VoteReasons(sym_voted));
-        }
-      }
-    } else {
-      nccl_reason = absl::StrCat("NCCL unavailable: ", VoteReasons(voted));
-    }
-  }
-
-  // Fused path.
-  std::string fuse_reason;
-  const bool fused_backend = options_.backend == "trtllm" || options_.backend == "mnnvl";
-  if (!fused_backend) {
-    fuse_reason = options_.unfused_reason.empty()
-                      ? absl::StrCat("backend ", options_.backend, ": unfused")
-                      : absl::StrCat("fusion off: ", options_.unfused_reason);
-  } else if (!IsSupportedWorldSize(world)) {
-    fuse_reason = absl::StrCat("world size ", world, " is not fused (2, 4, 8 or 16)");
-  }
-  {
-    absl::MutexLock state(&state_mu_);
-    abortable_ = nullptr;
-  }
-  if (!fuse_reason.empty()) {
-    ResetWorkspaceLocked();
-  } else {
-    absl::Status built;
-    if (all_have_workspace && workspace_ != nullptr &&
-        workspace_->options().sm_budget == sm_budget) {
-      built = workspace_->Reinitialize(ex, stream_, deadline);
-    } else {
-      ResetWorkspaceLocked();
-      WorkspaceOptions wo;
-      wo.backend = options_.backend;
-      wo.vmm_handle = cuda_options_.vmm_handle;
-      wo.max_tokens = options_.max_tokens;
-      wo.hidden = options_.max_hidden;
-      wo.dtype = options_.dtype;
-      wo.spin_timeout = options_.spin_timeout;
-      wo.sm_budget = sm_budget;
-      absl::StatusOr<std::unique_ptr<FusionWorkspace>> ws =
-          FusionWorkspace::Create(ex, wo, stream_, deadline);
-      built = ws.status();
-      if (ws.ok()) workspace_ = std::move(*ws);
-    }
-    // A rank that cannot fuse while its peers spin would hang them: all fuse or none does.
-    ARFUSE_ASSIGN_OR_RETURN(
-        VoteResult voted,
-        ex.Vote("fuse.ok", built.ok(), built.ok() ? "" : std::string(built.message()), deadline));
-    if (!voted.all_yes) {
-      ResetWorkspaceLocked();
-      fuse_reason = absl::StrCat("fused workspace unavailable: ", VoteReasons(voted));
-    }
-  }
-  // Re-initialized in place: the plans stay; their slots are re-armed and the plane runs again.
-  doorbell_.ReArm(deadline);
-
-  absl::MutexLock state(&state_mu_);
-  status_.generation = generation;
-  status_.backend = options_.backend;
-  status_.workspace_bytes = workspace_ != nullptr ? workspace_->bytes_per_rank() : 0;
-  if (workspace_ != nullptr) {
-    abortable_ = workspace_.get();
-    status_.state = WorkspaceState::kReady;
-    status_.fusion_enabled = true;
-    status_.reason =
-        nccl_ != nullptr ? "fused, NCCL fallback ready" : absl::StrCat("fused only: ", nccl_reason);
-  } else if (nccl_ != nullptr) {
-    status_.state = WorkspaceState::kUnfused;
-    status_.fusion_enabled = false;
-    status_.reason = fuse_reason;
-  } else {
-    // Fusion is off (or impossible) and NCCL cannot run either (ranks sharing a GPU): the
-    // sidecar still comes up, says so, and refuses every op with FAILED_PRECONDITION, so clients
-    // take their own path at once instead of waiting for a workspace that never comes.
-    status_.state = WorkspaceState::kUnfused;
-    status_.fusion_enabled = false;
-    status_.reason = absl::StrCat("no path in the sidecar (", fuse_reason, "; ", nccl_reason,
-                                  "): clients run their own path");
-  }
-  spdlog::info(
-      "event=engine_ready rank={} world_size={} generation={} backend={} fused={} nccl={} "
-      "nccl_symmetric={} shares_gpu={} sm_budget={} workspace_bytes={}",
-      options_.rank, world, generation, options_.backend, workspace_ != nullptr, nccl_ != nullptr,
-      symmetric_buffer_ != nullptr, shares_gpu_, sm_budget, status_.workspace_bytes);
-  return absl::OkStatus();
 }
 
 absl::Status CudaEngine::ValidateOp(const OpArgs& op) const {
@@ -545,10 +267,11 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
   const bool fused = choice.path != ExecPath::kUnfused;
 
-  // Doorbell waiters queued ahead on the stream would hold this op back until their idle
-  // timeout: they leave first, and are queued again behind it.
-  EngineDoorbell::ResumeGuard resume_doorbell;
-  ARFUSE_RETURN_IF_ERROR(doorbell_.PauseForOp(ctx.deadline, &resume_doorbell));
+  // The planes' work queued ahead on the stream would hold this op back: it steps aside first,
+  // and queues again behind the op.
+  AfterOpScope planes_after_op;
+  ARFUSE_RETURN_IF_ERROR(planes_.BeforeOp(ctx.deadline));
+  planes_after_op.Arm(&planes_);
 
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (ctx.wait_event != nullptr) {
@@ -578,8 +301,8 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   if (ctx.done_event != nullptr) {
     ARFUSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(ctx.done_event), stream_));
   }
-  // Waiters queue again behind the op at once, not after a synchronous wait.
-  resume_doorbell.Now();
+  // The planes queue again behind the op at once, not after a synchronous wait.
+  planes_after_op.Now();
   if (ctx.synchronous) {
     // An agreed NCCL op waits for its peers no longer than a fused kernel spins for them.
     absl::Status done =
@@ -727,206 +450,6 @@ EngineStatus CudaEngine::Status() const {
     s.reason = absl::StrCat("workspace poisoned: ", FusionErrorName(error));
   }
   return s;
-}
-
-// ---- in-stream plane ----
-
-absl::StatusOr<InStreamExport> CudaEngine::ExportInStream(const std::vector<uint32_t>& hiddens) {
-  absl::MutexLock lock(&mu_);
-  {
-    absl::MutexLock state(&state_mu_);
-    if (status_.state == WorkspaceState::kInitializing) {
-      return absl::UnavailableError("the workspace is being built; attach again shortly");
-    }
-  }
-  if (workspace_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("fusion is off for the group (", Status().reason, ")"));
-  }
-  if (workspace_->poisoned()) {
-    return absl::FailedPreconditionError(absl::StrCat("the workspace is poisoned (",
-                                                      FusionErrorName(workspace_->error_code()),
-                                                      "); attach again after the group re-forms"));
-  }
-  // An attached client's kernel that failed marks the workspace only (Status() reads it): no
-  // new attachment to it until the group re-forms.
-  if (const uint32_t error = instream_error_.load(); error != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the workspace is poisoned by an in-stream "
-                     "op (",
-                     FusionErrorName(error), "); attach again after the group re-forms"));
-  }
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  if (image_ == nullptr) {
-    ARFUSE_ASSIGN_OR_RETURN(image_, InStreamKernelImage::Load(static_cast<uint32_t>(sm_)));
-  }
-  InStreamExportSpec spec;
-  spec.device = device_;
-  spec.sm = sm_;
-  spec.rank = options_.rank;
-  spec.world_size = options_.world_size;
-  spec.dtype = options_.dtype;
-  spec.forced = cuda_options_.forced;
-  spec.table = &cuda_options_.table;
-  ARFUSE_ASSIGN_OR_RETURN(InStreamExport e,
-                          ExportWorkspaceInStream(*workspace_, *image_, spec, hiddens));
-  exported_.store(true);
-  return e;
-}
-
-absl::StatusOr<InStreamCounters> CudaEngine::InStreamStatus() {
-  absl::MutexLock state(&state_mu_);
-  if (abortable_ == nullptr) return absl::UnavailableError("no fused workspace");
-  ARFUSE_ASSIGN_OR_RETURN(InStreamCounters c,
-                          abortable_->ReadInStreamCounters(absl::Now() + kInStreamReadTimeout));
-  instream_error_.store(c.error);
-  c.generation = abortable_->generation();
-  if (c.error != 0) c.error_name = FusionErrorName(c.error);
-  return c;
-}
-
-bool CudaEngine::InStreamClientEnded(uint64_t /*attach_id*/) {
-  absl::MutexLock state(&state_mu_);
-  if (abortable_ == nullptr) return false;
-  // The kernels do not record which attachment launched them: an op in flight when a client's
-  // session ends is taken to be that client's (one plane per workspace: the sidecar runs none of
-  // its own while clients are attached). A client killed mid-op leaves the in-flight counts set
-  // (its kernel never finished); one that ended between ops leaves them 0 and poisons nothing.
-  absl::StatusOr<InStreamCounters> c =
-      abortable_->ReadInStreamCounters(absl::Now() + kInStreamReadTimeout);
-  // A control block that cannot be read in time may hide a half-done op: poison to be safe.
-  if (c.ok() && !c->op_in_flight) return false;
-  if (c.ok() && c->error != 0) return false;  // already poisoned; the group re-forms
-  abortable_->PoisonGroup(FusionError::kAbandoned);
-  instream_error_.store(static_cast<uint32_t>(FusionError::kAbandoned));
-  spdlog::error(
-      "event=workspace_poisoned rank={} reason=\"an attached client ended mid-op "
-      "(abandoned)\"",
-      options_.rank);
-  return true;
-}
-
-// ---- doorbell plane ----
-
-void CudaEngine::ResetWorkspaceLocked() {
-  if (workspace_ != nullptr) {
-    // A doorbell op spinning on a peer ends now; the plane's waiters leave.
-    workspace_->Abort();
-    doorbell_.Drop("its workspace is rebuilt or dropped");
-  }
-  workspace_.reset();
-}
-
-DoorbellPlaneOptions CudaEngine::DoorbellOptionsLocked() const {
-  DoorbellPlaneOptions o;
-  o.device = device_;
-  o.stream = stream_;
-  o.local_workspace = workspace_->local_base();
-  o.layout = workspace_->layout();
-  o.host_abort = workspace_->device_host_abort();
-  o.queue_depth = cuda_options_.doorbell_queue_depth;
-  o.programmatic_launch = cuda_options_.doorbell_programmatic_launch;
-  o.serve_blocks = DoorbellServeBlocksFor(cuda_options_.doorbell_serve_blocks, shares_gpu_);
-  o.serve_in_place = o.serve_blocks > 0;
-  if (o.serve_blocks != cuda_options_.doorbell_serve_blocks) {
-    spdlog::info(
-        "event=doorbell_serve_blocks_capped requested={} serve_blocks={} reason=\"ranks share "
-        "this GPU\"",
-        cuda_options_.doorbell_serve_blocks, o.serve_blocks);
-  }
-  return o;
-}
-
-DispatchRequest CudaEngine::DispatchRequestLocked(const OpArgs& op) const {
-  DispatchRequest req;
-  req.sm = sm_;
-  req.world_size = options_.world_size;
-  req.num_tokens = op.num_tokens;
-  req.hidden = op.hidden;
-  req.dtype = op.dtype;
-  req.fused_available = workspace_ != nullptr && !workspace_->poisoned();
-  req.twoshot_available =
-      IsFusionSupported(op.dtype, options_.world_size, op.pattern, FusionAlgo::kTwoShot);
-  req.nccl_available = nccl_ != nullptr;
-  req.nccl_symmetric_available =
-      symmetric_buffer_ != nullptr &&
-      PayloadBytes(op.num_tokens, op.hidden, op.dtype) <= symmetric_bytes_;
-  req.forced = cuda_options_.forced;
-  return req;
-}
-
-absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlan(const OpArgs& op_template,
-                                                          uint32_t max_tokens,
-                                                          absl::Time deadline) {
-  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
-    mu_.Unlock();
-    return absl::DeadlineExceededError("an op held the engine until the deadline");
-  }
-  absl::StatusOr<DoorbellGrant> out = AddDoorbellPlanLocked(op_template, max_tokens);
-  mu_.Unlock();
-  return out;
-}
-
-absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op_template,
-                                                                uint32_t max_tokens) {
-  if (!cuda_options_.enable_doorbell) {
-    return absl::FailedPreconditionError(
-        "the doorbell plane is disabled on this engine: use the eager plane (Execute)");
-  }
-  WorkspaceState state;
-  std::string reason;
-  {
-    absl::MutexLock s(&state_mu_);
-    state = status_.state;
-    reason = status_.reason;
-  }
-  if (state == WorkspaceState::kInitializing) {
-    return absl::UnavailableError(absl::StrCat("engine is not initialized (", reason, ")"));
-  }
-  if (state == WorkspaceState::kPoisoned || (workspace_ != nullptr && workspace_->poisoned())) {
-    return absl::FailedPreconditionError(
-        "the workspace is poisoned: re-initialize every rank, then create the doorbell plan");
-  }
-  if (workspace_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the doorbell plane runs only the fused kernels and this group runs unfused (",
-                     reason, "): use the eager plane (CreatePlan without doorbell, then Execute)"));
-  }
-  if (max_tokens == 0) return absl::InvalidArgumentError("a doorbell plan needs max_tokens > 0");
-  OpArgs op = op_template;
-  op.num_tokens = max_tokens;
-  ARFUSE_RETURN_IF_ERROR(ValidateOp(op));
-  ARFUSE_ASSIGN_OR_RETURN(const DoorbellDispatch dispatch,
-                          ChooseDoorbellDispatch(cuda_options_.table, DispatchRequestLocked(op)));
-  ARFUSE_ASSIGN_OR_RETURN(const FusionParams params,
-                          workspace_->MakeParams(op, FusionAlgo::kOneShot));
-  ARFUSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  if (!doorbell_.active()) {
-    ARFUSE_RETURN_IF_ERROR(doorbell_.Ensure(DoorbellOptionsLocked(), workspace_->generation()));
-  }
-  return doorbell_.AddPlan(params, max_tokens, dispatch, op.hidden);
-}
-
-absl::Status CudaEngine::RemoveDoorbellPlan(const DoorbellGrant& grant, absl::Time deadline) {
-  if (!mu_.LockWhenWithDeadline(absl::Condition::kTrue, deadline)) {
-    mu_.Unlock();
-    return absl::DeadlineExceededError(
-        "an op held the engine until the deadline; the doorbell plan was not removed");
-  }
-  cudaSetDevice(device_);
-  absl::Status out = doorbell_.RemovePlan(grant, deadline);
-  mu_.Unlock();
-  return out;
-}
-
-DoorbellSlot* CudaEngine::doorbell_slot_for_testing(const DoorbellGrant& grant) const {
-  absl::MutexLock lock(&mu_);
-  return doorbell_.slot_for_testing(grant);
-}
-
-absl::StatusOr<DoorbellPlaneStatus> CudaEngine::DoorbellStatus() const {
-  absl::MutexLock lock(&mu_);
-  return doorbell_.Status();
 }
 
 }  // namespace arfuse

@@ -21,10 +21,16 @@
 // engine then leaves the communicator alone (its abort would wait for that kernel forever) and
 // marks the device wedged (MarkDeviceWedged), so the daemon exits to be restarted.
 //
-// The doorbell plane (docs/doorbell.md): the engine holds one over its workspace, on the
+// The data planes' engine sides sit behind one member (planes_,
+// server/cuda_engine/engine_planes.h), whose lifecycle hooks (server/engine/plane_hooks.h) the
+// engine runs at an eager op, a re-initialization, a dropped workspace and its own end; the eager
+// path names no plane. The doorbell plane (docs/doorbell.md) runs over the workspace, on the
 // engine's stream (server/doorbell/engine_doorbell.h: when it is made, paused, re-armed and
 // dropped). A workspace that is rebuilt or dropped takes the plane with it (aborted first, then
 // stopped, then the workspace freed): its plans are gone and their rings fail with kStopped.
+//
+// The implementation is split by job: cuda_engine.cc (the engine, the eager op, the unfused
+// path), cuda_engine_init.cc (Initialize), cuda_engine_planes.cc (InStreamHost, DoorbellHost).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -38,9 +44,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/cuda_engine/engine_planes.h"
 #include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
-#include "server/doorbell/engine_doorbell.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"
 #include "server/engine/instream_host.h"
@@ -145,6 +151,9 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   DispatchRequest DispatchRequestLocked(const OpArgs& op) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // How long a copy of the workspace's control words may take (a copy engine; never behind ops).
+  static constexpr absl::Duration kInStreamReadTimeout = absl::Milliseconds(20);
+
   const EngineOptions options_;
   CudaEngineOptions cuda_options_;
   int device_ = 0;
@@ -166,9 +175,9 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
   // The exchange of the last Initialize: unfused ops agree over it.
   Exchange* exchange_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // The doorbell plane over workspace_ (none until the first doorbell plan, and without a
-  // workspace).
-  EngineDoorbell doorbell_ ABSL_GUARDED_BY(mu_);
+  // The planes' engine sides and their hooks; the doorbell plane over workspace_ (none until the
+  // first doorbell plan, and without a workspace).
+  EnginePlanes planes_ ABSL_GUARDED_BY(mu_);
   // Status() and Abort() must not wait for an op: their state lives under a second lock.
   mutable absl::Mutex state_mu_;
   mutable EngineStatus status_ ABSL_GUARDED_BY(state_mu_);

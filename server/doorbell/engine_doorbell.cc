@@ -40,7 +40,7 @@ absl::Status EngineDoorbell::Ensure(const DoorbellPlaneOptions& options, uint64_
   return absl::OkStatus();
 }
 
-void EngineDoorbell::Drop(const char* why) {
+void EngineDoorbell::WorkspaceDropped(const char* why) {
   if (plane_ == nullptr) return;
   spdlog::warn("event=doorbell_plane_dropped rank={} plane_id={} plans={} reason=\"{}\"", rank_,
                id_, plans_, why);
@@ -69,7 +69,7 @@ void EngineDoorbell::Resume() {
   }
 }
 
-void EngineDoorbell::PauseForReinitialize(absl::Time deadline) {
+void EngineDoorbell::BeforeReinitialize(absl::Time deadline) {
   if (plane_ == nullptr) return;
   bool was_running = false;
   absl::Status paused = Pause(PauseDeadline(deadline), &was_running);
@@ -79,27 +79,19 @@ void EngineDoorbell::PauseForReinitialize(absl::Time deadline) {
   }
 }
 
-void EngineDoorbell::ReArm(absl::Time deadline) {
+void EngineDoorbell::Reinitialized(absl::Time deadline) {
   if (plane_ == nullptr) return;
   absl::Status reset = plane_->ResetSlots(deadline);
   if (reset.ok()) reset = plane_->Resume();
   if (!reset.ok()) {
     spdlog::error("event=doorbell_reset_failed rank={} error=\"{}\"", rank_,
                   std::string(reset.message()));
-    Drop("its slots could not be re-armed after the re-initialization");
+    WorkspaceDropped("its slots could not be re-armed after the re-initialization");
   }
 }
 
-void EngineDoorbell::ResumeGuard::Now() {
-  if (!armed_) return;
-  armed_ = false;
-  absl::Status resumed = plane_->Resume();
-  if (!resumed.ok()) {
-    spdlog::warn("event=doorbell_resume_failed error=\"{}\"", std::string(resumed.message()));
-  }
-}
-
-absl::Status EngineDoorbell::PauseForOp(absl::Time deadline, ResumeGuard* resume) {
+absl::Status EngineDoorbell::BeforeOp(absl::Time deadline) {
+  resume_after_op_ = false;
   if (plane_ == nullptr || plans_ == 0) return absl::OkStatus();
   bool paused_running = false;
   absl::Status paused = Pause(PauseDeadline(deadline), &paused_running);
@@ -108,9 +100,18 @@ absl::Status EngineDoorbell::PauseForOp(absl::Time deadline, ResumeGuard* resume
         absl::StrCat("doorbell ops still running on the engine's stream; the op did not run: ",
                      paused.message()));
   }
-  resume->plane_ = plane_.get();
-  resume->armed_ = paused_running;
+  resume_after_op_ = paused_running;
   return absl::OkStatus();
+}
+
+void EngineDoorbell::AfterOp() {
+  if (!resume_after_op_) return;
+  resume_after_op_ = false;
+  if (plane_ == nullptr) return;
+  absl::Status resumed = plane_->Resume();
+  if (!resumed.ok()) {
+    spdlog::warn("event=doorbell_resume_failed error=\"{}\"", std::string(resumed.message()));
+  }
 }
 
 absl::StatusOr<DoorbellGrant> EngineDoorbell::AddPlan(const FusionParams& params,
