@@ -1,5 +1,5 @@
-// arfusectl: the command line for arfused. One table of subcommands (resolve, health, info,
-// version); a new verb is one more entry with its options and a run function.
+// arfusectl: the command line for arfused. One table of subcommands (cli.cc); a new verb is one
+// more entry there with its options and a run function (commands.h).
 #pragma once
 
 #include <ostream>

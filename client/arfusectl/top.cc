@@ -23,7 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/cli.h"
+#include "client/arfusectl/commands.h"
 #include "server/core/json.h"
 #include "server/core/version.h"
 
@@ -253,17 +253,6 @@ struct Sample {
   std::map<double, double> latency;  // cumulative, every series summed, by le
 };
 
-std::string StateName(v1::WorkspaceState state) {
-  std::string name = v1::WorkspaceState_Name(state);
-  const std::string prefix = "WORKSPACE_STATE_";
-  return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
-}
-
-std::string GrpcError(const grpc::Status& st) {
-  return absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())),
-                      ": ", st.error_message());
-}
-
 void ReadMetrics(const std::string& text, Sample* s) {
   absl::StatusOr<std::vector<MetricSample>> parsed = ParseExposition(text);
   if (!parsed.ok()) {
@@ -311,23 +300,18 @@ std::shared_ptr<grpc::Channel> TopChannel(const std::string& addr, int interval_
 Sample Take(const std::shared_ptr<grpc::Channel>& channel, const std::string& metrics,
             int timeout_ms) {
   Sample s;
-  auto context = [&] {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-    c->AddMetadata(kApiVersionMetadataKey, absl::StrCat(kApiMajor, ".", kApiMinor));
-    return c;
-  };
   v1::GetWorkspaceInfoResponse ws;
-  grpc::Status st = v1::Fusion::NewStub(channel)->GetWorkspaceInfo(context().get(), {}, &ws);
+  grpc::Status st =
+      v1::Fusion::NewStub(channel)->GetWorkspaceInfo(NewCallContext(timeout_ms).get(), {}, &ws);
   s.at = std::chrono::steady_clock::now();
   if (!st.ok()) {
-    s.error = GrpcError(st);
+    s.error = GrpcStatusText(st);
     return s;
   }
   v1::GetStatsResponse stats;
-  st = v1::Admin::NewStub(channel)->GetStats(context().get(), {}, &stats);
+  st = v1::Admin::NewStub(channel)->GetStats(NewCallContext(timeout_ms).get(), {}, &stats);
   if (!st.ok()) {
-    s.error = GrpcError(st);
+    s.error = GrpcStatusText(st);
     return s;
   }
   s.reachable = true;
@@ -335,7 +319,7 @@ Sample Take(const std::shared_ptr<grpc::Channel>& channel, const std::string& me
   s.world_size = ws.world_size();
   s.backend = ws.backend();
   s.fusion_enabled = ws.fusion_enabled();
-  s.state = StateName(ws.state());
+  s.state = StateText(ws.state());
   s.generation = ws.generation();
   s.poisonings = stats.poisonings();
   s.sidecar_ops = stats.ops_ok() + stats.ops_failed();
@@ -509,13 +493,9 @@ int RunTop(const TopOptions& o, std::ostream& out, std::ostream& err) {
   for (const std::string& a : o.addrs) channels.push_back(TopChannel(a, o.interval_ms));
   auto sample_all = [&] {
     std::vector<Sample> samples(n);
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < n; ++i) {
-      threads.emplace_back([&, i] {
-        samples[i] = Take(channels[i], o.metrics.empty() ? "" : o.metrics[i], o.timeout_ms);
-      });
-    }
-    for (auto& t : threads) t.join();
+    ForEachConcurrently(n, [&](size_t i) {
+      samples[i] = Take(channels[i], o.metrics.empty() ? "" : o.metrics[i], o.timeout_ms);
+    });
     return samples;
   };
   std::vector<Sample> prev = sample_all();
