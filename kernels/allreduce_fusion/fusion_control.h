@@ -98,5 +98,7 @@ static_assert(offsetof(FusionControl, twoshot_desc) ==
               256 + kFusionBarrierBytes + 3 * kMaxWorldSize * sizeof(FusionOpDesc));
 static_assert(sizeof(FusionControl) ==
               256 + kFusionBarrierBytes + 4 * kMaxWorldSize * sizeof(FusionOpDesc));
+// The op contract sizes the control section without CUDA (kernels/contract/op_contract.h).
+static_assert(sizeof(FusionControl) == kFusionControlBytes);
 
 }  // namespace arfuse
