@@ -342,23 +342,9 @@ int arfuse_note_declined(arfuse_ctx* ctx, int reason) {
 }
 
 const char* arfuse_error_name(uint32_t code) {
-  switch (code) {
-    // FusionError's codes (the host collective's HostWsError shares them).
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kNone):
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kTimeout):
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kHostAbort):
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kPeerAbort):
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kPoisoned):
-    case static_cast<uint32_t>(arfuse::host::HostWsError::kAbandoned):
-      return arfuse::host::HostWsErrorName(code);
-    case lib::kErrorOpMismatch:
-      return "op_mismatch";
-    case arfuse::instream::kErrorStaleGeneration:
-      return "stale_generation";
-    case arfuse::instream::kErrorLaunchAbi:
-      return "launch_abi";
-  }
-  return "unknown";
+  // The one device error table's names (kernels/contract/device_errors.h): the kernels' codes,
+  // the host collective's (a subset) and the in-stream launch's own.
+  return arfuse::DeviceErrorName(code);
 }
 
 }  // extern "C"

@@ -51,9 +51,9 @@ plain::Status CheckEntry(const ParsedBlob& p, uint32_t i) {
   if (e.algo != kAlgoOneShot && e.algo != kAlgoTwoShot) {
     return Malformed(plain::StrCat(at, "algo ", e.algo, " is not one-shot (1) or two-shot (2)"));
   }
-  if (e.hidden == 0 || e.hidden % kHiddenMultiple != 0 || e.hidden > p.header.hidden) {
-    return Malformed(plain::StrCat(at, "hidden ", e.hidden, " is not a positive multiple of ",
-                                   kHiddenMultiple, " up to the workspace's ", p.header.hidden));
+  if (!IsHiddenAligned(e.hidden) || e.hidden > p.header.hidden) {
+    return Malformed(plain::StrCat(at, contract::HiddenNotAligned(e.hidden),
+                                   " up to the workspace's ", p.header.hidden));
   }
   if (p.device() != DeviceKind::kCuda) return plain::OkStatus();  // the host runs no kernel
   if (e.function[0] == '\0') return Malformed(plain::StrCat(at, "function name is empty"));
@@ -212,13 +212,10 @@ plain::StatusOr<ParsedBlob> ParseAttachBlob(const void* blob, size_t blob_bytes,
   }
   if (h.spin_timeout_ns == 0) return Malformed("spin_timeout_ns is 0");
   if (h.max_tokens == 0) return Malformed("max_tokens is 0");
-  if (h.hidden == 0 || h.hidden % kHiddenMultiple != 0) {
-    return Malformed(
-        plain::StrCat("hidden ", h.hidden, " is not a positive multiple of ", kHiddenMultiple));
-  }
+  if (!IsHiddenAligned(h.hidden)) return Malformed(contract::HiddenNotAligned(h.hidden));
   if (!cuda) {
-    const uint64_t capacity =
-        uint64_t{h.max_tokens} * h.hidden * DTypeSize(static_cast<DType>(h.dtype));
+    const uint64_t capacity = contract::CapacityBytes(
+        contract::WorkspaceCapacity{h.max_tokens, h.hidden, static_cast<DType>(h.dtype), true});
     if (h.host_slot_bytes < capacity || h.host_slot_bytes % host::kHostWsSlotAlign != 0) {
       return Malformed(plain::StrCat("host_slot_bytes ", h.host_slot_bytes,
                                      " is not a multiple of ", host::kHostWsSlotAlign,

@@ -9,21 +9,21 @@
 
 #include "kernels/common/op_types.h"
 #include "kernels/common/plain_status.h"
+#include "kernels/contract/op_contract.h"
 #include "kernels/instream/attach_abi.h"
 
 namespace arfuse::instream::lib {
 
-// FusionAlgo's numbers (kernels/allreduce_fusion/allreduce_fusion.h, which host-only builds cannot
-// include; the CUDA part static_asserts that they agree).
-inline constexpr uint8_t kAlgoOneShot = 1;
-inline constexpr uint8_t kAlgoTwoShot = 2;
-// FusionError::kOpMismatch: the ranks launched different ops (only GPU kernels detect it this way;
+// The op contract's numbers (kernels/contract/op_contract.h), as the blob's plain bytes hold them.
+inline constexpr uint8_t kAlgoOneShot = static_cast<uint8_t>(FusionAlgo::kOneShot);
+inline constexpr uint8_t kAlgoTwoShot = static_cast<uint8_t>(FusionAlgo::kTwoShot);
+// DeviceError::kOpMismatch: the ranks launched different ops (only GPU kernels detect it this way;
 // the host collective refuses such an op with INVALID_ARGUMENT).
-inline constexpr uint32_t kErrorOpMismatch = 5;
+inline constexpr uint32_t kErrorOpMismatch = static_cast<uint32_t>(DeviceError::kOpMismatch);
 // Entries an attach may carry: both patterns and both algorithms for each hidden size.
 inline constexpr uint32_t kMaxEntries = 4 * kMaxAttachHiddens;
-// kMaxFusionBlocks: the two-shot barrier has a slot per block.
-inline constexpr uint32_t kMaxGrid = 1024;
+// The two-shot barrier has a slot per block.
+inline constexpr uint32_t kMaxGrid = static_cast<uint32_t>(kMaxFusionBlocks);
 
 // The blob's parts, copied out (the image stays in the caller's blob: it is loaded during the
 // attach and not kept).

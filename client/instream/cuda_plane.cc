@@ -8,28 +8,15 @@
 #include <vector>
 
 #include "client/instream/cuda_driver.h"
-#include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/cpu/host_workspace.h"
+#include "kernels/contract/op_contract.h"
 #include "kernels/instream/launch_abi.h"
 
 namespace arfuse::instream::lib {
 
-// The library's own copies of numbers it cannot include in host-only builds.
-static_assert(kAlgoOneShot == static_cast<uint8_t>(FusionAlgo::kOneShot));
-static_assert(kAlgoTwoShot == static_cast<uint8_t>(FusionAlgo::kTwoShot));
-static_assert(kMaxGrid == static_cast<uint32_t>(kMaxFusionBlocks));
-static_assert(static_cast<uint32_t>(host::HostWsError::kTimeout) ==
-              static_cast<uint32_t>(FusionError::kTimeout));
-static_assert(static_cast<uint32_t>(host::HostWsError::kHostAbort) ==
-              static_cast<uint32_t>(FusionError::kHostAbort));
-static_assert(static_cast<uint32_t>(host::HostWsError::kPeerAbort) ==
-              static_cast<uint32_t>(FusionError::kPeerAbort));
-static_assert(static_cast<uint32_t>(host::HostWsError::kPoisoned) ==
-              static_cast<uint32_t>(FusionError::kPoisoned));
-
-static_assert(kErrorOpMismatch == static_cast<uint32_t>(FusionError::kOpMismatch));
-static_assert(static_cast<uint32_t>(host::HostWsError::kAbandoned) ==
-              static_cast<uint32_t>(FusionError::kAbandoned));
+// The in-stream launch's own error codes are the device error table's (one table, one numbering:
+// kernels/contract/device_errors.h); the image's kernels write them.
+static_assert(kErrorStaleGeneration == static_cast<uint32_t>(DeviceError::kStaleGeneration));
+static_assert(kErrorLaunchAbi == static_cast<uint32_t>(DeviceError::kLaunchAbi));
 
 namespace {
 
@@ -341,29 +328,20 @@ class CudaPlane final : public Plane {
   plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override {
     InStreamLaunchArgs args;
     std::memset(&args, 0, sizeof(args));
-    FusionParams& p = args.fusion;
+    void* peers[kMaxWorldSize] = {};
     for (uint32_t q = 0; q < header_.world_size; ++q) {
-      p.peer_workspace[q] = reinterpret_cast<void*>(peers_[q]->ptr());
+      peers[q] = reinterpret_cast<void*>(peers_[q]->ptr());
     }
-    p.input = op.input;
-    p.output = op.output;
-    p.residual_in = op.residual_in;
-    p.residual_out = op.residual_out;
-    p.norm_out = op.norm_out;
-    p.gamma = op.gamma;
-    p.host_abort = nullptr;  // the sidecar aborts through the workspace's own abort word
-    p.host_error = reinterpret_cast<uint32_t*>(error_device_);
-    p.spin_timeout_ns = header_.spin_timeout_ns;
-    p.layout = layout_;
-    p.num_tokens = op.num_tokens;
-    p.hidden = op.hidden;
-    p.eps = op.eps;
-    p.rank = static_cast<int32_t>(header_.rank);
-    p.world_size = static_cast<int32_t>(header_.world_size);
-    p.sm_budget = header_.sm_budget;
-    p.dtype = op.dtype;
-    p.pattern = op.pattern;
-    p.algo = static_cast<FusionAlgo>(d.algo);
+    FusionLaunchSite site;
+    site.peer_workspace = peers;
+    site.rank = static_cast<int32_t>(header_.rank);
+    site.world_size = static_cast<int32_t>(header_.world_size);
+    site.layout = layout_;
+    site.spin_timeout_ns = header_.spin_timeout_ns;
+    site.sm_budget = header_.sm_budget;
+    site.host_abort = nullptr;  // the sidecar aborts through the workspace's own abort word
+    site.host_error = reinterpret_cast<uint32_t*>(error_device_);
+    args.fusion = MakeFusionParams(op, static_cast<FusionAlgo>(d.algo), site);
     std::memcpy(args.kernel_config, header_.kernel_config, sizeof(args.kernel_config));
     args.abi_version = kLaunchAbiVersion;
     args.generation = header_.generation;
@@ -429,22 +407,7 @@ class CudaPlane final : public Plane {
 
 plain::Status CheckCudaCapacity(const AttachHeader& h, uint32_t tokens, uint32_t hidden,
                                 DType dtype) {
-  const WorkspaceLayout l = LayoutOf(h);
-  const uint64_t row = uint64_t{hidden} * DTypeSize(dtype);
-  const uint64_t world = h.world_size;
-  const uint64_t slice = (tokens + world - 1) / world;
-  if (uint64_t{tokens} * row > l.lamport_slot_bytes) {
-    return plain::OutOfRangeError(
-        plain::StrCat("fusion unavailable for this op: ", tokens, " tokens x ", hidden, " hidden (",
-                      uint64_t{tokens} * row, " bytes) exceed the workspace's one-shot slot of ",
-                      l.lamport_slot_bytes, " bytes"));
-  }
-  if (slice * row > l.scatter_slot_bytes) {
-    return plain::OutOfRangeError(plain::StrCat(
-        "fusion unavailable for this op: the two-shot slice of ", slice, " tokens x ", hidden,
-        " hidden exceeds the workspace's scatter slot of ", l.scatter_slot_bytes, " bytes"));
-  }
-  return plain::OkStatus();
+  return contract::CheckFits(LayoutOf(h), contract::OpShape{dtype, hidden, tokens});
 }
 
 plain::Status CheckCudaBlob(const ParsedBlob& blob) {

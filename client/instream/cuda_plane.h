@@ -15,9 +15,9 @@ namespace arfuse::instream::lib {
 // before the driver is loaded: INVALID_ARGUMENT naming the field.
 plain::Status CheckCudaBlob(const ParsedBlob& blob);
 
-// The GPU workspace's own limits (what CheckFusionParams checks): OUT_OF_RANGE ("fusion
-// unavailable for this op: ...") when tokens x hidden exceeds a one-shot slot or the two-shot
-// slice (ceil(tokens / world) rows) exceeds a scatter slot.
+// The GPU workspace's own limits (contract::CheckFits, what CheckFusionParams checks): OUT_OF_RANGE
+// ("fusion unavailable for this op: ...") when tokens x hidden exceeds a one-shot slot or the
+// two-shot slice (ceil(tokens / world) rows) exceeds a scatter slot.
 plain::Status CheckCudaCapacity(const AttachHeader& header, uint32_t tokens, uint32_t hidden,
                                 DType dtype);
 

@@ -46,26 +46,19 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
   DeclineReason unused;
   DeclineReason& reason = why != nullptr ? *why : unused;
   const AttachHeader& h = blob.header;
-  reason = DeclineReason::kDtype;
-  if (dtype != blob.dtype()) {
-    return Unavailable(plain::StrCat("dtype ", DTypeName(dtype), " differs from the workspace's ",
-                                     DTypeName(blob.dtype())));
-  }
-  reason = DeclineReason::kShape;
-  if (hidden == 0 || hidden % kHiddenMultiple != 0) {
-    return Unavailable(
-        plain::StrCat("hidden ", hidden, " is not a positive multiple of ", kHiddenMultiple));
-  }
-  if (hidden > h.hidden) {
-    return Unavailable(plain::StrCat("hidden ", hidden, " exceeds the workspace's ", h.hidden));
+  contract::OpRule rule = contract::OpRule::kNone;
+  if (plain::Status s =
+          contract::CheckOp(contract::OpShape{dtype, hidden, tokens},
+                            contract::WorkspaceCapacity{h.max_tokens, h.hidden, blob.dtype()},
+                            contract::OpVoice::kClient, &rule);
+      !s.ok()) {
+    reason = rule == contract::OpRule::kDType      ? DeclineReason::kDtype
+             : rule == contract::OpRule::kCapacity ? DeclineReason::kCapacity
+                                                   : DeclineReason::kShape;
+    return s;
   }
   const uint64_t elems = uint64_t{tokens} * hidden;
   reason = DeclineReason::kCapacity;
-  if (elems > uint64_t{h.max_tokens} * h.hidden) {
-    return Unavailable(plain::StrCat(tokens, " tokens x ", hidden,
-                                     " hidden exceeds the workspace's ", h.max_tokens, " tokens x ",
-                                     h.hidden));
-  }
   if (plain::Status s = plane.CheckCapacity(tokens, hidden, dtype); !s.ok()) return s;
   Dispatch d;
   d.payload = elems * DTypeSize(dtype);

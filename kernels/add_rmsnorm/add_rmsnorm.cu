@@ -3,6 +3,7 @@
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/contract/op_contract.h"
 
 namespace arfuse {
 namespace {
@@ -78,7 +79,7 @@ cudaError_t CheckAddRmsNormParams(const AddRmsNormParams& p, const char** why) {
   const char* problem = nullptr;
   if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16 && p.dtype != DType::kFP32) {
     problem = "dtype is not bf16, fp16 or fp32";
-  } else if (p.hidden == 0 || p.hidden % kHiddenMultiple != 0) {
+  } else if (!IsHiddenAligned(p.hidden)) {
     problem = "hidden is not a positive multiple of 8";
   } else if (p.hidden > MaxAddRmsNormHidden(p.dtype)) {
     problem = "hidden is above the largest supported row";

@@ -25,117 +25,39 @@
 #include <cstdint>
 
 #include "kernels/common/op_types.h"
+#include "kernels/contract/op_contract.h"
 
 namespace arfuse {
 
-enum class FusionAlgo : uint8_t { kOneShot = 1, kTwoShot = 2 };
-
-// Codes of the workspace error word (0 = healthy). Sticky until LaunchWorkspaceInit.
+// Codes of the workspace error word (0 = healthy), sticky until LaunchWorkspaceInit: the kernels'
+// part of the one device error table (kernels/contract/device_errors.h), which names them.
 enum class FusionError : uint32_t {
-  kNone = 0,
-  kTimeout = 1,    // a spin passed FusionParams::spin_timeout_ns: a peer did not arrive
-  kHostAbort = 2,  // the host abort word (FusionParams::host_abort) was set
-  kPeerAbort = 3,  // a peer failed and told this rank to stop
-  kPoisoned = 4,   // launched on a workspace that already held an error; nothing was done
+  kNone = static_cast<uint32_t>(DeviceError::kNone),
+  kTimeout = static_cast<uint32_t>(DeviceError::kTimeout),  // past FusionParams::spin_timeout_ns
+  kHostAbort = static_cast<uint32_t>(DeviceError::kHostAbort),  // FusionParams::host_abort was set
+  kPeerAbort = static_cast<uint32_t>(DeviceError::kPeerAbort),  // a peer failed and told us to stop
+  kPoisoned = static_cast<uint32_t>(DeviceError::kPoisoned),  // an earlier error; nothing was done
   // The ranks launched different ops (num_tokens, hidden, eps, dtype, pattern, algo or world
   // size differ: FusionControl's op descriptors): no rank stores any output of the call.
-  kOpMismatch = 5,
+  kOpMismatch = static_cast<uint32_t>(DeviceError::kOpMismatch),
   // Written by the owning sidecar, never by a kernel: an in-stream client's session ended while
   // an op it launched was in flight on this rank (FusionControl's in-flight counters), so what it
   // published is retired by poisoning every rank's workspace before a peer's op pairs with it.
-  kAbandoned = 6,
+  kAbandoned = static_cast<uint32_t>(DeviceError::kAbandoned),
 };
+// The sentence of a code (DeviceErrorInfo::text), "unknown fusion error" for any other number.
 const char* FusionErrorName(uint32_t code);
 
-// Largest grid any fused kernel uses; the two-shot barrier has one slot per block.
-inline constexpr int kMaxFusionBlocks = 1024;
-// Largest hidden the kernels accept, per dtype: 1024 threads x 8 vectors of 16 bytes per row.
-inline constexpr uint32_t MaxFusionHidden(DType t) { return 1024u * 8u * (16u / DTypeSize(t)); }
-
-// Byte offsets inside one rank's workspace. All offsets are multiples of 256 (16-byte vector
-// access and cache-line friendly); total_bytes is a multiple of 2 MiB (the VMM granularity).
-//
-// Sizing rule (per rank), with E = DTypeSize(dtype), N = world_size, T = max_tokens, H = hidden:
-//   control        = sizeof(FusionControl)   error/abort words, counters, two-shot barrier slots
-//   lamport        = 3 x N x T x H x E       three rotating one-shot buffers, one slot per rank
-//   twoshot_scatter= N x ceil(T/N) x H x E   reduce-scatter inbox: a slice row from every rank
-//   twoshot_gather = T x H x E               all-gather inbox: every reduced row
-//   total          = round_up(sum of the above, each rounded up to 256, 2 MiB)
-// Example: N=8, T=2048, H=8192, bf16 -> lamport 768 MiB, scatter 32 MiB, gather 32 MiB.
-struct WorkspaceLayout {
-  uint64_t control_offset;
-  uint64_t lamport_offset;
-  uint64_t lamport_buffer_bytes;  // one of the three buffers: N slots
-  uint64_t lamport_slot_bytes;    // one rank's slot: T x H x E
-  uint64_t scatter_offset;
-  uint64_t scatter_slot_bytes;  // one rank's slot: ceil(T/N) x H x E
-  uint64_t gather_offset;
-  uint64_t total_bytes;
-  uint32_t max_tokens;
-  uint32_t hidden;  // the hidden size the workspace was sized for; ops may use any hidden <= it
-                    // as long as num_tokens x hidden <= max_tokens x this hidden
-  int32_t world_size;
-  DType dtype;  // the sentinel pattern depends on it: ops must use this dtype
-  uint8_t reserved[3];
-};
-static_assert(sizeof(WorkspaceLayout) == 80, "WorkspaceLayout is copied into kernel params");
-static_assert(offsetof(WorkspaceLayout, max_tokens) == 64);
-static_assert(offsetof(WorkspaceLayout, dtype) == 76);
-
-// The layout for a workspace, or a zero total_bytes when the arguments are unsupported (world
-// size not in {2,4,8,16}, hidden not a positive multiple of 8 or above MaxFusionHidden, zero
-// tokens, or a size above 2^47 bytes). `why` (optional) receives a static message then.
-WorkspaceLayout ComputeWorkspaceLayout(int world_size, uint32_t max_tokens, uint32_t hidden,
-                                       DType dtype, const char** why = nullptr);
-
-// Everything one rank's launch needs. Plain data, copied by value into the kernel parameters.
-struct FusionParams {
-  // Base pointer of every rank's workspace, mapped in this process (unicast), indexed by rank;
-  // peer_workspace[rank] is this rank's own workspace. Entries >= world_size are ignored.
-  void* peer_workspace[kMaxWorldSize];
-  const void* input;        // [num_tokens, hidden] this rank's contribution
-  void* output;             // kAllReduce: [num_tokens, hidden] the sum
-  const void* residual_in;  // kAllReduceResidualRmsNorm: [num_tokens, hidden]
-  void* residual_out;       // kAllReduceResidualRmsNorm: pre-norm sum; may equal residual_in
-  void* norm_out;           // kAllReduceResidualRmsNorm: [num_tokens, hidden]
-  const void* gamma;        // kAllReduceResidualRmsNorm: [hidden]
-  // Optional (may be null): a word the host can set at any time to make every spin exit with
-  // kHostAbort, e.g. cudaHostAlloc(cudaHostAllocMapped) memory's device pointer.
-  const uint32_t* host_abort;
-  // Optional (may be null): host-mapped word the kernel also writes its error code into, so the
-  // host sees a failure without a copy.
-  uint32_t* host_error;
-  uint64_t
-      spin_timeout_ns;     // each spin's budget, measured from the spin's first poll (%globaltimer)
-  WorkspaceLayout layout;  // ComputeWorkspaceLayout(...) of the workspaces (same on all ranks)
-  uint32_t num_tokens;     // may be 0: nothing is launched
-  uint32_t hidden;
-  float eps;
-  int32_t rank;
-  int32_t world_size;
-  // SMs the launcher may assume are free for this kernel; 0 = the device's SM count. Must be the
-  // same on every rank. Tests that run all ranks on one GPU set it to SMs / world_size so that the
-  // spinning grids of every simulated rank are co-resident.
-  uint32_t sm_budget;
-  DType dtype;
-  Pattern pattern;
-  FusionAlgo algo;
-  uint8_t reserved[5];
-};
-static_assert(sizeof(FusionParams) == 312, "FusionParams layout is part of the kernel ABI");
-static_assert(offsetof(FusionParams, input) == 128);
-static_assert(offsetof(FusionParams, spin_timeout_ns) == 192);
-static_assert(offsetof(FusionParams, layout) == 200);
-static_assert(offsetof(FusionParams, num_tokens) == 280);
-static_assert(offsetof(FusionParams, dtype) == 304);
+// kMaxFusionBlocks, MaxFusionHidden, FusionAlgo, WorkspaceLayout, ComputeWorkspaceLayout and
+// FusionParams are the op contract's (kernels/contract/op_contract.h).
 
 // Whether the fused kernels have an instantiation for these arguments (the support table).
 bool IsFusionSupported(DType dtype, int world_size, Pattern pattern, FusionAlgo algo);
 
 // Checks params without touching the device: cudaErrorInvalidValue when anything is out of range
 // (unsupported combination, dtype/world size differing from the layout, num_tokens x hidden
-// beyond the workspace, null or misaligned (16 B) pointers, rank out of range). `why` (optional)
-// receives a static message naming the problem.
+// beyond the workspace (contract::Fits), null or misaligned (16 B) pointers, rank out of range).
+// `why` (optional) receives a static message naming the problem.
 cudaError_t CheckFusionParams(const FusionParams& params, const char** why = nullptr);
 
 // Enqueues the op on `stream` (one kernel). Returns the launch error, or cudaErrorInvalidValue

@@ -112,5 +112,8 @@ static_assert(offsetof(FusionControl, instream_ops) == kFusionInStreamOpsOffset)
 static_assert(kFusionInStreamOpsOffset % 64 == 0);
 constexpr size_t kFusionInStreamOpsBytes = sizeof(instream::InStreamOpTable);
 static_assert(sizeof(FusionControl) == kFusionInStreamOpsOffset + kFusionInStreamOpsBytes);
+// The op contract sizes the control section without CUDA (kernels/contract/op_contract.h).
+static_assert(kFusionInStreamOpsBytes == kInStreamOpTableBytes);
+static_assert(sizeof(FusionControl) == kFusionControlBytes);
 
 }  // namespace arfuse

@@ -1,4 +1,5 @@
-// Host-only parts of the fused kernels' contract: sizing, parameter checks, the support table.
+// Host-only parts of the fused kernels: the parameter check, the support table, the error names
+// and words. The sizing formula and the op rules are kernels/contract/op_contract.h's.
 #include <cstdint>
 
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
@@ -7,82 +8,19 @@
 namespace arfuse {
 namespace {
 
-constexpr uint64_t RoundUp(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
-constexpr uint64_t kSectionAlign = 256;
-constexpr uint64_t kTotalAlign = 2ull << 20;
-constexpr uint64_t kMaxWorkspaceBytes = 1ull << 47;
-
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-bool IsKnownDType(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
 
 }  // namespace
 
 const char* FusionErrorName(uint32_t code) {
-  switch (static_cast<FusionError>(code)) {
-    case FusionError::kNone:
-      return "none";
-    case FusionError::kTimeout:
-      return "timeout: a peer did not arrive before the spin deadline";
-    case FusionError::kHostAbort:
-      return "aborted by the host";
-    case FusionError::kPeerAbort:
-      return "aborted by a peer that failed";
-    case FusionError::kPoisoned:
-      return "workspace poisoned by an earlier error";
-    case FusionError::kOpMismatch:
-      return "ranks disagree on the op (tokens, hidden, eps, dtype, pattern or algorithm differ)";
-    case FusionError::kAbandoned:
-      return "abandoned: an attached client ended while an op it launched was in flight";
-  }
-  return "unknown fusion error";
-}
-
-WorkspaceLayout ComputeWorkspaceLayout(int world_size, uint32_t max_tokens, uint32_t hidden,
-                                       DType dtype, const char** why) {
-  WorkspaceLayout layout{};
-  const char* problem = nullptr;
-  if (!IsSupportedWorldSize(world_size)) {
-    problem = "world size is not 2, 4, 8 or 16";
-  } else if (!IsKnownDType(dtype)) {
-    problem = "dtype is not bf16, fp16 or fp32";
-  } else if (hidden == 0 || hidden % kHiddenMultiple != 0) {
-    problem = "hidden is not a positive multiple of 8";
-  } else if (hidden > MaxFusionHidden(dtype)) {
-    problem = "hidden is above the largest row the fused kernels take";
-  } else if (max_tokens == 0) {
-    problem = "max_tokens is zero";
-  }
-  if (problem != nullptr) {
-    if (why != nullptr) *why = problem;
-    return WorkspaceLayout{};
-  }
-  const uint64_t n = static_cast<uint64_t>(world_size);
-  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * DTypeSize(dtype);
-  const uint64_t slice_rows = (max_tokens + n - 1) / n;
-  layout.control_offset = 0;
-  layout.lamport_offset = RoundUp(sizeof(FusionControl), kSectionAlign);
-  layout.lamport_slot_bytes = RoundUp(max_tokens * row_bytes, kSectionAlign);
-  layout.lamport_buffer_bytes = n * layout.lamport_slot_bytes;
-  layout.scatter_offset = layout.lamport_offset + 3 * layout.lamport_buffer_bytes;
-  layout.scatter_slot_bytes = RoundUp(slice_rows * row_bytes, kSectionAlign);
-  layout.gather_offset = layout.scatter_offset + n * layout.scatter_slot_bytes;
-  const uint64_t end = layout.gather_offset + RoundUp(max_tokens * row_bytes, kSectionAlign);
-  layout.total_bytes = RoundUp(end, kTotalAlign);
-  layout.max_tokens = max_tokens;
-  layout.hidden = hidden;
-  layout.world_size = world_size;
-  layout.dtype = dtype;
-  if (layout.total_bytes > kMaxWorkspaceBytes) {
-    if (why != nullptr) *why = "workspace would exceed 2^47 bytes";
-    return WorkspaceLayout{};
-  }
-  if (why != nullptr) *why = nullptr;
-  return layout;
+  // Only the kernels' codes: an in-stream launch's own codes are not the workspace's.
+  const DeviceErrorInfo* e =
+      code <= static_cast<uint32_t>(FusionError::kAbandoned) ? FindDeviceError(code) : nullptr;
+  return e != nullptr ? e->text : "unknown fusion error";
 }
 
 bool IsFusionSupported(DType dtype, int world_size, Pattern pattern, FusionAlgo algo) {
-  return IsKnownDType(dtype) && IsSupportedWorldSize(world_size) &&
+  return IsFusionDType(dtype) && IsSupportedWorldSize(world_size) &&
          (pattern == Pattern::kAllReduce || pattern == Pattern::kAllReduceResidualRmsNorm) &&
          (algo == FusionAlgo::kOneShot || algo == FusionAlgo::kTwoShot);
 }
@@ -90,9 +28,6 @@ bool IsFusionSupported(DType dtype, int world_size, Pattern pattern, FusionAlgo 
 cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
   const char* problem = nullptr;
   const WorkspaceLayout& l = p.layout;
-  const uint64_t elems = static_cast<uint64_t>(p.num_tokens) * p.hidden;
-  const uint64_t n = p.world_size > 0 ? static_cast<uint64_t>(p.world_size) : 1;
-  const uint64_t slice_elems = (p.num_tokens + n - 1) / n * static_cast<uint64_t>(p.hidden);
   if (!IsFusionSupported(p.dtype, p.world_size, p.pattern, p.algo)) {
     problem = "unsupported (dtype, world size, pattern, algo) combination";
   } else if (l.total_bytes == 0) {
@@ -103,11 +38,9 @@ cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
     problem = "dtype differs from the workspace's (the sentinel depends on it)";
   } else if (p.rank < 0 || p.rank >= p.world_size) {
     problem = "rank is outside 0..world_size-1";
-  } else if (p.hidden == 0 || p.hidden % kHiddenMultiple != 0 ||
-             p.hidden > MaxFusionHidden(p.dtype)) {
+  } else if (!IsFusionHidden(p.hidden, p.dtype)) {
     problem = "hidden is not a positive multiple of 8 within the supported row size";
-  } else if (elems * DTypeSize(p.dtype) > l.lamport_slot_bytes ||
-             slice_elems * DTypeSize(p.dtype) > l.scatter_slot_bytes) {
+  } else if (!contract::Fits(l, contract::OpShape{p.dtype, p.hidden, p.num_tokens})) {
     problem = "num_tokens x hidden does not fit the workspace";
   } else if (p.spin_timeout_ns == 0) {
     problem = "spin_timeout_ns is zero";

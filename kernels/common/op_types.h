@@ -54,7 +54,6 @@ struct FusedOpArgs {
 // World sizes the fused kernels support.
 inline constexpr bool IsSupportedWorldSize(int n) { return n == 2 || n == 4 || n == 8 || n == 16; }
 inline constexpr int kMaxWorldSize = 16;
-// Elements per 16-byte vector of the narrowest dtype: hidden must be a multiple of this.
-inline constexpr int kHiddenMultiple = 8;
+// The hidden-size rule and every other op rule: kernels/contract/op_contract.h.
 
 }  // namespace arfuse

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "kernels/cpu/reference_core.h"
-#include "kernels/instream/attach_abi.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -44,7 +43,7 @@ std::string Describe(const HostSlotDesc& d) {
 HostOpResult Stale(std::string_view why) {
   return HostOpResult{
       plain::FailedPreconditionError(plain::StrCat("stale generation: attach again (", why, ")")),
-      false, instream::kErrorStaleGeneration};
+      false, static_cast<uint32_t>(DeviceError::kStaleGeneration)};
 }
 
 // How long a wait took, for its message: "850us", "12.5ms", "2.01s".

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/contract/device_errors.h"
+
 namespace arfuse::host {
 
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
@@ -80,38 +82,36 @@ static_assert(offsetof(HostWsHeader, retired) == 44);
 static_assert(offsetof(HostWsHeader, abort_seq) == 48);
 static_assert(offsetof(HostWsHeader, error) == 56);
 
-// Codes of HostWsHeader::error: the numbers of the GPU workspace's FusionError
-// (kernels/allreduce_fusion/allreduce_fusion.h, which host-only builds cannot include; the
-// client library's CUDA part static_asserts that they agree), so the sidecar and the client
-// report a host failure as they report a kernel's.
+// Codes of HostWsHeader::error: the host collective's part of the one device error table
+// (kernels/contract/device_errors.h), so the sidecar and the client report a host failure as
+// they report a kernel's.
 enum class HostWsError : uint32_t {
-  kNone = 0,
-  kTimeout = 1,    // a rank did not arrive within the spin deadline
-  kHostAbort = 2,  // this process aborted the wait (Engine::Abort, InStreamHost::AbortInStream)
-  kPeerAbort = 3,  // another rank gave up first
-  kPoisoned = 4,   // (reported, never stored) the workspace was poisoned for a reason not recorded
-  // (5 is the GPU kernels' op_mismatch, which host mode reports as INVALID_ARGUMENT, unstored.)
+  kNone = static_cast<uint32_t>(DeviceError::kNone),
+  kTimeout = static_cast<uint32_t>(DeviceError::kTimeout),  // a rank missed the spin deadline
+  // This process aborted the wait (Engine::Abort, InStreamHost::AbortInStream).
+  kHostAbort = static_cast<uint32_t>(DeviceError::kHostAbort),
+  kPeerAbort = static_cast<uint32_t>(DeviceError::kPeerAbort),  // another rank gave up first
+  // (reported, never stored) the workspace was poisoned for a reason not recorded
+  kPoisoned = static_cast<uint32_t>(DeviceError::kPoisoned),
+  // (DeviceError::kOpMismatch is the GPU kernels'; host mode refuses such an op with
+  // INVALID_ARGUMENT, unstored.)
   // An op's launcher ended (its process died, or its session closed) after it claimed the op and
   // before the op completed: its sequence number and published slot are retired by poisoning.
-  kAbandoned = 6,
+  kAbandoned = static_cast<uint32_t>(DeviceError::kAbandoned),
 };
 
-// The name of a HostWsError code, as FusionErrorName names the kernels' ("poisoned" for a code
-// host mode never stores).
+// The short name of a HostWsError code (DeviceErrorName), "poisoned" for a code host mode never
+// stores.
 inline const char* HostWsErrorName(uint32_t code) {
   switch (static_cast<HostWsError>(code)) {
     case HostWsError::kNone:
-      return "none";
     case HostWsError::kTimeout:
-      return "timeout";
     case HostWsError::kHostAbort:
-      return "host_abort";
     case HostWsError::kPeerAbort:
-      return "peer_abort";
     case HostWsError::kAbandoned:
-      return "abandoned";
+      return DeviceErrorName(code);
     default:
-      return "poisoned";
+      return DeviceErrorName(static_cast<uint32_t>(DeviceError::kPoisoned));
   }
 }
 

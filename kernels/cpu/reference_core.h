@@ -31,6 +31,7 @@
 
 #include "kernels/common/op_types.h"
 #include "kernels/common/plain_status.h"
+#include "kernels/contract/op_contract.h"
 
 namespace arfuse {
 

@@ -7,8 +7,6 @@
 namespace arfuse {
 namespace {
 
-bool IsKnownDType(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
-
 bool IsKnownPattern(Pattern p) {
   return p == Pattern::kAllReduce || p == Pattern::kAllReduceResidualRmsNorm;
 }
@@ -58,7 +56,7 @@ void StoreFromFloat(DType dtype, void* data, size_t i, float v) {
 }
 
 plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args) {
-  if (!IsKnownDType(args.dtype)) {
+  if (!IsFusionDType(args.dtype)) {
     return plain::InvalidArgumentError(
         plain::StrCat("dtype ", static_cast<int>(args.dtype), " is not bf16, fp16 or fp32"));
   }
@@ -70,9 +68,8 @@ plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args) {
     return plain::InvalidArgumentError(
         plain::StrCat("world_size ", args.world_size, " is outside 1..", kMaxWorldSize));
   }
-  if (args.hidden == 0 || args.hidden % kHiddenMultiple != 0) {
-    return plain::InvalidArgumentError(
-        plain::StrCat("hidden ", args.hidden, " is not a positive multiple of ", kHiddenMultiple));
+  if (!IsHiddenAligned(args.hidden)) {
+    return plain::InvalidArgumentError(contract::HiddenNotAligned(args.hidden));
   }
   if (!std::isfinite(args.eps) || args.eps < 0.0f) {
     return plain::InvalidArgumentError("eps must be finite and non-negative");

@@ -71,11 +71,15 @@ enum class DoorbellError : uint32_t {
   // Ring found a completion word that was already set: a late completion of an op whose ring
   // timed out. The op did not run.
   kDesynchronized = 5,
-  // The fused kernel failed (low byte: the FusionError); outputs are not valid and the
-  // sidecar's workspace is poisoned until every rank re-initializes.
-  kFusionFailed = 0x100,
+  // The fused kernel failed (low byte: the FusionError, a code of the one device error table,
+  // kernels/contract/device_errors.h); outputs are not valid and the sidecar's workspace is
+  // poisoned until every rank re-initializes.
+  kFusionFailed = kDoorbellFusionFailed,
 };
-// A static description of a slot error code (never NULL).
+static_assert(static_cast<uint32_t>(DoorbellError::kFusionFailed) == 0x100,
+              "slot codes cross the sidecar and the client's ring");
+// A static description of a slot error code (never NULL); a kFusionFailed code's from the device
+// error table's doorbell_text.
 const char* DoorbellErrorName(uint32_t code);
 
 // One plan's doorbell words. Shared between the client process (over IPC) and the sidecar's

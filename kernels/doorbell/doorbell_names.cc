@@ -5,24 +5,8 @@ namespace arfuse {
 
 const char* DoorbellErrorName(uint32_t code) {
   if ((code & ~0xffu) == static_cast<uint32_t>(DoorbellError::kFusionFailed)) {
-    switch (static_cast<FusionError>(code & 0xffu)) {
-      case FusionError::kTimeout:
-        return "fused op failed: a peer did not arrive before the spin deadline (workspace "
-               "poisoned)";
-      case FusionError::kHostAbort:
-        return "fused op failed: aborted by the host (workspace poisoned)";
-      case FusionError::kPeerAbort:
-        return "fused op failed: aborted by a peer that failed (workspace poisoned)";
-      case FusionError::kPoisoned:
-        return "fused op not run: workspace poisoned by an earlier error";
-      case FusionError::kOpMismatch:
-        return "fused op refused: ranks disagree on the op (tokens, hidden, eps, dtype, pattern "
-               "or algorithm differ; workspace poisoned)";
-      case FusionError::kAbandoned:
-        return "fused op not run: an attached client ended mid-op (workspace poisoned)";
-      default:
-        return "fused op failed (workspace poisoned)";
-    }
+    const DeviceErrorInfo* e = FindDeviceError(code & 0xffu);
+    return e != nullptr ? e->doorbell_text : "fused op failed (workspace poisoned)";
   }
   switch (static_cast<DoorbellError>(code)) {
     case DoorbellError::kNone:

@@ -21,6 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/contract/device_errors.h"
+
 namespace arfuse::instream {
 
 inline constexpr uint32_t kAttachMagic = 0x49534641;  // "AFSI" little-endian
@@ -46,10 +48,12 @@ enum class MemoryKind : uint32_t {
   kHostShm = 4,     // host mode: the group's host workspace (one object for every rank, fd_index)
 };
 
-// The kernels' error words, as the client library reports them: FusionError's codes
-// (kernels/allreduce_fusion/allreduce_fusion.h) and these, which only in-stream launches write.
-inline constexpr uint32_t kErrorStaleGeneration = 16;  // the workspace was re-initialized
-inline constexpr uint32_t kErrorLaunchAbi = 17;        // the launch arguments' ABI differs
+// The kernels' error words, as the client library reports them: the codes of the one device
+// error table (kernels/contract/device_errors.h); these two only in-stream launches write.
+inline constexpr uint32_t kErrorStaleGeneration =
+    static_cast<uint32_t>(DeviceError::kStaleGeneration);  // the workspace was re-initialized
+inline constexpr uint32_t kErrorLaunchAbi =
+    static_cast<uint32_t>(DeviceError::kLaunchAbi);  // the launch arguments' ABI differs
 
 struct AttachHeader {
   uint32_t magic;               // kAttachMagic

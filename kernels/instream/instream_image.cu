@@ -26,8 +26,7 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
                          int world_size, KernelEntry* entry) {
   const char* dname = DTypeToken(dtype);
   if (entry == nullptr || dname == nullptr || !IsSupportedWorldSize(world_size) ||
-      !IsFusionSupported(dtype, world_size, pattern, algo) || hidden == 0 ||
-      hidden % kHiddenMultiple != 0 || hidden > MaxFusionHidden(dtype)) {
+      !IsFusionSupported(dtype, world_size, pattern, algo) || !IsFusionHidden(hidden, dtype)) {
     return false;
   }
   const uint32_t elems_per_vec = static_cast<uint32_t>(16 / DTypeSize(dtype));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/common/plain_status_absl.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/fusion_workspace.h"
 #include "server/gpu/nccl_comm.h"
@@ -76,8 +77,7 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& 
         absl::StrCat("rank ", options.rank, " is outside a group of ", options.world_size));
   }
   if (options.max_tokens == 0 || options.max_hidden == 0 ||
-      options.max_hidden % kHiddenMultiple != 0 ||
-      options.max_hidden > MaxFusionHidden(options.dtype)) {
+      !IsFusionHidden(options.max_hidden, options.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("capacity max_tokens=", options.max_tokens, " max_hidden=", options.max_hidden,
                      " is invalid (hidden a positive multiple of ", kHiddenMultiple, " up to ",
@@ -117,23 +117,11 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> MakeCudaEngine(const EngineOptions& 
 }
 
 absl::Status CudaEngine::ValidateOp(const OpArgs& op) const {
-  if (op.dtype != options_.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(op.dtype),
-                                                   " does not match the engine's dtype ",
-                                                   DTypeName(options_.dtype)));
-  }
-  if (op.hidden == 0 || op.hidden % kHiddenMultiple != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden ", op.hidden, " must be a positive multiple of ", kHiddenMultiple));
-  }
+  ARFUSE_RETURN_IF_ERROR(ToAbsl(contract::CheckOp(
+      contract::ShapeOf(op),
+      contract::WorkspaceCapacity{options_.max_tokens, options_.max_hidden, options_.dtype},
+      contract::OpVoice::kEngine)));
   if (op.num_tokens == 0) return absl::InvalidArgumentError("num_tokens must be positive");
-  const uint64_t elements = static_cast<uint64_t>(op.num_tokens) * op.hidden;
-  const uint64_t capacity = static_cast<uint64_t>(options_.max_tokens) * options_.max_hidden;
-  if (op.hidden > options_.max_hidden || elements > capacity) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op of ", op.num_tokens, " tokens x ", op.hidden, " hidden does not fit the workspace (",
-        options_.max_tokens, " tokens x ", options_.max_hidden, " hidden)"));
-  }
   if (op.input == nullptr) return absl::InvalidArgumentError("input is missing");
   if (op.pattern == Pattern::kAllReduce) {
     if (op.output == nullptr) return absl::InvalidArgumentError("output is missing");

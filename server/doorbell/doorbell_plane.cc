@@ -54,15 +54,6 @@ void ClearReport(DoorbellReport* r) {
   v->error_in_place = 0;
 }
 
-// Largest token count with `hidden` that fits the workspace for both algorithms.
-uint32_t MaxTokensThatFit(const WorkspaceLayout& l, uint32_t hidden) {
-  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * DTypeSize(l.dtype);
-  if (row_bytes == 0 || l.world_size <= 0) return 0;
-  const uint64_t lamport = l.lamport_slot_bytes / row_bytes;
-  const uint64_t twoshot = l.scatter_slot_bytes / row_bytes * static_cast<uint64_t>(l.world_size);
-  return static_cast<uint32_t>(std::min<uint64_t>({lamport, twoshot, 0xffffffffu}));
-}
-
 bool SameLayout(const WorkspaceLayout& a, const WorkspaceLayout& b) {
   return a.control_offset == b.control_offset && a.lamport_offset == b.lamport_offset &&
          a.lamport_buffer_bytes == b.lamport_buffer_bytes &&
@@ -339,12 +330,12 @@ absl::StatusOr<DoorbellHandle> DoorbellPlane::AddPlan(const FusionParams& plan,
     return absl::InvalidArgumentError(
         "doorbell plan's own workspace (peer_workspace[rank]) is not the plane's workspace");
   }
-  if (plan.hidden == 0 || plan.hidden % kHiddenMultiple != 0) {
+  if (!IsHiddenAligned(plan.hidden)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("doorbell plan hidden ", plan.hidden, " is not a positive multiple of 8"));
+        absl::StrCat("doorbell plan ", contract::HiddenNotAligned(plan.hidden)));
   }
   DoorbellPlanOptions opts = plan_options;
-  const uint32_t fit = MaxTokensThatFit(options_.layout, plan.hidden);
+  const uint32_t fit = contract::MaxTokensThatFit(options_.layout, plan.hidden);
   if (opts.max_tokens == 0) opts.max_tokens = fit;
   if (opts.max_tokens == 0 || opts.max_tokens > fit) {
     return absl::InvalidArgumentError(

@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
+#include "kernels/common/plain_status_absl.h"
+#include "kernels/contract/op_contract.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/group_step.h"
 #include "server/peers/exchange.h"
@@ -230,49 +232,24 @@ void FusionWorkspace::PoisonGroup(FusionError code) {
 }
 
 absl::Status FusionWorkspace::CheckFits(uint32_t num_tokens, uint32_t hidden, DType dtype) const {
-  if (dtype != layout_.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(dtype),
-                                                   " does not match the workspace dtype ",
-                                                   DTypeName(layout_.dtype)));
-  }
-  if (hidden == 0 || hidden % kHiddenMultiple != 0 || hidden > MaxFusionHidden(dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden ", hidden, " must be a positive multiple of ", kHiddenMultiple,
-                     " up to ", MaxFusionHidden(dtype)));
-  }
-  const uint64_t elements = static_cast<uint64_t>(num_tokens) * hidden;
-  const uint64_t capacity = static_cast<uint64_t>(layout_.max_tokens) * layout_.hidden;
-  if (elements > capacity) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op of ", num_tokens, " tokens x ", hidden, " hidden does not fit the workspace (",
-        layout_.max_tokens, " tokens x ", layout_.hidden, " hidden)"));
-  }
-  return absl::OkStatus();
+  return ToAbsl(contract::CheckOp(contract::OpShape{dtype, hidden, num_tokens},
+                                  contract::CapacityOf(layout_), contract::OpVoice::kEngine));
 }
 
 absl::StatusOr<FusionParams> FusionWorkspace::MakeParams(const OpArgs& op, FusionAlgo algo) const {
   ARFUSE_RETURN_IF_ERROR(CheckFits(op.num_tokens, op.hidden, op.dtype));
-  FusionParams p = {};
-  for (int r = 0; r < memory_->world_size(); ++r) p.peer_workspace[r] = memory_->peer(r);
-  p.input = op.input;
-  p.output = op.output;
-  p.residual_in = op.residual_in;
-  p.residual_out = op.residual_out;
-  p.norm_out = op.norm_out;
-  p.gamma = op.gamma;
-  p.host_abort = &device_host_words_->abort;
-  p.host_error = &device_host_words_->error;
-  p.spin_timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.spin_timeout));
-  p.layout = layout_;
-  p.num_tokens = op.num_tokens;
-  p.hidden = op.hidden;
-  p.eps = op.eps;
-  p.rank = memory_->rank();
-  p.world_size = memory_->world_size();
-  p.sm_budget = options_.sm_budget;
-  p.dtype = op.dtype;
-  p.pattern = op.pattern;
-  p.algo = algo;
+  void* peers[kMaxWorldSize] = {};
+  for (int r = 0; r < memory_->world_size(); ++r) peers[r] = memory_->peer(r);
+  FusionLaunchSite site;
+  site.peer_workspace = peers;
+  site.rank = memory_->rank();
+  site.world_size = memory_->world_size();
+  site.layout = layout_;
+  site.spin_timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.spin_timeout));
+  site.sm_budget = options_.sm_budget;
+  site.host_abort = &device_host_words_->abort;
+  site.host_error = &device_host_words_->error;
+  FusionParams p = MakeFusionParams(op, algo, site);
   const char* why = nullptr;
   if (CheckFusionParams(p, &why) != cudaSuccess) {
     return absl::InvalidArgumentError(

@@ -65,9 +65,9 @@ class FusionWorkspace {
   FusionWorkspace& operator=(const FusionWorkspace&) = delete;
   ~FusionWorkspace();
 
-  // INVALID_ARGUMENT (nothing launched) when the op does not fit: other dtype than the
-  // workspace's, hidden not a multiple of 8 or above what the kernels take, or
-  // num_tokens x hidden above max_tokens x hidden of the workspace.
+  // INVALID_ARGUMENT (nothing launched) when the op does not fit: contract::CheckOp in the
+  // engine's voice (another dtype than the workspace's, hidden not a multiple of 8 or above the
+  // workspace's, num_tokens x hidden above max_tokens x hidden).
   absl::Status CheckFits(uint32_t num_tokens, uint32_t hidden, DType dtype) const;
 
   // Enqueues one op. FAILED_PRECONDITION when poisoned; INVALID_ARGUMENT when it does not fit or

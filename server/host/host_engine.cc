@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/common/plain_status_absl.h"
+#include "kernels/contract/op_contract.h"
 #include "kernels/cpu/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 #include "server/core/status_macros.h"
@@ -459,17 +460,18 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     std::vector<uint32_t> out;
     for (uint32_t h : asked) {
-      if (h == 0 || h % kHiddenMultiple != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("hidden ", h, " must be a positive multiple of ", kHiddenMultiple));
-      }
-      if (h > options_.max_hidden) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "hidden ", h, " exceeds the workspace's max_hidden ", options_.max_hidden));
-      }
+      ARFUSE_RETURN_IF_ERROR(ToAbsl(contract::CheckOp(contract::OpShape{options_.dtype, h, 0},
+                                                      Capacity(), contract::OpVoice::kEngine)));
       if (std::find(out.begin(), out.end(), h) == out.end()) out.push_back(h);
     }
     return out;
+  }
+
+  // The host workspace's slot: max_tokens x max_hidden elements of the workspace's dtype, as
+  // bytes (an op of another dtype fits when its bytes do).
+  contract::WorkspaceCapacity Capacity() const {
+    return contract::WorkspaceCapacity{options_.max_tokens, options_.max_hidden, options_.dtype,
+                                       /*byte_slot=*/true};
   }
 
   bool FusionEnabledLocked() const {
@@ -489,24 +491,8 @@ class HostEngine final : public Engine, public InStreamHost {
     if (op.dtype != DType::kBF16 && op.dtype != DType::kFP16 && op.dtype != DType::kFP32) {
       return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(op.dtype)));
     }
-    if (op.hidden == 0 || op.hidden % kHiddenMultiple != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("hidden ", op.hidden, " must be a positive multiple of ", kHiddenMultiple));
-    }
-    if (op.hidden > options_.max_hidden) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden ", op.hidden, " exceeds the workspace's max_hidden ", options_.max_hidden));
-    }
-    const uint64_t bytes = uint64_t{op.num_tokens} * op.hidden * DTypeSize(op.dtype);
-    const uint64_t cap =
-        uint64_t{options_.max_tokens} * options_.max_hidden * DTypeSize(options_.dtype);
-    if (bytes > cap) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("op of ", op.num_tokens, " tokens x ", op.hidden, " hidden ",
-                       DTypeName(op.dtype), " (", bytes, " bytes) exceeds the workspace slot of ",
-                       cap, " bytes (max_tokens ", options_.max_tokens, " x max_hidden ",
-                       options_.max_hidden, " ", DTypeName(options_.dtype), ")"));
-    }
+    ARFUSE_RETURN_IF_ERROR(
+        ToAbsl(contract::CheckOp(contract::ShapeOf(op), Capacity(), contract::OpVoice::kEngine)));
     if (!std::isfinite(op.eps) || op.eps < 0) {
       return absl::InvalidArgumentError("eps must be finite and non-negative");
     }
@@ -568,16 +554,15 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeHostEngine(const EngineOptions& opti
     return absl::InvalidArgumentError(
         absl::StrCat("unknown workspace dtype ", static_cast<int>(options.dtype)));
   }
-  if (options.max_tokens == 0 || options.max_hidden == 0 ||
-      options.max_hidden % kHiddenMultiple != 0) {
+  if (options.max_tokens == 0 || !IsHiddenAligned(options.max_hidden)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "workspace capacity max_tokens ", options.max_tokens, " x max_hidden ", options.max_hidden,
         " must be positive with max_hidden a multiple of ", kHiddenMultiple));
   }
   // 1 GiB per slot is far beyond any decode or prefill chunk; it guards against overflow and
   // against a typo mapping all of /dev/shm.
-  const uint64_t slot =
-      uint64_t{options.max_tokens} * options.max_hidden * DTypeSize(options.dtype);
+  const uint64_t slot = contract::CapacityBytes(
+      contract::WorkspaceCapacity{options.max_tokens, options.max_hidden, options.dtype, true});
   if (slot > (uint64_t{1} << 30)) {
     return absl::InvalidArgumentError(
         absl::StrCat("workspace slot of ", slot, " bytes exceeds the 1 GiB limit of host mode"));

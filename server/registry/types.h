@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/common/op_types.h"
+#include "kernels/contract/op_contract.h"
 #include "server/fdpass/socket_credentials.h"
 #include "server/fdpass/unique_fd.h"
 
@@ -79,12 +80,8 @@ struct OpShape {
   float eps = 1e-6f;
 };
 
-// What the sidecar's workspace serves (--max-tokens, --hidden, --dtype).
-struct WorkspaceCapacity {
-  uint32_t max_tokens = 0;
-  uint32_t hidden = 0;
-  DType dtype = DType::kBF16;
-};
+// What the sidecar's workspace serves (--max-tokens, --hidden, --dtype): the op contract's type.
+using WorkspaceCapacity = contract::WorkspaceCapacity;
 
 // Limits the registry enforces. Per-session caps stop one client from exhausting the sidecar.
 struct RegistryLimits {

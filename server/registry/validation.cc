@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/plain_status_absl.h"
 
 namespace arfuse {
 namespace {
@@ -209,9 +210,8 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
   OpShape shape;
   shape.pattern = static_cast<Pattern>(op.pattern);
   shape.dtype = static_cast<DType>(op.dtype);
-  if (op.hidden == 0 || op.hidden % kHiddenMultiple != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden ", op.hidden, " must be a positive multiple of ", kHiddenMultiple));
+  if (plain::Status s = contract::CheckHidden(op.hidden, contract::OpVoice::kRegistry); !s.ok()) {
+    return ToAbsl(s);
   }
   if (op.hidden > limits.max_hidden) {
     return absl::InvalidArgumentError(
@@ -242,23 +242,9 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
 
 absl::Status CheckOpFitsWorkspace(const OpShape& shape, uint64_t tokens,
                                   const WorkspaceCapacity& workspace) {
-  constexpr char kPrefix[] = "fusion unavailable for this op: ";
-  if (shape.dtype != workspace.dtype) {
-    return absl::OutOfRangeError(absl::StrCat(kPrefix, "dtype ", DTypeName(shape.dtype),
-                                              " is not the workspace's ",
-                                              DTypeName(workspace.dtype), " (--dtype)"));
-  }
-  if (shape.hidden > workspace.hidden) {
-    return absl::OutOfRangeError(absl::StrCat(kPrefix, "hidden ", shape.hidden,
-                                              " exceeds the workspace's hidden ", workspace.hidden,
-                                              " (--hidden)"));
-  }
-  if (tokens * shape.hidden > uint64_t{workspace.max_tokens} * workspace.hidden) {
-    return absl::OutOfRangeError(absl::StrCat(
-        kPrefix, tokens, " tokens x hidden ", shape.hidden, " exceed the workspace's ",
-        workspace.max_tokens, " tokens x hidden ", workspace.hidden, " (--max-tokens, --hidden)"));
-  }
-  return absl::OkStatus();
+  return ToAbsl(
+      contract::CheckOp(contract::OpShape{shape.dtype, shape.hidden, static_cast<uint32_t>(tokens)},
+                        workspace, contract::OpVoice::kRegistry));
 }
 
 absl::Status CheckNumTokens(uint32_t num_tokens, uint32_t max_tokens) {
