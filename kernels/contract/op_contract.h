@@ -54,9 +54,9 @@ inline constexpr uint64_t kMaxWorkspaceBytes = 1ull << 47;
 // (instream::InStreamOpTable, kernels/instream/op_counters.h: a 64-bit count per attachment slot,
 // pattern and token bucket).
 inline constexpr uint64_t kInStreamOpTableBytes = 4096;
-inline constexpr uint64_t kFusionControlBytes = 256 + uint64_t{kMaxFusionBlocks} * kMaxWorldSize * 4 +
-                                                4 * uint64_t{kMaxWorldSize} * 32 +
-                                                kInStreamOpTableBytes;
+inline constexpr uint64_t kFusionControlBytes =
+    256 + uint64_t{kMaxFusionBlocks} * kMaxWorldSize * 4 + 4 * uint64_t{kMaxWorldSize} * 32 +
+    kInStreamOpTableBytes;
 
 // Byte offsets inside one rank's workspace. All offsets are multiples of 256 (16-byte vector
 // access and cache-line friendly); total_bytes is a multiple of 2 MiB (the VMM granularity).

@@ -14,6 +14,7 @@
 #include "server/core/status_macros.h"
 #include "server/core/version.h"
 #include "server/daemon/device_startup.h"
+#include "server/instream/divergence_watch.h"
 #include "server/peers/exchange.h"
 #include "server/peers/local_exchange.h"
 #include "server/peers/peer_exchange.h"
@@ -244,6 +245,16 @@ void GroupSupervisor::Supervise() {
     absl::StatusOr<InStreamCounters> c = gate_.InStreamStatus();
     return c.ok() ? c->generation : 0;
   };
+  // The ranks compare their in-stream decisions while the group serves, over the peer link's
+  // gossip (divergence_watch.h); the watch outlives re-formations, so its baseline restarts only
+  // when a rank's counts do. Only this thread replaces exchange_, so the calls need no lock.
+  InStreamDivergenceWatch divergence(
+      options_.world_size, context_.fusion != nullptr ? &context_.fusion->instream() : nullptr,
+      [this](std::string payload) {
+        if (exchange_ != nullptr) exchange_->SetGossip(std::move(payload));
+      },
+      [this]() { return exchange_ != nullptr ? exchange_->Gossip() : std::vector<std::string>{}; },
+      [this](const DivergenceFinding& f) { metrics_.IncInStreamDivergence(f.rank); });
   while (!StopRequested()) {
     reinit_requested_ = false;
     absl::Status formed = FormGroup();
@@ -298,6 +309,7 @@ void GroupSupervisor::Supervise() {
         metrics_.SetInStream(a.size(), a.launches(), a.stale());
         metrics_.SetInStreamOps(a.op_counts());
       }
+      divergence.Tick(absl::Now());
       WaitFor(absl::Milliseconds(50));
     }
     if (StopRequested()) break;

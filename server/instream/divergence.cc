@@ -41,7 +41,8 @@ RankDecisions DecisionsOf(const InStreamOpCounts& counts) {
 }
 
 std::string EncodeRankDecisions(const RankDecisions& d) {
-  std::string out = absl::StrCat(absl::string_view(kMagic.data(), kMagic.size()), " ", d.fused, " ", d.declined);
+  std::string out =
+      absl::StrCat(absl::string_view(kMagic.data(), kMagic.size()), " ", d.fused, " ", d.declined);
   for (uint64_t v : d.declined_by_reason) absl::StrAppend(&out, " ", v);
   return out;
 }
@@ -78,6 +79,12 @@ std::string DivergenceReasonsText(const DivergenceFinding& f) {
   return absl::StrJoin(f.top_reasons, ", ", [](std::string* out, const auto& r) {
     absl::StrAppend(out, r.first, " ", r.second);
   });
+}
+
+DivergenceState ZeroBaseline(size_t ranks) {
+  RankDecisions zero;
+  zero.valid = true;
+  return Rebased(std::vector<RankDecisions>(ranks, zero));
 }
 
 DivergenceStep ObserveDecisions(const DivergenceState& prev,

@@ -71,6 +71,12 @@ struct DivergenceStep {
   std::vector<DivergenceFinding> findings;  // in rank order
 };
 
+// The state a watch starts from: every rank's counts at zero, as a sidecar's are when it starts,
+// so a divergence that happened before the first exchange completed (the op that hung and made
+// the group re-form, say) is still seen. A rank whose sidecar started later than its peers' only
+// ever trails them, so it is never taken for a diverging one.
+DivergenceState ZeroBaseline(size_t ranks);
+
 // One exchange: `now` is every rank's snapshot, indexed by rank, as the exchange gathered it.
 DivergenceStep ObserveDecisions(const DivergenceState& prev, const std::vector<RankDecisions>& now);
 

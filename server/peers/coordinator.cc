@@ -257,6 +257,18 @@ void Coordinator::CollectGarbageLocked() {
   }
 }
 
+std::vector<std::string> Coordinator::Gossip(uint64_t participant, std::string payload) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!formed_) return {};
+  gossip_.resize(static_cast<size_t>(world_size_));
+  if (participant != 0 && payload.size() <= kMaxGossipBytes) {
+    for (int r = 0; r < world_size_; ++r) {
+      if (participants_[r] == participant) gossip_[r] = std::move(payload);
+    }
+  }
+  return gossip_;
+}
+
 void Coordinator::ParticipantGone(uint64_t participant, const std::string& reason) {
   if (participant == 0) return;
   Deferred deferred;

@@ -88,6 +88,13 @@ class Coordinator {
   // formed group; every pending and future collective fails with UNAVAILABLE naming it.
   void ParticipantGone(uint64_t participant, const std::string& reason);
 
+  // Gossip: each rank's latest small payload, carried by its heartbeats instead of a collective
+  // (no agreement on order across ranks, nothing waits for a slow rank). Records `payload` for
+  // the rank `participant` holds in the formed group (ignored before the group formed, for a
+  // participant that holds no rank, and when longer than kMaxGossipBytes) and returns every
+  // rank's latest payload, index = rank (empty for a rank not heard from yet).
+  std::vector<std::string> Gossip(uint64_t participant, std::string payload);
+
   // Fails everything whose deadline is <= now. Call at NextDeadline().
   void Expire(absl::Time now);
   absl::Time NextDeadline() const;
@@ -133,6 +140,10 @@ class Coordinator {
   absl::Status broken_;
   std::vector<std::map<std::string, uint64_t>> occurrences_;  // per rank: tag -> calls so far
   std::map<Key, Pending> pending_;
+  std::vector<std::string> gossip_;  // index = rank, once formed
 };
+
+// The most one rank's gossip payload may hold: a heartbeat stays one small frame.
+inline constexpr size_t kMaxGossipBytes = 1024;
 
 }  // namespace arfuse::peers

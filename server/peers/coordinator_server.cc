@@ -320,7 +320,19 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
       // arrival already counted as a sign of life (Loop).
       conn->heartbeat_timeout =
           frame.timeout_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(frame.timeout_ms);
-      conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, ""), {}, *wake);
+      // The body, when there is one, is the rank's gossip (Coordinator::Gossip); the echo carries
+      // every rank's latest as a CollectiveResponse's payloads. An empty body (a rank that
+      // offers none) is echoed empty, as before gossip existed.
+      if (frame.body.empty()) {
+        conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, ""), {}, *wake);
+      } else {
+        v1::CollectiveResponse table;
+        for (std::string& g : coordinator_->Gossip(conn->id, std::move(frame.body))) {
+          table.add_payloads(std::move(g));
+        }
+        conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, table.SerializeAsString()), {},
+                   *wake);
+      }
       return;
     case FrameType::kLeave: {
       v1::LeaveRequest req;

@@ -53,6 +53,15 @@ class Exchange {
   // or stopped answering once it is not (the group must then be re-formed). Never blocks.
   // In-process exchanges have no link to lose.
   virtual absl::Status LinkStatus() { return absl::OkStatus(); }
+
+  // Gossip: a small payload of this rank (at most 1 KiB) that travels with the link's heartbeats
+  // rather than in a collective, so the ranks need not call anything in the same order and
+  // nothing waits for a slow rank. SetGossip replaces what the next heartbeat carries; Gossip()
+  // is every rank's latest payload as rank 0 last echoed it (index = rank, empty for a rank not
+  // heard from yet; empty as a whole before the first echo). Exchanges without heartbeats carry
+  // none: Gossip() stays empty.
+  virtual void SetGossip(std::string payload) { (void)payload; }
+  virtual std::vector<std::string> Gossip() { return {}; }
 };
 
 }  // namespace arfuse

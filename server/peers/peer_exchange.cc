@@ -132,7 +132,7 @@ absl::Status SocketExchange::Start(absl::Time deadline) {
     // arrives, so a rank that freezes right after joining is noticed too (one that freezes
     // before it is sent fails the group's next collective at its deadline instead).
     std::lock_guard<std::mutex> lock(mu_);
-    out_.push_back(Heartbeat());
+    out_.push_back(HeartbeatLocked());
   }
   link_thread_ = std::thread([this] { LinkLoop(); });
   return absl::OkStatus();

@@ -165,19 +165,37 @@ void SocketExchange::RankZeroSilent(absl::Duration silence) {
 }
 
 void SocketExchange::Deliver(Frame f) {
-  if (f.type == FrameType::kHeartbeat) return;
   std::lock_guard<std::mutex> lock(mu_);
+  if (f.type == FrameType::kHeartbeat) {
+    v1::CollectiveResponse table;
+    if (!f.body.empty() && table.ParseFromString(f.body) &&
+        table.payloads_size() == options_.world_size) {
+      gossip_in_.assign(table.payloads().begin(), table.payloads().end());
+    }
+    return;
+  }
   if (waiting_seq_ == 0 || f.seq != waiting_seq_ || answer_.has_value()) return;
   answer_ = std::move(f);
   answer_cv_.notify_all();
 }
 
-OutFrame SocketExchange::Heartbeat() {
+OutFrame SocketExchange::HeartbeatLocked() {
   const int64_t timeout_ms = absl::ToInt64Milliseconds(options_.heartbeat_timeout);
   OutFrame hb;
   hb.data = EncodeFrame(FrameType::kHeartbeat, ++beats_,
-                        static_cast<uint32_t>(std::max<int64_t>(1, timeout_ms)), "");
+                        static_cast<uint32_t>(std::max<int64_t>(1, timeout_ms)), gossip_out_);
   return hb;
+}
+
+void SocketExchange::SetGossip(std::string payload) {
+  if (payload.size() > kMaxGossipBytes) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  gossip_out_ = std::move(payload);
+}
+
+std::vector<std::string> SocketExchange::Gossip() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gossip_in_;
 }
 
 void SocketExchange::LinkLoop() {
@@ -229,7 +247,7 @@ void SocketExchange::LinkLoop() {
       if (beat && now >= next_beat) {
         // Only onto an empty queue: a frame still going out is as good a sign of life, and
         // beats must not pile up behind a coordinator that stopped reading.
-        if (out_.empty()) out_.push_back(Heartbeat());
+        if (out_.empty()) out_.push_back(HeartbeatLocked());
         next_beat = now + interval;
       }
       absl::Status sent = FlushFrames(*conn_, out_);

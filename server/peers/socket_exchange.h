@@ -51,6 +51,8 @@ class SocketExchange final : public PeerExchange {
   int tcp_port() const override { return server_ ? server_->tcp_port() : 0; }
 
   absl::Status LinkStatus() override;
+  void SetGossip(std::string payload) override;
+  std::vector<std::string> Gossip() override;
 
   absl::StatusOr<std::vector<std::string>> Allgather(const std::string& tag,
                                                      const std::string& payload,
@@ -80,8 +82,9 @@ class SocketExchange final : public PeerExchange {
   // Hands an answer to the call waiting for it; drops late answers and heartbeat echoes (their
   // bytes already counted as a sign of life).
   void Deliver(Frame f);
-  // A heartbeat frame announcing this rank's timeout (link thread, or before it starts).
-  OutFrame Heartbeat();
+  // mu_ held. A heartbeat frame announcing this rank's timeout and carrying its gossip (link
+  // thread, or before it starts).
+  OutFrame HeartbeatLocked();
   void LinkLoop();
 
   // ---- collectives (peer_collectives.cc) ----
@@ -115,6 +118,8 @@ class SocketExchange final : public PeerExchange {
   std::string waiting_tag_;
   std::optional<Frame> answer_;
   absl::Status lost_;
+  std::string gossip_out_;              // what the next heartbeat carries
+  std::vector<std::string> gossip_in_;  // every rank's, as rank 0 last echoed it
 };
 
 }  // namespace arfuse::peers

@@ -13,7 +13,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/instream/divergence_watch.h"
-#include "server/peers/local_exchange.h"
 
 namespace arfuse {
 namespace {
@@ -248,46 +247,55 @@ TEST(Divergence, AStateOfAnotherShapeIsRebased) {
   EXPECT_EQ(step.next.candidate.size(), 2u);
 }
 
-// Two watches over an in-process exchange, one per rank, each ticking on its own thread as the
-// supervisors do.
+// The gossip board rank 0 echoes: every rank's latest payload, index = rank. Rank r's offer
+// writes what the test decided rank r counted in the current round (the watch's own table is
+// empty, so its payload is zeros: the test checks it is well formed and replaces it).
+struct Board {
+  std::vector<std::vector<RankDecisions>> rounds;
+  size_t round = 0;
+  std::vector<std::string> latest;
+  InStreamDivergenceWatch::Offer OfferOf(int rank) {
+    return [this, rank](std::string own) {
+      EXPECT_TRUE(DecodeRankDecisions(own).valid);
+      latest[rank] = EncodeRankDecisions(rounds[round][rank]);
+    };
+  }
+  InStreamDivergenceWatch::Gathered Gathered() {
+    return [this] { return latest; };
+  }
+};
+
+// Two watches, one per rank, over one board: the first table is the baseline, rank 1 then
+// declines 4 ops rank 0 fused and stays behind by them; every rank reports it once.
 TEST(DivergenceWatch, EveryRankReportsTheDecliningRankOnce) {
-  std::vector<std::unique_ptr<Exchange>> ex = LocalExchangeGroup::Create(2);
   InStreamAttachments::Probe probe = [] { return InStreamProbe{}; };
   InStreamAttachments::Notify notify = [](uint64_t, const AttachEventData&) {};
   InStreamAttachments a0(notify, probe), a1(notify, probe);
   std::vector<InStreamAttachments*> tables = {&a0, &a1};
-  std::mutex mu;
   std::vector<std::vector<DivergenceFinding>> seen(2);
-  // The watches read the counts through the tables: fake pages are not needed, the test feeds
-  // the snapshots through the exchange by wrapping the payload.
-  std::vector<RankDecisions> offered = {Snap(6), Snap(2, {{DeclineReason::kOther, 4}})};
+  Board board;
+  board.rounds = {
+      {Snap(0), Snap(0)},
+      {Snap(6), Snap(2, {{DeclineReason::kOther, 4}})},
+      {Snap(7), Snap(3, {{DeclineReason::kOther, 4}})},
+      {Snap(8), Snap(4, {{DeclineReason::kOther, 4}})},
+  };
+  board.latest = {"", ""};
   std::vector<std::unique_ptr<InStreamDivergenceWatch>> watches;
   for (int r = 0; r < 2; ++r) {
     watches.push_back(std::make_unique<InStreamDivergenceWatch>(
-        2, tables[r],
-        [&, r](const std::string& own, absl::Time deadline) {
-          // The table's own counts are zero: the first exchange offers them (the baseline), the
-          // later ones what the test decided this rank counted.
-          EXPECT_TRUE(DecodeRankDecisions(own).valid);
-          static thread_local int calls = 0;
-          const std::string payload = calls++ == 0 ? own : EncodeRankDecisions(offered[r]);
-          return ex[r]->Allgather("instream-decisions", payload, deadline);
-        },
-        [&, r](const DivergenceFinding& f) {
-          std::lock_guard<std::mutex> lock(mu);
-          seen[r].push_back(f);
-        },
-        absl::Seconds(10)));
+        2, tables[r], board.OfferOf(r), board.Gathered(),
+        [&, r](const DivergenceFinding& f) { seen[r].push_back(f); }, absl::Seconds(10)));
   }
-  // Ticks at the schedule's times (each is due), so the test does not wait for it.
   const absl::Time t0 = absl::Now();
-  std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r) {
-    ts.emplace_back([&, r] {
-      for (int i = 0; i < 4; ++i) watches[r]->Tick(t0 + i * absl::Seconds(10));
-    });
+  for (board.round = 0; board.round < board.rounds.size(); ++board.round) {
+    // Both ranks' gossip of this round is on the board before either reads it (a heartbeat
+    // later than the other's is the next test's case).
+    for (int r = 0; r < 2; ++r) board.OfferOf(r)(EncodeRankDecisions(Snap(0)));
+    for (int r = 0; r < 2; ++r) {
+      watches[r]->Tick(t0 + static_cast<int>(board.round) * absl::Seconds(10));
+    }
   }
-  for (auto& t : ts) t.join();
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(seen[r].size(), 1u) << "rank " << r;
     EXPECT_EQ(seen[r][0].rank, 1u);
@@ -300,48 +308,130 @@ TEST(DivergenceWatch, EveryRankReportsTheDecliningRankOnce) {
   }
 }
 
-TEST(DivergenceWatch, AFailedExchangeIsSkippedAndOneRankExchangesNothing) {
-  int calls = 0;
-  InStreamDivergenceWatch failing(
-      2, nullptr,
-      [&](const std::string&, absl::Time) -> absl::StatusOr<std::vector<std::string>> {
-        ++calls;
-        return absl::DeadlineExceededError("rank 1 did not arrive");
+// A rank whose counts reach the board late (an older snapshot of a rank deciding alike: fewer
+// fused, no more declined) is never a divergence, however often the table is read; a rank not
+// heard from yet (an empty payload) is waited for and does not restart the baseline.
+TEST(DivergenceWatch, ALateRankIsNoDivergenceAndAMissingOneIsWaitedFor) {
+  std::vector<DivergenceFinding> seen;
+  Board board;
+  InStreamDivergenceWatch w(
+      2, nullptr, [](std::string) {}, board.Gathered(),
+      [&](const DivergenceFinding& f) { seen.push_back(f); }, absl::Milliseconds(1));
+  absl::Time t = absl::Now();
+  auto tick = [&] {
+    t += absl::Milliseconds(1);
+    return w.Tick(t);
+  };
+  const std::vector<std::pair<uint64_t, uint64_t>> steps = {{0, 0}, {100, 3}, {200, 6}, {300, 9}};
+  for (size_t i = 0; i + 1 < steps.size(); ++i) {
+    board.latest = {
+        EncodeRankDecisions(
+            Snap(steps[i + 1].first, {{DeclineReason::kRange, steps[i + 1].second}})),
+        EncodeRankDecisions(Snap(steps[i].first, {{DeclineReason::kRange, steps[i].second}}))};
+    for (int k = 0; k < 3; ++k) EXPECT_TRUE(tick().empty());
+  }
+  EXPECT_TRUE(seen.empty());
+
+  // Rank 1 declines 4 ops rank 0 fused (seen once), then the group re-forms and rank 1 is not
+  // heard from for a while: those ticks observe nothing, and the divergence is reported once
+  // its counts are back, against the baseline from before.
+  InStreamDivergenceWatch across(
+      2, nullptr, [](std::string) {}, board.Gathered(),
+      [&](const DivergenceFinding& f) { seen.push_back(f); }, absl::Milliseconds(1));
+  board.latest = {EncodeRankDecisions(Snap(10)), EncodeRankDecisions(Snap(10))};
+  t += absl::Milliseconds(1);
+  EXPECT_TRUE(across.Tick(t).empty());  // the baseline
+  const std::string diverged = EncodeRankDecisions(Snap(12, {{DeclineReason::kShape, 4}}));
+  board.latest = {EncodeRankDecisions(Snap(16)), diverged};
+  t += absl::Milliseconds(1);
+  EXPECT_TRUE(across.Tick(t).empty());  // seen once
+  board.latest = {EncodeRankDecisions(Snap(16)), ""};
+  for (int k = 0; k < 3; ++k) {
+    t += absl::Milliseconds(1);
+    EXPECT_TRUE(across.Tick(t).empty());
+  }
+  board.latest = {EncodeRankDecisions(Snap(16)), diverged};
+  t += absl::Milliseconds(1);
+  const std::vector<DivergenceFinding> found = across.Tick(t);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 1u);
+  EXPECT_EQ(found[0].ops, 4u);
+  ASSERT_EQ(seen.size(), 1u);
+}
+
+// The ops that hung the group happened before any table was complete (the group re-formed
+// because of them): measured from the sidecars' start, where every count is zero, they are still
+// reported, once.
+TEST(DivergenceWatch, ADivergenceBeforeTheFirstTableIsReported) {
+  std::vector<DivergenceFinding> seen;
+  Board board;
+  board.latest = {EncodeRankDecisions(Snap(1)),
+                  EncodeRankDecisions(Snap(0, {{DeclineReason::kOther, 1}}))};
+  InStreamDivergenceWatch w(
+      2, nullptr, [](std::string) {}, board.Gathered(),
+      [&](const DivergenceFinding& f) { seen.push_back(f); }, absl::Milliseconds(1));
+  absl::Time t = absl::Now();
+  for (int k = 0; k < 5; ++k) {
+    t += absl::Milliseconds(1);
+    w.Tick(t);
+  }
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].rank, 1u);
+  EXPECT_EQ(seen[0].ops, 1u);
+  EXPECT_EQ(seen[0].lead_rank, 0u);
+  EXPECT_EQ(ZeroBaseline(3).base.size(), 3u);
+  EXPECT_TRUE(ZeroBaseline(3).based);
+}
+
+TEST(DivergenceWatch, NoTableYetOrOneRankExchangesNothing) {
+  int gathered = 0;
+  InStreamDivergenceWatch waiting(
+      2, nullptr, [](std::string) {},
+      [&] {
+        ++gathered;
+        return std::vector<std::string>{};  // no echo yet
       },
       [](const DivergenceFinding&) { ADD_FAILURE() << "nothing to report"; }, absl::Seconds(1));
   const absl::Time t0 = absl::Now();
-  EXPECT_TRUE(failing.Tick(t0).empty());
-  EXPECT_TRUE(failing.Tick(t0 + absl::Milliseconds(500)).empty());  // not due yet
-  EXPECT_EQ(calls, 1);
-  EXPECT_TRUE(failing.Tick(t0 + absl::Seconds(1)).empty());
-  EXPECT_EQ(calls, 2);
+  EXPECT_TRUE(waiting.Tick(t0).empty());
+  EXPECT_TRUE(waiting.Tick(t0 + absl::Milliseconds(500)).empty());  // not due yet
+  EXPECT_EQ(gathered, 1);
+  EXPECT_TRUE(waiting.Tick(t0 + absl::Seconds(1)).empty());
+  EXPECT_EQ(gathered, 2);
 
   InStreamDivergenceWatch alone(
-      1, nullptr,
-      [&](const std::string&, absl::Time) -> absl::StatusOr<std::vector<std::string>> {
-        ADD_FAILURE() << "a group of one exchanges nothing";
+      1, nullptr, [](std::string) { ADD_FAILURE() << "a group of one offers nothing"; },
+      [] {
+        ADD_FAILURE() << "a group of one reads nothing";
         return std::vector<std::string>{};
       },
       nullptr);
   EXPECT_TRUE(alone.Tick(absl::Now()).empty());
 }
 
-TEST(DivergenceWatch, GarbageFromAPeerReportsNothing) {
+TEST(DivergenceWatch, GarbageOrATableOfAnotherSizeReportsNothing) {
   int call = 0;
   InStreamDivergenceWatch w(
-      2, nullptr,
-      [&](const std::string& own, absl::Time) -> absl::StatusOr<std::vector<std::string>> {
+      2, nullptr, [](std::string) {},
+      [&] {
         ++call;
-        return std::vector<std::string>{own, call % 2 ? "isd1 garbage" : std::string(500, '9')};
+        switch (call % 3) {
+          case 0:
+            return std::vector<std::string>{EncodeRankDecisions(Snap(call)), "isd1 garbage"};
+          case 1:
+            return std::vector<std::string>{EncodeRankDecisions(Snap(call)), std::string(500, '9')};
+          default:
+            return std::vector<std::string>{EncodeRankDecisions(Snap(call))};  // one rank
+        }
       },
       [](const DivergenceFinding&) { ADD_FAILURE() << "garbage is not a divergence"; },
       absl::Milliseconds(1));
   absl::Time t = absl::Now();
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 9; ++i) {
     EXPECT_TRUE(w.Tick(t).empty());
     t += absl::Milliseconds(1);
   }
-  EXPECT_EQ(call, 6);
+  EXPECT_EQ(call, 9);
 }
 
 }  // namespace

@@ -124,9 +124,11 @@ struct RowArgs {
 };
 
 // One row per block at a time, held as the fused kernels hold it: row thread t has vectors
-// t, t + T, ... of kElems fp32 values (8 stand for a bf16/fp16 vector, 4 for fp32).
+// t, t + T, ... of kElems fp32 values (8 stand for a bf16/fp16 vector, 4 for fp32). Bounded
+// for the largest block RowBlockThreads gives (1024 threads at hidden 8192 bf16): without it the
+// compiler may use more registers than a 1024-thread block can have, and the launch fails.
 template <int kElems, int kVec>
-__global__ void QuantizeRowsKernel(RowArgs a) {
+__global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
   __shared__ float scratch[2][32];
   constexpr int kLanes = dq::kGroupLanes<kGroupSize, kElems>;
   const uint32_t vecs = a.hidden / kElems;

@@ -182,6 +182,34 @@ TEST_F(CoordinatorLiveness, HeartbeatIsEchoedAndASilentRankIsLostAfterItsTimeout
   EXPECT_TRUE(ClosedByPeer(fd.get(), absl::Seconds(5)));
 }
 
+// A heartbeat's body is the rank's gossip: the echo carries every rank's latest (a
+// CollectiveResponse's payloads, index = rank); an oversized one is not kept, an empty heartbeat
+// is echoed empty as before.
+TEST_F(CoordinatorLiveness, HeartbeatGossipIsEchoedAsEveryRanksLatest) {
+  UniqueFd fd = Joined();
+  auto table_of = [&](const std::string& body, uint64_t seq) -> std::vector<std::string> {
+    EXPECT_TRUE(Send(fd.get(), EncodeFrame(FrameType::kHeartbeat, seq, 5000, body)));
+    std::optional<RawFrame> echo = ReadRaw(fd.get(), absl::Seconds(5));
+    EXPECT_TRUE(echo.has_value());
+    if (!echo) return {};
+    EXPECT_EQ(echo->header.type, static_cast<uint8_t>(FrameType::kHeartbeat));
+    EXPECT_EQ(echo->header.seq, seq);
+    if (body.empty()) {
+      EXPECT_TRUE(echo->body.empty());
+      return {};
+    }
+    v1::CollectiveResponse table;
+    EXPECT_TRUE(table.ParseFromString(echo->body));
+    return {table.payloads().begin(), table.payloads().end()};
+  };
+  EXPECT_EQ(table_of("counts 1", 1), std::vector<std::string>{"counts 1"});
+  EXPECT_EQ(table_of("counts 2", 2), std::vector<std::string>{"counts 2"});
+  // Larger than kMaxGossipBytes: the previous payload stays.
+  EXPECT_EQ(table_of(std::string(kMaxGossipBytes + 1, 'x'), 3),
+            std::vector<std::string>{"counts 2"});
+  EXPECT_TRUE(table_of("", 4).empty());
+}
+
 double CpuSecondsOfThisProcess() {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
