@@ -259,7 +259,7 @@ void Coordinator::CollectGarbageLocked() {
 
 std::vector<std::string> Coordinator::Gossip(uint64_t participant, std::string payload) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!formed_) return {};
+  if (!formed_ || payload.empty()) return {};
   gossip_.resize(static_cast<size_t>(world_size_));
   if (participant != 0 && payload.size() <= kMaxGossipBytes) {
     for (int r = 0; r < world_size_; ++r) {

@@ -92,7 +92,8 @@ class Coordinator {
   // (no agreement on order across ranks, nothing waits for a slow rank). Records `payload` for
   // the rank `participant` holds in the formed group (ignored before the group formed, for a
   // participant that holds no rank, and when longer than kMaxGossipBytes) and returns every
-  // rank's latest payload, index = rank (empty for a rank not heard from yet).
+  // rank's latest payload, index = rank (empty for a rank not heard from yet). An empty
+  // `payload` (a rank that offers none) records nothing and gets no table.
   std::vector<std::string> Gossip(uint64_t participant, std::string payload);
 
   // Fails everything whose deadline is <= now. Call at NextDeadline().

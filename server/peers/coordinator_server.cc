@@ -316,23 +316,13 @@ void CoordinatorServer::HandleFrame(const std::shared_ptr<Conn>& conn, Frame fra
       return;
     }
     case FrameType::kHeartbeat:
-      // Echoed at once, so the rank hears from rank 0 as long as this thread runs; the frame's
-      // arrival already counted as a sign of life (Loop).
+      // Echoed at once (a sign of life while this thread runs), with every rank's gossip (wire.h).
       conn->heartbeat_timeout =
           frame.timeout_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(frame.timeout_ms);
-      // The body, when there is one, is the rank's gossip (Coordinator::Gossip); the echo carries
-      // every rank's latest as a CollectiveResponse's payloads. An empty body (a rank that
-      // offers none) is echoed empty, as before gossip existed.
-      if (frame.body.empty()) {
-        conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, ""), {}, *wake);
-      } else {
-        v1::CollectiveResponse table;
-        for (std::string& g : coordinator_->Gossip(conn->id, std::move(frame.body))) {
-          table.add_payloads(std::move(g));
-        }
-        conn->Push(EncodeFrame(FrameType::kHeartbeat, seq, 0, table.SerializeAsString()), {},
-                   *wake);
-      }
+      conn->Push(
+          EncodeFrame(FrameType::kHeartbeat, seq, 0,
+                      EncodeGossipTable(coordinator_->Gossip(conn->id, std::move(frame.body)))),
+          {}, *wake);
       return;
     case FrameType::kLeave: {
       v1::LeaveRequest req;

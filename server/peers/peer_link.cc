@@ -167,10 +167,9 @@ void SocketExchange::RankZeroSilent(absl::Duration silence) {
 void SocketExchange::Deliver(Frame f) {
   std::lock_guard<std::mutex> lock(mu_);
   if (f.type == FrameType::kHeartbeat) {
-    v1::CollectiveResponse table;
-    if (!f.body.empty() && table.ParseFromString(f.body) &&
-        table.payloads_size() == options_.world_size) {
-      gossip_in_.assign(table.payloads().begin(), table.payloads().end());
+    std::optional<std::vector<std::string>> table = DecodeGossipTable(f.body);
+    if (!f.body.empty() && table && table->size() == static_cast<size_t>(options_.world_size)) {
+      gossip_in_ = std::move(*table);
     }
     return;
   }

@@ -120,6 +120,42 @@ absl::Status DecodeJoinBody(const std::string& body, std::string* group,
   return absl::OkStatus();
 }
 
+// More ranks than any group has: a count beyond it is not a table.
+constexpr uint32_t kMaxGossipRanks = 1u << 16;
+
+std::string EncodeGossipTable(const std::vector<std::string>& payloads) {
+  std::string out;
+  if (payloads.empty()) return out;  // no table: the echo of a beat without gossip
+  auto put = [&out](uint32_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(static_cast<uint32_t>(payloads.size()));
+  for (const std::string& p : payloads) {
+    put(static_cast<uint32_t>(p.size()));
+    out += p;
+  }
+  return out;
+}
+
+std::optional<std::vector<std::string>> DecodeGossipTable(const std::string& body) {
+  size_t at = 0;
+  auto get = [&](uint32_t* v) {
+    if (body.size() - at < sizeof(*v)) return false;
+    std::memcpy(v, body.data() + at, sizeof(*v));
+    at += sizeof(*v);
+    return true;
+  };
+  uint32_t n = 0;
+  if (!get(&n) || n > kMaxGossipRanks) return std::nullopt;
+  std::vector<std::string> out(n);
+  for (std::string& p : out) {
+    uint32_t len = 0;
+    if (!get(&len) || body.size() - at < len) return std::nullopt;
+    p = body.substr(at, len);
+    at += len;
+  }
+  if (at != body.size()) return std::nullopt;
+  return out;
+}
+
 absl::Status DecodeError(const std::string& body) {
   uint32_t code = 0;
   if (body.size() < sizeof(code)) return absl::InternalError("malformed peer error frame");

@@ -43,7 +43,9 @@ enum class FrameType : uint8_t {
   // Liveness on an idle (or busy) link, never part of a collective: a rank sends one every
   // heartbeat interval with timeout_ms = how long the coordinator may go without hearing from it
   // before it declares the rank lost (0: do not watch me); the coordinator echoes it at once
-  // (same seq, timeout_ms 0). Empty body. Since version 2.
+  // (same seq, timeout_ms 0). Body: the rank's gossip (at most kMaxGossipBytes, empty for
+  // none); the echo's body is EncodeGossipTable of every rank's latest, or empty when the
+  // heartbeat's was. Since version 2 (the body since gossip; an older side ignores it).
   kHeartbeat = 8,
 };
 inline constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kHeartbeat);
@@ -113,6 +115,12 @@ std::optional<std::string> WrongVersionReply(const std::string& buf);
 std::string EncodeJoinBody(const std::string& group, const std::string& join_request);
 absl::Status DecodeJoinBody(const std::string& body, std::string* group, std::string* join_request);
 absl::Status DecodeError(const std::string& body);
+
+// A heartbeat echo's body: u32 count, then per rank u32 length and the payload; no table (an
+// empty vector) is an empty body. Decode refuses (nullopt) a body that does not parse exactly,
+// the empty one included.
+std::string EncodeGossipTable(const std::vector<std::string>& payloads);
+std::optional<std::vector<std::string>> DecodeGossipTable(const std::string& body);
 
 // Non-blocking read of whatever is available into buf/fds. Sets *eof when the peer closed.
 // Returns an error for a socket error (ECONNRESET...).

@@ -198,9 +198,9 @@ TEST_F(CoordinatorLiveness, HeartbeatGossipIsEchoedAsEveryRanksLatest) {
       EXPECT_TRUE(echo->body.empty());
       return {};
     }
-    v1::CollectiveResponse table;
-    EXPECT_TRUE(table.ParseFromString(echo->body));
-    return {table.payloads().begin(), table.payloads().end()};
+    std::optional<std::vector<std::string>> table = DecodeGossipTable(echo->body);
+    EXPECT_TRUE(table.has_value());
+    return table.value_or(std::vector<std::string>{});
   };
   EXPECT_EQ(table_of("counts 1", 1), std::vector<std::string>{"counts 1"});
   EXPECT_EQ(table_of("counts 2", 2), std::vector<std::string>{"counts 2"});
@@ -208,6 +208,13 @@ TEST_F(CoordinatorLiveness, HeartbeatGossipIsEchoedAsEveryRanksLatest) {
   EXPECT_EQ(table_of(std::string(kMaxGossipBytes + 1, 'x'), 3),
             std::vector<std::string>{"counts 2"});
   EXPECT_TRUE(table_of("", 4).empty());
+  // The table's codec refuses what does not parse exactly.
+  EXPECT_EQ(DecodeGossipTable(EncodeGossipTable({"a", "", "bc"})),
+            (std::vector<std::string>{"a", "", "bc"}));
+  const std::string good = EncodeGossipTable({"abc"});
+  EXPECT_FALSE(DecodeGossipTable(good.substr(0, good.size() - 1)).has_value());
+  EXPECT_FALSE(DecodeGossipTable(good + "x").has_value());
+  EXPECT_FALSE(DecodeGossipTable("").has_value());
 }
 
 double CpuSecondsOfThisProcess() {

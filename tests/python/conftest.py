@@ -123,6 +123,37 @@ def arfused():
 
 
 @pytest.fixture
+def real_lib():
+    """The built libarfuse_client, loaded (a failure in CI, where it must be built)."""
+    from arfuse import instream
+    path = instream.find_client_library()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("libarfuse_client.so is not built (target arfuse_instream)")
+        pytest.skip("libarfuse_client.so is not built (target arfuse_instream; or set "
+                    "ARFUSE_CLIENT_LIB)")
+    return instream.load_library(path)
+
+
+@pytest.fixture
+def arfusectl(arfused):
+    """The arfusectl built beside arfused."""
+    path = pathlib.Path(arfused).parents[2] / "client" / "arfusectl" / "arfusectl"
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"arfusectl is not built next to {arfused}")
+    return str(path)
+
+
+def arfusectl_info(arfusectl, socket):
+    """`arfusectl info --json` of one sidecar. The negotiation may be refused in host mode (exit
+    1); the workspace part is there anyway."""
+    import json
+    out = subprocess.run([arfusectl, "info", "--addr", f"unix:{socket}", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
 def group2(arfused):
     g = Group(arfused, 2)
     yield g

@@ -229,14 +229,6 @@ def test_attach_failure_leaves_no_state(group2):
 
 # ---- the real library (when built) ----
 
-@pytest.fixture
-def real_lib():
-    path = instream.find_client_library()
-    if path is None:
-        pytest.skip("libarfuse_client.so is not built (target arfuse_instream; or set "
-                    "ARFUSE_CLIENT_LIB)")
-    return instream.load_library(path)
-
 
 def test_real_library_versions(real_lib):
     v = instream.library_versions(real_lib)

@@ -1,10 +1,6 @@
 """Every in-stream op's path counted, end to end in host mode: real sidecars, the real
 libarfuse_client, and `arfusectl info --json` reporting per rank what the client did (fused ops by
 pattern and token bucket, declined ops by reason), while attached and after the detach."""
-import json
-import os
-import pathlib
-import subprocess
 import threading
 
 import grpc
@@ -13,32 +9,15 @@ import pytest
 
 import arfuse
 from arfuse import instream
-from conftest import Group
+from conftest import Group, arfusectl_info
 
 HIDDEN, MAX_TOKENS = 256, 16
 
 
-@pytest.fixture
-def real_lib():
-    path = instream.find_client_library()
-    if path is None:
-        pytest.skip("libarfuse_client.so is not built (target arfuse_instream)")
-    return instream.load_library(path)
-
-
-@pytest.fixture
-def arfusectl(arfused):
-    path = pathlib.Path(arfused).parents[2] / "client" / "arfusectl" / "arfusectl"
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"arfusectl is not built next to {arfused}")
-    return str(path)
 
 
 def info(arfusectl, socket):
-    out = subprocess.run([arfusectl, "info", "--addr", f"unix:{socket}", "--json"],
-                         capture_output=True, text=True, timeout=60)
-    # The negotiation may be refused in host mode (exit 1); the workspace part is there anyway.
-    return json.loads(out.stdout)["instream_ops"]
+    return arfusectl_info(arfusectl, socket)["instream_ops"]
 
 
 def test_arfusectl_info_shows_what_the_client_did_per_rank(arfused, real_lib, arfusectl):

@@ -4,45 +4,24 @@ rank's framework runs its own path while its peer waits in the fused kernel: a h
 spin timeout), both sidecars log one ERROR naming the rank and its top decline reasons, count
 arfuse_instream_divergence_total and show it in `arfusectl info`; equal decisions report
 nothing."""
-import json
 import os
-import pathlib
 import re
-import subprocess
 import threading
 import time
 import urllib.request
 
 import numpy as np
-import pytest
 
 import arfuse
-from arfuse import instream
-from conftest import Group
+from conftest import Group, arfusectl_info
 
 HIDDEN, MAX_TOKENS = 256, 16
 
 
-@pytest.fixture
-def real_lib():
-    path = instream.find_client_library()
-    if path is None:
-        pytest.skip("libarfuse_client.so is not built (target arfuse_instream)")
-    return instream.load_library(path)
-
-
-@pytest.fixture
-def arfusectl(arfused):
-    path = pathlib.Path(arfused).parents[2] / "client" / "arfusectl" / "arfusectl"
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"arfusectl is not built next to {arfused}")
-    return str(path)
 
 
 def divergence(arfusectl, socket):
-    out = subprocess.run([arfusectl, "info", "--addr", f"unix:{socket}", "--json"],
-                         capture_output=True, text=True, timeout=60)
-    return json.loads(out.stdout)["instream_divergence"]
+    return arfusectl_info(arfusectl, socket)["instream_divergence"]
 
 
 def log(g, r):

@@ -24,16 +24,6 @@ REINITIALIZED = arfuse.fusion_pb2.AttachEvent.KIND_REINITIALIZED
 HIDDEN, TOKENS, ROUNDS = 256, 4, 20
 
 
-@pytest.fixture
-def real_lib():
-    path = instream.find_client_library()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("libarfuse_client.so is not built (target arfuse_instream)")
-        pytest.skip("libarfuse_client.so is not built (target arfuse_instream; or set "
-                    "ARFUSE_CLIENT_LIB)")
-    return instream.load_library(path)
-
 
 class Session:
     """One client session that records every AttachEvent its stream carries, in order."""
