@@ -117,11 +117,21 @@ static_assert(sizeof(OpCounterPage) <= kOpCounterObjectBytes);
 // a larger difference is a client writing garbage (or lowering a counter), not counting.
 inline constexpr uint64_t kMaxOpCounterDelta = uint64_t{1} << 40;
 
-// What a slot advanced from `last` to `now` (modulo 2^64: a wrap counts right), or 0 when the
-// difference is beyond kMaxOpCounterDelta (the sidecar then takes `now` as the new baseline).
-inline constexpr uint64_t OpCounterDelta(uint64_t last, uint64_t now) {
+// Whether a slot advanced from `last` to `now` by a plausible amount, written to `*advanced`
+// (modulo 2^64: a wrap counts right); false when the difference is beyond kMaxOpCounterDelta
+// (garbage, or a counter that went back).
+inline constexpr bool OpCounterAdvance(uint64_t last, uint64_t now, uint64_t* advanced) {
   const uint64_t d = now - last;
-  return d <= kMaxOpCounterDelta ? d : 0;
+  if (d > kMaxOpCounterDelta) return false;
+  *advanced = d;
+  return true;
+}
+
+// What a slot advanced from `last` to `now`, or 0 when OpCounterAdvance refuses it (the sidecar
+// then takes `now` as the new baseline).
+inline constexpr uint64_t OpCounterDelta(uint64_t last, uint64_t now) {
+  uint64_t d = 0;
+  return OpCounterAdvance(last, now, &d) ? d : 0;
 }
 
 }  // namespace arfuse::instream

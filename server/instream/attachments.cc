@@ -231,8 +231,8 @@ void InStreamAttachments::ApplyOpTableLocked(const instream::InStreamOpTable& ta
         const uint64_t now = table.ops[s][pi][b];
         // The workspace is mapped writable by its clients: a slot that jumped (or went back) is
         // garbage, adds nothing, and is read from its new value on.
-        const uint64_t d = instream::OpCounterDelta(last, now);
-        if (d == 0 && now != last) ++refused_kernel_reads_;
+        uint64_t d = 0;
+        if (!instream::OpCounterAdvance(last, now, &d)) ++refused_kernel_reads_;
         last = now;
         kernel_total_.fused[pi][b] += d;
         if (s == instream::kInStreamUnattributedSlot) unattributed_ += d;

@@ -12,14 +12,6 @@ namespace {
 
 constexpr std::string_view kMagic = "isd1";
 
-// Modulo 2^64, or nullopt-like false when beyond the bound (went back, or jumped).
-bool Advance(uint64_t base, uint64_t now, uint64_t* out) {
-  const uint64_t d = now - base;
-  if (d > instream::kMaxOpCounterDelta) return false;
-  *out = d;
-  return true;
-}
-
 DivergenceState Rebased(const std::vector<RankDecisions>& now) {
   DivergenceState s;
   s.based = true;
@@ -104,11 +96,11 @@ DivergenceStep ObserveDecisions(const DivergenceState& prev,
   std::vector<uint64_t> fused(n), declined(n);
   std::vector<std::vector<uint64_t>> reasons(n, std::vector<uint64_t>(instream::kDeclineReasons));
   for (size_t r = 0; r < n; ++r) {
-    bool ok = Advance(prev.base[r].fused, now[r].fused, &fused[r]) &&
-              Advance(prev.base[r].declined, now[r].declined, &declined[r]);
+    bool ok = instream::OpCounterAdvance(prev.base[r].fused, now[r].fused, &fused[r]) &&
+              instream::OpCounterAdvance(prev.base[r].declined, now[r].declined, &declined[r]);
     for (uint32_t q = 0; ok && q < instream::kDeclineReasons; ++q) {
-      ok =
-          Advance(prev.base[r].declined_by_reason[q], now[r].declined_by_reason[q], &reasons[r][q]);
+      ok = instream::OpCounterAdvance(prev.base[r].declined_by_reason[q],
+                                      now[r].declined_by_reason[q], &reasons[r][q]);
     }
     // A count that went back (a restarted sidecar) or jumped: no common baseline any more.
     if (!ok) {
