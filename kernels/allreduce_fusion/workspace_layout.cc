@@ -9,6 +9,9 @@ namespace arfuse {
 namespace {
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool AlignedTo(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1u)) == 0;
+}
 
 }  // namespace
 
@@ -20,8 +23,9 @@ const char* FusionErrorName(uint32_t code) {
 }
 
 bool IsFusionSupported(DType dtype, int world_size, Pattern pattern, FusionAlgo algo) {
-  return IsFusionDType(dtype) && IsSupportedWorldSize(world_size) &&
-         (pattern == Pattern::kAllReduce || pattern == Pattern::kAllReduceResidualRmsNorm) &&
+  const PatternTraits traits = TraitsOf(pattern);
+  return IsFusionDType(dtype) && IsSupportedWorldSize(world_size) && traits.valid &&
+         (traits.quant == QuantKind::kNone || dtype == DType::kBF16 || dtype == DType::kFP16) &&
          (algo == FusionAlgo::kOneShot || algo == FusionAlgo::kTwoShot);
 }
 
@@ -40,6 +44,11 @@ cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
     problem = "rank is outside 0..world_size-1";
   } else if (!IsFusionHidden(p.hidden, p.dtype)) {
     problem = "hidden is not a positive multiple of 8 within the supported row size";
+  } else if (!contract::CheckPattern(contract::OpShape{p.dtype, p.hidden, p.num_tokens, p.pattern,
+                                                       p.scale_layout},
+                                     contract::OpVoice::kEngine)
+                  .ok()) {
+    problem = "the FP8 pattern's rules: hidden a multiple of 128 and a known scale layout";
   } else if (!contract::Fits(l, contract::OpShape{p.dtype, p.hidden, p.num_tokens})) {
     problem = "num_tokens x hidden does not fit the workspace";
   } else if (p.spin_timeout_ns == 0) {
@@ -58,11 +67,19 @@ cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
         (p.output == nullptr || !Aligned16(p.output))) {
       problem = "output is null or not 16-byte aligned";
     }
-    if (problem == nullptr && p.pattern == Pattern::kAllReduceResidualRmsNorm &&
-        (p.residual_in == nullptr || p.residual_out == nullptr || p.norm_out == nullptr ||
-         p.gamma == nullptr || !Aligned16(p.residual_in) || !Aligned16(p.residual_out) ||
-         !Aligned16(p.norm_out) || !Aligned16(p.gamma))) {
+    const PatternTraits traits = TraitsOf(p.pattern);
+    if (problem == nullptr && traits.norm &&
+        (p.residual_in == nullptr || p.residual_out == nullptr ||
+         (traits.norm_out_required && p.norm_out == nullptr) || p.gamma == nullptr ||
+         !Aligned16(p.residual_in) || !Aligned16(p.residual_out) || !Aligned16(p.norm_out) ||
+         !Aligned16(p.gamma))) {
       problem = "residual_in, residual_out, norm_out or gamma is null or not 16-byte aligned";
+    }
+    // E4M3 codes are stored a vector's elements at a time (8 bytes for bf16/fp16).
+    if (problem == nullptr && traits.quant != QuantKind::kNone &&
+        (p.quant_out == nullptr || !AlignedTo(p.quant_out, 8) || p.scale == nullptr ||
+         !AlignedTo(p.scale, 4))) {
+      problem = "quant_out or scale is null, or quant_out not 8-byte or scale not 4-byte aligned";
     }
   }
   if (why != nullptr) *why = problem;

@@ -16,6 +16,7 @@
 #include "kernels/common/op_types.h"
 #include "kernels/common/plain_status.h"
 #include "kernels/contract/device_errors.h"
+#include "kernels/quant/fp8_format.h"
 
 namespace arfuse {
 
@@ -174,14 +175,20 @@ struct FusionParams {
   DType dtype;
   Pattern pattern;
   FusionAlgo algo;
-  uint8_t reserved[5];
+  uint8_t scale_layout;  // kAllReduceResidualRmsNormFp8PerGroup: a fp8::GroupScaleLayout value
+  uint8_t reserved[4];
+  // The FP8 patterns (FusedOpArgs::quant_out, ::scale): [num_tokens, hidden] E4M3 codes, and the
+  // static scale (one fp32, read) or the per-token / per-group scales (written).
+  void* quant_out;
+  void* scale;
 };
-static_assert(sizeof(FusionParams) == 312, "FusionParams layout is part of the kernel ABI");
+static_assert(sizeof(FusionParams) == 328, "FusionParams layout is part of the kernel ABI");
 static_assert(offsetof(FusionParams, input) == 128);
 static_assert(offsetof(FusionParams, spin_timeout_ns) == 192);
 static_assert(offsetof(FusionParams, layout) == 200);
 static_assert(offsetof(FusionParams, num_tokens) == 280);
 static_assert(offsetof(FusionParams, dtype) == 304);
+static_assert(offsetof(FusionParams, quant_out) == 312);
 
 // Where a launch runs, besides the op: what differs between the sidecar's own launches
 // (server/gpu/fusion_workspace.cc) and an in-stream client's (client/instream/cuda_plane.cc).
@@ -223,6 +230,9 @@ inline FusionParams MakeFusionParams(const FusedOpArgs& op, FusionAlgo algo,
   p.dtype = op.dtype;
   p.pattern = op.pattern;
   p.algo = algo;
+  p.scale_layout = op.scale_layout;
+  p.quant_out = op.quant_out;
+  p.scale = op.scale;
   return p;
 }
 
@@ -235,10 +245,12 @@ struct OpShape {
   DType dtype = DType::kBF16;
   uint32_t hidden = 0;
   uint32_t num_tokens = 0;
+  Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
+  uint8_t scale_layout = 0;  // the per-group FP8 pattern's
 };
 
 inline OpShape ShapeOf(const FusedOpArgs& op) {
-  return OpShape{op.dtype, op.hidden, op.num_tokens};
+  return OpShape{op.dtype, op.hidden, op.num_tokens, op.pattern, op.scale_layout};
 }
 
 // What a workspace serves (--max-tokens, --hidden, --dtype): ops with hidden <= `hidden` and
@@ -279,6 +291,7 @@ enum class OpRule : uint8_t {
   kHidden = 2,                // hidden not a positive multiple of kHiddenMultiple
   kHiddenAboveWorkspace = 3,  // hidden above the workspace's hidden
   kCapacity = 4,              // tokens x hidden above max_tokens x hidden (bytes: a byte slot)
+  kPattern = 5,               // not a pattern, or an FP8 pattern's own rule (CheckPattern)
 };
 
 inline constexpr char kUnavailablePrefix[] = "fusion unavailable for this op: ";
@@ -299,8 +312,43 @@ inline plain::Status CheckHidden(uint32_t hidden, OpVoice voice) {
       plain::StrCat("hidden ", hidden, " must be a positive multiple of ", kHiddenMultiple));
 }
 
-// Every op rule against a workspace's capacity, in this order: dtype, hidden, hidden above the
-// workspace's, tokens x hidden. OK or the first broken rule's status in `voice`'s code and words;
+// The rules a pattern adds, without a workspace: a Pattern value; the FP8 patterns take bf16 or
+// fp16 input; the per-group pattern needs hidden a multiple of the group (128) and a scale
+// layout of fp8::GroupScaleLayout. INVALID_ARGUMENT (kEngine, kRegistry) or OUT_OF_RANGE
+// "fusion unavailable for this op: ..." (kClient).
+inline plain::Status CheckPattern(const OpShape& op, OpVoice voice) {
+  const PatternTraits traits = TraitsOf(op.pattern);
+  auto refuse = [voice](std::string text) {
+    return voice == OpVoice::kClient
+               ? plain::OutOfRangeError(plain::StrCat(kUnavailablePrefix, text))
+               : plain::InvalidArgumentError(text);
+  };
+  if (!traits.valid) {
+    return refuse(plain::StrCat("pattern ", static_cast<int>(op.pattern), " is not 1 to ",
+                                kMaxPattern));
+  }
+  if (traits.quant == QuantKind::kNone) return plain::OkStatus();
+  if (op.dtype != DType::kBF16 && op.dtype != DType::kFP16) {
+    return refuse(plain::StrCat("pattern ", PatternName(op.pattern), " takes bf16 or fp16 input, not ",
+                                DTypeName(op.dtype)));
+  }
+  if (traits.quant == QuantKind::kPerGroup) {
+    if (op.hidden % fp8::kGroupSize != 0) {
+      return refuse(plain::StrCat("pattern ", PatternName(op.pattern), ": hidden ", op.hidden,
+                                  " is not a multiple of the group size ", fp8::kGroupSize));
+    }
+    if (!fp8::IsGroupScaleLayout(static_cast<fp8::GroupScaleLayout>(op.scale_layout))) {
+      return refuse(plain::StrCat("pattern ", PatternName(op.pattern), ": scale layout ",
+                                  static_cast<int>(op.scale_layout),
+                                  " is not 1 (fp32 row-major), 2 (fp32 MN-major) or 3 "
+                                  "(UE8M0 packed)"));
+    }
+  }
+  return plain::OkStatus();
+}
+
+// Every op rule against a workspace's capacity, in this order: the pattern (CheckPattern), dtype,
+// hidden, hidden above the workspace's, tokens x hidden. OK or the first broken rule's status in `voice`'s code and words;
 // `broken` (optional) receives the rule. num_tokens may be 0 (it fits).
 inline plain::Status CheckOp(const OpShape& op, const WorkspaceCapacity& w, OpVoice voice,
                              OpRule* broken = nullptr) {
@@ -311,6 +359,8 @@ inline plain::Status CheckOp(const OpShape& op, const WorkspaceCapacity& w, OpVo
                ? plain::InvalidArgumentError(text)
                : plain::OutOfRangeError(plain::StrCat(kUnavailablePrefix, text));
   };
+  rule = OpRule::kPattern;
+  if (plain::Status s = CheckPattern(op, voice); !s.ok()) return s;
   rule = OpRule::kDType;
   if (!w.byte_slot && op.dtype != w.dtype) {
     switch (voice) {

@@ -50,6 +50,10 @@ struct CpuOpArgs {
   void* residual_out = nullptr;       // kAllReduceResidualRmsNorm: [num_tokens, hidden]
   void* norm_out = nullptr;           // kAllReduceResidualRmsNorm: [num_tokens, hidden]
   const void* gamma = nullptr;        // kAllReduceResidualRmsNorm: [hidden]
+  // The FP8 patterns (FusedOpArgs::quant_out, ::scale, ::scale_layout); norm_out optional there.
+  void* quant_out = nullptr;
+  void* scale = nullptr;
+  uint8_t scale_layout = 0;
 };
 
 // INVALID_ARGUMENT naming the offending field when the arguments are not usable.

@@ -31,9 +31,9 @@ struct InStreamLaunchArgs {
   uint32_t reserved;
 };
 static_assert(sizeof(InStreamLaunchArgs) == kLaunchArgsBytes);
-static_assert(offsetof(InStreamLaunchArgs, kernel_config) == 312);
-static_assert(offsetof(InStreamLaunchArgs, abi_version) == 332);
-static_assert(offsetof(InStreamLaunchArgs, generation) == 336);
-static_assert(offsetof(InStreamLaunchArgs, counter_slot) == 344);
+static_assert(offsetof(InStreamLaunchArgs, kernel_config) == 328);
+static_assert(offsetof(InStreamLaunchArgs, abi_version) == 348);
+static_assert(offsetof(InStreamLaunchArgs, generation) == 352);
+static_assert(offsetof(InStreamLaunchArgs, counter_slot) == 360);
 
 }  // namespace arfuse::instream

@@ -234,7 +234,7 @@ def test_real_library_versions(real_lib):
     v = instream.library_versions(real_lib)
     assert v["attach_abi_version"] == instream.CLIENT_ABI_VERSION
     # kernels/instream/attach_abi.h: kLaunchAbiVersion, kLaunchArgsBytes.
-    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (2, 352)
+    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (3, 368)
     assert "stale" in instream.error_name(16, real_lib)
 
 
