@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/flag_args.h"
+#include "bench/fp8_standalone.h"
 #include "bench/graph_timing.h"
 #include "bench/kernels_flags.h"
 #include "bench/rank_launch.h"
@@ -62,11 +63,19 @@ constexpr const char* kRows[] = {"oneshot",   "twoshot",       "choice",  "nccl"
 constexpr int kNumRows = sizeof(kRows) / sizeof(kRows[0]);
 enum Row { kOneShot, kTwoShot, kChoice, kNccl, kNcclSym, kNcclNorm, kNcclSymNorm, kUnfused, kPull };
 
+// --fp8: per FP8 pattern (static, per-token, per-group), the fused op's time (the faster
+// algorithm) and the unquantized fused op's (the faster algorithm) followed by the separate
+// quantization kernel (bench/fp8_standalone.cu).
+constexpr const char* kFp8Kinds[] = {"static", "per_token", "per_group"};
+constexpr int kNumFp8 = 3;
+
 struct ShapeResult {
   uint32_t tokens = 0;
   uint32_t hidden = 0;
   double us[kNumRows];
   double fused_max[2] = {NAN, NAN};  // slowest replay of oneshot, twoshot (outlier check)
+  double fp8[kNumFp8] = {NAN, NAN, NAN};
+  double fp8_separate[kNumFp8] = {NAN, NAN, NAN};
   std::string choice;
 };
 
@@ -157,11 +166,16 @@ absl::Status RunRank(const Flags& f) {
                    std::string(window.status().message()).c_str());
     }
   }
-  DeviceMem in, res_in, res_out, norm, gamma, out, pull_dst;
+  DeviceMem in, res_in, res_out, norm, gamma, out, pull_dst, quant, scales, static_scale;
   for (DeviceMem* m : {&in, &res_in, &res_out, &norm, &out, &pull_dst}) {
     ARFUSE_RETURN_IF_ERROR(m->Allocate(max_bytes));
   }
   ARFUSE_RETURN_IF_ERROR(gamma.Allocate(static_cast<size_t>(max_hidden) * 2));
+  if (f.fp8 != 0) {
+    ARFUSE_RETURN_IF_ERROR(quant.Allocate(max_bytes / 2));
+    ARFUSE_RETURN_IF_ERROR(scales.Allocate(static_cast<size_t>(max_tokens) * max_hidden / 32));
+    ARFUSE_RETURN_IF_ERROR(static_scale.Allocate(sizeof(float)));
+  }
   // The memsets ran on the legacy stream, which `s` (non-blocking) does not wait for.
   ARFUSE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   const DispatchTable table = DispatchTable::Published();
@@ -194,6 +208,45 @@ absl::Status RunRank(const Flags& f) {
             TimeGraph(
                 *ex, s, f, [&] { return ws->Launch(op, algo, s); },
                 absl::StrCat(tag, "/fused", static_cast<int>(algo)), &r.fused_max[i]));
+      }
+      if (f.fp8 != 0) {
+        const FusionAlgo best_unquantized =
+            r.us[kOneShot] <= r.us[kTwoShot] ? FusionAlgo::kOneShot : FusionAlgo::kTwoShot;
+        const Pattern patterns[kNumFp8] = {Pattern::kAllReduceResidualRmsNormFp8Static,
+                                           Pattern::kAllReduceResidualRmsNormFp8PerToken,
+                                           Pattern::kAllReduceResidualRmsNormFp8PerGroup};
+        for (int k = 0; k < kNumFp8; ++k) {
+          OpArgs q = op;
+          q.pattern = patterns[k];
+          q.norm_out = nullptr;
+          q.quant_out = quant.get();
+          q.scale = k == 0 ? static_scale.get() : scales.get();
+          q.scale_layout = static_cast<uint8_t>(fp8::GroupScaleLayout::kFp32RowMajor);
+          for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+            ARFUSE_ASSIGN_OR_RETURN(
+                double us,
+                TimeGraph(
+                    *ex, s, f, [&] { return ws->Launch(q, algo, s); },
+                    absl::StrCat(tag, "/fp8_", kFp8Kinds[k], static_cast<int>(algo))));
+            r.fp8[k] = std::isnan(r.fp8[k]) ? us : std::min(r.fp8[k], us);
+          }
+          StandaloneFp8Params sp;
+          sp.kind = TraitsOf(patterns[k]).quant;
+          sp.norm = norm.get();
+          sp.quant_out = quant.get();
+          sp.scale = q.scale;
+          sp.tokens = t;
+          sp.hidden = h;
+          ARFUSE_ASSIGN_OR_RETURN(
+              r.fp8_separate[k],
+              TimeGraph(
+                  *ex, s, f,
+                  [&] {
+                    ARFUSE_RETURN_IF_ERROR(ws->Launch(op, best_unquantized, s));
+                    return ARFUSE_CUDA_STATUS(LaunchStandaloneFp8Quant(sp, s));
+                  },
+                  absl::StrCat(tag, "/fp8_separate_", kFp8Kinds[k])));
+        }
       }
       AddRmsNormParams np = {};
       np.residual_in = res_in.get();
@@ -292,6 +345,8 @@ absl::Status RunRank(const Flags& f) {
   for (const ShapeResult& r : results) {
     for (double v : r.us) absl::StrAppend(&mine, v, ",");
     for (double v : r.fused_max) absl::StrAppend(&mine, v, ",");
+    for (double v : r.fp8) absl::StrAppend(&mine, v, ",");
+    for (double v : r.fp8_separate) absl::StrAppend(&mine, v, ",");
   }
   ARFUSE_ASSIGN_OR_RETURN(std::vector<std::string> all,
                           ex->Allgather("results", mine, absl::Now() + absl::Seconds(60)));
@@ -308,6 +363,8 @@ absl::Status RunRank(const Flags& f) {
       };
       for (double& v : r.us) take_max(v);
       for (double& v : r.fused_max) take_max(v);
+      for (double& v : r.fp8) take_max(v);
+      for (double& v : r.fp8_separate) take_max(v);
     }
   }
   if (f.rank != 0) return absl::OkStatus();
@@ -352,6 +409,26 @@ absl::Status RunRank(const Flags& f) {
       }
     }
   }
+  if (f.fp8 != 0) {
+    // Quantized / unquantized: the faster algorithm of each; separate: unquantized + a kernel.
+    std::printf(
+        "\nFP8 E4M3 outputs (no norm_out; per-group: fp32 row-major scales), us per op:\n"
+        "| hidden | tokens | unquantized | static | per_token | per_group | static sep | "
+        "per_token sep | per_group sep | static/unq | per_token/unq | per_group/unq | "
+        "static/sep | per_token/sep | per_group/sep |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const ShapeResult& r : results) {
+      const double unq = std::min(r.us[kOneShot], r.us[kTwoShot]);
+      std::printf("| %u | %u | %s", r.hidden, r.tokens, fmt(unq).c_str());
+      for (double v : r.fp8) std::printf(" | %s", fmt(v).c_str());
+      for (double v : r.fp8_separate) std::printf(" | %s", fmt(v).c_str());
+      for (double v : r.fp8) std::printf(" | %s", ratio(v, unq).c_str());
+      for (int k = 0; k < kNumFp8; ++k) {
+        std::printf(" | %s", ratio(r.fp8[k], r.fp8_separate[k]).c_str());
+      }
+      std::printf(" |\n");
+    }
+  }
   const char* tuning = std::getenv("ARFUSE_FUSION_TUNING");
   std::ofstream json(f.json);
   // Every string through JsonQuote: an environment variable or a device name cannot break it.
@@ -380,6 +457,12 @@ absl::Status RunRank(const Flags& f) {
     for (int i = 0; i < 2; ++i) {
       json << ", \"" << (i == 0 ? "oneshot_max" : "twoshot_max")
            << "\": " << JsonNumber(r.fused_max[i], 3);
+    }
+    if (f.fp8 != 0) {
+      for (int k = 0; k < kNumFp8; ++k) {
+        json << ", \"fp8_" << kFp8Kinds[k] << "\": " << JsonNumber(r.fp8[k], 3)
+             << ", \"fp8_" << kFp8Kinds[k] << "_separate\": " << JsonNumber(r.fp8_separate[k], 3);
+      }
     }
     json << "}" << (i + 1 < results.size() ? "," : "") << "\n";
   }

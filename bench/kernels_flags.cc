@@ -25,6 +25,9 @@ ABSL_FLAG(int, kernels_repeats, kDefaults.repeats,
 ABSL_FLAG(int, kernels_iters, kDefaults.iters, "ops per CUDA graph");
 ABSL_FLAG(int, kernels_warmup, kDefaults.warmup, "untimed graph replays per row");
 ABSL_FLAG(int, kernels_spin_ms, kDefaults.spin_ms, "the fused kernels' spin deadline in ms");
+ABSL_FLAG(int, kernels_fp8, kDefaults.fp8,
+          "1: also time the FP8 patterns (static, per-token, per-group fp32 scales) against the "
+          "unquantized fused op followed by a separate quantization kernel");
 ABSL_FLAG(std::string, kernels_json, kDefaults.json, "where rank 0 writes the results");
 ABSL_FLAG(int, kernels_rank, kDefaults.rank,
           "internal: this rank process's rank (-1: the launcher)");
@@ -36,7 +39,7 @@ namespace {
 const SubcommandFlags& KernelsFlagSet() {
   static const SubcommandFlags set("kernels",
                                    {"world", "backend", "vmm", "tokens", "hidden", "repeats",
-                                    "iters", "warmup", "spin_ms", "json"},
+                                    "iters", "warmup", "spin_ms", "fp8", "json"},
                                    "rank");
   return set;
 }
@@ -65,12 +68,14 @@ absl::StatusOr<KernelsFlags> ParseKernelsFlags(int argc, char** argv) {
                                                 {"iters", &f.iters},
                                                 {"warmup", &f.warmup},
                                                 {"spin_ms", &f.spin_ms},
+                                                {"fp8", &f.fp8},
                                                 {"json", &f.json}}));
   if (!IsSupportedWorldSize(f.world)) {
     return absl::InvalidArgumentError(absl::StrCat("--world=", f.world, " is not 2, 4, 8 or 16"));
   }
   if (f.repeats < 5) return absl::InvalidArgumentError("--repeats must be at least 5");
   if (f.iters < 1 || f.warmup < 0) return absl::InvalidArgumentError("--iters >= 1, --warmup >= 0");
+  if (f.fp8 != 0 && f.fp8 != 1) return absl::InvalidArgumentError("--fp8 is 0 or 1");
   if (f.backend != "trtllm" && f.backend != "mnnvl") {
     return absl::InvalidArgumentError("--backend is trtllm or mnnvl");
   }

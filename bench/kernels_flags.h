@@ -27,6 +27,7 @@ struct KernelsFlags {
   int iters = 20;
   int warmup = 3;
   int spin_ms = 5000;
+  int fp8 = 0;  // 1: also the FP8 patterns against the unquantized op + a separate quantization
   std::string json = "arfuse-bench-kernels.json";
   std::vector<std::string> raw;  // flags to pass on to the ranks
 };

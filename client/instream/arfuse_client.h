@@ -45,7 +45,7 @@ extern "C" {
 
 /* The version of this C ABI (functions and structs below) and of the attach blob it reads.
  * 2: the attachment's op counter page, arfuse_note_declined. */
-#define ARFUSE_CLIENT_ABI_VERSION 3
+#define ARFUSE_CLIENT_ABI_VERSION 4
 
 /* Status codes (absl::StatusCode / grpc::StatusCode numbers). */
 #define ARFUSE_OK 0

@@ -21,7 +21,7 @@ inline constexpr uint8_t kAlgoTwoShot = static_cast<uint8_t>(FusionAlgo::kTwoSho
 // the host collective refuses such an op with INVALID_ARGUMENT).
 inline constexpr uint32_t kErrorOpMismatch = static_cast<uint32_t>(DeviceError::kOpMismatch);
 // Entries an attach may carry: both patterns and both algorithms for each hidden size.
-inline constexpr uint32_t kMaxEntries = 4 * kMaxAttachHiddens;
+inline constexpr uint32_t kMaxEntries = kMaxAttachEntries;
 // The two-shot barrier has a slot per block.
 inline constexpr uint32_t kMaxGrid = static_cast<uint32_t>(kMaxFusionBlocks);
 

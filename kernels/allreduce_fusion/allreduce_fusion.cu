@@ -21,22 +21,23 @@ using namespace ::arfuse::fusion_device;  // NOLINT(build/namespaces): the kerne
 // register-array size of the row layout (row_math.cuh), which also bounds the block size.
 // Launched as programmatic dependents (own GPU only), they wait for the kernel before them and
 // its stores, then let the kernel after them be scheduled early (it waits the same way).
-template <DType DT, bool kNorm, int kBucket>
+// kQuant: the FP8 patterns (the norm epilogue quantizes; FusionParams::pattern says how).
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     OneShotKernel(const FusionParams p, const KernelConfig cfg) {
   WaitForPrerequisiteGrid();
   AllowDependentLaunch();
-  OneShotBody<DT, kNorm, kBucket>(p, cfg, blockIdx.x, gridDim.x);
+  OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x);
 }
 
-template <DType DT, bool kNorm, int kBucket>
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     TwoShotKernel(const FusionParams p, const KernelConfig cfg) {
   WaitForPrerequisiteGrid();
   AllowDependentLaunch();
-  TwoShotBody<DT, kNorm, kBucket>(p, cfg);
+  TwoShotBody<DT, kNorm, kBucket, kQuant>(p, cfg);
 }
 
 // The indirect kernels (LaunchAllReduceFusionIndirect): every block copies the op's params from
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
 // anything of the protocol is touched. The decision reads only the device params and the
 // template, so it is the same in every block. One algorithm per kernel: a kernel holding both
 // bodies spilled five times more registers (ptxas -v).
-template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket>
+template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, bool kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     IndirectKernel(const FusionParams tmpl, const FusionParams* __restrict__ device_params) {
@@ -79,9 +80,9 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
   }
   const KernelConfig cfg = DefaultKernelConfig();
   if constexpr (kAlgo == FusionAlgo::kOneShot) {
-    OneShotBody<DT, kNorm, kBucket>(p, cfg, blockIdx.x, gridDim.x);
+    OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x);
   } else {
-    TwoShotBody<DT, kNorm, kBucket>(p, cfg);
+    TwoShotBody<DT, kNorm, kBucket, kQuant>(p, cfg);
   }
 }
 
@@ -220,7 +221,7 @@ uint32_t ResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {
   return static_cast<uint32_t>(std::min(kMaxFusionBlocks, std::max(1, sms * per_sm)));
 }
 
-template <DType DT, bool kNorm, int kBucket>
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   const Tuning& tuning = GetTuning();
   const uint32_t vecs_per_row = p.hidden / device::VecTraits<DT>::kElems;
@@ -230,14 +231,14 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   const bool pdl = tuning.pdl != 0 && p.sm_budget == 0;
   const KernelConfig cfg = ConfigFromTuning();
   if (p.algo == FusionAlgo::kOneShot) {
-    auto* kernel = &OneShotKernel<DT, kNorm, kBucket>;
+    auto* kernel = &OneShotKernel<DT, kNorm, kBucket, kQuant>;
     const uint32_t resident =
         ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, p.sm_budget);
     if (resident == 0) return cudaErrorInvalidDevice;
     const unsigned grid = std::max<uint32_t>(1u, std::min(p.num_tokens, resident));
     return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, p, cfg);
   }
-  auto* kernel = &TwoShotKernel<DT, kNorm, kBucket>;
+  auto* kernel = &TwoShotKernel<DT, kNorm, kBucket, kQuant>;
   const uint32_t resident =
       ResidentBlocks(reinterpret_cast<const void*>(kernel), threads, p.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
@@ -246,43 +247,45 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, p, cfg);
 }
 
-template <DType DT, bool kNorm>
+template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchBucket(const FusionParams& p, cudaStream_t stream) {
   switch (device::RowBucket(p.hidden / device::VecTraits<DT>::kElems)) {
     case 0:
-      return LaunchTyped<DT, kNorm, 0>(p, stream);
+      return LaunchTyped<DT, kNorm, 0, kQuant>(p, stream);
     case 1:
-      return LaunchTyped<DT, kNorm, 1>(p, stream);
+      return LaunchTyped<DT, kNorm, 1, kQuant>(p, stream);
     case 2:
-      return LaunchTyped<DT, kNorm, 2>(p, stream);
+      return LaunchTyped<DT, kNorm, 2, kQuant>(p, stream);
     default:
-      return LaunchTyped<DT, kNorm, 3>(p, stream);
+      return LaunchTyped<DT, kNorm, 3, kQuant>(p, stream);
   }
 }
 
+// The FP8 patterns have kernels for bf16 and fp16 only (IsFusionSupported).
+template <DType DT>
+inline constexpr bool kHasQuantKernels = DT != DType::kFP32;
+
 template <DType DT>
 cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
-  switch (p.pattern) {
-    case Pattern::kAllReduce:
-      return LaunchBucket<DT, false>(p, stream);
-    case Pattern::kAllReduceResidualRmsNorm:
-      return LaunchBucket<DT, true>(p, stream);
-  }
+  const PatternTraits traits = TraitsOf(p.pattern);
+  if (!traits.valid) return cudaErrorInvalidValue;
+  if (!traits.norm) return LaunchBucket<DT, false, false>(p, stream);
+  if (traits.quant == QuantKind::kNone) return LaunchBucket<DT, true, false>(p, stream);
+  if constexpr (kHasQuantKernels<DT>) return LaunchBucket<DT, true, true>(p, stream);
   return cudaErrorInvalidValue;
 }
 
 // The indirect launch's geometry: from the template only (see allreduce_fusion.h).
-template <DType DT, bool kNorm, int kBucket>
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* device_params,
                                 cudaStream_t stream, bool programmatic) {
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
   const int threads = device::RowBlockThreads(vecs_per_row);
   const bool one_shot = t.algo == FusionAlgo::kOneShot;
-  const void* kernel =
-      one_shot
-          ? reinterpret_cast<const void*>(&IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>)
-          : reinterpret_cast<const void*>(
-                &IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>);
+  auto* const one_shot_kernel = &IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket, kQuant>;
+  auto* const two_shot_kernel = &IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket, kQuant>;
+  const void* kernel = one_shot ? reinterpret_cast<const void*>(one_shot_kernel)
+                                : reinterpret_cast<const void*>(two_shot_kernel);
   const uint32_t resident = ResidentBlocks(kernel, threads, t.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
   // The most rows any op of this hidden may have (one-shot: a block per token; two-shot: a block
@@ -294,58 +297,68 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
   const unsigned grid =
       static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(max_rows, resident)));
   const unsigned block = static_cast<unsigned>(threads);
-  return one_shot ? LaunchKernel(IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>, grid,
-                                 block, programmatic, stream, t, device_params)
-                  : LaunchKernel(IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>, grid,
-                                 block, programmatic, stream, t, device_params);
+  return one_shot ? LaunchKernel(one_shot_kernel, grid, block, programmatic, stream, t,
+                                 device_params)
+                  : LaunchKernel(two_shot_kernel, grid, block, programmatic, stream, t,
+                                 device_params);
 }
 
-template <DType DT, bool kNorm>
+template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchIndirectBucket(const FusionParams& t, const FusionParams* device_params,
                                  cudaStream_t stream, bool programmatic) {
   switch (device::RowBucket(t.hidden / device::VecTraits<DT>::kElems)) {
     case 0:
-      return LaunchIndirectTyped<DT, kNorm, 0>(t, device_params, stream, programmatic);
+      return LaunchIndirectTyped<DT, kNorm, 0, kQuant>(t, device_params, stream, programmatic);
     case 1:
-      return LaunchIndirectTyped<DT, kNorm, 1>(t, device_params, stream, programmatic);
+      return LaunchIndirectTyped<DT, kNorm, 1, kQuant>(t, device_params, stream, programmatic);
     case 2:
-      return LaunchIndirectTyped<DT, kNorm, 2>(t, device_params, stream, programmatic);
+      return LaunchIndirectTyped<DT, kNorm, 2, kQuant>(t, device_params, stream, programmatic);
     default:
-      return LaunchIndirectTyped<DT, kNorm, 3>(t, device_params, stream, programmatic);
+      return LaunchIndirectTyped<DT, kNorm, 3, kQuant>(t, device_params, stream, programmatic);
   }
 }
 
 template <DType DT>
 cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* device_params,
                                    cudaStream_t stream, bool programmatic) {
-  switch (t.pattern) {
-    case Pattern::kAllReduce:
-      return LaunchIndirectBucket<DT, false>(t, device_params, stream, programmatic);
-    case Pattern::kAllReduceResidualRmsNorm:
-      return LaunchIndirectBucket<DT, true>(t, device_params, stream, programmatic);
+  const PatternTraits traits = TraitsOf(t.pattern);
+  if (!traits.valid) return cudaErrorInvalidValue;
+  if (!traits.norm) {
+    return LaunchIndirectBucket<DT, false, false>(t, device_params, stream, programmatic);
+  }
+  if (traits.quant == QuantKind::kNone) {
+    return LaunchIndirectBucket<DT, true, false>(t, device_params, stream, programmatic);
+  }
+  if constexpr (kHasQuantKernels<DT>) {
+    return LaunchIndirectBucket<DT, true, true>(t, device_params, stream, programmatic);
   }
   return cudaErrorInvalidValue;
 }
 
-template <DType DT, bool kNorm, int kBucket>
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 cudaError_t LoadBucketKernels() {
   return LoadKernelFunctions(
-      {reinterpret_cast<const void*>(&OneShotKernel<DT, kNorm, kBucket>),
-       reinterpret_cast<const void*>(&TwoShotKernel<DT, kNorm, kBucket>),
-       reinterpret_cast<const void*>(&IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket>),
-       reinterpret_cast<const void*>(&IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket>)});
+      {reinterpret_cast<const void*>(&OneShotKernel<DT, kNorm, kBucket, kQuant>),
+       reinterpret_cast<const void*>(&TwoShotKernel<DT, kNorm, kBucket, kQuant>),
+       reinterpret_cast<const void*>(
+           &IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket, kQuant>),
+       reinterpret_cast<const void*>(
+           &IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket, kQuant>)});
 }
 
-template <DType DT, bool kNorm>
+template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LoadPatternKernels() {
-  return FirstError({LoadBucketKernels<DT, kNorm, 0>(), LoadBucketKernels<DT, kNorm, 1>(),
-                     LoadBucketKernels<DT, kNorm, 2>(), LoadBucketKernels<DT, kNorm, 3>()});
+  return FirstError(
+      {LoadBucketKernels<DT, kNorm, 0, kQuant>(), LoadBucketKernels<DT, kNorm, 1, kQuant>(),
+       LoadBucketKernels<DT, kNorm, 2, kQuant>(), LoadBucketKernels<DT, kNorm, 3, kQuant>()});
 }
 
 template <DType DT>
 cudaError_t LoadDTypeKernels() {
+  cudaError_t quant = cudaSuccess;
+  if constexpr (kHasQuantKernels<DT>) quant = LoadPatternKernels<DT, true, true>();
   return FirstError(
-      {LoadPatternKernels<DT, false>(), LoadPatternKernels<DT, true>(),
+      {LoadPatternKernels<DT, false, false>(), LoadPatternKernels<DT, true, false>(), quant,
        LoadKernelFunctions({reinterpret_cast<const void*>(&WorkspaceInitKernel<DT>)})});
 }
 

@@ -177,7 +177,7 @@ struct DoorbellPlanEntry {
   // Rings with num_tokens >= this run two-shot, others one-shot (0xffffffff: always one-shot).
   uint32_t twoshot_min_tokens;
 };
-static_assert(sizeof(DoorbellPlanEntry) == 320, "DoorbellPlanEntry is read by the waiter");
+static_assert(sizeof(DoorbellPlanEntry) == 336, "DoorbellPlanEntry is read by the waiter");
 static_assert(offsetof(DoorbellPlanEntry, max_tokens) == sizeof(FusionParams));
 
 // What one waiter decided.
@@ -206,7 +206,7 @@ struct DoorbellOp {
   uint32_t local;       // 1: rung with kDoorbellRequestLocal (complete at GPU scope)
 };
 static_assert(offsetof(DoorbellOp, params) == 0);
-static_assert(sizeof(DoorbellOp) == 328);
+static_assert(sizeof(DoorbellOp) == 344);
 
 // Host-written control words, read by the waiter (host-mapped pinned memory: the host writes them
 // with plain stores, no CUDA call, so stopping works even while the stream is busy).
@@ -369,7 +369,7 @@ struct DoorbellServeParams {
   uint32_t trace_ops;
   uint32_t reserved;
 };
-static_assert(sizeof(DoorbellServeParams) == 416, "DoorbellServeParams is a kernel parameter");
+static_assert(sizeof(DoorbellServeParams) == 432, "DoorbellServeParams is a kernel parameter");
 
 // Enqueues the serving launch. cudaErrorInvalidValue (nothing launched) when the wait params or
 // the template are invalid, the masks are empty or inconsistent, the state is null or

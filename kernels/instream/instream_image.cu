@@ -40,10 +40,18 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
   e.block_threads = static_cast<uint32_t>(device::RowBlockThreads(vecs));
   e.max_grid = 0;
   e.rows_divisor = algo == FusionAlgo::kOneShot ? 1u : static_cast<uint32_t>(world_size);
-  const int n =
-      std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname,
-                    pattern == Pattern::kAllReduce ? "allreduce" : "arnorm",
-                    algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", device::RowBucket(vecs));
+  // The per-group pattern's own rules (hidden a multiple of the group): not an entry otherwise.
+  if (TraitsOf(pattern).quant == QuantKind::kPerGroup && hidden % fp8::kGroupSize != 0) {
+    return false;
+  }
+  // One function of the image serves the three FP8 patterns (instream_kernels.cu).
+  const PatternTraits traits = TraitsOf(pattern);
+  const char* pname = !traits.norm                         ? "allreduce"
+                      : traits.quant == QuantKind::kNone ? "arnorm"
+                                                           : "arnormfp8";
+  const int n = std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname,
+                              pname, algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot",
+                              device::RowBucket(vecs));
   if (n <= 0 || static_cast<size_t>(n) >= sizeof(e.function)) return false;
   *entry = e;
   return true;

@@ -27,7 +27,7 @@ using namespace ::arfuse::fusion_device;  // NOLINT(build/namespaces): the kerne
 
 static_assert(kStaleGenerationRefusal == kErrorStaleGeneration);
 
-template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket>
+template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, bool kQuant>
 __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   const FusionParams& p = a.fusion;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
@@ -45,9 +45,9 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   const uint32_t tag = GenerationTag(a.generation);
   uint32_t code;
   if constexpr (kAlgo == FusionAlgo::kOneShot) {
-    code = OneShotBody<DT, kNorm, kBucket>(p, cfg, blockIdx.x, gridDim.x, tag);
+    code = OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x, tag);
   } else {
-    code = TwoShotBody<DT, kNorm, kBucket>(p, cfg, tag);
+    code = TwoShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, tag);
   }
   if (!reporter) return;
   FusionControl* const ctrl = ControlOf(p.peer_workspace[p.rank], p.layout);
@@ -56,7 +56,8 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   } else {
     atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->instream_launches), 1ull);
     // The index comes from the client: bounded here, so a garbage one lands in the unattributed
-    // slot instead of outside the control block.
+    // slot instead of outside the control block. The FP8 patterns count with the norm pattern
+    // (the table has kOpPatterns = 2 columns: docs/instream.md).
     const uint32_t slot =
         a.counter_slot < kInStreamAttachSlots ? a.counter_slot : kInStreamUnattributedSlot;
     atomicAdd(reinterpret_cast<unsigned long long*>(
@@ -74,27 +75,30 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
 }  // namespace arfuse::instream
 
 // The entry points: arfuse_is_<dtype>_<pattern>_<algorithm>_b<bucket> (instream_image.h builds
-// the same names). C names, so the client finds them in the image without C++ mangling.
-#define ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, aname, kAlgo, b)                            \
-  extern "C" __global__ void __launch_bounds__(::arfuse::device::BucketMaxThreads(b),              \
-                                               ::arfuse::device::BucketMinBlocks(b))               \
-      arfuse_is_##dname##_##pname##_##aname##_b##b(                                                \
-          const ::arfuse::instream::InStreamLaunchArgs a) {                                        \
-    ::arfuse::instream::InStreamEntry<::arfuse::DType::DT, kNorm, ::arfuse::FusionAlgo::kAlgo, b>( \
-        a);                                                                                        \
+// the same names). C names, so the client finds them in the image without C++ mangling. One
+// function serves the three FP8 patterns of a dtype (FusionParams::pattern picks the scale).
+#define ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, b)                   \
+  extern "C" __global__ void __launch_bounds__(::arfuse::device::BucketMaxThreads(b),             \
+                                               ::arfuse::device::BucketMinBlocks(b))              \
+      arfuse_is_##dname##_##pname##_##aname##_b##b(                                               \
+          const ::arfuse::instream::InStreamLaunchArgs a) {                                       \
+    ::arfuse::instream::InStreamEntry<::arfuse::DType::DT, kNorm, ::arfuse::FusionAlgo::kAlgo, b, \
+                                      kQuant>(a);                                                 \
   }
-#define ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, aname, kAlgo) \
-  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, aname, kAlgo, 0)      \
-  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, aname, kAlgo, 1)      \
-  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, aname, kAlgo, 2)      \
-  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, aname, kAlgo, 3)
-#define ARFUSE_INSTREAM_ALGOS(dname, DT, pname, kNorm)                \
-  ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, oneshot, kOneShot) \
-  ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, twoshot, kTwoShot)
-#define ARFUSE_INSTREAM_PATTERNS(dname, DT)          \
-  ARFUSE_INSTREAM_ALGOS(dname, DT, allreduce, false) \
-  ARFUSE_INSTREAM_ALGOS(dname, DT, arnorm, true)
+#define ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, aname, kAlgo) \
+  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, 0)      \
+  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, 1)      \
+  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, 2)      \
+  ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, 3)
+#define ARFUSE_INSTREAM_ALGOS(dname, DT, pname, kNorm, kQuant)                \
+  ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, oneshot, kOneShot) \
+  ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, twoshot, kTwoShot)
+#define ARFUSE_INSTREAM_PATTERNS(dname, DT)                 \
+  ARFUSE_INSTREAM_ALGOS(dname, DT, allreduce, false, false) \
+  ARFUSE_INSTREAM_ALGOS(dname, DT, arnorm, true, false)
 
 ARFUSE_INSTREAM_PATTERNS(bf16, kBF16)
 ARFUSE_INSTREAM_PATTERNS(fp16, kFP16)
 ARFUSE_INSTREAM_PATTERNS(fp32, kFP32)
+ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8, true, true)
+ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8, true, true)

@@ -291,8 +291,10 @@ TEST_F(BlobTest, Entries) {
           ARFUSE_INVALID_ARGUMENT, "entry 1's function name is not NUL-terminated");
   Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.dtype = 0; }), ARFUSE_INVALID_ARGUMENT,
           "entry 0's dtype 0 is not bf16");
-  Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.pattern = 3; }), ARFUSE_INVALID_ARGUMENT,
-          "entry 0's pattern 3 is not allreduce (1)");
+  Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.pattern = 6; }), ARFUSE_INVALID_ARGUMENT,
+          "entry 0's pattern 6 is not 1 to 5");
+  Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.pattern = 0; }), ARFUSE_INVALID_ARGUMENT,
+          "entry 0's pattern 0 is not 1 to 5");
   Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.algo = 0; }), ARFUSE_INVALID_ARGUMENT,
           "entry 0's algo 0 is not one-shot (1) or two-shot (2)");
   Refused(WithEntry(host_, 0, [](KernelEntry& e) { e.hidden = 12; }), ARFUSE_INVALID_ARGUMENT,
