@@ -404,7 +404,7 @@ TEST_F(BlobTest, TheHostWorkspaceBehindTheDescriptor) {
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});
   EXPECT_EQ(r.rc, ARFUSE_FAILED_PRECONDITION);
-  EXPECT_THAT(r.message, HasSubstr("layout_version is 2, this build's is 5"));
+  EXPECT_THAT(r.message, HasSubstr("layout_version is 2, this build's is 6"));
   h->magic = 0;
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});
