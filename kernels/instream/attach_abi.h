@@ -28,7 +28,8 @@ namespace arfuse::instream {
 inline constexpr uint32_t kAttachMagic = 0x49534641;  // "AFSI" little-endian
 // 1: first version. 2: the op counter page (counters_fd_index, counters_bytes;
 // kernels/instream/op_counters.h). 3: the kernels' per-attachment launch counts (counter_slot).
-inline constexpr uint32_t kAttachAbiVersion = 3;
+// 4: kernel entries of the FP8 patterns (KernelEntry::pattern 3 to 5), up to 10 per hidden.
+inline constexpr uint32_t kAttachAbiVersion = 4;
 // The kernels' launch-parameter ABI (kernels/instream/launch_abi.h): a client built for another
 // version refuses to attach, because the kernel would read its parameters at other offsets.
 // 1: first version. 2: counter_slot (the kernels count each launch per attachment). 3: the FP8

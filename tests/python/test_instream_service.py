@@ -14,7 +14,7 @@ fusion_pb2 = arfuse.fusion_pb2
 
 
 def request(hiddens=(1024,), **overrides):
-    versions = {"attach_abi_version": 3, "launch_abi_version": 2, "launch_args_bytes": 352}
+    versions = {"attach_abi_version": 4, "launch_abi_version": 2, "launch_args_bytes": 352}
     versions.update(overrides)
     return fusion_pb2.AttachRequest(hidden=list(hiddens), **versions)
 
@@ -34,10 +34,12 @@ def refused(client, req):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    # Client libraries of older attach ABIs (no op counter page; no counter slot) are refused,
-    # as is one of the first launch ABI (its arguments lack the counter slot).
+    # Client libraries of older attach ABIs (no op counter page; no counter slot; no FP8
+    # patterns) are refused, as is one of the first launch ABI (its arguments lack the counter
+    # slot).
     ("attach_abi_version", 1, "attach ABI 1"),
     ("attach_abi_version", 2, "attach ABI 2"),
+    ("attach_abi_version", 3, "attach ABI 3"),
     ("launch_abi_version", 1, "launch ABI 1"),
     ("launch_args_bytes", 344, "344-byte arguments"),
     ("launch_abi_version", 7, "launch ABI 7"),
