@@ -44,9 +44,7 @@ extern "C" {
 #endif
 
 /* The version of this C ABI (functions and structs below) and of the attach blob it reads.
- * 2: the attachment's op counter page, arfuse_note_declined. 3: the kernels' launch counts per
- * attachment. 4: the FP8 patterns (arfuse_fused_allreduce_residual_rmsnorm_fp8; arfuse_supports
- * takes patterns 3 to 5; the blob may list their kernel entries). */
+ * 2: the attachment's op counter page, arfuse_note_declined. */
 #define ARFUSE_CLIENT_ABI_VERSION 4
 
 /* Status codes (absl::StatusCode / grpc::StatusCode numbers). */
@@ -163,9 +161,10 @@ int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const
                                             void* norm_out, const void* gamma, uint32_t tokens,
                                             uint32_t hidden, int dtype, float eps);
 
-/* The same op with FP8 E4M3 output: quant_out = e4m3(x / scale), x the normalized value
- * (rmsnorm(residual_out) * gamma) in fp32 before its rounding to dtype (docs/kernels.md, "FP8
- * outputs"). quant: ARFUSE_QUANT_FP8_*; scale_layout: ARFUSE_SCALE_* for
+/* The same op with FP8 E4M3 output (C ABI 4; attach ABI 4 blobs list the FP8 patterns' kernel
+ * entries, and arfuse_supports takes patterns 3 to 5): quant_out = e4m3(x / scale), x the
+ * normalized value (rmsnorm(residual_out) * gamma) in fp32 before its rounding to dtype
+ * (docs/kernels.md, "FP8 outputs"). quant: ARFUSE_QUANT_FP8_*; scale_layout: ARFUSE_SCALE_* for
  * ARFUSE_QUANT_FP8_PER_GROUP, 0 otherwise (a bad value of either: INVALID_ARGUMENT). dtype bf16
  * or fp16 (fp32: OUT_OF_RANGE), per group hidden a multiple of 128 (else OUT_OF_RANGE).
  * quant_out: [tokens, hidden] bytes of E4M3 codes, 16-byte aligned. scale, 4-byte aligned: the

@@ -42,11 +42,8 @@ plain::Status CheckEntry(const ParsedBlob& p, uint32_t i) {
     return Malformed(
         plain::StrCat(at, "dtype ", e.dtype, " is not bf16 (1), fp16 (2) or fp32 (3)"));
   }
-  // Entries name their pattern (the dispatch matches it), whatever the function is called.
   if (!TraitsOf(static_cast<Pattern>(e.pattern)).valid) {
-    return Malformed(plain::StrCat(at, "pattern ", e.pattern, " is not 1 to ", kMaxPattern,
-                                   " (allreduce, allreduce_residual_rmsnorm or one of its FP8 "
-                                   "variants)"));
+    return Malformed(plain::StrCat(at, "pattern ", e.pattern, " is not 1 to ", kMaxPattern));
   }
   if (e.algo != kAlgoOneShot && e.algo != kAlgoTwoShot) {
     return Malformed(plain::StrCat(at, "algo ", e.algo, " is not one-shot (1) or two-shot (2)"));

@@ -20,9 +20,8 @@ inline constexpr uint8_t kAlgoTwoShot = static_cast<uint8_t>(FusionAlgo::kTwoSho
 // DeviceError::kOpMismatch: the ranks launched different ops (only GPU kernels detect it this way;
 // the host collective refuses such an op with INVALID_ARGUMENT).
 inline constexpr uint32_t kErrorOpMismatch = static_cast<uint32_t>(DeviceError::kOpMismatch);
-// Entries an attach may carry: the five patterns (allreduce, allreduce_residual_rmsnorm and its
-// three FP8 variants) and both algorithms for each hidden size.
-inline constexpr uint32_t kMaxEntries = 2 * kMaxPattern * kMaxAttachHiddens;
+// Entries an attach may carry: both patterns and both algorithms for each hidden size.
+inline constexpr uint32_t kMaxEntries = kMaxAttachEntries;
 // The two-shot barrier has a slot per block.
 inline constexpr uint32_t kMaxGrid = static_cast<uint32_t>(kMaxFusionBlocks);
 

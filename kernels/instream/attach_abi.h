@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/op_types.h"
 #include "kernels/contract/device_errors.h"
 
 namespace arfuse::instream {
@@ -28,7 +29,7 @@ namespace arfuse::instream {
 inline constexpr uint32_t kAttachMagic = 0x49534641;  // "AFSI" little-endian
 // 1: first version. 2: the op counter page (counters_fd_index, counters_bytes;
 // kernels/instream/op_counters.h). 3: the kernels' per-attachment launch counts (counter_slot).
-// 4: kernel entries of the FP8 patterns (KernelEntry::pattern 3 to 5), up to 10 per hidden.
+// 4: the FP8 patterns' entries (up to kMaxAttachEntries).
 inline constexpr uint32_t kAttachAbiVersion = 4;
 // The kernels' launch-parameter ABI (kernels/instream/launch_abi.h): a client built for another
 // version refuses to attach, because the kernel would read its parameters at other offsets.
@@ -38,6 +39,10 @@ inline constexpr uint32_t kLaunchAbiVersion = 3;
 inline constexpr uint32_t kLaunchArgsBytes = 368;
 // At most this many hidden sizes per attach (each gets its kernel entries).
 inline constexpr uint32_t kMaxAttachHiddens = 16;
+// Kernel entries per hidden: one per pattern (kMaxPattern, kernels/common/op_types.h) and
+// algorithm; an attach lists at most this many per hidden.
+inline constexpr uint32_t kEntriesPerHidden = 2 * kMaxPattern;
+inline constexpr uint32_t kMaxAttachEntries = kEntriesPerHidden * kMaxAttachHiddens;
 inline constexpr uint32_t kFunctionNameBytes = 96;
 
 enum class DeviceKind : uint32_t { kCuda = 1, kHost = 2 };

@@ -66,11 +66,10 @@ absl::StatusOr<std::string> BuildAttachBlob(const InStreamExport& e, uint64_t at
     return absl::InvalidArgumentError(absl::StrCat("export has ", e.ranks.size(),
                                                    " rank memories for world_size ", e.world_size));
   }
-  // Every pattern (kMaxPattern) with both algorithms for each hidden size.
-  constexpr uint32_t kMaxEntries = 2 * kMaxPattern * instream::kMaxAttachHiddens;
-  if (e.entries.size() > kMaxEntries) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("export has ", e.entries.size(), " kernel entries, at most ", kMaxEntries));
+  if (e.entries.size() > instream::kMaxAttachEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("export has ", e.entries.size(),
+                                                   " kernel entries, at most ",
+                                                   instream::kMaxAttachEntries));
   }
   for (size_t i = 0; i < e.entries.size(); ++i) {
     if (std::memchr(e.entries[i].function, '\0', instream::kFunctionNameBytes) == nullptr) {

@@ -21,10 +21,10 @@ class RecordingLib:
         return instream.CLIENT_ABI_VERSION
 
     def arfuse_launch_abi_version(self):
-        return 2
+        return 3
 
     def arfuse_launch_args_bytes(self):
-        return 352
+        return 368
 
     def arfuse_client_version(self):
         return b"recording"

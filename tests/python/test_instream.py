@@ -385,7 +385,7 @@ def test_attach_binds_the_context_and_detach_tells_the_sidecar(group2, monkeypat
         req = requests[0]
         assert list(req.hidden) == [256, 512]
         assert (req.attach_abi_version, req.launch_abi_version, req.launch_args_bytes) == \
-            (instream.CLIENT_ABI_VERSION, 2, 352)
+            (instream.CLIENT_ABI_VERSION, 3, 368)
         assert lib.calls[0] == ("attach", b"blob", 1)
         with pytest.raises(OSError):
             os.fstat(handed[0])  # the caller's descriptors are closed after arfuse_attach

@@ -14,7 +14,7 @@ fusion_pb2 = arfuse.fusion_pb2
 
 
 def request(hiddens=(1024,), **overrides):
-    versions = {"attach_abi_version": 4, "launch_abi_version": 2, "launch_args_bytes": 352}
+    versions = {"attach_abi_version": 4, "launch_abi_version": 3, "launch_args_bytes": 368}
     versions.update(overrides)
     return fusion_pb2.AttachRequest(hidden=list(hiddens), **versions)
 
@@ -35,12 +35,14 @@ def refused(client, req):
 
 @pytest.mark.parametrize("field,value,words", [
     # Client libraries of older attach ABIs (no op counter page; no counter slot; no FP8
-    # patterns) are refused, as is one of the first launch ABI (its arguments lack the counter
-    # slot).
+    # entries) are refused, as are older launch ABIs (their arguments lack the counter slot, or
+    # the FP8 fields).
     ("attach_abi_version", 1, "attach ABI 1"),
     ("attach_abi_version", 2, "attach ABI 2"),
     ("attach_abi_version", 3, "attach ABI 3"),
     ("launch_abi_version", 1, "launch ABI 1"),
+    ("launch_abi_version", 2, "launch ABI 2"),
+    ("launch_args_bytes", 352, "352-byte arguments"),
     ("launch_args_bytes", 344, "344-byte arguments"),
     ("launch_abi_version", 7, "launch ABI 7"),
     ("launch_args_bytes", 312, "312-byte arguments"),
@@ -48,7 +50,7 @@ def refused(client, req):
 def test_another_client_abi_is_refused_before_anything_is_handed_out(client, field, value, words):
     e = refused(client, request(**{field: value}))
     assert e.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert words in e.message and "needs attach ABI 3, launch ABI 2" in e.message
+    assert words in e.message and "needs attach ABI 4, launch ABI 3" in e.message
     assert "the client library of an unnamed release speaks" in e.message
 
 
@@ -67,8 +69,8 @@ def test_a_client_library_of_another_release_is_refused_naming_both_releases(cli
     with pytest.raises(arfuse.ArfuseError) as e:
         instream.attach(client, [1024], lib=lib)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "the client library 0.0.9 speaks attach ABI 3, launch ABI 9" in e.value.message
-    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 3, launch ABI 2",
+    assert "the client library 0.0.9 speaks attach ABI 4, launch ABI 9" in e.value.message
+    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 4, launch ABI 3",
                      e.value.message), e.value.message
     # Refused before anything existed: the session's one attachment is still free.
     assert client.attach_rpc(request()).attach_id > 0
