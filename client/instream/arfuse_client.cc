@@ -17,6 +17,7 @@
 #include "client/instream/op_rules.h"
 #include "client/instream/plane.h"
 #include "kernels/common/plain_status.h"
+#include "kernels/contract/op_contract.h"
 #include "kernels/cpu/host_workspace.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
@@ -64,6 +65,16 @@ static_assert(ARFUSE_CLIENT_ABI_VERSION == arfuse::instream::kAttachAbiVersion);
 static_assert(ARFUSE_DECLINE_NOT_CONTIGUOUS ==
               static_cast<int>(arfuse::instream::DeclineReason::kNotContiguous));
 static_assert(ARFUSE_DECLINE_OTHER == static_cast<int>(arfuse::instream::DeclineReason::kOther));
+static_assert(ARFUSE_PATTERN_FP8_PER_GROUP ==
+              static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNormFp8PerGroup));
+static_assert(ARFUSE_PATTERN_FP8_STATIC ==
+              static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNormFp8Static));
+static_assert(ARFUSE_SCALE_FP32_ROW_MAJOR ==
+              static_cast<int>(arfuse::fp8::GroupScaleLayout::kFp32RowMajor));
+static_assert(ARFUSE_SCALE_FP32_MN_MAJOR ==
+              static_cast<int>(arfuse::fp8::GroupScaleLayout::kFp32MnMajor));
+static_assert(ARFUSE_SCALE_UE8M0_PACKED ==
+              static_cast<int>(arfuse::fp8::GroupScaleLayout::kUe8m0Packed));
 
 namespace {
 
@@ -101,7 +112,10 @@ plain::Status CheckUsable(const arfuse_ctx* ctx) {
 // one) before the launch: fused by pattern and token bucket, or declined by reason. A launch that
 // fails after the decision counts as fused (the kernels' error word and the sidecar's poisoning
 // report it); tokens == 0 runs nothing and counts nothing.
-plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op) {
+// `enums`: the FP8 entry point's check of its quant and scale_layout arguments (INVALID_ARGUMENT,
+// counted as such after the ctx's own checks).
+plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::OpRequest op,
+                    plain::Status enums = plain::OkStatus()) {
   using arfuse::instream::DeclineReason;
   if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
   auto declined = [ctx](DeclineReason why, plain::Status s) {
@@ -111,6 +125,7 @@ plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::
   if (plain::Status s = CheckUsable(ctx); !s.ok()) {
     return declined(DeclineReason::kDisabled, std::move(s));
   }
+  if (!enums.ok()) return declined(DeclineReason::kInvalidArgument, std::move(enums));
   if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) {
     return declined(DeclineReason::kInvalidArgument, std::move(s));
   }
@@ -119,7 +134,7 @@ plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::
   if (op.num_tokens == 0) return plain::OkStatus();  // nothing to run, on every rank alike
   DeclineReason why = DeclineReason::kOther;
   plain::StatusOr<lib::Dispatch> d =
-      lib::DispatchOp(ctx->blob, *ctx->plane, op.pattern, op.num_tokens, op.hidden, op.dtype, &why);
+      lib::DispatchOp(ctx->blob, *ctx->plane, arfuse::contract::ShapeOf(op), &why);
   if (!d.ok()) return declined(why, d.status());
   if (plain::Status s = lib::CheckTensors(op); !s.ok()) {
     return declined(DeclineReason::kInvalidArgument, std::move(s));
@@ -129,7 +144,9 @@ plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::
                                                          {op.residual_in, "residual_in"},
                                                          {op.residual_out, "residual_out"},
                                                          {op.norm_out, "norm_out"},
-                                                         {op.gamma, "gamma"}};
+                                                         {op.gamma, "gamma"},
+                                                         {op.quant_out, "quant_out"},
+                                                         {op.scale, "scale"}};
   for (const auto& [ptr, name] : tensors) {
     if (ptr == nullptr) continue;  // not a tensor of this pattern (CheckTensors saw the others)
     if (plain::Status s = ctx->plane->CheckPointer(ptr, name); !s.ok()) {
@@ -258,8 +275,14 @@ int arfuse_supports(const arfuse_ctx* ctx, int pattern, uint32_t tokens, uint32_
   return Guarded([&]() -> plain::Status {
     if (plain::Status s = CheckUsable(ctx); !s.ok()) return s;
     if (plain::Status s = lib::CheckEnums(pattern, dtype); !s.ok()) return s;
-    return lib::DispatchOp(ctx->blob, *ctx->plane, static_cast<arfuse::Pattern>(pattern), tokens,
-                           hidden, static_cast<arfuse::DType>(dtype))
+    const auto p = static_cast<arfuse::Pattern>(pattern);
+    // Every scale layout of the per-group pattern is fused alike: the answer holds for each.
+    const uint8_t layout = arfuse::TraitsOf(p).quant == arfuse::QuantKind::kPerGroup
+                               ? static_cast<uint8_t>(arfuse::fp8::GroupScaleLayout::kFp32RowMajor)
+                               : uint8_t{0};
+    return lib::DispatchOp(ctx->blob, *ctx->plane,
+                           arfuse::contract::OpShape{static_cast<arfuse::DType>(dtype), hidden,
+                                                     tokens, p, layout})
         .status();
   });
 }
@@ -280,6 +303,30 @@ int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const
     op.gamma = gamma;
     return RunOp(ctx, stream, static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNorm), dtype,
                  op);
+  });
+}
+
+int arfuse_fused_allreduce_residual_rmsnorm_fp8(arfuse_ctx* ctx, void* stream, const void* input,
+                                                const void* residual_in, void* residual_out,
+                                                void* norm_out, void* quant_out, void* scale,
+                                                const void* gamma, uint32_t tokens, uint32_t hidden,
+                                                int dtype, float eps, int quant, int scale_layout) {
+  return Guarded([&] {
+    plain::StatusOr<arfuse::Pattern> pattern = lib::Fp8PatternOf(quant, scale_layout);
+    lib::OpRequest op;
+    op.num_tokens = tokens;
+    op.hidden = hidden;
+    op.eps = eps;
+    op.input = input;
+    op.residual_in = residual_in;
+    op.residual_out = residual_out;
+    op.norm_out = norm_out;
+    op.gamma = gamma;
+    op.quant_out = quant_out;
+    op.scale = scale;
+    op.scale_layout = pattern.ok() ? static_cast<uint8_t>(scale_layout) : uint8_t{0};
+    return RunOp(ctx, stream, pattern.ok() ? static_cast<int>(*pattern) : 0, dtype, op,
+                 pattern.status());
   });
 }
 

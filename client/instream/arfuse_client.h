@@ -66,6 +66,28 @@ extern "C" {
 #define ARFUSE_DTYPE_FP16 2
 #define ARFUSE_DTYPE_FP32 3
 
+/* arfuse_supports' patterns (arfuse::Pattern). */
+#define ARFUSE_PATTERN_ALLREDUCE 1
+#define ARFUSE_PATTERN_ALLREDUCE_RESIDUAL_RMSNORM 2
+#define ARFUSE_PATTERN_FP8_STATIC 3
+#define ARFUSE_PATTERN_FP8_PER_TOKEN 4
+#define ARFUSE_PATTERN_FP8_PER_GROUP 5
+
+/* arfuse_fused_allreduce_residual_rmsnorm_fp8's quant: how the E4M3 codes are scaled. */
+#define ARFUSE_QUANT_FP8_STATIC 1    /* one fp32 scale, read: q = e4m3(x * (1 / scale[0])) */
+#define ARFUSE_QUANT_FP8_PER_TOKEN 2 /* fp32 [tokens] written: max(amax / 448, 1 / (448 * 512)) */
+#define ARFUSE_QUANT_FP8_PER_GROUP 3 /* one scale per 128 elements of a row, written */
+/* ... and its scale_layout for ARFUSE_QUANT_FP8_PER_GROUP (fp8::GroupScaleLayout; 0 otherwise).
+ * With G = hidden / 128 groups and A = tokens rounded up to 4, the scale tensor is:
+ *   ARFUSE_SCALE_FP32_ROW_MAJOR  fp32 [tokens, G] row-major: T * G floats;
+ *   ARFUSE_SCALE_FP32_MN_MAJOR   fp32 [tokens, G], strides [1, A]: (G - 1) * A + T floats;
+ *   ARFUSE_SCALE_UE8M0_PACKED    UE8M0 exponent bytes, four groups per int32 (little-endian),
+ *                                [tokens, ceil(G / 4)], strides [1, A]: (ceil(G/4) - 1) * A + T
+ *                                words. */
+#define ARFUSE_SCALE_FP32_ROW_MAJOR 1
+#define ARFUSE_SCALE_FP32_MN_MAJOR 2
+#define ARFUSE_SCALE_UE8M0_PACKED 3
+
 /* Decline reasons a caller reports with arfuse_note_declined (kernels/instream/op_counters.h has
  * the full list; the library counts the others itself). */
 #define ARFUSE_DECLINE_NOT_CONTIGUOUS 9
@@ -120,8 +142,11 @@ int arfuse_ctx_get_info(const arfuse_ctx* ctx, arfuse_ctx_info* info);
 
 /* Whether an op of this shape would launch fused: ARFUSE_OK, or ARFUSE_OUT_OF_RANGE with the
  * reason (tokens x hidden beyond the workspace or the dispatch's fused range, hidden not
- * attached, another dtype) or ARFUSE_UNAVAILABLE (disabled). Pure host logic, the same answer on
- * every rank for the same arguments. pattern: 1 allreduce, 2 allreduce + residual + RMSNorm. */
+ * attached, another dtype, no kernel for the pattern, an FP8 pattern of fp32, a per-group hidden
+ * that is not a multiple of 128) or ARFUSE_UNAVAILABLE (disabled). Pure host logic, the same
+ * answer on every rank for the same arguments. pattern: ARFUSE_PATTERN_* (1 allreduce, 2
+ * allreduce + residual + RMSNorm, 3 to 5 the same with FP8 output, static, per-token or
+ * per-group; the answer for 5 holds for every scale layout). */
 int arfuse_supports(const arfuse_ctx* ctx, int pattern, uint32_t tokens, uint32_t hidden,
                     int dtype);
 
@@ -135,6 +160,24 @@ int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const
                                             const void* residual_in, void* residual_out,
                                             void* norm_out, const void* gamma, uint32_t tokens,
                                             uint32_t hidden, int dtype, float eps);
+
+/* The same op with FP8 E4M3 output (C ABI 4; attach ABI 4 blobs list the FP8 patterns' kernel
+ * entries, and arfuse_supports takes patterns 3 to 5): quant_out = e4m3(x / scale), x the
+ * normalized value (rmsnorm(residual_out) * gamma) in fp32 before its rounding to dtype
+ * (docs/kernels.md, "FP8 outputs"). quant: ARFUSE_QUANT_FP8_*; scale_layout: ARFUSE_SCALE_* for
+ * ARFUSE_QUANT_FP8_PER_GROUP, 0 otherwise (a bad value of either: INVALID_ARGUMENT). dtype bf16
+ * or fp16 (fp32: OUT_OF_RANGE), per group hidden a multiple of 128 (else OUT_OF_RANGE).
+ * quant_out: [tokens, hidden] bytes of E4M3 codes, 16-byte aligned. scale, 4-byte aligned: the
+ * static scale (one fp32, read), per token fp32 [tokens] (written), per group the layout's extent
+ * (written, padding bytes 0). norm_out may be NULL (only the codes and scales are written); when
+ * given it is the pattern-2 norm_out. residual_out as above. No output may overlap another tensor
+ * (residual_out may be residual_in). The fused op counters count these ops as
+ * allreduce_residual_rmsnorm. */
+int arfuse_fused_allreduce_residual_rmsnorm_fp8(arfuse_ctx* ctx, void* stream, const void* input,
+                                                const void* residual_in, void* residual_out,
+                                                void* norm_out, void* quant_out, void* scale,
+                                                const void* gamma, uint32_t tokens, uint32_t hidden,
+                                                int dtype, float eps, int quant, int scale_layout);
 
 /* output = sum over ranks of input (output may equal input; no partial overlap). */
 int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, void* output,
@@ -154,7 +197,8 @@ int arfuse_disable(arfuse_ctx* ctx, const char* reason);
 
 /* Every op the library decides is counted in the attachment's op counter page, shared with the
  * sidecar (no RPC, one relaxed atomic add): fused ops by pattern and token bucket, declined ops
- * (OUT_OF_RANGE, UNAVAILABLE, INVALID_ARGUMENT) by reason; the sidecar exports them as
+ * (OUT_OF_RANGE, UNAVAILABLE, INVALID_ARGUMENT) by reason; the FP8 ops count as
+ * allreduce_residual_rmsnorm (the page has the two patterns); the sidecar exports them as
  * arfuse_instream_ops_total. Graph replays of a captured launch run no host code: the kernels
  * count every launch in the attachment's counter slot of the workspace (on CUDA the sidecar
  * exports those as the fused ops). arfuse_supports counts nothing. A caller

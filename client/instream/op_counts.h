@@ -26,10 +26,12 @@ class OpCountsMapping {
 
   // Relaxed atomic adds: each slot is a tally on its own, read by the sidecar whenever it
   // scrapes; nothing orders them against the op itself. Several threads (ctxs) may count at once.
+  // The page has two pattern slots: allreduce (0) and allreduce_residual_rmsnorm (1). The FP8
+  // patterns run the same add-RMSNorm and count in slot 1 (their codes are an epilogue).
   void Fused(Pattern pattern, uint32_t tokens) {
-    if (page_ == nullptr) return;
-    const uint32_t p = static_cast<uint32_t>(pattern) - 1;
-    if (p >= kOpPatterns) return;
+    if (page_ == nullptr || !TraitsOf(pattern).valid) return;
+    const uint32_t p = IsNormPattern(pattern) ? 1 : 0;
+    static_assert(kOpPatterns == 2, "the slot of each pattern above");
     __atomic_fetch_add(&page_->fused[p][OpTokenBucket(tokens)], 1, __ATOMIC_RELAXED);
   }
   void Declined(DeclineReason reason) {

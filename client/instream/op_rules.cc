@@ -27,10 +27,11 @@ bool Overlap(const Extent& a, const Extent& b) { return a.begin < b.end && b.beg
 }  // namespace
 
 plain::Status CheckEnums(int pattern, int dtype) {
-  if (pattern != static_cast<int>(Pattern::kAllReduce) &&
-      pattern != static_cast<int>(Pattern::kAllReduceResidualRmsNorm)) {
+  if (pattern < 1 || pattern > kMaxPattern) {
     return plain::InvalidArgumentError(plain::StrCat(
-        "pattern ", pattern, " is not 1 (allreduce) or 2 (allreduce + residual + RMSNorm)"));
+        "pattern ", pattern,
+        " is not 1 (allreduce), 2 (allreduce + residual + RMSNorm) or 3 to 5 (the same with "
+        "FP8 output: static, per-token, per-group scales)"));
   }
   if (dtype < 0 || !IsKnownDType(static_cast<uint32_t>(dtype))) {
     return plain::InvalidArgumentError(plain::StrCat(
@@ -40,16 +41,51 @@ plain::Status CheckEnums(int pattern, int dtype) {
   return plain::OkStatus();
 }
 
-plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane, Pattern pattern,
-                                     uint32_t tokens, uint32_t hidden, DType dtype,
-                                     DeclineReason* why) {
+plain::StatusOr<Pattern> Fp8PatternOf(int quant, int scale_layout) {
+  Pattern p;
+  switch (quant) {
+    case 1:
+      p = Pattern::kAllReduceResidualRmsNormFp8Static;
+      break;
+    case 2:
+      p = Pattern::kAllReduceResidualRmsNormFp8PerToken;
+      break;
+    case 3:
+      p = Pattern::kAllReduceResidualRmsNormFp8PerGroup;
+      break;
+    default:
+      return plain::InvalidArgumentError(
+          plain::StrCat("quant ", quant,
+                        " is not ARFUSE_QUANT_FP8_STATIC (1), ARFUSE_QUANT_FP8_PER_TOKEN (2) or "
+                        "ARFUSE_QUANT_FP8_PER_GROUP (3)"));
+  }
+  if (p == Pattern::kAllReduceResidualRmsNormFp8PerGroup) {
+    if (scale_layout < 0 || scale_layout > 255 ||
+        !fp8::IsGroupScaleLayout(static_cast<fp8::GroupScaleLayout>(scale_layout))) {
+      return plain::InvalidArgumentError(plain::StrCat(
+          "scale_layout ", scale_layout,
+          " is not ARFUSE_SCALE_FP32_ROW_MAJOR (1), ARFUSE_SCALE_FP32_MN_MAJOR (2) or "
+          "ARFUSE_SCALE_UE8M0_PACKED (3)"));
+    }
+  } else if (scale_layout != 0) {
+    return plain::InvalidArgumentError(
+        plain::StrCat("scale_layout ", scale_layout,
+                      " is for ARFUSE_QUANT_FP8_PER_GROUP only: pass 0 with quant ", quant));
+  }
+  return p;
+}
+
+plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
+                                     const contract::OpShape& op, DeclineReason* why) {
   DeclineReason unused;
   DeclineReason& reason = why != nullptr ? *why : unused;
   const AttachHeader& h = blob.header;
+  const Pattern pattern = op.pattern;
+  const DType dtype = op.dtype;
+  const uint32_t tokens = op.num_tokens, hidden = op.hidden;
   contract::OpRule rule = contract::OpRule::kNone;
   if (plain::Status s =
-          contract::CheckOp(contract::OpShape{dtype, hidden, tokens},
-                            contract::WorkspaceCapacity{h.max_tokens, h.hidden, blob.dtype()},
+          contract::CheckOp(op, contract::WorkspaceCapacity{h.max_tokens, h.hidden, blob.dtype()},
                             contract::OpVoice::kClient, &rule);
       !s.ok()) {
     reason = rule == contract::OpRule::kDType      ? DeclineReason::kDtype
@@ -101,13 +137,14 @@ plain::StatusOr<Dispatch> DispatchOp(const ParsedBlob& blob, const Plane& plane,
 plain::Status CheckTensors(const OpRequest& op) {
   const uint64_t bytes = uint64_t{op.num_tokens} * op.hidden * DTypeSize(op.dtype);
   const uint64_t gamma_bytes = uint64_t{op.hidden} * DTypeSize(op.dtype);
+  const PatternTraits traits = TraitsOf(op.pattern);
   std::vector<Extent> reads, writes;
-  auto add = [&](std::vector<Extent>& to, const void* p, const char* name,
-                 uint64_t n) -> plain::Status {
+  auto add = [&](std::vector<Extent>& to, const void* p, const char* name, uint64_t n,
+                 uint64_t align = 16) -> plain::Status {
     if (p == nullptr) return plain::InvalidArgumentError(plain::StrCat(name, " is NULL"));
     const auto begin = reinterpret_cast<uintptr_t>(p);
-    if (begin % 16 != 0) {
-      return plain::InvalidArgumentError(plain::StrCat(name, " is not 16-byte aligned"));
+    if (begin % align != 0) {
+      return plain::InvalidArgumentError(plain::StrCat(name, " is not ", align, "-byte aligned"));
     }
     if (n > UINTPTR_MAX - begin) {
       return plain::InvalidArgumentError(
@@ -117,7 +154,7 @@ plain::Status CheckTensors(const OpRequest& op) {
     return plain::OkStatus();
   };
   plain::Status s;
-  if (op.pattern == Pattern::kAllReduce) {
+  if (!traits.norm) {
     if (!(s = add(reads, op.input, "input", bytes)).ok()) return s;
     if (!(s = add(writes, op.output, "output", bytes)).ok()) return s;
     // In place is elementwise: output may be input, but not shifted against it.
@@ -134,24 +171,50 @@ plain::Status CheckTensors(const OpRequest& op) {
   if (!(s = add(reads, op.residual_in, "residual_in", bytes)).ok()) return s;
   if (!(s = add(reads, op.gamma, "gamma", gamma_bytes)).ok()) return s;
   if (!(s = add(writes, op.residual_out, "residual_out", bytes)).ok()) return s;
-  if (!(s = add(writes, op.norm_out, "norm_out", bytes)).ok()) return s;
-  const Extent& residual_out = writes[0];
-  const Extent& norm_out = writes[1];
-  if (Overlap(norm_out, residual_out)) {
-    return plain::InvalidArgumentError("norm_out overlaps residual_out");
+  // The FP8 patterns' norm_out is optional (NULL: only the codes and scales are written).
+  if (traits.norm_out_required || op.norm_out != nullptr) {
+    if (!(s = add(writes, op.norm_out, "norm_out", bytes)).ok()) return s;
   }
-  for (const Extent& in : reads) {
-    // residual_out may be residual_in (in place, elementwise), exactly.
-    if (&in == &reads[1] && residual_out.begin == in.begin) continue;
-    if (Overlap(residual_out, in)) {
-      return plain::InvalidArgumentError(
-          plain::StrCat("residual_out overlaps ", in.name,
-                        &in == &reads[1] ? " partially (it may only equal it)" : ""));
+  if (traits.quant != QuantKind::kNone) {
+    if (!(s = add(writes, op.quant_out, "quant_out", uint64_t{op.num_tokens} * op.hidden)).ok()) {
+      return s;
+    }
+    // fp32 scales (or UE8M0 words) are read and written as 4-byte values.
+    switch (traits.quant) {
+      case QuantKind::kStatic:
+        s = add(reads, op.scale, "scale", 4, 4);
+        break;
+      case QuantKind::kPerToken:
+        s = add(writes, op.scale, "scale", uint64_t{op.num_tokens} * 4, 4);
+        break;
+      default:
+        s = add(writes, op.scale, "scale",
+                fp8::GroupScaleBytes(static_cast<fp8::GroupScaleLayout>(op.scale_layout),
+                                     op.num_tokens, op.hidden / fp8::kGroupSize),
+                4);
+        break;
+    }
+    if (!s.ok()) return s;
+  }
+  // No two outputs overlap ("norm_out overlaps residual_out": the later names the earlier).
+  for (size_t j = 1; j < writes.size(); ++j) {
+    for (size_t i = 0; i < j; ++i) {
+      if (Overlap(writes[j], writes[i])) {
+        return plain::InvalidArgumentError(
+            plain::StrCat(writes[j].name, " overlaps ", writes[i].name));
+      }
     }
   }
-  for (const Extent& in : reads) {
-    if (Overlap(norm_out, in)) {
-      return plain::InvalidArgumentError(plain::StrCat("norm_out overlaps ", in.name));
+  const Extent& residual_out = writes[0];
+  for (const Extent& out : writes) {
+    for (const Extent& in : reads) {
+      // residual_out may be residual_in (in place, elementwise), exactly.
+      const bool in_place = &out == &residual_out && &in == &reads[1];
+      if (in_place && residual_out.begin == in.begin) continue;
+      if (Overlap(out, in)) {
+        return plain::InvalidArgumentError(plain::StrCat(
+            out.name, " overlaps ", in.name, in_place ? " partially (it may only equal it)" : ""));
+      }
     }
   }
   return plain::OkStatus();

@@ -35,9 +35,12 @@ uint32_t FloatBitsOf(float f) {
 std::string Describe(const HostSlotDesc& d) {
   float eps;
   std::memcpy(&eps, &d.eps_bits, sizeof(eps));
-  return plain::StrCat(PatternName(static_cast<Pattern>(d.pattern)), " ",
-                       DTypeName(static_cast<DType>(d.dtype)), " tokens=", d.num_tokens,
-                       " hidden=", d.hidden, " eps=", eps);
+  const Pattern p = static_cast<Pattern>(d.pattern);
+  return plain::StrCat(PatternName(p), " ", DTypeName(static_cast<DType>(d.dtype)),
+                       " tokens=", d.num_tokens, " hidden=", d.hidden, " eps=", eps,
+                       TraitsOf(p).quant == QuantKind::kPerGroup
+                           ? plain::StrCat(" scale_layout=", d.scale_layout)
+                           : std::string());
 }
 
 HostOpResult Stale(std::string_view why) {
@@ -226,12 +229,14 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
   } else {
     std::memcpy(slot(b, rank_), op.input, bytes);
   }
-  mine->desc[b] = HostSlotDesc{op.hidden,
-                               op.num_tokens,
-                               FloatBitsOf(op.eps),
-                               static_cast<uint8_t>(op.pattern),
-                               static_cast<uint8_t>(op.dtype),
-                               input_read.ok() ? uint16_t{0} : kHostSlotInputFaulted};
+  mine->desc[b] = HostSlotDesc{
+      op.hidden,
+      op.num_tokens,
+      FloatBitsOf(op.eps),
+      static_cast<uint8_t>(op.pattern),
+      static_cast<uint8_t>(op.dtype),
+      input_read.ok() ? uint8_t{0} : kHostSlotInputFaulted,
+      TraitsOf(op.pattern).quant == QuantKind::kPerGroup ? op.scale_layout : uint8_t{0}};
   // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
   mine->written_seq[b].store(s, std::memory_order_release);
   // 3. Wait for every rank's slot of this call.
@@ -291,6 +296,9 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
     a.residual_out = op.residual_out;
     a.norm_out = op.norm_out;
     a.gamma = op.gamma;
+    a.quant_out = op.quant_out;
+    a.scale = op.scale;
+    a.scale_layout = op.scale_layout;
     ran = ReferenceFusedOpPlain(a);
   }
   return HostOpResult{std::move(ran), false, 0};
@@ -302,7 +310,7 @@ HostOpResult HostCollective::Abandon(uint64_t seq, std::string_view why) {
   const bool confirmed = sync(rank_)->ack_seq.load(std::memory_order_acquire) >= seq;
   return Fail(plain::AbortedError(
                   plain::StrCat("op ", seq, " of rank ", rank_, " was abandoned: ", why,
-                               "; the workspace is poisoned until every rank re-initializes")),
+                                "; the workspace is poisoned until every rank re-initializes")),
               confirmed ? seq + 1 : seq, HostWsError::kAbandoned);
 }
 

@@ -18,7 +18,10 @@
 //   4. confirm: ack_seq = s (release), then wait until every rank confirmed s. No rank reads a slot
 //      of call s before every rank saw every input of s, so a slot whose launcher died before it
 //      confirmed is never read, whichever rank arrives first;
-//   5. check every rank runs the same op (else INVALID_ARGUMENT on every rank, not poisoned);
+//   5. check every rank runs the same op: pattern, dtype, tokens, hidden, eps and the per-group
+//      FP8 pattern's scale layout (else INVALID_ARGUMENT "ranks disagree on the op" on every
+//      rank, not poisoned). Each rank's tensors are its own: the static FP8 scale is read from
+//      the rank's scale pointer, and norm_out may be given on one rank and not another;
 //   6. run the op over the slots in rank order, then publish done_seq = s (release; also after a
 //      failure from step 1 on: the rank is finished with s either way).
 // A wait that passes its deadline, or sees the local abort flag or a peer's abort word, gives up:

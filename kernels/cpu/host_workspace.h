@@ -31,14 +31,15 @@ namespace arfuse::host {
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
 // 2: abort_seq. 3: retired, error; an op's sequence number comes from done_seq.
 // 4: HostSlotDesc::flags. 5: HostRankSync::launch_seq, ack_seq, launcher (two cache lines).
-inline constexpr uint32_t kHostWsLayoutVersion = 5;
+// 6: HostSlotDesc::scale_layout (the FP8 patterns), flags one byte.
+inline constexpr uint32_t kHostWsLayoutVersion = 6;
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
 
 // HostSlotDesc::flags: the rank could not read its client's input (the memory faulted), so its
 // slot holds no input and every rank drops the op.
-inline constexpr uint16_t kHostSlotInputFaulted = 1;
+inline constexpr uint8_t kHostSlotInputFaulted = 1;
 
 // What a rank ran, so ranks can check they run the same op (a mismatch is refused on every
 // rank instead of summing unlike tensors).
@@ -48,7 +49,10 @@ struct HostSlotDesc {
   uint32_t eps_bits;
   uint8_t pattern;
   uint8_t dtype;
-  uint16_t flags;
+  uint8_t flags;
+  // The per-group FP8 pattern's scale layout (0 for every other pattern): ranks writing their
+  // scales in different layouts run different ops.
+  uint8_t scale_layout;
 };
 static_assert(sizeof(HostSlotDesc) == 16);
 static_assert(std::is_trivially_copyable_v<HostSlotDesc>);

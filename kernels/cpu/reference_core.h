@@ -16,6 +16,11 @@
 //   5. y_i = float(residual_out[i]) (the dtype-rounded value); ss = sum of y_i * y_i in fp32;
 //      inv = 1.0f / sqrtf(ss / float(hidden) + eps) with IEEE (correctly rounded) division and
 //      square root; norm_out[i] = round_to_dtype((y_i * inv) * float(gamma[i])).
+//   6. The FP8 patterns (3-5) quantize x = (y_i * inv) * float(gamma[i]) of step 5 in fp32, before
+//      its rounding to the dtype, to E4M3 codes with kernels/quant/fp8_reference.h's functions
+//      (the GPU epilogue's math, bit for bit): static q = e4m3(x * (1 / scale[0])); per token
+//      scale[t] = DynamicTokenScale(amax of row t), q = e4m3(x / scale[t]); per group of 128
+//      QuantizeRowsPerGroup in the op's scale_layout. norm_out, when given, is step 5's.
 // Steps 1-4 are bit-exact between CPU and GPU. The order of the adds in the sum of squares (5)
 // differs: the GPU adds per-thread partial sums in a shuffle tree, the CPU adds sequentially,
 // and the GPU may contract y*y+acc into an FMA. So norm_out may differ from the GPU in the last
@@ -50,22 +55,34 @@ struct CpuOpArgs {
   void* residual_out = nullptr;       // kAllReduceResidualRmsNorm: [num_tokens, hidden]
   void* norm_out = nullptr;           // kAllReduceResidualRmsNorm: [num_tokens, hidden]
   const void* gamma = nullptr;        // kAllReduceResidualRmsNorm: [hidden]
-  // The FP8 patterns (FusedOpArgs::quant_out, ::scale, ::scale_layout); norm_out optional there.
+  // The FP8 patterns (FusedOpArgs::quant_out, ::scale, ::scale_layout); they also read
+  // residual_in and gamma and write residual_out, and norm_out is optional there (null: only
+  // the codes and scales are written). quant_out: [num_tokens, hidden] E4M3 codes. scale: one
+  // fp32 read (static; used as given, so a zero or subnormal scale gives an infinite or huge
+  // reciprocal and saturated codes), fp32 [num_tokens] written (per token), or
+  // fp8::GroupScaleBytes(layout, num_tokens, hidden / 128) bytes written (per group, padding 0).
   void* quant_out = nullptr;
   void* scale = nullptr;
-  uint8_t scale_layout = 0;
+  uint8_t scale_layout = 0;  // per group: a fp8::GroupScaleLayout value
 };
 
-// INVALID_ARGUMENT naming the offending field when the arguments are not usable.
+// INVALID_ARGUMENT naming the offending field when the arguments are not usable: the dtype, the
+// pattern's rules (contract::CheckPattern: a pattern 1..5; FP8 patterns bf16 or fp16, per group
+// hidden a multiple of 128 and a scale layout 1..3), world_size, hidden, eps, and with tokens
+// the pattern's tensors (FP8: quant_out and scale; norm_out only for kAllReduceResidualRmsNorm).
 plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args);
 
 // Runs the op with the GPU's numerics (above). Output buffers may not alias inputs except that
-// residual_out may equal residual_in and output may equal rank_inputs[r] (elementwise in place).
+// residual_out may equal residual_in and output may equal rank_inputs[r] (elementwise in place);
+// quant_out and scale alias nothing. The FP8 patterns keep the op's fp32 values
+// (num_tokens x hidden floats) while they run.
 plain::Status ReferenceFusedOpPlain(const CpuOpArgs& args);
 
 // The same op in fp64 from the dtype input values, no intermediate rounding: the exact answer
 // the tolerance tests compare against. Fills `out` (kAllReduce) or `residual_out` and `norm_out`
-// (kAllReduceResidualRmsNorm) with num_tokens * hidden values; the unused vector is cleared.
+// (the norm patterns) with num_tokens * hidden values; the unused vector is cleared. The FP8
+// patterns get their residual_out and norm_out only: no codes or scales (the FP8 tests compare
+// codes with fp8_reference's bit-exact math instead).
 struct Fp64Result {
   std::vector<double> out;
   std::vector<double> residual_out;

@@ -1,15 +1,13 @@
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/half_convert.h"
 #include "kernels/cpu/reference_core.h"
+#include "kernels/quant/fp8_reference.h"
 
 namespace arfuse {
 namespace {
-
-bool IsKnownPattern(Pattern p) {
-  return p == Pattern::kAllReduce || p == Pattern::kAllReduceResidualRmsNorm;
-}
 
 // -0.0 -> +0.0; every other value (including negative subnormals) unchanged. Raw bits, so no
 // flush-to-zero mode can change the answer.
@@ -60,9 +58,14 @@ plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args) {
     return plain::InvalidArgumentError(
         plain::StrCat("dtype ", static_cast<int>(args.dtype), " is not bf16, fp16 or fp32"));
   }
-  if (!IsKnownPattern(args.pattern)) {
-    return plain::InvalidArgumentError(
-        plain::StrCat("pattern ", static_cast<int>(args.pattern), " is not supported"));
+  // The pattern's own rules (a Pattern value; the FP8 patterns' dtype, group and scale layout)
+  // are the contract's, so the reference refuses exactly what every other station refuses.
+  if (plain::Status s =
+          contract::CheckPattern(contract::OpShape{args.dtype, args.hidden, args.num_tokens,
+                                                   args.pattern, args.scale_layout},
+                                 contract::OpVoice::kEngine);
+      !s.ok()) {
+    return s;
   }
   if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
     return plain::InvalidArgumentError(
@@ -81,13 +84,26 @@ plain::Status ValidateCpuOpArgsPlain(const CpuOpArgs& args) {
       return plain::InvalidArgumentError(plain::StrCat("rank_inputs[", r, "] is null"));
     }
   }
-  if (args.pattern == Pattern::kAllReduce) {
+  const PatternTraits traits = TraitsOf(args.pattern);
+  if (!traits.norm) {
     if (args.output == nullptr) return plain::InvalidArgumentError("output is null (allreduce)");
-  } else {
-    if (args.residual_in == nullptr) return plain::InvalidArgumentError("residual_in is null");
-    if (args.residual_out == nullptr) return plain::InvalidArgumentError("residual_out is null");
-    if (args.norm_out == nullptr) return plain::InvalidArgumentError("norm_out is null");
-    if (args.gamma == nullptr) return plain::InvalidArgumentError("gamma is null");
+    return plain::OkStatus();
+  }
+  if (args.residual_in == nullptr) return plain::InvalidArgumentError("residual_in is null");
+  if (args.residual_out == nullptr) return plain::InvalidArgumentError("residual_out is null");
+  if (traits.norm_out_required && args.norm_out == nullptr) {
+    return plain::InvalidArgumentError("norm_out is null");
+  }
+  if (args.gamma == nullptr) return plain::InvalidArgumentError("gamma is null");
+  if (traits.quant != QuantKind::kNone) {
+    if (args.quant_out == nullptr) {
+      return plain::InvalidArgumentError(
+          plain::StrCat("quant_out is null (", PatternName(args.pattern), ")"));
+    }
+    if (args.scale == nullptr) {
+      return plain::InvalidArgumentError(
+          plain::StrCat("scale is null (", PatternName(args.pattern), ")"));
+    }
   }
   return plain::OkStatus();
 }
@@ -96,6 +112,13 @@ plain::Status ReferenceFusedOpPlain(const CpuOpArgs& args) {
   if (plain::Status s = ValidateCpuOpArgsPlain(args); !s.ok()) return s;
   const size_t hidden = args.hidden;
   const DType dt = args.dtype;
+  const PatternTraits traits = TraitsOf(args.pattern);
+  const bool quant = traits.quant != QuantKind::kNone;
+  // The FP8 patterns quantize step 5's fp32 value before its rounding to the dtype, and the
+  // per-group layouts place a token's scales by the op's token count: the whole op's values are
+  // kept and quantized at the end, by the same functions the GPU's epilogue is tested against.
+  std::vector<float> normalized;
+  if (quant && args.num_tokens > 0) normalized.resize(size_t{args.num_tokens} * hidden);
   for (size_t t = 0; t < args.num_tokens; ++t) {
     const size_t row = t * hidden;
     // Steps 1-4 for the whole row; residual_out may alias residual_in, so read before write.
@@ -106,7 +129,7 @@ plain::Status ReferenceFusedOpPlain(const CpuOpArgs& args) {
         s += SanitizeNegativeZero(LoadAsFloat(dt, args.rank_inputs[r], row + i));
       }
       const float reduced = SanitizeNegativeZero(RoundToDType(dt, SanitizeNegativeZero(s)));
-      if (args.pattern == Pattern::kAllReduce) {
+      if (!traits.norm) {
         StoreFromFloat(dt, args.output, row + i, reduced);
         continue;
       }
@@ -114,12 +137,32 @@ plain::Status ReferenceFusedOpPlain(const CpuOpArgs& args) {
       StoreFromFloat(dt, args.residual_out, row + i, pre_norm);
       sum_of_squares += pre_norm * pre_norm;
     }
-    if (args.pattern == Pattern::kAllReduce) continue;
+    if (!traits.norm) continue;
     const float inv_rms = 1.0f / std::sqrt(sum_of_squares / static_cast<float>(hidden) + args.eps);
     for (size_t i = 0; i < hidden; ++i) {
       const float y = LoadAsFloat(dt, args.residual_out, row + i);
-      StoreFromFloat(dt, args.norm_out, row + i, (y * inv_rms) * LoadAsFloat(dt, args.gamma, i));
+      const float x = (y * inv_rms) * LoadAsFloat(dt, args.gamma, i);
+      if (args.norm_out != nullptr) StoreFromFloat(dt, args.norm_out, row + i, x);
+      if (quant) normalized[row + i] = x;
     }
+  }
+  if (!quant || args.num_tokens == 0) return plain::OkStatus();
+  auto* q = static_cast<uint8_t*>(args.quant_out);
+  switch (traits.quant) {
+    case QuantKind::kStatic: {
+      float scale;
+      std::memcpy(&scale, args.scale, sizeof(scale));  // one fp32, used as given
+      return fp8::QuantizeRowsStatic(normalized.data(), args.num_tokens, args.hidden, scale, q);
+    }
+    case QuantKind::kPerToken:
+      return fp8::QuantizeRowsPerToken(normalized.data(), args.num_tokens, args.hidden, q,
+                                       static_cast<float*>(args.scale));
+    case QuantKind::kPerGroup:
+      return fp8::QuantizeRowsPerGroup(
+          normalized.data(), args.num_tokens, args.hidden, fp8::kGroupSize,
+          static_cast<fp8::GroupScaleLayout>(args.scale_layout), q, args.scale);
+    case QuantKind::kNone:
+      break;
   }
   return plain::OkStatus();
 }
@@ -139,8 +182,7 @@ plain::Status ReferenceFusedOpFp64Plain(const CpuOpArgs& args, Fp64Result* resul
   for (size_t i = 0; i < n; ++i) {
     double s = 0.0;
     for (int r = 0; r < args.world_size; ++r) s += LoadAsFloat(dt, args.rank_inputs[r], i);
-    if (args.pattern == Pattern::kAllReduceResidualRmsNorm)
-      s += LoadAsFloat(dt, args.residual_in, i);
+    if (IsNormPattern(args.pattern)) s += LoadAsFloat(dt, args.residual_in, i);
     sums[i] = s;
   }
   if (args.pattern == Pattern::kAllReduce) return plain::OkStatus();

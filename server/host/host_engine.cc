@@ -356,8 +356,11 @@ class HostEngine final : public Engine, public InStreamHost {
     e.max_tokens = options_.max_tokens;
     e.hidden = options_.max_hidden;
     e.host_slot_bytes = slot_bytes_;
+    // Every pattern the host collective runs: the FP8 ones take bf16 or fp16 input, so a bf16
+    // or fp16 workspace lists them too (contract::CheckPattern refuses them at fp32 anyway).
+    const bool fp8 = options_.dtype == DType::kBF16 || options_.dtype == DType::kFP16;
     for (uint32_t h : wanted) {
-      for (Pattern p : {Pattern::kAllReduce, Pattern::kAllReduceResidualRmsNorm}) {
+      for (int p = 1; p <= (fp8 ? kMaxPattern : 2); ++p) {
         instream::KernelEntry k{};
         k.hidden = h;
         k.pattern = static_cast<uint8_t>(p);

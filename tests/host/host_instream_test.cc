@@ -73,11 +73,14 @@ TEST(HostInStream, TheExportDescribesTheGroupsOneWorkspaceObject) {
   EXPECT_EQ(e->twoshot_max_bytes, 16u * 256 * 2);
   EXPECT_EQ(e->image, nullptr);
   EXPECT_EQ(e->image_bytes, 0u);
-  // Both patterns at each hidden asked for, duplicates once.
-  ASSERT_EQ(e->entries.size(), 4u);
+  // Every pattern (an fp16 workspace: the FP8 ones too) at each hidden asked for, duplicates
+  // once.
+  ASSERT_EQ(e->entries.size(), 10u);
   EXPECT_EQ(e->entries[0].hidden, 64u);
-  EXPECT_EQ(e->entries[2].hidden, 256u);
-  for (const auto& k : e->entries) {
+  EXPECT_EQ(e->entries[5].hidden, 256u);
+  for (size_t i = 0; i < e->entries.size(); ++i) {
+    const auto& k = e->entries[i];
+    EXPECT_EQ(k.pattern, i % 5 + 1);
     EXPECT_EQ(k.dtype, static_cast<uint8_t>(DType::kFP16));
     EXPECT_EQ(k.algo, 1);
   }
@@ -97,7 +100,7 @@ TEST(HostInStream, TheExportDescribesTheGroupsOneWorkspaceObject) {
   absl::StatusOr<InStreamExport> again = g.host(1).ExportInStream({});
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_NE(again->ranks[1].fd.get(), e->ranks[1].fd.get());
-  ASSERT_EQ(again->entries.size(), 2u);
+  ASSERT_EQ(again->entries.size(), 5u);
   EXPECT_EQ(again->entries[0].hidden, 256u);
 }
 

@@ -134,8 +134,8 @@ TEST_F(AttachBlobTest, Refusals) {
           "export rank 4 is out of range for world_size 4");
   Refused([](InStreamExport& e) { e.ranks.pop_back(); }, false,
           "export has 3 rank memories for world_size 4");
-  Refused([](InStreamExport& e) { e.entries.resize(65); }, false,
-          "export has 65 kernel entries, at most 64");
+  Refused([](InStreamExport& e) { e.entries.resize(161); }, false,
+          "export has 161 kernel entries, at most 160");
   Refused([](InStreamExport& e) { std::memset(e.entries[1].function, 'f', kFunctionNameBytes); },
           false, "export entry 1's function name is not NUL-terminated");
   Refused([](InStreamExport& e) { e.image_bytes = 0; }, true, "a CUDA export needs a kernel image");

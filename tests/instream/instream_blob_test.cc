@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "client/instream/blob_reader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/host_collective.h"
@@ -108,7 +109,7 @@ TEST_F(BlobTest, AHostBlobFromTheBuilderAttaches) {
   EXPECT_EQ(info.max_tokens, 16u);
   EXPECT_EQ(info.hidden, 256u);
   EXPECT_EQ(info.dtype, static_cast<uint32_t>(ARFUSE_DTYPE_BF16));
-  EXPECT_EQ(info.num_entries, 2u);
+  EXPECT_EQ(info.num_entries, 5u);  // the two patterns and the three FP8 ones (bf16)
   EXPECT_EQ(info.sm, 0u);
   EXPECT_EQ(arfuse_detach(r.ctx), ARFUSE_OK);
 }
@@ -185,11 +186,14 @@ TEST_F(BlobTest, Versions) {
   // A sidecar of an older attach ABI (no op counter page, no counter slot) is refused, as is a
   // newer one.
   Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 1; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 1 differs from this library's 3");
+          "abi_version 1 differs from this library's 4");
   Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 2; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 2 differs from this library's 3");
-  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 4; }), ARFUSE_FAILED_PRECONDITION,
-          "abi_version 4 differs from this library's 3");
+          "abi_version 2 differs from this library's 4");
+  // ABI 3 blobs predate the FP8 patterns' entries.
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 3; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 3 differs from this library's 4");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.abi_version = 5; }), ARFUSE_FAILED_PRECONDITION,
+          "abi_version 5 differs from this library's 4");
   // A sidecar of the first launch ABI (no counter_slot in the arguments).
   Refused(WithHeader(host_, [](AttachHeader& h) { h.launch_abi_version = 1; }),
           ARFUSE_FAILED_PRECONDITION, "launch_abi_version 1 of the sidecar's kernels differs");
@@ -242,9 +246,9 @@ TEST_F(BlobTest, AHostGroupOfOneRankAttaches) {
 
 TEST_F(BlobTest, NumEntries) {
   Refused(WithHeader(host_, [](AttachHeader& h) { h.num_entries = 0; }), ARFUSE_INVALID_ARGUMENT,
-          "num_entries 0 is not in 1..64");
-  Refused(WithHeader(host_, [](AttachHeader& h) { h.num_entries = 65; }), ARFUSE_INVALID_ARGUMENT,
-          "num_entries 65 is not in 1..64");
+          "num_entries 0 is not in 1..160");
+  Refused(WithHeader(host_, [](AttachHeader& h) { h.num_entries = 161; }), ARFUSE_INVALID_ARGUMENT,
+          "num_entries 161 is not in 1..160");
 }
 
 TEST_F(BlobTest, WorkspaceFields) {
@@ -271,11 +275,25 @@ TEST_F(BlobTest, OffsetsAreAlignedAndInsideTheBlob) {
           "lies outside the blob");
   // Offsets near 2^64: offset + length would wrap; the check never forms it.
   Refused(WithHeader(host_, [](AttachHeader& h) { h.entries_offset = ~uint64_t{15}; }),
-          ARFUSE_INVALID_ARGUMENT, "entries_offset 18446744073709551600 + 256 bytes lies outside");
+          ARFUSE_INVALID_ARGUMENT, "entries_offset 18446744073709551600 + 640 bytes lies outside");
   Refused(WithHeader(cuda_, [](AttachHeader& h) { h.image_bytes = ~uint64_t{0} - 4; }),
           ARFUSE_INVALID_ARGUMENT, "image_offset");
   Refused(WithHeader(cuda_, [](AttachHeader& h) { h.image_offset += 16; }), ARFUSE_INVALID_ARGUMENT,
           "image_offset");
+}
+
+// The FP8 patterns' entries are read by their pattern field, whatever the function's name.
+TEST_F(BlobTest, Fp8EntriesAreReadByTheirPattern) {
+  for (uint8_t p : {3, 4, 5}) {
+    for (const std::string* blob : {&host_, &cuda_}) {
+      const std::string edited = WithEntry(*blob, 0, [p](KernelEntry& e) { e.pattern = p; });
+      const size_t fds = blob == &cuda_ ? 2 : 1;
+      plain::StatusOr<lib::ParsedBlob> parsed =
+          lib::ParseAttachBlob(edited.data(), edited.size(), fds);
+      ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+      EXPECT_EQ(parsed->entries[0].pattern, p);
+    }
+  }
 }
 
 TEST_F(BlobTest, TheImage) {
@@ -406,7 +424,7 @@ TEST_F(BlobTest, TheHostWorkspaceBehindTheDescriptor) {
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});
   EXPECT_EQ(r.rc, ARFUSE_FAILED_PRECONDITION);
-  EXPECT_THAT(r.message, HasSubstr("layout_version is 2, this build's is 5"));
+  EXPECT_THAT(r.message, HasSubstr("layout_version is 2, this build's is 6"));
   h->magic = 0;
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});

@@ -11,9 +11,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +24,8 @@
 #include "client/instream/arfuse_client.hpp"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/reference_op.h"
+#include "kernels/quant/fp8_format.h"
 #include "server/host/host_engine.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attachments.h"
@@ -121,6 +126,194 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, DType::kFP16, Pattern::kAllReduce},
                       Case{2, DType::kFP32, Pattern::kAllReduceResidualRmsNorm},
                       Case{1, DType::kBF16, Pattern::kAllReduceResidualRmsNorm}));
+
+// ---- The FP8 patterns through arfuse_fused_allreduce_residual_rmsnorm_fp8 ----
+
+Pattern Fp8Pattern(int quant) {
+  return static_cast<Pattern>(static_cast<int>(Pattern::kAllReduceResidualRmsNormFp8Static) +
+                              quant - ARFUSE_QUANT_FP8_STATIC);
+}
+
+// One rank's FP8 outputs: the codes and the scale tensor (static: the one fp32 input, the same
+// on every rank), 16-byte aligned.
+struct Fp8Buffers {
+  Fp8Buffers(int quant, int layout, uint32_t tokens, uint32_t hidden) {
+    const size_t n = size_t{tokens} * hidden;
+    size_t scale_bytes = 4;
+    if (quant == ARFUSE_QUANT_FP8_PER_TOKEN) scale_bytes = size_t{tokens} * 4;
+    if (quant == ARFUSE_QUANT_FP8_PER_GROUP) {
+      scale_bytes = fp8::GroupScaleBytes(static_cast<fp8::GroupScaleLayout>(layout), tokens,
+                                         hidden / fp8::kGroupSize);
+    }
+    quant_words.assign((n + 15) / 8 + 2, 0xcdcdcdcdcdcdcdcdull);
+    scale_words.assign((scale_bytes + 15) / 8 + 2, 0xababababababababull);
+    quant_bytes = n;
+    this->scale_bytes = scale_bytes;
+    if (quant == ARFUSE_QUANT_FP8_STATIC) {
+      const float s = 0.04f;
+      std::memcpy(scale(), &s, 4);
+    }
+  }
+  uint8_t* quant() { return reinterpret_cast<uint8_t*>(quant_words.data()); }
+  uint8_t* scale() { return reinterpret_cast<uint8_t*>(scale_words.data()); }
+  std::vector<uint8_t> codes() { return std::vector<uint8_t>(quant(), quant() + quant_bytes); }
+  std::vector<uint8_t> scales() { return std::vector<uint8_t>(scale(), scale() + scale_bytes); }
+  std::vector<uint64_t> quant_words, scale_words;
+  size_t quant_bytes = 0, scale_bytes = 0;
+};
+
+int RunFp8(arfuse_ctx* ctx, int quant, int layout, DType dt, uint32_t tokens, uint32_t hidden,
+           RankTensors& t, Fp8Buffers& b, bool with_norm_out) {
+  return arfuse_fused_allreduce_residual_rmsnorm_fp8(
+      ctx, nullptr, t.input(), t.residual_in(), t.residual_out(),
+      with_norm_out ? t.norm_out() : nullptr, b.quant(), b.scale(), t.gamma(), tokens, hidden,
+      static_cast<int>(dt), 1e-5f, quant, layout);
+}
+
+// The CPU reference over every rank's input, into `want` and `wb` (want's residual_in, gamma).
+void ReferenceFp8(int quant, int layout, DType dt, uint32_t tokens, uint32_t hidden,
+                  std::vector<RankTensors>& ranks, RankTensors& want, Fp8Buffers& wb) {
+  std::vector<const void*> ins;
+  for (auto& r : ranks) ins.push_back(r.input());
+  CpuOpArgs a;
+  a.pattern = Fp8Pattern(quant);
+  a.dtype = dt;
+  a.world_size = static_cast<int>(ranks.size());
+  a.hidden = hidden;
+  a.num_tokens = tokens;
+  a.eps = 1e-5f;
+  a.rank_inputs = ins.data();
+  a.residual_in = want.residual_in();
+  a.residual_out = want.residual_out();
+  a.norm_out = want.norm_out();
+  a.gamma = want.gamma();
+  a.quant_out = wb.quant();
+  a.scale = wb.scale();
+  a.scale_layout = static_cast<uint8_t>(layout);
+  absl::Status s = ReferenceFusedOp(a);
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+struct Fp8Case {
+  int world;
+  DType dtype;
+  int quant;
+  int layout;
+};
+
+class InStreamHostFp8 : public ::testing::TestWithParam<Fp8Case> {};
+
+// Every rank's residual_out, norm_out (rank 0 passes none), codes and scales equal the CPU
+// reference's byte for byte, call after call at tokens 1..16 and hidden 128 and 256; the ops
+// count as allreduce_residual_rmsnorm in the ranks' client_ops.
+TEST_P(InStreamHostFp8, MatchTheCpuReferenceByteForByteOnEveryRank) {
+  const Fp8Case c = GetParam();
+  auto ws = TestHostWorkspace::Create(c.world, 16, 256, c.dtype, 1);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  Ctxs ctxs;
+  for (int r = 0; r < c.world; ++r) {
+    AttachResult a = AttachBlob(Blob(HostExport(**ws, r, {128, 256})), {(*ws)->fd.get()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  for (int call = 0; call < 12; ++call) {
+    const uint32_t tokens = 1 + (call * 5) % 16, hidden = call % 2 == 0 ? 256 : 128;
+    std::vector<RankTensors> t;
+    std::vector<Fp8Buffers> b;
+    for (int r = 0; r < c.world; ++r) {
+      t.emplace_back(c.dtype, r, call, tokens, hidden);
+      b.emplace_back(c.quant, c.layout, tokens, hidden);
+    }
+    std::vector<int> rc(c.world, -1);
+    OnRanks(c.world, [&](int r) {
+      rc[r] = RunFp8(ctxs.ctx[r], c.quant, c.layout, c.dtype, tokens, hidden, t[r], b[r],
+                     /*with_norm_out=*/r != 0);
+    });
+    for (int r = 0; r < c.world; ++r) ASSERT_EQ(rc[r], ARFUSE_OK) << "call " << call;
+    RankTensors want(c.dtype, 0, call, tokens, hidden);
+    Fp8Buffers wb(c.quant, c.layout, tokens, hidden);
+    ReferenceFp8(c.quant, c.layout, c.dtype, tokens, hidden, t, want, wb);
+    const size_t n = want.tensor_bytes;
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_EQ(t[r].bytes(2, n), want.bytes(2, n)) << "call " << call << " rank " << r;
+      if (r != 0) {
+        ASSERT_EQ(t[r].bytes(3, n), want.bytes(3, n)) << "call " << call << " rank " << r;
+      } else {
+        ASSERT_EQ(t[r].bytes(3, n), std::vector<uint8_t>(n, 0xee)) << "norm_out untouched";
+      }
+      ASSERT_EQ(b[r].codes(), wb.codes()) << "call " << call << " rank " << r;
+      ASSERT_EQ(b[r].scales(), wb.scales()) << "call " << call << " rank " << r;
+    }
+  }
+  for (arfuse_ctx* ctx : ctxs.ctx) EXPECT_EQ(arfuse_check(ctx, nullptr), ARFUSE_OK);
+  host::HostCollective view((*ws)->mapping.data(), 0, c.world, (*ws)->slot_bytes);
+  EXPECT_EQ(view.sync(c.world - 1)->client_ops.load(), 12u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fp8, InStreamHostFp8,
+    ::testing::Values(
+        Fp8Case{2, DType::kBF16, ARFUSE_QUANT_FP8_STATIC, 0},
+        Fp8Case{2, DType::kFP16, ARFUSE_QUANT_FP8_STATIC, 0},
+        Fp8Case{2, DType::kBF16, ARFUSE_QUANT_FP8_PER_TOKEN, 0},
+        Fp8Case{2, DType::kFP16, ARFUSE_QUANT_FP8_PER_TOKEN, 0},
+        Fp8Case{2, DType::kBF16, ARFUSE_QUANT_FP8_PER_GROUP, ARFUSE_SCALE_FP32_ROW_MAJOR},
+        Fp8Case{2, DType::kFP16, ARFUSE_QUANT_FP8_PER_GROUP, ARFUSE_SCALE_FP32_MN_MAJOR},
+        Fp8Case{2, DType::kBF16, ARFUSE_QUANT_FP8_PER_GROUP, ARFUSE_SCALE_UE8M0_PACKED},
+        Fp8Case{4, DType::kFP16, ARFUSE_QUANT_FP8_PER_GROUP, ARFUSE_SCALE_UE8M0_PACKED}));
+
+// Ranks that ask for different FP8 ops (another quant, another scale layout) are refused alike
+// with INVALID_ARGUMENT, the workspace stays healthy, and the next matching op runs.
+TEST(InStreamHostFp8Agreement, RanksAskingForDifferentFp8OpsAreRefusedAlike) {
+  auto ws = TestHostWorkspace::Create(2, 16, 256, DType::kBF16, 1);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  Ctxs ctxs;
+  for (int r = 0; r < 2; ++r) {
+    AttachResult a = AttachBlob(Blob(HostExport(**ws, r)), {(*ws)->fd.get()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  struct Mix {
+    int quant[2], layout[2];
+    const char* part;
+  };
+  for (const Mix& m :
+       {Mix{{ARFUSE_QUANT_FP8_PER_TOKEN, ARFUSE_QUANT_FP8_STATIC}, {0, 0}, "fp8_per_token"},
+        Mix{{ARFUSE_QUANT_FP8_PER_GROUP, ARFUSE_QUANT_FP8_PER_GROUP},
+            {ARFUSE_SCALE_FP32_ROW_MAJOR, ARFUSE_SCALE_UE8M0_PACKED},
+            "scale_layout=3"}}) {
+    std::vector<RankTensors> t;
+    std::vector<Fp8Buffers> b;
+    for (int r = 0; r < 2; ++r) {
+      t.emplace_back(DType::kBF16, r, 0, 2, 256);
+      b.emplace_back(m.quant[r], m.layout[r], 2, 256);
+    }
+    std::vector<int> rc(2, -1);
+    std::vector<std::string> msg(2);
+    OnRanks(2, [&](int r) {
+      rc[r] = RunFp8(ctxs.ctx[r], m.quant[r], m.layout[r], DType::kBF16, 2, 256, t[r], b[r], true);
+      msg[r] = arfuse_last_error();  // thread-local: read on the rank's own thread
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(rc[r], ARFUSE_INVALID_ARGUMENT) << m.part;
+      EXPECT_THAT(msg[r], HasSubstr("ranks disagree on the op"));
+      EXPECT_THAT(msg[r], HasSubstr(m.part));
+    }
+  }
+  for (arfuse_ctx* ctx : ctxs.ctx) EXPECT_EQ(arfuse_check(ctx, nullptr), ARFUSE_OK);
+  std::vector<RankTensors> t;
+  std::vector<Fp8Buffers> b;
+  for (int r = 0; r < 2; ++r) {
+    t.emplace_back(DType::kBF16, r, 1, 2, 256);
+    b.emplace_back(ARFUSE_QUANT_FP8_STATIC, 0, 2, 256);
+  }
+  std::vector<int> rc(2, -1);
+  OnRanks(2, [&](int r) {
+    rc[r] = RunFp8(ctxs.ctx[r], ARFUSE_QUANT_FP8_STATIC, 0, DType::kBF16, 2, 256, t[r], b[r], true);
+  });
+  EXPECT_EQ(rc[0], ARFUSE_OK);
+  EXPECT_EQ(rc[1], ARFUSE_OK);
+}
 
 // Rank 1 in a child process, which gets the workspace the way a client does: a descriptor and a
 // blob (here inherited over fork; from the sidecar's fd socket in production).
@@ -634,6 +827,31 @@ TEST(InStreamHostCounters, TheSidecarCountsWhatTheClientDidOpForOp) {
   fused(kSum, 512);
   fused(kNorm, 513);
   fused(kNorm, kFusedTokens);
+  // FP8 ops count in the allreduce_residual_rmsnorm slot: one of 1 token, one of 5.
+  for (auto [quant, tokens] :
+       {std::pair{ARFUSE_QUANT_FP8_STATIC, 1u}, std::pair{ARFUSE_QUANT_FP8_PER_TOKEN, 5u}}) {
+    std::vector<RankTensors> t;
+    std::vector<Fp8Buffers> b;
+    for (int r = 0; r < kWorld; ++r) {
+      t.emplace_back(DType::kBF16, r, call, tokens, kHidden);
+      b.emplace_back(quant, 0, tokens, kHidden);
+    }
+    std::vector<int> rc(kWorld, -1);
+    OnRanks(kWorld, [&](int r) {
+      rc[r] = RunFp8(ctxs.ctx[r], quant, 0, DType::kBF16, tokens, kHidden, t[r], b[r], true);
+    });
+    for (int r = 0; r < kWorld; ++r) ASSERT_EQ(rc[r], ARFUSE_OK) << "quant " << quant;
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    // Declined: a per-group hidden that is not a multiple of 128 (shape), a bad quant value.
+    RankTensors t(DType::kBF16, r, 0, 4, kHidden);
+    Fp8Buffers b(ARFUSE_QUANT_FP8_PER_GROUP, 1, 4, 128);
+    EXPECT_EQ(
+        RunFp8(ctxs.ctx[r], ARFUSE_QUANT_FP8_PER_GROUP, 1, DType::kBF16, 4, kHidden, t, b, true),
+        ARFUSE_OUT_OF_RANGE);
+    EXPECT_EQ(RunFp8(ctxs.ctx[r], 9, 0, DType::kBF16, 4, kHidden, t, b, true),
+              ARFUSE_INVALID_ARGUMENT);
+  }
   declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, kFusedTokens + 1, kHidden);  // range
   declined(ARFUSE_OUT_OF_RANGE, kNorm, DType::kBF16, 700, kHidden);               // range
   declined(ARFUSE_OUT_OF_RANGE, kSum, DType::kBF16, 2000, kHidden);               // capacity
@@ -658,8 +876,8 @@ TEST(InStreamHostCounters, TheSidecarCountsWhatTheClientDidOpForOp) {
 
   InStreamOpCounts want;
   const uint32_t norm = 1, sum = 0;
-  want.fused[norm][0] = 3;  // 1 token
-  want.fused[norm][1] = 2;  // 2-8
+  want.fused[norm][0] = 4;  // 1 token (one FP8)
+  want.fused[norm][1] = 3;  // 2-8 (one FP8)
   want.fused[norm][2] = 1;  // 9-64
   want.fused[sum][3] = 2;   // 65-512
   want.fused[norm][4] = 2;  // 513+
@@ -668,12 +886,12 @@ TEST(InStreamHostCounters, TheSidecarCountsWhatTheClientDidOpForOp) {
   want.declined[slot(DeclineReason::kCapacity)] = 1;
   want.declined[slot(DeclineReason::kDtype)] = 1;
   want.declined[slot(DeclineReason::kNotAttached)] = 1;
-  want.declined[slot(DeclineReason::kShape)] = 1;
-  want.declined[slot(DeclineReason::kInvalidArgument)] = 1;
+  want.declined[slot(DeclineReason::kShape)] = 2;            // one per-group hidden
+  want.declined[slot(DeclineReason::kInvalidArgument)] = 2;  // one FP8 quant value
   want.declined[slot(DeclineReason::kNotContiguous)] = 2;
   want.declined[slot(DeclineReason::kDisabled)] = 2;
-  ASSERT_EQ(want.fused_total(), 10u);
-  ASSERT_EQ(want.declined_total(), 11u);
+  ASSERT_EQ(want.fused_total(), 12u);
+  ASSERT_EQ(want.declined_total(), 13u);
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(*tables[r]->op_counts(ids[r]), want) << "rank " << r;
     EXPECT_EQ(tables[r]->op_counts(), want) << "rank " << r;
@@ -685,13 +903,13 @@ TEST(InStreamHostCounters, TheSidecarCountsWhatTheClientDidOpForOp) {
   const std::string text = m.Render();
   for (const char* series :
        {"{rank=\"0\",path=\"fused\",pattern=\"allreduce_residual_rmsnorm\",reason=\"none\","
-        "tokens=\"1\"} 3",
+        "tokens=\"1\"} 4",
         "{rank=\"0\",path=\"fused\",pattern=\"allreduce\",reason=\"none\",tokens=\"65-512\"} 2",
         "{rank=\"0\",path=\"fused\",pattern=\"allreduce_residual_rmsnorm\",reason=\"none\","
         "tokens=\"513+\"} 2",
         "{rank=\"0\",path=\"fused\",pattern=\"allreduce\",reason=\"none\",tokens=\"1\"} 0",
         "{rank=\"0\",path=\"declined\",reason=\"range\"} 2",
-        "{rank=\"0\",path=\"declined\",reason=\"shape\"} 1",
+        "{rank=\"0\",path=\"declined\",reason=\"shape\"} 2",
         "{rank=\"0\",path=\"declined\",reason=\"not_contiguous\"} 2",
         "{rank=\"0\",path=\"declined\",reason=\"memory\"} 0"}) {
     EXPECT_THAT(text, HasSubstr(absl::StrCat("\narfuse_instream_ops_total", series, "\n")));

@@ -172,7 +172,9 @@ TEST_F(OpTest, UnknownEnumsAreInvalid) {
   RankTensors t(DType::kBF16, 0, 0, 1, 64);
   Invalid(Norm(t, 1, 64, 7), "dtype 7 is not ARFUSE_DTYPE_BF16 (1)");
   Invalid(Norm(t, 1, 64, -1), "dtype -1 is not");
-  Invalid(arfuse_supports(ctx_, 3, 1, 64, kBF16), "pattern 3 is not 1 (allreduce) or 2");
+  Invalid(arfuse_supports(ctx_, 6, 1, 64, kBF16),
+          "pattern 6 is not 1 (allreduce), 2 (allreduce + residual + RMSNorm) or 3 to 5");
+  Invalid(arfuse_supports(ctx_, 0, 1, 64, kBF16), "pattern 0 is not 1 (allreduce)");
   Invalid(arfuse_supports(ctx_, kNorm, 1, 64, 0), "dtype 0 is not");
 }
 
@@ -276,6 +278,165 @@ TEST_F(OpTest, CheckIsOkWhileHealthy) {
   EXPECT_EQ(arfuse_check(ctx_, &code), ARFUSE_OK);
   EXPECT_EQ(code, 0u);
   EXPECT_EQ(arfuse_check(ctx_, nullptr), ARFUSE_OK);
+}
+
+// ---- arfuse_fused_allreduce_residual_rmsnorm_fp8 ----
+
+// The FP8 op's own tensors: codes and a scale tensor big enough for every quant at 4 x 256.
+struct Fp8Out {
+  std::vector<uint64_t> quant = std::vector<uint64_t>(4 * 256 / 8 + 4, 0);
+  std::vector<uint64_t> scale = std::vector<uint64_t>(64, 0);
+  uint8_t* q() { return reinterpret_cast<uint8_t*>(quant.data()); }
+  uint8_t* s() { return reinterpret_cast<uint8_t*>(scale.data()); }
+};
+
+class Fp8OpTest : public OpTest {
+ protected:
+  // The FP8 op on 2 tokens x `hidden` with these tensors.
+  int Fp8(const void* input, const void* residual_in, void* residual_out, void* norm_out,
+          void* quant_out, void* scale, const void* gamma, int quant = ARFUSE_QUANT_FP8_PER_TOKEN,
+          int layout = 0, uint32_t hidden = 64, int dtype = kBF16) {
+    return arfuse_fused_allreduce_residual_rmsnorm_fp8(
+        ctx_, nullptr, input, residual_in, residual_out, norm_out, quant_out, scale, gamma, 2,
+        hidden, dtype, 1e-5f, quant, layout);
+  }
+  int Fp8Default(int quant = ARFUSE_QUANT_FP8_PER_TOKEN, int layout = 0, uint32_t hidden = 64,
+                 int dtype = kBF16) {
+    return Fp8(in, rin, rout, nout, o_.q(), o_.s(), g, quant, layout, hidden, dtype);
+  }
+  // The op and arfuse_supports both answer OUT_OF_RANGE "fusion unavailable ..." with `part`.
+  void Fp8Unavailable(int quant, int layout, uint32_t hidden, int dtype, const std::string& part) {
+    RankTensors t(DType::kFP32, 0, 0, 2, hidden);
+    Fp8Out o;
+    EXPECT_EQ(Fp8(t.input(), t.residual_in(), t.residual_out(), t.norm_out(), o.q(), o.s(),
+                  t.gamma(), quant, layout, hidden, dtype),
+              ARFUSE_OUT_OF_RANGE)
+        << part;
+    EXPECT_THAT(arfuse_last_error(), StartsWith("fusion unavailable for this op: "));
+    EXPECT_THAT(arfuse_last_error(), HasSubstr(part));
+    EXPECT_EQ(arfuse_supports(ctx_, ARFUSE_PATTERN_FP8_STATIC + quant - 1, 2, hidden, dtype),
+              ARFUSE_OUT_OF_RANGE)
+        << part;
+    EXPECT_THAT(arfuse_last_error(), HasSubstr(part));
+    EXPECT_EQ(t.bytes(2, t.tensor_bytes), std::vector<uint8_t>(t.tensor_bytes, 0xee));
+  }
+  Fp8Out o_;
+};
+
+TEST_F(Fp8OpTest, EachQuantMatchesTheCpuReferenceWithOrWithoutNormOut) {
+  for (int quant : {1, 2, 3}) {
+    for (int layout : {0, 1, 2, 3}) {
+      if ((quant == ARFUSE_QUANT_FP8_PER_GROUP) != (layout != 0)) continue;
+      for (bool with_norm : {true, false}) {
+        std::vector<RankTensors> ranks;
+        ranks.emplace_back(DType::kBF16, 0, quant, 3, 256);
+        RankTensors want(DType::kBF16, 0, quant, 3, 256);
+        Fp8Out got, exp;
+        const float static_scale = 0.02f;
+        std::memcpy(got.s(), &static_scale, 4);
+        std::memcpy(exp.s(), &static_scale, 4);
+        std::vector<const void*> ins = {ranks[0].input()};
+        CpuOpArgs a;
+        a.pattern = static_cast<Pattern>(2 + quant);
+        a.dtype = DType::kBF16;
+        a.world_size = 1;
+        a.hidden = 256;
+        a.num_tokens = 3;
+        a.eps = 1e-5f;
+        a.rank_inputs = ins.data();
+        a.residual_in = want.residual_in();
+        a.residual_out = want.residual_out();
+        a.norm_out = want.norm_out();
+        a.gamma = want.gamma();
+        a.quant_out = exp.q();
+        a.scale = exp.s();
+        a.scale_layout = static_cast<uint8_t>(layout);
+        ASSERT_TRUE(ReferenceFusedOp(a).ok());
+        RankTensors& t = ranks[0];
+        ASSERT_EQ(arfuse_fused_allreduce_residual_rmsnorm_fp8(
+                      ctx_, nullptr, t.input(), t.residual_in(), t.residual_out(),
+                      with_norm ? t.norm_out() : nullptr, got.q(), got.s(), t.gamma(), 3, 256,
+                      kBF16, 1e-5f, quant, layout),
+                  ARFUSE_OK)
+            << arfuse_last_error();
+        EXPECT_EQ(t.bytes(2, t.tensor_bytes), want.bytes(2, want.tensor_bytes));
+        EXPECT_EQ(t.bytes(3, t.tensor_bytes), with_norm
+                                                  ? want.bytes(3, want.tensor_bytes)
+                                                  : std::vector<uint8_t>(t.tensor_bytes, 0xee));
+        EXPECT_EQ(got.quant, exp.quant) << quant << " " << layout;
+        EXPECT_EQ(got.scale, exp.scale) << quant << " " << layout;
+      }
+    }
+    EXPECT_EQ(arfuse_supports(ctx_, 2 + quant, 3, 256, kBF16), ARFUSE_OK);
+  }
+}
+
+TEST_F(Fp8OpTest, BadQuantAndScaleLayoutValuesAreInvalid) {
+  Invalid(Fp8Default(0), "quant 0 is not ARFUSE_QUANT_FP8_STATIC (1)");
+  Invalid(Fp8Default(4), "quant 4 is not ARFUSE_QUANT_FP8_STATIC (1), ARFUSE_QUANT_FP8_PER_TOKEN");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_PER_GROUP, 0, 256),
+          "scale_layout 0 is not ARFUSE_SCALE_FP32_ROW_MAJOR (1), ARFUSE_SCALE_FP32_MN_MAJOR (2) "
+          "or ARFUSE_SCALE_UE8M0_PACKED (3)");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_PER_GROUP, 4, 256), "scale_layout 4 is not");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_PER_GROUP, -1, 256), "scale_layout -1 is not");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_PER_GROUP, 257, 256), "scale_layout 257 is not");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_STATIC, 1),
+          "scale_layout 1 is for ARFUSE_QUANT_FP8_PER_GROUP only: pass 0 with quant 1");
+  Invalid(Fp8Default(ARFUSE_QUANT_FP8_PER_TOKEN, 3), "scale_layout 3 is for");
+  // The ctx's own checks come first: a NULL ctx, then a disabled one.
+  Invalid(arfuse_fused_allreduce_residual_rmsnorm_fp8(nullptr, nullptr, in, rin, rout, nout, o_.q(),
+                                                      o_.s(), g, 2, 64, kBF16, 1e-5f, 9, 0),
+          "ctx is NULL");
+  ASSERT_EQ(arfuse_disable(ctx_, "drained"), ARFUSE_OK);
+  EXPECT_EQ(Fp8Default(9), ARFUSE_UNAVAILABLE);
+  EXPECT_EQ(Fp8Default(), ARFUSE_UNAVAILABLE);
+}
+
+TEST_F(Fp8OpTest, Fp32InputIsUnavailable) {
+  for (int quant : {1, 2, 3}) {
+    Fp8Unavailable(quant, quant == 3 ? 1 : 0, 256, ARFUSE_DTYPE_FP32,
+                   std::string("pattern ") + PatternName(static_cast<Pattern>(2 + quant)) +
+                       " takes bf16 or fp16 input, not fp32");
+  }
+}
+
+TEST_F(Fp8OpTest, APerGroupHiddenThatIsNotAMultipleOf128IsUnavailable) {
+  Fp8Unavailable(ARFUSE_QUANT_FP8_PER_GROUP, 1, 64, kBF16,
+                 "pattern allreduce_residual_rmsnorm_fp8_per_group: hidden 64 is not a multiple "
+                 "of the group size 128");
+  // The other FP8 patterns take any hidden the norm takes.
+  EXPECT_EQ(arfuse_supports(ctx_, ARFUSE_PATTERN_FP8_STATIC, 2, 64, kBF16), ARFUSE_OK);
+  EXPECT_EQ(arfuse_supports(ctx_, ARFUSE_PATTERN_FP8_PER_TOKEN, 2, 64, kBF16), ARFUSE_OK);
+  EXPECT_EQ(Fp8Default(ARFUSE_QUANT_FP8_PER_TOKEN, 0, 64), ARFUSE_OK) << arfuse_last_error();
+}
+
+TEST_F(Fp8OpTest, NullAndMisalignedFp8Tensors) {
+  Invalid(Fp8(in, rin, rout, nout, nullptr, o_.s(), g), "quant_out is NULL");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), nullptr, g), "scale is NULL");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), nullptr, g, ARFUSE_QUANT_FP8_STATIC), "scale is NULL");
+  Invalid(Fp8(in, rin, rout, nout, At(o_.q(), 8), o_.s(), g), "quant_out is not 16-byte aligned");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), At(o_.s(), 2), g), "scale is not 4-byte aligned");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), At(o_.s(), 1), g, ARFUSE_QUANT_FP8_STATIC),
+          "scale is not 4-byte aligned");
+  // A scale 4-byte aligned is enough; norm_out may be NULL.
+  EXPECT_EQ(Fp8(in, rin, rout, nout, o_.q(), At(o_.s(), 4), g), ARFUSE_OK) << arfuse_last_error();
+  EXPECT_EQ(Fp8(in, rin, rout, nullptr, o_.q(), o_.s(), g), ARFUSE_OK) << arfuse_last_error();
+  // The tensors of the norm are checked as for pattern 2.
+  Invalid(Fp8(in, rin, nullptr, nout, o_.q(), o_.s(), g), "residual_out is NULL");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), o_.s(), nullptr), "gamma is NULL");
+}
+
+TEST_F(Fp8OpTest, OverlappingFp8Tensors) {
+  Invalid(Fp8(in, rin, rout, nout, nout, o_.s(), g), "quant_out overlaps norm_out");
+  Invalid(Fp8(in, rin, rout, nullptr, rout, o_.s(), g), "quant_out overlaps residual_out");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), At(o_.q(), 16), g), "scale overlaps quant_out");
+  Invalid(Fp8(in, rin, rout, nout, const_cast<void*>(in), o_.s(), g), "quant_out overlaps input");
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), const_cast<void*>(g), g), "scale overlaps gamma");
+  // The static scale is read: an output over it is refused by that output's name.
+  Invalid(Fp8(in, rin, rout, nout, o_.q(), rout, g, ARFUSE_QUANT_FP8_STATIC),
+          "residual_out overlaps scale");
+  Invalid(Fp8(in, rin, rout, nout, o_.s(), o_.s(), g, ARFUSE_QUANT_FP8_STATIC),
+          "quant_out overlaps scale");
 }
 
 TEST(ErrorNames, EveryKernelCodeHasOne) {

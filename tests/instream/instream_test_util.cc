@@ -51,8 +51,10 @@ InStreamExport HostExport(const TestHostWorkspace& ws, uint32_t rank,
   e.max_tokens = ws.max_tokens;
   e.hidden = ws.hidden;
   e.host_slot_bytes = ws.slot_bytes;
+  // The host engine's entries: both patterns, and the FP8 patterns of a bf16 or fp16 workspace.
+  const bool fp8 = ws.dtype == DType::kBF16 || ws.dtype == DType::kFP16;
   for (uint32_t h : hiddens.empty() ? std::vector<uint32_t>{ws.hidden} : hiddens) {
-    for (uint8_t p : {1, 2}) {
+    for (uint8_t p = 1; p <= (fp8 ? kMaxPattern : 2); ++p) {
       KernelEntry k{};
       k.hidden = h;
       k.pattern = p;

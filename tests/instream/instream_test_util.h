@@ -32,7 +32,8 @@ struct TestHostWorkspace {
 };
 
 // The export a host engine of rank `rank` makes for `ws` (entries for both patterns at each
-// hidden; the workspace's hidden when `hiddens` is empty), holding a duplicate of ws.fd.
+// hidden, and the three FP8 patterns' for a bf16 or fp16 workspace; the workspace's hidden when
+// `hiddens` is empty), holding a duplicate of ws.fd.
 InStreamExport HostExport(const TestHostWorkspace& ws, uint32_t rank,
                           const std::vector<uint32_t>& hiddens = {});
 

@@ -21,10 +21,10 @@ class RecordingLib:
         return instream.CLIENT_ABI_VERSION
 
     def arfuse_launch_abi_version(self):
-        return 2
+        return 3
 
     def arfuse_launch_args_bytes(self):
-        return 352
+        return 368
 
     def arfuse_client_version(self):
         return b"recording"
@@ -50,6 +50,13 @@ class RecordingLib:
         if tokens > 64:
             self.error = b"64+ tokens: beyond the workspace"
             return instream.OUT_OF_RANGE
+        # The FP8 patterns' own rules (contract::CheckPattern), as the library answers them.
+        if pattern >= instream.PATTERN_FP8_STATIC and dtype == instream.DTYPES["fp32"]:
+            self.error = b"fusion unavailable for this op: ... takes bf16 or fp16 input, not fp32"
+            return instream.OUT_OF_RANGE
+        if pattern == instream.PATTERN_FP8_PER_GROUP and hidden % instream.FP8_GROUP_SIZE:
+            self.error = b"fusion unavailable for this op: ... is not a multiple of the group size"
+            return instream.OUT_OF_RANGE
         return 0
 
     def arfuse_fused_allreduce_residual_rmsnorm(self, handle, stream, input, residual_in,
@@ -59,6 +66,17 @@ class RecordingLib:
             self.error = self.reason
             return instream.UNAVAILABLE
         self.calls.append(("launch", stream, tokens, hidden, dtype, residual_in == residual_out))
+        return 0
+
+    def arfuse_fused_allreduce_residual_rmsnorm_fp8(self, handle, stream, input, residual_in,
+                                                    residual_out, norm_out, quant_out, scale,
+                                                    gamma, tokens, hidden, dtype, eps, quant,
+                                                    scale_layout):
+        if self.reason is not None:
+            self.error = self.reason
+            return instream.UNAVAILABLE
+        self.calls.append(("launch_fp8", stream, tokens, hidden, dtype, quant, scale_layout,
+                           norm_out is None, scale))
         return 0
 
     def arfuse_fused_allreduce(self, handle, stream, input, output, tokens, hidden, dtype):

@@ -69,8 +69,8 @@ def test_a_client_library_of_another_release_is_refused_naming_both_releases(cli
     with pytest.raises(arfuse.ArfuseError) as e:
         instream.attach(client, [1024], lib=lib)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "the client library 0.0.9 speaks attach ABI 3, launch ABI 9" in e.value.message
-    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 3, launch ABI 2",
+    assert "the client library 0.0.9 speaks attach ABI 4, launch ABI 9" in e.value.message
+    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 4, launch ABI 3",
                      e.value.message), e.value.message
     # Refused before anything existed: the session's one attachment is still free.
     assert client.attach_rpc(request()).attach_id > 0

@@ -141,6 +141,83 @@ def test_max_fused_tokens(host_ctx):
     assert aft.max_fused_tokens(256, torch.float32) == 64  # RecordingLib: tokens <= 64
 
 
+FP8_LAYOUTS = [("per_token", None, (8, 1), (1, 1), torch.float32),
+               ("per_group", "fp32_row_major", (8, 2), (2, 1), torch.float32),
+               ("per_group", "fp32_mn_major", (8, 2), (1, 8), torch.float32),
+               ("per_group", "ue8m0_packed", (8, 1), (1, 8), torch.int32)]
+
+
+@pytest.mark.parametrize("quant, layout, shape, strides, dtype", FP8_LAYOUTS)
+def test_fp8_op_has_a_fake_with_the_layouts_shapes_and_strides(host_ctx, quant, layout, shape,
+                                                               strides, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aft.register_ops()
+    x, r, w = tensors(dtype=torch.bfloat16)
+    q, lay = instream.quant_code(quant), instream.scale_layout_code(layout)
+    with FakeTensorMode() as mode:
+        fx_, fr, fw = (mode.from_tensor(t) for t in (x, r, w))
+        codes, res, scale = torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8(
+            fx_, fr, fw, 1e-6, q, lay, None)
+        assert codes.shape == x.shape and codes.dtype == torch.float8_e4m3fn
+        assert res.shape == r.shape and res.dtype == r.dtype
+        assert tuple(scale.shape) == shape and scale.stride() == strides and scale.dtype == dtype
+    schema = torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8.default._schema
+    assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
+
+
+@pytest.mark.parametrize("quant, layout, shape, strides, dtype", FP8_LAYOUTS)
+def test_fp8_op_launches_on_fresh_outputs(host_ctx, quant, layout, shape, strides, dtype):
+    ctx, lib = host_ctx
+    x, r, w = tensors(dtype=torch.float16)
+    r0 = r.clone()
+    codes, res, scale = aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-5, quant, layout)
+    assert codes.shape == x.shape and res.shape == r.shape and torch.equal(r, r0)
+    assert tuple(scale.shape) == shape and scale.stride() == strides
+    call = lib.calls[-1]
+    assert call[:8] == ("launch_fp8", None, 8, 256, 2, instream.quant_code(quant),
+                        instream.scale_layout_code(layout), True)
+    assert call[8] == scale.data_ptr()
+
+
+def test_fp8_static_reads_the_callers_scale(host_ctx):
+    ctx, lib = host_ctx
+    x, r, w = tensors(dtype=torch.bfloat16)
+    s = torch.tensor([0.05], dtype=torch.float32)
+    codes, res, scale = aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-5, "static",
+                                                                 static_scale=s)
+    assert scale.numel() == 0 and lib.calls[-1][5:7] == (1, 0) and lib.calls[-1][8] == s.data_ptr()
+    with pytest.raises(ValueError, match="static_scale"):
+        aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-5, "static")
+    with pytest.raises(ValueError, match="static_scale"):
+        aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-5, "static",
+                                                 static_scale=s.double())
+
+
+def test_fp8_not_served_is_none_none_none(host_ctx):
+    ctx, lib = host_ctx
+    launches = len(lib.calls)
+    x, r, w = tensors(dtype=torch.float32)
+    assert aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w) == (None, None, None)
+    assert "bf16 or fp16" in aft.why_not(x, r, w, instream.PATTERN_FP8_PER_TOKEN)
+    x, r, w = tensors(hidden=192, dtype=torch.bfloat16)
+    assert aft.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-6, "per_group",
+                                                    "fp32_row_major") == (None, None, None)
+    assert len(lib.calls) == launches
+
+
+def test_torch_compile_traces_the_fp8_op(host_ctx):
+    ctx, lib = host_ctx
+    x, r, w = tensors(dtype=torch.bfloat16)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x, r, w):
+        return torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8(x, r, w, 1e-6, 2, 0, None)
+
+    codes, res, scale = f(x, r, w)
+    assert codes.shape == x.shape and lib.calls[-1][:6] == ("launch_fp8", None, 8, 256, 1, 2)
+
+
 def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
     """Two gloo ranks: one without a context. Both end unavailable (MAX vote)."""
     script = textwrap.dedent(f"""

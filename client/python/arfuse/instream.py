@@ -42,7 +42,7 @@ from .client import ArfuseError, Client, SidecarLost, fusion_pb2
 
 LIBRARY = "libarfuse_client.so"
 # The C ABI this binding is written for (ARFUSE_CLIENT_ABI_VERSION in arfuse_client.h).
-CLIENT_ABI_VERSION = 3
+CLIENT_ABI_VERSION = 4
 
 # Return codes (absl/gRPC status code numbers).
 OK = 0
@@ -61,6 +61,15 @@ DTYPES = {"bf16": 1, "fp16": 2, "fp32": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 PATTERN_ALLREDUCE = 1
 PATTERN_ALLREDUCE_RESIDUAL_RMSNORM = 2
+# The FP8 E4M3 output patterns (ARFUSE_PATTERN_FP8_*): the add-RMSNorm, its fp32 value quantized.
+PATTERN_FP8_STATIC = 3
+PATTERN_FP8_PER_TOKEN = 4
+PATTERN_FP8_PER_GROUP = 5
+# arfuse_fused_allreduce_residual_rmsnorm_fp8's quant (ARFUSE_QUANT_FP8_*) and the per-group
+# pattern's scale layouts (ARFUSE_SCALE_*; docs/kernels.md, "FP8 outputs").
+QUANTS = {"static": 1, "per_token": 2, "per_group": 3}
+SCALE_LAYOUTS = {"fp32_row_major": 1, "fp32_mn_major": 2, "ue8m0_packed": 3}
+FP8_GROUP_SIZE = 128
 DEVICE_KINDS = {1: "cuda", 2: "host"}
 
 # AttachEvent.Kind numbers (fusion.proto), and the session's end as the client reports it.
@@ -137,6 +146,8 @@ def _declare(lib):
             ("arfuse_supports", cint, [vp, cint, u32, u32, cint]),
             ("arfuse_fused_allreduce_residual_rmsnorm", cint,
              [vp, vp, vp, vp, vp, vp, vp, u32, u32, cint, ctypes.c_float]),
+            ("arfuse_fused_allreduce_residual_rmsnorm_fp8", cint,
+             [vp, vp, vp, vp, vp, vp, vp, vp, vp, u32, u32, cint, ctypes.c_float, cint, cint]),
             ("arfuse_fused_allreduce", cint, [vp, vp, vp, vp, u32, u32, cint]),
             ("arfuse_check", cint, [vp, ctypes.POINTER(u32)]),
             ("arfuse_disable", cint, [vp, ctypes.c_char_p]),
@@ -289,6 +300,67 @@ def _dtype_code(dtype) -> int:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}") from None
+
+
+def quant_code(quant) -> int:
+    """ARFUSE_QUANT_FP8_* of "static", "per_token", "per_group" (an int passes through: the
+    library answers INVALID_ARGUMENT for a bad one)."""
+    if isinstance(quant, int):
+        return quant
+    try:
+        return QUANTS[quant]
+    except KeyError:
+        raise ValueError(f"quant {quant!r}: expected one of {sorted(QUANTS)}") from None
+
+
+def scale_layout_code(layout) -> int:
+    """ARFUSE_SCALE_* of a layout name; None and 0 are 0 (static and per-token scales)."""
+    if layout is None:
+        return 0
+    if isinstance(layout, int):
+        return layout
+    try:
+        return SCALE_LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"scale layout {layout!r}: expected one of {sorted(SCALE_LAYOUTS)}") \
+            from None
+
+
+def fp8_pattern(quant) -> int:
+    """The pattern number (PATTERN_FP8_*) of a quant."""
+    return PATTERN_FP8_STATIC + quant_code(quant) - QUANTS["static"]
+
+
+def tma_aligned_tokens(tokens: int) -> int:
+    return (int(tokens) + 3) // 4 * 4
+
+
+def fp8_scale_tensor(quant, tokens: int, hidden: int, scale_layout=None):
+    """(shape, strides, element) of the scale tensor an FP8 op reads or writes, in elements of
+    4 bytes: static ((1,), (1,), "float32"), per token ((tokens, 1), (1, 1), "float32"), per
+    group the layout's [tokens, G] fp32 or [tokens, ceil(G / 4)] int32 tensor with its strides
+    (kernels/quant/fp8_format.h: row-major, or token-contiguous columns of TmaAlignedTokens)."""
+    q = quant_code(quant)
+    if q == QUANTS["static"]:
+        return (1,), (1,), "float32"
+    if q == QUANTS["per_token"]:
+        return (int(tokens), 1), (1, 1), "float32"
+    groups = int(hidden) // FP8_GROUP_SIZE
+    layout = scale_layout_code(scale_layout)
+    if layout == SCALE_LAYOUTS["fp32_row_major"]:
+        return (int(tokens), groups), (groups, 1), "float32"
+    aligned = tma_aligned_tokens(tokens)
+    if layout == SCALE_LAYOUTS["fp32_mn_major"]:
+        return (int(tokens), groups), (1, aligned), "float32"
+    return (int(tokens), (groups + 3) // 4), (1, aligned), "int32"
+
+
+def fp8_scale_elements(quant, tokens: int, hidden: int, scale_layout=None) -> int:
+    """Elements of 4 bytes the scale tensor spans (fp8::GroupScaleElements for per group)."""
+    shape, strides, _ = fp8_scale_tensor(quant, tokens, hidden, scale_layout)
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 class InStreamContext:
@@ -526,6 +598,24 @@ class InStreamContext:
                      self._lib.arfuse_fused_allreduce_residual_rmsnorm, stream, tokens,
                      _ptr(input), _ptr(residual_in), _ptr(residual_out), _ptr(norm_out),
                      _ptr(gamma), int(tokens), int(hidden), _dtype_code(dtype), float(eps))
+
+    def fused_allreduce_residual_rmsnorm_fp8(self, stream: Optional[int], input, residual_in,
+                                             residual_out, norm_out, quant_out, scale, gamma,
+                                             tokens: int, hidden: int, dtype, eps: float,
+                                             quant, scale_layout=None):
+        """The same op with FP8 E4M3 output (arfuse_fused_allreduce_residual_rmsnorm_fp8):
+        quant_out [tokens, hidden] codes (16-byte aligned), scale read (quant "static": one
+        fp32) or written (per_token: fp32 [tokens]; per_group: fp8_scale_tensor's layout),
+        4-byte aligned; norm_out may be None. quant: a QUANTS name or number; scale_layout: a
+        SCALE_LAYOUTS name or number for per_group, None otherwise. dtype bf16 or fp16 (fp32
+        and a per-group hidden that is not a multiple of 128 raise Unavailable: not served).
+        Raises as fused_allreduce_residual_rmsnorm."""
+        self._launch("fused allreduce + residual + RMSNorm + FP8 quantization",
+                     self._lib.arfuse_fused_allreduce_residual_rmsnorm_fp8, stream, tokens,
+                     _ptr(input), _ptr(residual_in), _ptr(residual_out), _ptr(norm_out),
+                     _ptr(quant_out), _ptr(scale), _ptr(gamma), int(tokens), int(hidden),
+                     _dtype_code(dtype), float(eps), quant_code(quant),
+                     scale_layout_code(scale_layout))
 
     def fused_allreduce(self, stream: Optional[int], input, output, tokens: int, hidden: int,
                         dtype):

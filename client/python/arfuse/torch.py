@@ -31,6 +31,18 @@ torch.cuda.current_stream()):
                                                         at most max_fused_tokens() rows, one
                                                         fused launch each (what framework
                                                         integrations call)
+    torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8(input, residual, weight, eps, quant,
+                                                          scale_layout, static_scale)
+        -> (quant_out, residual_out, scale)             FP8 E4M3 codes of the normalized value
+                                                        (torch.float8_e4m3fn), fresh outputs;
+                                                        quant 1 static (static_scale: fp32 [1]
+                                                        read, scale an empty tensor), 2 per
+                                                        token (scale fp32 [tokens, 1]), 3 per
+                                                        group of 128 (scale_layout 1 fp32
+                                                        [tokens, G], 2 the same with strides
+                                                        [1, A], 3 int32 UE8M0 [tokens, G/4]
+                                                        with strides [1, A]; A = tokens rounded
+                                                        up to 4)
 
 Called directly they raise Unavailable for an op not served fused: under torch.compile decide
 eligibility before compiling (max_fused_tokens() for the token range, as vLLM's fusion pass
@@ -151,17 +163,18 @@ def max_fused_tokens(hidden: int, dtype, device=None) -> int:
 
 # ---- eligibility ----
 
-def why_not(input, residual=None, weight=None) -> Optional[str]:
+def why_not(input, residual=None, weight=None, pattern: Optional[int] = None) -> Optional[str]:
     """None when fused_allreduce_residual_rmsnorm(input, residual, weight) would run fused;
     else why not (the same answer on every rank for the same shapes and sidecar state). With
-    residual and weight None: the allreduce-only op."""
+    residual and weight None: the allreduce-only op. `pattern` (instream.PATTERN_FP8_*): the FP8
+    op's answer instead."""
     try:
-        return _why_not(input, residual, weight)
+        return _why_not(input, residual, weight, pattern)
     except instream.Unavailable as e:
         return e.message
 
 
-def _why_not(input, residual, weight) -> Optional[str]:
+def _why_not(input, residual, weight, pattern: Optional[int] = None) -> Optional[str]:
     """As why_not, but raises Unavailable when the context's workspace failed (FAULTS)."""
     ctx = get_context(input.device)
     if ctx is None:
@@ -193,8 +206,9 @@ def _why_not(input, residual, weight) -> Optional[str]:
         if not t.is_contiguous():
             return f"{label} is not contiguous"
     tokens = input.numel() // hidden if hidden else 0
-    pattern = (instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM if residual is not None
-               else instream.PATTERN_ALLREDUCE)
+    if pattern is None:
+        pattern = (instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM if residual is not None
+                   else instream.PATTERN_ALLREDUCE)
     return ctx.why_not(tokens, hidden, name, pattern)
 
 
@@ -301,6 +315,50 @@ def _allreduce(input):
     return out
 
 
+def _fp8_dtype():
+    torch = _torch()
+    return getattr(torch, "float8_e4m3fn", torch.uint8)
+
+
+def _fp8_outputs(input, quant: int, scale_layout: int):
+    """The FP8 op's fresh codes and scale tensor (real and fake alike: the scale's shape and
+    strides are the layout's, instream.fp8_scale_tensor)."""
+    torch = _torch()
+    hidden = int(input.shape[-1])
+    tokens = input.numel() // hidden if hidden else 0
+    quant_out = torch.empty(tuple(input.shape), dtype=_fp8_dtype(), device=input.device)
+    if quant == instream.QUANTS["static"]:
+        scale = torch.empty((0,), dtype=torch.float32, device=input.device)
+    else:
+        shape, strides, kind = instream.fp8_scale_tensor(quant, tokens, hidden, scale_layout)
+        scale = torch.empty_strided(shape, strides, dtype=getattr(torch, kind),
+                                    device=input.device)
+    return quant_out, scale
+
+
+def _fp8_functional(input, residual, weight, eps, quant, scale_layout, static_scale):
+    torch = _torch()
+    ctx = get_context(input.device)
+    if ctx is None:
+        raise instream.Unavailable(instream.UNAVAILABLE,
+                                   f"no in-stream context attached for {input.device}")
+    name = dtype_name(input.dtype)
+    if name is None:
+        raise instream.Unavailable(instream.OUT_OF_RANGE, f"dtype {input.dtype} is not served")
+    hidden = int(input.shape[-1])
+    tokens = input.numel() // hidden if hidden else 0
+    quant_out, scale = _fp8_outputs(input, int(quant), int(scale_layout))
+    residual_out = torch.empty_like(residual)
+    static = int(quant) == instream.QUANTS["static"]
+    scale_ptr = (static_scale.data_ptr() if static_scale is not None else None) if static \
+        else scale.data_ptr()
+    ctx.fused_allreduce_residual_rmsnorm_fp8(
+        _stream_of(input), input.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), None,
+        quant_out.data_ptr(), scale_ptr, weight.data_ptr(), tokens, hidden, name, float(eps),
+        int(quant), int(scale_layout))
+    return quant_out, residual_out, scale
+
+
 _SCHEMAS = {
     "fused_allreduce_residual_rmsnorm":
         ("(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
@@ -312,6 +370,9 @@ _SCHEMAS = {
     "allreduce_residual_rmsnorm":
         ("(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
          (), _chunked),
+    "fused_allreduce_residual_rmsnorm_fp8":
+        ("(Tensor input, Tensor residual, Tensor weight, float eps, int quant, int scale_layout, "
+         "Tensor? static_scale) -> (Tensor, Tensor, Tensor)", (), _fp8_functional),
 }
 
 
@@ -325,10 +386,15 @@ def _fake(name):
     def fake_allreduce(input):
         return input.new_empty(input.shape)
 
+    def fake_fp8(input, residual, weight, eps, quant, scale_layout, static_scale):
+        quant_out, scale = _fp8_outputs(input, int(quant), int(scale_layout))
+        return quant_out, residual.new_empty(residual.shape), scale
+
     return {"fused_allreduce_residual_rmsnorm": fake_functional,
             "allreduce_residual_rmsnorm": fake_functional,
             "fused_allreduce_residual_rmsnorm_": fake_in_place,
-            "fused_allreduce": fake_allreduce}[name]
+            "fused_allreduce": fake_allreduce,
+            "fused_allreduce_residual_rmsnorm_fp8": fake_fp8}[name]
 
 
 def register_ops():
@@ -402,6 +468,40 @@ def fused_allreduce_residual_rmsnorm_(input, residual, weight, eps: float, norm_
         if _fault(e):
             raise
         return False
+
+
+def fused_allreduce_residual_rmsnorm_fp8(input, residual, weight, eps: float = 1e-6,
+                                         quant="per_token", scale_layout=None,
+                                         static_scale=None):
+    """(quant_out, residual_out, scale): residual_out = allreduce(input) + residual and the FP8
+    E4M3 codes of rmsnorm(residual_out) * weight in fp32 (torch.float8_e4m3fn), fresh tensors.
+    quant: "static" (static_scale: an fp32 tensor of one element on the input's device, read;
+    scale is then an empty tensor), "per_token" (scale fp32 [tokens, 1]) or "per_group" (groups
+    of 128 along hidden; scale_layout "fp32_row_major", "fp32_mn_major" or "ue8m0_packed").
+    (None, None, None) when not served fused (also fp32 input, a per-group hidden that is not a
+    multiple of 128); raises as fused_allreduce_residual_rmsnorm. Under torch.compile the graph
+    gets the op directly (no chunking): decide eligibility before compiling."""
+    torch = _torch()
+    q = instream.quant_code(quant)
+    layout = instream.scale_layout_code(scale_layout)
+    if q == instream.QUANTS["static"]:
+        if static_scale is None or static_scale.numel() != 1 or \
+                static_scale.dtype != torch.float32 or static_scale.device != input.device:
+            raise ValueError("the static FP8 pattern needs static_scale: an fp32 tensor of one "
+                             f"element on {input.device}")
+    if torch.compiler.is_compiling():
+        return torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8(
+            input, residual, weight, float(eps), q, layout, static_scale)
+    if _why_not(input, residual, weight, instream.fp8_pattern(q)) is not None:
+        return None, None, None
+    register_ops()
+    try:
+        return torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8(
+            input, residual, weight, float(eps), q, layout, static_scale)
+    except instream.Unavailable as e:
+        if _fault(e):
+            raise
+        return None, None, None
 
 
 def fused_allreduce(input):
