@@ -24,6 +24,7 @@
 #include "kernels/allreduce_fusion/fusion_control.h"
 #include "kernels/cpu/reference_op.h"
 #include "kernels/instream/instream_image.h"
+#include "kernels/quant/fp8_format.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attachments.h"
 #include "tests/instream/instream_test_util.h"
@@ -166,7 +167,8 @@ class InStreamGpu : public ::testing::Test {
     e.max_tokens = kMaxTokens;
     e.hidden = kHidden;
     for (uint32_t hidden : {kHidden, 1024u}) {
-      for (Pattern pattern : {Pattern::kAllReduce, Pattern::kAllReduceResidualRmsNorm}) {
+      for (int pattern_value = 1; pattern_value <= kMaxPattern; ++pattern_value) {
+        const auto pattern = static_cast<Pattern>(pattern_value);
         for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
           // The sidecar's own image and entries (kernels/instream): what a client gets.
           KernelEntry k{};
@@ -299,6 +301,104 @@ TEST_F(InStreamGpu, OneShotAndTwoShotMatchTheCpuReference) {
       }
       CUDA_OK(cudaDeviceSynchronize());
       ASSERT_NO_FATAL_FAILURE(op.Verify(norm, call)) << "tokens " << tokens;
+    }
+  }
+  for (arfuse_ctx* c : ctx_) EXPECT_EQ(arfuse_check(c, nullptr), ARFUSE_OK) << arfuse_last_error();
+}
+
+// The FP8 patterns through the C ABI and the image's FP8 entries, one-shot (up to 4 tokens) and
+// two-shot: the codes within one E4M3 step of the CPU reference (the GPU adds the sum of squares
+// in another order), the scales within an fp32 ulp (UE8M0 bytes exact), every rank's bytes alike.
+TEST_F(InStreamGpu, Fp8PatternsMatchTheCpuReference) {
+  ASSERT_NO_FATAL_FAILURE(AttachAll());
+  auto steps = [](uint8_t a, uint8_t b) {
+    auto ordinal = [](uint8_t c) { return (c & 0x80) ? -int{c & 0x7f} : int{c & 0x7f}; };
+    return std::abs(ordinal(a) - ordinal(b));
+  };
+  const float static_scale = 0.03f;
+  DeviceBuffer static_dev(sizeof(float));
+  CUDA_OK(cudaMemcpy(static_dev.ptr, &static_scale, sizeof(float), cudaMemcpyHostToDevice));
+  int call = 100;
+  for (int quant : {ARFUSE_QUANT_FP8_STATIC, ARFUSE_QUANT_FP8_PER_TOKEN, ARFUSE_QUANT_FP8_PER_GROUP}) {
+    const int layout = quant == ARFUSE_QUANT_FP8_PER_GROUP ? ARFUSE_SCALE_UE8M0_PACKED : 0;
+    for (uint32_t tokens : {1u, 5u, 128u}) {
+      SCOPED_TRACE(::testing::Message() << "quant " << quant << " tokens " << tokens);
+      Op op(tokens, ++call);
+      const size_t codes = size_t{tokens} * kHidden;
+      const size_t scale_bytes = size_t{kHidden / 128 + 1} * (tokens + 4) * sizeof(float);
+      std::unique_ptr<DeviceBuffer> q[kWorld], sc[kWorld];
+      for (int r = 0; r < kWorld; ++r) {
+        op.Upload(streams_[r], r);
+        q[r] = std::make_unique<DeviceBuffer>(codes);
+        sc[r] = std::make_unique<DeviceBuffer>(scale_bytes);
+      }
+      for (int r = 0; r < kWorld; ++r) {
+        void* scale = quant == ARFUSE_QUANT_FP8_STATIC ? static_dev.ptr : sc[r]->ptr;
+        ASSERT_EQ(arfuse_fused_allreduce_residual_rmsnorm_fp8(
+                      ctx_[r], streams_[r], op.dev[r][0]->ptr, op.dev[r][1]->ptr,
+                      op.dev[r][2]->ptr, op.dev[r][3]->ptr, q[r]->ptr, scale, op.gamma->ptr,
+                      tokens, kHidden, ARFUSE_DTYPE_BF16, 1e-5f, quant, layout),
+                  ARFUSE_OK)
+            << arfuse_last_error();
+      }
+      CUDA_OK(cudaDeviceSynchronize());
+      // The CPU answer.
+      std::vector<const void*> inputs;
+      for (int r = 0; r < kWorld; ++r) inputs.push_back(op.host[r].input());
+      std::vector<uint8_t> res(op.bytes), norm(op.bytes), want_q(codes);
+      std::vector<uint8_t> want_scale(scale_bytes, 0);
+      float cpu_static = static_scale;
+      CpuOpArgs a;
+      a.pattern = static_cast<Pattern>(2 + quant);
+      a.dtype = DType::kBF16;
+      a.world_size = kWorld;
+      a.hidden = kHidden;
+      a.num_tokens = tokens;
+      a.eps = 1e-5f;
+      a.rank_inputs = inputs.data();
+      a.residual_in = op.host[0].residual_in();
+      a.residual_out = res.data();
+      a.norm_out = norm.data();
+      a.gamma = op.host[0].gamma();
+      a.quant_out = want_q.data();
+      a.scale = quant == ARFUSE_QUANT_FP8_STATIC ? static_cast<void*>(&cpu_static)
+                                                 : static_cast<void*>(want_scale.data());
+      a.scale_layout = static_cast<uint8_t>(layout);
+      ASSERT_TRUE(ReferenceFusedOp(a).ok());
+      const size_t used_scale =
+          quant == ARFUSE_QUANT_FP8_PER_TOKEN   ? tokens * sizeof(float)
+          : quant == ARFUSE_QUANT_FP8_PER_GROUP ? fp8::GroupScaleBytes(
+                                                      fp8::GroupScaleLayout::kUe8m0Packed, tokens,
+                                                      kHidden / 128)
+                                                : 0;
+      std::vector<uint8_t> q0, s0;
+      for (int r = 0; r < kWorld; ++r) {
+        std::vector<uint8_t> got_q(codes), got_s(used_scale);
+        CUDA_OK(cudaMemcpy(got_q.data(), q[r]->ptr, codes, cudaMemcpyDeviceToHost));
+        if (used_scale > 0) {
+          CUDA_OK(cudaMemcpy(got_s.data(), sc[r]->ptr, used_scale, cudaMemcpyDeviceToHost));
+        }
+        ASSERT_EQ(op.Download(r, 2), res) << "rank " << r << ": residual_out";
+        if (r == 0) {
+          for (size_t i = 0; i < codes; ++i) {
+            ASSERT_LE(steps(got_q[i], want_q[i]), 1) << "element " << i;
+          }
+          if (quant == ARFUSE_QUANT_FP8_PER_GROUP) {
+            ASSERT_TRUE(std::equal(got_s.begin(), got_s.end(), want_scale.begin()));
+          }
+          for (size_t i = 0; quant == ARFUSE_QUANT_FP8_PER_TOKEN && i < tokens; ++i) {
+            float g, w;
+            std::memcpy(&g, got_s.data() + 4 * i, 4);
+            std::memcpy(&w, want_scale.data() + 4 * i, 4);
+            ASSERT_NEAR(g, w, std::ldexp(std::fabs(w), -20)) << "token " << i;
+          }
+          q0 = got_q;
+          s0 = got_s;
+        } else {
+          ASSERT_EQ(got_q, q0) << "rank " << r << ": codes differ from rank 0's";
+          ASSERT_EQ(got_s, s0) << "rank " << r << ": scales differ from rank 0's";
+        }
+      }
     }
   }
   for (arfuse_ctx* c : ctx_) EXPECT_EQ(arfuse_check(c, nullptr), ARFUSE_OK) << arfuse_last_error();
