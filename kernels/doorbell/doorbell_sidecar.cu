@@ -1,5 +1,7 @@
-// The sidecar's doorbell kernels: the waiter launched ahead on the sidecar's stream, the
-// completion kernel behind the fused launch, and the slot maintenance kernels.
+// The sidecar's serving launch (doorbell.h, LaunchDoorbellServe): one resident grid that takes
+// rings and runs their one-shot ops in place, with no launch per op, and hands what it cannot run
+// to the fused launches queued behind it. The waiter, completion and slot kernels are in
+// doorbell_waiter.cu; the steps both take a ring with are in ring_service.cuh.
 // docs/doorbell.md has the protocol and the memory-ordering argument.
 #include <algorithm>
 
@@ -8,225 +10,15 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/doorbell/doorbell.h"
 #include "kernels/doorbell/doorbell_device.cuh"
+#include "kernels/doorbell/ring_service.cuh"
 
 namespace arfuse {
 namespace {
 
-using namespace doorbell_device;  // NOLINT(build/namespaces): the memory-model helpers
+// The ring's steps and, through them, the memory-model helpers.
+using namespace ring_service;  // NOLINT(build/namespaces)
 
-// Every kWaitPollsPerClock polls the waiter reads the clock; the control words, abort words and
-// the deadline are looked at when kWaitCheckNs passed since the last look. The control words are
-// host-mapped (a PCIe read of about a microsecond): looking at them every poll would make a ring
-// that lands during the read wait for it.
-constexpr uint32_t kWaitPollsPerClock = 16;
-constexpr uint64_t kWaitCheckNs = 10'000;
-
-// Lane 0 only. Returns the DoorbellOutcome that ends the wait, or 0 to keep polling.
-// Every word is loaded before any is looked at: the host-mapped ones cost a PCIe round trip
-// each, and loads behind a branch on the previous one would take one round trip apiece (about
-// 1 us each; the polling warp sees no ring meanwhile).
-__device__ uint32_t WaiterCheck(const DoorbellWaitParams& w, uint64_t start, uint64_t now) {
-  const uint32_t stop = LoadRelaxedSys(&w.control->stop);
-  const uint32_t generation = LoadRelaxedSys(&w.control->generation);
-  const uint32_t workspace_abort =
-      w.workspace_abort != nullptr ? LoadRelaxedSys(w.workspace_abort) : 0u;
-  const uint32_t host_abort = w.host_abort != nullptr ? LoadRelaxedSys(w.host_abort) : 0u;
-  if (stop != 0) return static_cast<uint32_t>(DoorbellOutcome::kStopped);
-  if (generation != w.generation) return static_cast<uint32_t>(DoorbellOutcome::kKicked);
-  if (workspace_abort != 0 || host_abort != 0) {
-    return static_cast<uint32_t>(DoorbellOutcome::kAborted);
-  }
-  if (now - start > w.idle_timeout_ns) return static_cast<uint32_t>(DoorbellOutcome::kIdle);
-  return 0;
-}
-
-// What one poll for a ring ended with: the slot taken (served >= 0) and the token count rung
-// with it, or the outcome that ended the poll with nothing consumed.
-struct RingPoll {
-  int served;
-  uint32_t outcome;
-  uint32_t tokens;
-  bool local;  // rung with kDoorbellRequestLocal: the op completes at GPU scope
-};
-
-// Warp 0 only (all 32 lanes; the result is the same in every lane). Lane i polls slot i's request
-// word when bit i of the mask is set; lane 0 looks at the control words, the abort words and the
-// idle deadline (measured from `start`, lane 0's value) every kWaitCheckNs.
-// The polls acquire: a lane that sees a request may read the slot's token count at once (the
-// client stored it before its release), so that load and lane 0's CAS are in flight together
-// (one round trip to take a ring, not two).
-// `check_first`: look at the control and abort words before the first poll. A launch that has
-// just started must (a queued waiter after a plan change or a pause leaves without polling at
-// all); a serving launch polling again right after its op skips it, because that check's PCIe
-// reads would stand between the op's completion and the client's next ring, which typically
-// arrives 1-2 us later. Its next check comes within kWaitCheckNs, as for any idle wait.
-__device__ RingPoll PollForRing(const DoorbellWaitParams& w, uint64_t start, bool check_first) {
-  const uint32_t lane = threadIdx.x;
-  const bool mine = ((w.slot_mask >> lane) & 1u) != 0;
-  const uint32_t* my_request = &w.slots[lane].request;
-  uint64_t last_check = start;
-  uint32_t outcome = lane == 0 && check_first ? WaiterCheck(w, start, GlobalTimerNs()) : 0;
-  outcome = __shfl_sync(0xffffffffu, outcome, 0);
-  for (uint32_t polls = 1; outcome == 0; ++polls) {
-    const uint32_t value = mine ? LoadAcquireSys(my_request) : 0u;
-    const bool hit = value == kDoorbellRequest || value == kDoorbellRequestLocal;
-    // Not used before the CAS's answer: both loads are outstanding at once.
-    const uint32_t tokens = hit ? LoadRelaxedSys(&w.slots[lane].num_tokens) : 0u;
-    uint32_t hits = __ballot_sync(0xffffffffu, hit);
-    while (hits != 0) {
-      // Lowest slot first. Take the request by CAS: the client may be withdrawing it (its ring
-      // timed out) at the same moment; exactly one of the two CASes succeeds.
-      const int s = __ffs(hits) - 1;
-      // The value the lane saw: the CAS takes exactly that request (a withdrawing client CASes
-      // the same value back to reset).
-      const uint32_t seen = __shfl_sync(0xffffffffu, value, s);
-      uint32_t won = 0;
-      if (lane == 0) won = CasAcquireSys(&w.slots[s].request, seen, kDoorbellReset) == seen;
-      won = __shfl_sync(0xffffffffu, won, 0);
-      const uint32_t n = __shfl_sync(0xffffffffu, tokens, s);
-      if (won != 0) {
-        return RingPoll{s, static_cast<uint32_t>(DoorbellOutcome::kServed), n,
-                        seen == kDoorbellRequestLocal};
-      }
-      hits &= hits - 1;
-    }
-    if (polls % kWaitPollsPerClock == 0) {
-      if (lane == 0) {
-        const uint64_t now = GlobalTimerNs();
-        if (now - last_check >= kWaitCheckNs) {
-          last_check = now;
-          outcome = WaiterCheck(w, start, now);
-        }
-      }
-      outcome = __shfl_sync(0xffffffffu, outcome, 0);
-    }
-  }
-  return RingPoll{-1, outcome, 0, false};
-}
-
-// Warp 0 only: writes the op record for the kernels behind (and, in a serving launch, for the
-// blocks of the grid): nothing consumed (r.served < 0, r.outcome says why), or the ring taken.
-__device__ void WriteOpRecord(const DoorbellWaitParams& w, const RingPoll& r) {
-  const int served = r.served;
-  const uint32_t outcome = r.outcome;
-  const uint32_t lane = threadIdx.x;
-  DoorbellOp* op = w.op;
-  if (served < 0) {
-    // Nothing consumed: the fused launches behind see num_tokens == 0 and touch nothing.
-    if (lane == 0) {
-      op->params.num_tokens = 0;
-      op->outcome = outcome;
-      op->slot = 0xffffffffu;
-      op->num_tokens = 0;
-      op->local = 0;
-    }
-    __syncwarp();
-    return;
-  }
-  // The plan table is written by the host before the plan's bit enters any waiter's mask, so
-  // plain loads suffice; the whole warp copies the entry's params.
-  const DoorbellPlanEntry* entry = &w.plans[served];
-  {
-    const uint64_t* src = reinterpret_cast<const uint64_t*>(&entry->params);
-    uint64_t* dst = reinterpret_cast<uint64_t*>(&op->params);
-    for (uint32_t i = lane; i < sizeof(FusionParams) / sizeof(uint64_t); i += 32) dst[i] = src[i];
-  }
-  __syncwarp();
-  if (lane == 0) {
-    const uint32_t n = r.tokens;
-    const bool fits = n <= entry->max_tokens;
-    op->params.num_tokens = fits ? n : 0u;
-    op->params.algo = n >= entry->twoshot_min_tokens ? FusionAlgo::kTwoShot : FusionAlgo::kOneShot;
-    op->outcome =
-        static_cast<uint32_t>(fits ? DoorbellOutcome::kServed : DoorbellOutcome::kRejected);
-    op->slot = static_cast<uint32_t>(served);
-    op->num_tokens = n;
-    op->local = r.local ? 1u : 0u;
-  }
-  __syncwarp();
-}
-
-// One warp: polls, then writes the op for the kernels behind.
-__global__ void __launch_bounds__(32) DoorbellWaitKernel(const DoorbellWaitParams w) {
-  // Launched as a programmatic dependent of the previous op's completion kernel: the op record
-  // it reads must not be overwritten before that kernel finished.
-  WaitForPrerequisiteGrid();
-  const RingPoll r = PollForRing(w, GlobalTimerNs(), /*check_first=*/true);
-  // Let the fused launch behind be scheduled now (programmatic dependent launch): its blocks wait
-  // for this kernel to finish before they read the op.
-  if (r.served >= 0) AllowDependentLaunch();
-  WriteOpRecord(w, r);
-}
-
-// The slot error of an op whose workspace error word read `fusion` (0: the op succeeded).
-__device__ __forceinline__ uint32_t FusionSlotError(uint32_t fusion) {
-  return fusion != 0 ? (static_cast<uint32_t>(DoorbellError::kFusionFailed) | (fusion & 0xffu))
-                     : 0u;
-}
-
-// Completes an op on `slot`. The error first (first one wins), then the release of the
-// completion: a client that sees the completion sees the error. The count needs no answer (a
-// reduction, no round trip). `local`: the ring came from this GPU (kDoorbellRequestLocal), so a
-// GPU-scope release orders the op's outputs before the completion for it; a system-scope fence
-// costs about 1.5 us more here.
-__device__ void CompleteSlot(DoorbellSlot* slot, uint32_t error, bool local) {
-  if (error != 0) CasRelaxedSys(&slot->error, 0u, error);
-  atomicAdd(&slot->served, 1u);
-  if (local) {
-    StoreReleaseGpu32(&slot->complete, kDoorbellComplete);
-  } else {
-    StoreReleaseSys(&slot->complete, kDoorbellComplete);
-  }
-}
-
-// One thread, after the fused launches of the op on the same stream.
-__global__ void __launch_bounds__(1) DoorbellCompleteKernel(const DoorbellCompleteParams c) {
-  // As a programmatic dependent it may start while the fused kernel runs: wait for it (and its
-  // stores: outputs, error word) before the release of the completion.
-  WaitForPrerequisiteGrid();
-  AllowDependentLaunch();
-  const DoorbellOp* op = c.op;
-  const uint32_t outcome = op->outcome;
-  uint32_t error = 0;
-  if (outcome == static_cast<uint32_t>(DoorbellOutcome::kServed) ||
-      outcome == static_cast<uint32_t>(DoorbellOutcome::kRejected)) {
-    if (outcome == static_cast<uint32_t>(DoorbellOutcome::kRejected)) {
-      error = static_cast<uint32_t>(DoorbellError::kBadTokenCount);
-    } else if (c.workspace_error != nullptr) {
-      // Written (if at all) by the fused kernel just before, or by an earlier op (sticky: the
-      // workspace is poisoned and this op did nothing).
-      error = FusionSlotError(LoadRelaxedSys(c.workspace_error));
-    }
-    CompleteSlot(&c.slots[op->slot], error, op->local != 0);
-  }
-  if (c.report != nullptr) {
-    // Host-mapped: the host reads it after the event recorded behind this kernel completed.
-    volatile DoorbellReport* r = c.report;
-    r->outcome = outcome;
-    r->slot = op->slot;
-    r->num_tokens = op->num_tokens;
-    r->error = error;
-  }
-}
-
-__global__ void DoorbellSetErrorKernel(DoorbellSlot* slots, uint32_t mask, uint32_t code) {
-  const uint32_t i = threadIdx.x;
-  if (((mask >> i) & 1u) == 0) return;
-  CasRelaxedSys(&slots[i].error, 0u, code);
-}
-
-__global__ void DoorbellResetSlotsKernel(DoorbellSlot* slots, uint32_t mask) {
-  const uint32_t i = threadIdx.x;
-  if (((mask >> i) & 1u) == 0) return;
-  StoreRelaxedSys(&slots[i].request, kDoorbellReset);
-  StoreRelaxedSys(&slots[i].num_tokens, 0u);
-  StoreRelaxedSys(&slots[i].complete, kDoorbellReset);
-  // The error last, with release: a ring that sees the slot healthy sees it armed.
-  StoreReleaseSys(&slots[i].error, 0u);
-}
-
-// ---------------------------------------------------------------------------------------------
-// The serving launch (doorbell.h, LaunchDoorbellServe). Block 0's first warp polls; per ring it
+// The serving launch. Block 0's first warp polls; per ring it
 // either announces an in-place op or ends the launch, in one ticket word. Every block runs an
 // announced op's one-shot body over its rows, then counts itself in `finished`; the block whose
 // count is the op's last completes it, and block 0 waits for that before it polls again, so:
@@ -587,8 +379,6 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
   AllowDependentLaunch();
 }
 
-bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
-
 // The serving launch's grid: at most max_blocks and kMaxDoorbellServeBlocks (the count's bits), and
 // never more than can be resident at once within the template's SM budget (every block must be
 // resident: an op completes when all of its blocks counted in).
@@ -642,60 +432,10 @@ cudaError_t LoadServeKernels() {
 
 cudaError_t PrepareDoorbellSidecarKernels() {
   return FirstError(
-      {LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellWaitKernel),
-                            reinterpret_cast<const void*>(&DoorbellCompleteKernel),
-                            reinterpret_cast<const void*>(&DoorbellSetErrorKernel),
-                            reinterpret_cast<const void*>(&DoorbellResetSlotsKernel)}),
-       LoadServeKernels<DType::kBF16, false>(), LoadServeKernels<DType::kBF16, true>(),
-       LoadServeKernels<DType::kFP16, false>(), LoadServeKernels<DType::kFP16, true>(),
-       LoadServeKernels<DType::kFP32, false>(), LoadServeKernels<DType::kFP32, true>(),
-       PrepareAllReduceFusionKernels()});
-}
-
-cudaError_t CheckDoorbellWaitParams(const DoorbellWaitParams& w, const char** why) {
-  const char* problem = nullptr;
-  if (w.slots == nullptr || !Aligned(w.slots, kDoorbellLineBytes)) {
-    problem = "doorbell slots are null or not 128-byte aligned";
-  } else if (w.plans == nullptr || !Aligned(w.plans, 8)) {
-    problem = "doorbell plan table is null or misaligned";
-  } else if (w.op == nullptr || !Aligned(w.op, 8)) {
-    problem = "doorbell op record is null or misaligned";
-  } else if (w.control == nullptr || !Aligned(w.control, 4)) {
-    problem = "doorbell control words are null or misaligned";
-  } else if (w.idle_timeout_ns == 0) {
-    problem = "waiter idle timeout is zero";
-  } else if (w.slot_mask == 0) {
-    problem = "waiter has no slot to serve (empty slot mask)";
-  }
-  if (why != nullptr) *why = problem;
-  return problem == nullptr ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-cudaError_t CheckDoorbellCompleteParams(const DoorbellCompleteParams& c, const char** why) {
-  const char* problem = nullptr;
-  if (c.slots == nullptr || !Aligned(c.slots, kDoorbellLineBytes)) {
-    problem = "doorbell slots are null or not 128-byte aligned";
-  } else if (c.op == nullptr || !Aligned(c.op, 8)) {
-    problem = "doorbell op record is null or misaligned";
-  } else if (c.report != nullptr && !Aligned(c.report, 4)) {
-    problem = "doorbell report is misaligned";
-  }
-  if (why != nullptr) *why = problem;
-  return problem == nullptr ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-cudaError_t LaunchDoorbellWait(const DoorbellWaitParams& params, cudaStream_t stream,
-                               bool programmatic_dependent) {
-  if (cudaError_t err = CheckDoorbellWaitParams(params, nullptr); err != cudaSuccess) return err;
-  return LaunchKernel(DoorbellWaitKernel, 1, 32, programmatic_dependent, stream, params);
-}
-
-cudaError_t LaunchDoorbellComplete(const DoorbellCompleteParams& params, cudaStream_t stream,
-                                   bool programmatic_dependent) {
-  if (cudaError_t err = CheckDoorbellCompleteParams(params, nullptr); err != cudaSuccess) {
-    return err;
-  }
-  return LaunchKernel(DoorbellCompleteKernel, 1, 1, programmatic_dependent, stream, params);
+      {ring_service::PrepareDoorbellWaiterKernels(), LoadServeKernels<DType::kBF16, false>(),
+       LoadServeKernels<DType::kBF16, true>(), LoadServeKernels<DType::kFP16, false>(),
+       LoadServeKernels<DType::kFP16, true>(), LoadServeKernels<DType::kFP32, false>(),
+       LoadServeKernels<DType::kFP32, true>(), PrepareAllReduceFusionKernels()});
 }
 
 cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& sp, const char** why) {
@@ -736,23 +476,6 @@ cudaError_t LaunchDoorbellServe(const DoorbellServeParams& params, cudaStream_t 
       return LaunchServeForDType<DType::kFP32>(params, stream, programmatic_dependent);
   }
   return cudaErrorInvalidValue;
-}
-
-cudaError_t LaunchDoorbellSetError(DoorbellSlot* slots, uint32_t slot_mask, uint32_t code,
-                                   cudaStream_t stream) {
-  if (slots == nullptr || !Aligned(slots, kDoorbellLineBytes) || code == 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (slot_mask == 0) return cudaSuccess;
-  DoorbellSetErrorKernel<<<1, kMaxDoorbellSlots, 0, stream>>>(slots, slot_mask, code);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchDoorbellResetSlots(DoorbellSlot* slots, uint32_t slot_mask, cudaStream_t stream) {
-  if (slots == nullptr || !Aligned(slots, kDoorbellLineBytes)) return cudaErrorInvalidValue;
-  if (slot_mask == 0) return cudaSuccess;
-  DoorbellResetSlotsKernel<<<1, kMaxDoorbellSlots, 0, stream>>>(slots, slot_mask);
-  return cudaGetLastError();
 }
 
 }  // namespace arfuse

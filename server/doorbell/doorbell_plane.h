@@ -198,6 +198,8 @@ class DoorbellPlane {
     FusionParams grid_template;
   };
   enum class State { kCreated, kRunning, kPaused, kStopped, kFailed };
+  // Bound on the small side-stream jobs (plan upload, slot reset, trace copy).
+  static constexpr absl::Duration kSideStreamWait = absl::Seconds(2);
 
   explicit DoorbellPlane(const DoorbellPlaneOptions& options);
   absl::Status Allocate();

@@ -98,7 +98,4 @@ class CoordinatorServer {
   std::thread thread_;
 };
 
-// Parses "host:port" or "[v6]:port". INVALID_ARGUMENT with the offending text otherwise.
-absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port);
-
 }  // namespace arfuse::peers

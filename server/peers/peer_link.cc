@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "server/core/status_macros.h"
 #include "server/peers/peer_credentials.h"
+#include "server/peers/peer_sockets.h"
 #include "server/peers/socket_exchange.h"
 #include "spdlog/spdlog.h"
 

@@ -38,17 +38,17 @@ TEST(DoorbellLayout, HotWordsSitOnTheirOwnLines) {
 }
 
 TEST(DoorbellLayout, DeviceRecordsKeepTheirSizes) {
-  EXPECT_EQ(sizeof(DoorbellPlanEntry), 320u);
+  EXPECT_EQ(sizeof(DoorbellPlanEntry), 336u);
   EXPECT_EQ(offsetof(DoorbellPlanEntry, params), 0u);
   EXPECT_EQ(offsetof(DoorbellPlanEntry, max_tokens), sizeof(FusionParams));
-  EXPECT_EQ(sizeof(DoorbellOp), 328u);
+  EXPECT_EQ(sizeof(DoorbellOp), 344u);
   EXPECT_EQ(offsetof(DoorbellOp, params), 0u);  // LaunchAllReduceFusionIndirect reads it there
   EXPECT_EQ(sizeof(DoorbellControl), 16u);
   EXPECT_EQ(sizeof(DoorbellReport), 32u);
   EXPECT_EQ(offsetof(DoorbellReport, served_in_place), 16u);
   EXPECT_EQ(sizeof(DoorbellWaitParams), 64u);
   EXPECT_EQ(sizeof(DoorbellServeState), 128u);   // zeroed by the host, one line
-  EXPECT_EQ(sizeof(DoorbellServeParams), 416u);  // a kernel parameter
+  EXPECT_EQ(sizeof(DoorbellServeParams), 432u);  // a kernel parameter
   EXPECT_EQ(sizeof(DoorbellTraceRecord), 80u);   // copied to the host as is
 }
 
