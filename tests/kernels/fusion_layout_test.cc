@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
+#include "kernels/quant/fp8_format.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
 
 namespace arfuse {
@@ -66,7 +67,18 @@ TEST(FusionSupport, TableCoversTheTestedCombinations) {
     }
   }
   EXPECT_FALSE(IsFusionSupported(DType::kBF16, 6, Pattern::kAllReduce, FusionAlgo::kOneShot));
-  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, static_cast<Pattern>(5), FusionAlgo::kOneShot));
+  // The FP8 patterns: bf16 and fp16 input only.
+  for (Pattern p : {Pattern::kAllReduceResidualRmsNormFp8Static,
+                    Pattern::kAllReduceResidualRmsNormFp8PerToken,
+                    Pattern::kAllReduceResidualRmsNormFp8PerGroup}) {
+    for (FusionAlgo a : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
+      EXPECT_TRUE(IsFusionSupported(DType::kBF16, 8, p, a));
+      EXPECT_TRUE(IsFusionSupported(DType::kFP16, 2, p, a));
+      EXPECT_FALSE(IsFusionSupported(DType::kFP32, 2, p, a));
+    }
+  }
+  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, static_cast<Pattern>(6), FusionAlgo::kOneShot));
+  EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, static_cast<Pattern>(0), FusionAlgo::kOneShot));
   EXPECT_FALSE(IsFusionSupported(DType::kBF16, 2, Pattern::kAllReduce, static_cast<FusionAlgo>(0)));
 }
 
@@ -122,6 +134,40 @@ TEST_F(CheckParams, RefusesACallLargerThanTheWorkspace) {
   p.algo = FusionAlgo::kTwoShot;
   p.num_tokens = 65;
   ExpectRefused(p, "does not fit the workspace");
+}
+
+// The FP8 patterns' own rules: quant_out and scale present and aligned, norm_out optional, the
+// per-group pattern's hidden a multiple of 128 and a known scale layout.
+TEST_F(CheckParams, Fp8PatternsCheckTheirTensors) {
+  FusionParams p = p_;
+  p.pattern = Pattern::kAllReduceResidualRmsNormFp8PerGroup;
+  p.scale_layout = static_cast<uint8_t>(fp8::GroupScaleLayout::kUe8m0Packed);
+  p.quant_out = reinterpret_cast<void*>(0x80008);  // 8-byte aligned is enough
+  p.scale = reinterpret_cast<void*>(0x90004);
+  p.norm_out = nullptr;
+  const char* why = "unset";
+  EXPECT_EQ(CheckFusionParams(p, &why), cudaSuccess) << why;
+  FusionParams bad = p;
+  bad.quant_out = nullptr;
+  ExpectRefused(bad, "quant_out or scale is null");
+  bad = p;
+  bad.quant_out = reinterpret_cast<void*>(0x80004);
+  ExpectRefused(bad, "quant_out not 8-byte");
+  bad = p;
+  bad.scale = reinterpret_cast<void*>(0x90002);
+  ExpectRefused(bad, "scale not 4-byte aligned");
+  bad = p;
+  bad.scale_layout = 0;
+  ExpectRefused(bad, "known scale layout");
+  bad = p;
+  bad.hidden = 1000;
+  ExpectRefused(bad, "a multiple of 128");
+  bad = p;
+  bad.pattern = Pattern::kAllReduceResidualRmsNorm;  // pattern 2 still needs norm_out
+  ExpectRefused(bad, "norm_out");
+  bad = p;
+  bad.pattern = static_cast<Pattern>(6);
+  ExpectRefused(bad, "unsupported");
 }
 
 TEST_F(CheckParams, RefusesEachBadField) {
