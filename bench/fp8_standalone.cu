@@ -4,7 +4,6 @@
 // writes E4M3 codes and the scales with kernels/quant's device math, so the baseline's arithmetic
 // is the fused epilogue's and only the extra kernel and memory round trip differ.
 #include "bench/fp8_standalone.h"
-
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/quant/fp8_quant.cuh"
 
@@ -62,8 +61,8 @@ __global__ void __launch_bounds__(kThreads) StandaloneQuantKernel(StandaloneFp8P
       if (v >= vecs) continue;
       const float scale = device::fp8::GroupScaleFp32(amax);
       if (v % kLanes == 0) {
-        device::fp8::StoreGroupScale(fp8::GroupScaleLayout::kFp32RowMajor, p.scale, row,
-                                     v / kLanes, p.tokens, groups, scale, 0);
+        device::fp8::StoreGroupScale(fp8::GroupScaleLayout::kFp32RowMajor, p.scale, row, v / kLanes,
+                                     p.tokens, groups, scale, 0);
       }
       device::fp8::StoreE4m3Divided<kElems>(x[k], scale, q + v * kElems);
     }

@@ -224,10 +224,9 @@ absl::Status RunRank(const Flags& f) {
           q.scale_layout = static_cast<uint8_t>(fp8::GroupScaleLayout::kFp32RowMajor);
           for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
             ARFUSE_ASSIGN_OR_RETURN(
-                double us,
-                TimeGraph(
-                    *ex, s, f, [&] { return ws->Launch(q, algo, s); },
-                    absl::StrCat(tag, "/fp8_", kFp8Kinds[k], static_cast<int>(algo))));
+                double us, TimeGraph(
+                               *ex, s, f, [&] { return ws->Launch(q, algo, s); },
+                               absl::StrCat(tag, "/fp8_", kFp8Kinds[k], static_cast<int>(algo))));
             r.fp8[k] = std::isnan(r.fp8[k]) ? us : std::min(r.fp8[k], us);
           }
           StandaloneFp8Params sp;
@@ -237,15 +236,14 @@ absl::Status RunRank(const Flags& f) {
           sp.scale = q.scale;
           sp.tokens = t;
           sp.hidden = h;
-          ARFUSE_ASSIGN_OR_RETURN(
-              r.fp8_separate[k],
-              TimeGraph(
-                  *ex, s, f,
-                  [&] {
-                    ARFUSE_RETURN_IF_ERROR(ws->Launch(op, best_unquantized, s));
-                    return ARFUSE_CUDA_STATUS(LaunchStandaloneFp8Quant(sp, s));
-                  },
-                  absl::StrCat(tag, "/fp8_separate_", kFp8Kinds[k])));
+          ARFUSE_ASSIGN_OR_RETURN(r.fp8_separate[k],
+                                  TimeGraph(
+                                      *ex, s, f,
+                                      [&] {
+                                        ARFUSE_RETURN_IF_ERROR(ws->Launch(op, best_unquantized, s));
+                                        return ARFUSE_CUDA_STATUS(LaunchStandaloneFp8Quant(sp, s));
+                                      },
+                                      absl::StrCat(tag, "/fp8_separate_", kFp8Kinds[k])));
         }
       }
       AddRmsNormParams np = {};
@@ -460,8 +458,8 @@ absl::Status RunRank(const Flags& f) {
     }
     if (f.fp8 != 0) {
       for (int k = 0; k < kNumFp8; ++k) {
-        json << ", \"fp8_" << kFp8Kinds[k] << "\": " << JsonNumber(r.fp8[k], 3)
-             << ", \"fp8_" << kFp8Kinds[k] << "_separate\": " << JsonNumber(r.fp8_separate[k], 3);
+        json << ", \"fp8_" << kFp8Kinds[k] << "\": " << JsonNumber(r.fp8[k], 3) << ", \"fp8_"
+             << kFp8Kinds[k] << "_separate\": " << JsonNumber(r.fp8_separate[k], 3);
       }
     }
     json << "}" << (i + 1 < results.size() ? "," : "") << "\n";

@@ -297,10 +297,9 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
   const unsigned grid =
       static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(max_rows, resident)));
   const unsigned block = static_cast<unsigned>(threads);
-  return one_shot ? LaunchKernel(one_shot_kernel, grid, block, programmatic, stream, t,
-                                 device_params)
-                  : LaunchKernel(two_shot_kernel, grid, block, programmatic, stream, t,
-                                 device_params);
+  return one_shot
+             ? LaunchKernel(one_shot_kernel, grid, block, programmatic, stream, t, device_params)
+             : LaunchKernel(two_shot_kernel, grid, block, programmatic, stream, t, device_params);
 }
 
 template <DType DT, bool kNorm, bool kQuant>

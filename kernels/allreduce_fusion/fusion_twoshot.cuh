@@ -216,8 +216,8 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
             const uint32_t row_parity = parity;
             const float total = RowSumOfSquares(mine, scratch[parity]);
             parity ^= 1u;
-            NormEpilogue<DT, kVec, kQuant>(p, true, token, reduced, total, t0, stride,
-                                           vecs_per_row, gamma, &qscratch, row_parity);
+            NormEpilogue<DT, kVec, kQuant>(p, true, token, reduced, total, t0, stride, vecs_per_row,
+                                           gamma, &qscratch, row_parity);
           } else {
 #pragma unroll
             for (int k = 0; k < kVec; ++k) {
@@ -246,7 +246,6 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
   }
   return 0;
 }
-
 
 }  // namespace fusion_device
 }  // namespace arfuse

@@ -44,9 +44,9 @@ cudaError_t CheckFusionParams(const FusionParams& p, const char** why) {
     problem = "rank is outside 0..world_size-1";
   } else if (!IsFusionHidden(p.hidden, p.dtype)) {
     problem = "hidden is not a positive multiple of 8 within the supported row size";
-  } else if (!contract::CheckPattern(contract::OpShape{p.dtype, p.hidden, p.num_tokens, p.pattern,
-                                                       p.scale_layout},
-                                     contract::OpVoice::kEngine)
+  } else if (!contract::CheckPattern(
+                  contract::OpShape{p.dtype, p.hidden, p.num_tokens, p.pattern, p.scale_layout},
+                  contract::OpVoice::kEngine)
                   .ok()) {
     problem = "the FP8 pattern's rules: hidden a multiple of 128 and a known scale layout";
   } else if (!contract::Fits(l, contract::OpShape{p.dtype, p.hidden, p.num_tokens})) {

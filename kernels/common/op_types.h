@@ -13,8 +13,9 @@ enum class DType : uint8_t { kBF16 = 1, kFP16 = 2, kFP32 = 3 };
 // quantize its fp32 normalized value to E4M3 codes (quant_out), with the scale formulas of
 // kernels/quant/fp8_format.h; their norm_out (the dtype-rounded norm) is optional.
 enum class Pattern : uint8_t {
-  kAllReduce = 1,                 // out = sum over ranks of input
-  kAllReduceResidualRmsNorm = 2,  // residual_out = sum + residual_in; norm_out = rmsnorm(...) * gamma
+  kAllReduce = 1,  // out = sum over ranks of input
+  kAllReduceResidualRmsNorm =
+      2,  // residual_out = sum + residual_in; norm_out = rmsnorm(...) * gamma
   // quant_out = e4m3(norm * (1 / scale[0])), scale a device pointer to one fp32 (an input).
   kAllReduceResidualRmsNormFp8Static = 3,
   // scale[t] = max(amax_t / 448, 1/(448*512)) per token (an output, fp32 [tokens]);
@@ -30,16 +31,19 @@ inline constexpr int kMaxPattern = 5;
 // of comparing patterns.
 enum class QuantKind : uint8_t { kNone = 0, kStatic = 1, kPerToken = 2, kPerGroup = 3 };
 struct PatternTraits {
-  bool valid;        // a Pattern value at all
-  bool norm;         // residual add + RMSNorm (residual_in, residual_out, gamma)
+  bool valid;              // a Pattern value at all
+  bool norm;               // residual add + RMSNorm (residual_in, residual_out, gamma)
   bool norm_out_required;  // norm_out must be given (the FP8 patterns: optional)
-  QuantKind quant;   // FP8 E4M3 quant_out and its scale
+  QuantKind quant;         // FP8 E4M3 quant_out and its scale
 };
 inline constexpr PatternTraits TraitsOf(Pattern p) {
   switch (p) {
-    case Pattern::kAllReduce: return {true, false, false, QuantKind::kNone};
-    case Pattern::kAllReduceResidualRmsNorm: return {true, true, true, QuantKind::kNone};
-    case Pattern::kAllReduceResidualRmsNormFp8Static: return {true, true, false, QuantKind::kStatic};
+    case Pattern::kAllReduce:
+      return {true, false, false, QuantKind::kNone};
+    case Pattern::kAllReduceResidualRmsNorm:
+      return {true, true, true, QuantKind::kNone};
+    case Pattern::kAllReduceResidualRmsNormFp8Static:
+      return {true, true, false, QuantKind::kStatic};
     case Pattern::kAllReduceResidualRmsNormFp8PerToken:
       return {true, true, false, QuantKind::kPerToken};
     case Pattern::kAllReduceResidualRmsNormFp8PerGroup:
@@ -54,18 +58,24 @@ inline constexpr size_t DTypeSize(DType t) { return t == DType::kFP32 ? 4 : 2; }
 
 inline constexpr const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kBF16: return "bf16";
-    case DType::kFP16: return "fp16";
-    case DType::kFP32: return "fp32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP16:
+      return "fp16";
+    case DType::kFP32:
+      return "fp32";
   }
   return "unknown";
 }
 
 inline constexpr const char* PatternName(Pattern p) {
   switch (p) {
-    case Pattern::kAllReduce: return "allreduce";
-    case Pattern::kAllReduceResidualRmsNorm: return "allreduce_residual_rmsnorm";
-    case Pattern::kAllReduceResidualRmsNormFp8Static: return "allreduce_residual_rmsnorm_fp8_static";
+    case Pattern::kAllReduce:
+      return "allreduce";
+    case Pattern::kAllReduceResidualRmsNorm:
+      return "allreduce_residual_rmsnorm";
+    case Pattern::kAllReduceResidualRmsNormFp8Static:
+      return "allreduce_residual_rmsnorm_fp8_static";
     case Pattern::kAllReduceResidualRmsNormFp8PerToken:
       return "allreduce_residual_rmsnorm_fp8_per_token";
     case Pattern::kAllReduceResidualRmsNormFp8PerGroup:
@@ -89,9 +99,10 @@ struct FusedOpArgs {
   void* residual_out = nullptr;
   void* norm_out = nullptr;  // optional for the FP8 patterns
   const void* gamma = nullptr;
-  // FP8 patterns: [num_tokens, hidden] E4M3 codes; and the scale: kAllReduceResidualRmsNormFp8Static
-  // one fp32 read (an input), ...PerToken fp32 [num_tokens] written, ...PerGroup the group scales
-  // in `scale_layout` (a kernels/quant/fp8_format.h GroupScaleLayout value) written.
+  // FP8 patterns: [num_tokens, hidden] E4M3 codes; and the scale:
+  // kAllReduceResidualRmsNormFp8Static one fp32 read (an input), ...PerToken fp32 [num_tokens]
+  // written, ...PerGroup the group scales in `scale_layout` (a kernels/quant/fp8_format.h
+  // GroupScaleLayout value) written.
   void* quant_out = nullptr;
   void* scale = nullptr;
   uint8_t scale_layout = 0;

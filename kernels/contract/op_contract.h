@@ -324,13 +324,13 @@ inline plain::Status CheckPattern(const OpShape& op, OpVoice voice) {
                : plain::InvalidArgumentError(text);
   };
   if (!traits.valid) {
-    return refuse(plain::StrCat("pattern ", static_cast<int>(op.pattern), " is not 1 to ",
-                                kMaxPattern));
+    return refuse(
+        plain::StrCat("pattern ", static_cast<int>(op.pattern), " is not 1 to ", kMaxPattern));
   }
   if (traits.quant == QuantKind::kNone) return plain::OkStatus();
   if (op.dtype != DType::kBF16 && op.dtype != DType::kFP16) {
-    return refuse(plain::StrCat("pattern ", PatternName(op.pattern), " takes bf16 or fp16 input, not ",
-                                DTypeName(op.dtype)));
+    return refuse(plain::StrCat("pattern ", PatternName(op.pattern),
+                                " takes bf16 or fp16 input, not ", DTypeName(op.dtype)));
   }
   if (traits.quant == QuantKind::kPerGroup) {
     if (op.hidden % fp8::kGroupSize != 0) {
@@ -348,8 +348,8 @@ inline plain::Status CheckPattern(const OpShape& op, OpVoice voice) {
 }
 
 // Every op rule against a workspace's capacity, in this order: the pattern (CheckPattern), dtype,
-// hidden, hidden above the workspace's, tokens x hidden. OK or the first broken rule's status in `voice`'s code and words;
-// `broken` (optional) receives the rule. num_tokens may be 0 (it fits).
+// hidden, hidden above the workspace's, tokens x hidden. OK or the first broken rule's status in
+// `voice`'s code and words; `broken` (optional) receives the rule. num_tokens may be 0 (it fits).
 inline plain::Status CheckOp(const OpShape& op, const WorkspaceCapacity& w, OpVoice voice,
                              OpRule* broken = nullptr) {
   OpRule unused;

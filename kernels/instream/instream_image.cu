@@ -46,12 +46,12 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
   }
   // One function of the image serves the three FP8 patterns (instream_kernels.cu).
   const PatternTraits traits = TraitsOf(pattern);
-  const char* pname = !traits.norm                         ? "allreduce"
+  const char* pname = !traits.norm                       ? "allreduce"
                       : traits.quant == QuantKind::kNone ? "arnorm"
-                                                           : "arnormfp8";
-  const int n = std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname,
-                              pname, algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot",
-                              device::RowBucket(vecs));
+                                                         : "arnormfp8";
+  const int n =
+      std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname, pname,
+                    algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", device::RowBucket(vecs));
   if (n <= 0 || static_cast<size_t>(n) >= sizeof(e.function)) return false;
   *entry = e;
   return true;

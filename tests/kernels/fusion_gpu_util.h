@@ -77,9 +77,10 @@ class SimGroup {
       output_.push_back(std::make_unique<DeviceBuffer>(bytes));
       // FP8 patterns: one code per element; scales for the largest layout (fp32 MN-major with
       // TMA padding, or a scale per token).
-      quant_out_.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(max_tokens) * hidden));
-      scale_.push_back(std::make_unique<DeviceBuffer>(
-          static_cast<size_t>(hidden / 128 + 1) * (max_tokens + 4) * sizeof(float)));
+      quant_out_.push_back(
+          std::make_unique<DeviceBuffer>(static_cast<size_t>(max_tokens) * hidden));
+      scale_.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(hidden / 128 + 1) *
+                                                      (max_tokens + 4) * sizeof(float)));
       error_mirror_.push_back(std::make_unique<MappedWord>());
       cudaStream_t s = nullptr;
       cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -196,8 +197,8 @@ class SimGroup {
   std::vector<std::unique_ptr<DeviceBuffer>> workspaces_, inputs_, residual_in_, residual_out_,
       norm_out_, output_, quant_out_, scale_;
   std::unique_ptr<DeviceBuffer> static_scale_;
-  uint8_t scale_layout_ = 1;    // the per-group pattern's (fp8::GroupScaleLayout)
-  bool fp8_norm_out_ = true;    // whether the FP8 patterns also write norm_out
+  uint8_t scale_layout_ = 1;  // the per-group pattern's (fp8::GroupScaleLayout)
+  bool fp8_norm_out_ = true;  // whether the FP8 patterns also write norm_out
   std::vector<std::unique_ptr<MappedWord>> error_mirror_;
   std::unique_ptr<DeviceBuffer> gamma_;
   MappedWord host_abort_;

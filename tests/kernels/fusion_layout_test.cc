@@ -7,8 +7,8 @@
 #include "gtest/gtest.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/quant/fp8_format.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
+#include "kernels/quant/fp8_format.h"
 
 namespace arfuse {
 namespace {
@@ -68,9 +68,9 @@ TEST(FusionSupport, TableCoversTheTestedCombinations) {
   }
   EXPECT_FALSE(IsFusionSupported(DType::kBF16, 6, Pattern::kAllReduce, FusionAlgo::kOneShot));
   // The FP8 patterns: bf16 and fp16 input only.
-  for (Pattern p : {Pattern::kAllReduceResidualRmsNormFp8Static,
-                    Pattern::kAllReduceResidualRmsNormFp8PerToken,
-                    Pattern::kAllReduceResidualRmsNormFp8PerGroup}) {
+  for (Pattern p :
+       {Pattern::kAllReduceResidualRmsNormFp8Static, Pattern::kAllReduceResidualRmsNormFp8PerToken,
+        Pattern::kAllReduceResidualRmsNormFp8PerGroup}) {
     for (FusionAlgo a : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
       EXPECT_TRUE(IsFusionSupported(DType::kBF16, 8, p, a));
       EXPECT_TRUE(IsFusionSupported(DType::kFP16, 2, p, a));

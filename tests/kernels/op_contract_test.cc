@@ -41,21 +41,20 @@ TEST(OpContract, PatternRule) {
   const Pattern group = Pattern::kAllReduceResidualRmsNormFp8PerGroup;
   const uint8_t ue8m0 = static_cast<uint8_t>(fp8::GroupScaleLayout::kUe8m0Packed);
   for (OpVoice v : {OpVoice::kEngine, OpVoice::kRegistry, OpVoice::kClient}) {
-    const StatusCode code = v == OpVoice::kClient ? StatusCode::kOutOfRange
-                                                  : StatusCode::kInvalidArgument;
+    const StatusCode code =
+        v == OpVoice::kClient ? StatusCode::kOutOfRange : StatusCode::kInvalidArgument;
     OpRule rule = OpRule::kNone;
     EXPECT_TRUE(CheckOp(OpShape{DType::kBF16, 256, 16, group, ue8m0}, kBf16, v, &rule).ok());
-    EXPECT_TRUE(
-        CheckOp(OpShape{DType::kBF16, 256, 16, Pattern::kAllReduceResidualRmsNormFp8Static}, kBf16,
-                v)
-            .ok());
+    EXPECT_TRUE(CheckOp(OpShape{DType::kBF16, 256, 16, Pattern::kAllReduceResidualRmsNormFp8Static},
+                        kBf16, v)
+                    .ok());
     ExpectRefused(CheckOp(OpShape{DType::kBF16, 256, 16, static_cast<Pattern>(6)}, kBf16, v, &rule),
                   code, "pattern 6 is not 1 to 5");
     EXPECT_EQ(rule, OpRule::kPattern);
-    ExpectRefused(CheckPattern(OpShape{DType::kFP32, 256, 16,
-                                       Pattern::kAllReduceResidualRmsNormFp8PerToken},
-                               v),
-                  code, "takes bf16 or fp16 input, not fp32");
+    ExpectRefused(
+        CheckPattern(OpShape{DType::kFP32, 256, 16, Pattern::kAllReduceResidualRmsNormFp8PerToken},
+                     v),
+        code, "takes bf16 or fp16 input, not fp32");
     ExpectRefused(CheckPattern(OpShape{DType::kBF16, 200, 16, group, ue8m0}, v), code,
                   "hidden 200 is not a multiple of the group size 128");
     ExpectRefused(CheckPattern(OpShape{DType::kBF16, 256, 16, group, 4}, v), code,

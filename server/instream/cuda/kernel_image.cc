@@ -62,10 +62,10 @@ absl::StatusOr<std::vector<instream::KernelEntry>> InStreamKernelImage::Entries(
       // 128): an entry each; elsewhere none, and the client declines them (no kernel).
       if (IsQuantPattern(pattern) &&
           (!IsFusionSupported(dtype, world_size, pattern, FusionAlgo::kOneShot) ||
-           !contract::CheckPattern(contract::OpShape{dtype, hidden, 0, pattern,
-                                                     static_cast<uint8_t>(
-                                                         fp8::GroupScaleLayout::kFp32RowMajor)},
-                                   contract::OpVoice::kEngine)
+           !contract::CheckPattern(
+                contract::OpShape{dtype, hidden, 0, pattern,
+                                  static_cast<uint8_t>(fp8::GroupScaleLayout::kFp32RowMajor)},
+                contract::OpVoice::kEngine)
                 .ok())) {
         continue;
       }
