@@ -9,9 +9,9 @@ What runs where:
 - when the sidecar serves Fusion.Attach and arfuse.fdpass is there: attach end to end in host
   mode, the fused op on known data in two ranks.
 """
+import contextlib
 import ctypes
 import ctypes.util
-import sys
 import threading
 import types
 
@@ -248,9 +248,11 @@ def test_real_library_refuses_a_malformed_blob(real_lib):
 
 # ---- end to end (when the sidecar serves Fusion.Attach) ----
 
-def test_attach_end_to_end_host_mode(arfused, real_lib):
-    hidden, tokens = 256, 4
-    g = Group(arfused, 2, hidden=hidden, max_tokens=16, dtype="fp32")
+@contextlib.contextmanager
+def attached_pair(arfused, hidden, dtype):
+    """Two host-mode sidecars (max 16 tokens of `hidden`, `dtype`) and one attached in-stream
+    context per rank; detached and stopped after. Skips where the attach does not complete."""
+    g = Group(arfused, 2, hidden=hidden, max_tokens=16, dtype=dtype)
     clients = []
     try:
         clients = [arfuse.Client(g.socket(r)) for r in range(2)]
@@ -262,6 +264,17 @@ def test_attach_end_to_end_host_mode(arfused, real_lib):
             if e.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
                 pytest.skip(f"the in-stream attach does not complete here yet: {e}")
             raise
+        yield ctxs
+        for ctx in ctxs:
+            ctx.detach()
+    finally:
+        for c in clients:
+            c.close()
+        g.stop()
+
+def test_attach_end_to_end_host_mode(arfused, real_lib):
+    hidden, tokens = 256, 4
+    with attached_pair(arfused, hidden, "fp32") as ctxs:
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal((tokens, hidden), dtype=np.float32) for _ in range(2)]
         res = rng.standard_normal((tokens, hidden), dtype=np.float32)
@@ -288,12 +301,6 @@ def test_attach_end_to_end_host_mode(arfused, real_lib):
             assert ctxs[r].info.device == "host" and ctxs[r].info.rank == r
         # Beyond the workspace: nothing launched, OUT_OF_RANGE.
         assert not ctxs[0].supports(17, hidden, "fp32")
-        for ctx in ctxs:
-            ctx.detach()
-    finally:
-        for c in clients:
-            c.close()
-        g.stop()
 
 
 # ---- validation rules of the binding ----
@@ -513,18 +520,7 @@ def test_fp8_end_to_end_host_mode(arfused, real_lib):
     their scales, are the normalized value to E4M3's precision (the bit-exact comparison with the
     CPU reference is tests/instream/instream_host_test.cc's)."""
     hidden, tokens = 256, 5
-    g = Group(arfused, 2, hidden=hidden, max_tokens=16, dtype="fp16")
-    clients = []
-    try:
-        clients = [arfuse.Client(g.socket(r)) for r in range(2)]
-        for c in clients:
-            c.wait_ready(30)
-        try:
-            ctxs = [c.attach([hidden]) for c in clients]
-        except arfuse.ArfuseError as e:
-            if e.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
-                pytest.skip(f"the in-stream attach does not complete here yet: {e}")
-            raise
+    with attached_pair(arfused, hidden, "fp16") as ctxs:
         rng = np.random.default_rng(1)
         xs = [rng.standard_normal((tokens, hidden)).astype(np.float16) for _ in range(2)]
         res = rng.standard_normal((tokens, hidden)).astype(np.float16)
@@ -561,9 +557,3 @@ def test_fp8_end_to_end_host_mode(arfused, real_lib):
         # fp32 input is not served by the FP8 patterns.
         assert "takes bf16 or fp16 input" in ctxs[0].why_not(1, hidden, "fp32",
                                                              instream.PATTERN_FP8_PER_TOKEN)
-        for ctx in ctxs:
-            ctx.detach()
-    finally:
-        for c in clients:
-            c.close()
-        g.stop()

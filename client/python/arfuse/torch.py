@@ -264,13 +264,9 @@ def _served_tokens(ctx, hidden: int, name: str, pattern: int, what: str) -> int:
     return per_launch
 
 
-def _chunked(input, residual, weight, eps):
-    """allreduce + residual add + RMSNorm over any number of tokens: consecutive chunks of at
-    most max_fused_tokens() rows, one fused launch each. Exact: the allreduce is elementwise and
-    RMSNorm works per row, and every rank cuts the same chunks from the same shapes. With a
-    residual or weight of another dtype than the input, the allreduce runs fused in the input's
-    dtype (chunked alike) and the add and norm run here in fp32, as RMSNorm's reference does."""
-    torch = _torch()
+def _served_rows(input):
+    """The attached context of input's device, its dtype's name and its [tokens, hidden] shape;
+    instream.Unavailable when no context is attached or the dtype is not served."""
     ctx = get_context(input.device)
     if ctx is None:
         raise instream.Unavailable(instream.UNAVAILABLE,
@@ -280,6 +276,17 @@ def _chunked(input, residual, weight, eps):
         raise instream.Unavailable(instream.OUT_OF_RANGE, f"dtype {input.dtype} is not served")
     hidden = int(input.shape[-1])
     tokens = input.numel() // hidden if hidden else 0
+    return ctx, name, tokens, hidden
+
+
+def _chunked(input, residual, weight, eps):
+    """allreduce + residual add + RMSNorm over any number of tokens: consecutive chunks of at
+    most max_fused_tokens() rows, one fused launch each. Exact: the allreduce is elementwise and
+    RMSNorm works per row, and every rank cuts the same chunks from the same shapes. With a
+    residual or weight of another dtype than the input, the allreduce runs fused in the input's
+    dtype (chunked alike) and the add and norm run here in fp32, as RMSNorm's reference does."""
+    torch = _torch()
+    ctx, name, tokens, hidden = _served_rows(input)
     x = input.reshape(tokens, hidden)
     r = residual.reshape(tokens, hidden)
     stream = _stream_of(input)
@@ -338,15 +345,7 @@ def _fp8_outputs(input, quant: int, scale_layout: int):
 
 def _fp8_functional(input, residual, weight, eps, quant, scale_layout, static_scale):
     torch = _torch()
-    ctx = get_context(input.device)
-    if ctx is None:
-        raise instream.Unavailable(instream.UNAVAILABLE,
-                                   f"no in-stream context attached for {input.device}")
-    name = dtype_name(input.dtype)
-    if name is None:
-        raise instream.Unavailable(instream.OUT_OF_RANGE, f"dtype {input.dtype} is not served")
-    hidden = int(input.shape[-1])
-    tokens = input.numel() // hidden if hidden else 0
+    ctx, name, tokens, hidden = _served_rows(input)
     quant_out, scale = _fp8_outputs(input, int(quant), int(scale_layout))
     residual_out = torch.empty_like(residual)
     static = int(quant) == instream.QUANTS["static"]
