@@ -38,6 +38,17 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
   }
 }
 
+// 1 / scale of the static FP8 pattern (0 otherwise), read once per launch by every thread.
+template <bool kQuant>
+__device__ __forceinline__ float StaticInvScaleOf(const FusionParams& p) {
+  if constexpr (kQuant) {
+    if (TraitsOf(p.pattern).quant == QuantKind::kStatic) {
+      return device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
+    }
+  }
+  return 0.0f;
+}
+
 // Step 5 of row `row` for the norm patterns, after the block reduced the sum of squares to
 // `total`: norm_out (pattern 2; optional for the FP8 patterns), and with kQuant the E4M3 codes of
 // the normalized values into quant_out and the row's scales (FusionParams::pattern says which
@@ -45,13 +56,13 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
 // the dtype-rounded pre-norm sum, `g` gamma. `ok`: this thread's part of the op succeeded (a
 // failed thread stores nothing). Every thread of the block calls it for every row, failed or not:
 // the per-token scale is a block reduction and the per-group one a warp shuffle. `parity` picks
-// the QuantScratch buffer (the row's, alternating).
+// the QuantScratch buffer (the row's, alternating); `static_inv_scale` is StaticInvScaleOf's.
 template <DType DT, int kVec, bool kQuant>
 __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uint32_t row,
                                              const Raw16 (&pre)[kVec], float total, uint32_t t0,
                                              uint32_t stride, uint32_t vecs_per_row,
                                              const Raw16 (&g)[kVec], QuantScratch* qs,
-                                             uint32_t parity) {
+                                             uint32_t parity, float static_inv_scale) {
   using Tr = device::VecTraits<DT>;
   constexpr int kElems = Tr::kElems;
   const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
@@ -74,14 +85,13 @@ __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uin
     const QuantKind kind = TraitsOf(p.pattern).quant;  // uniform across the grid
     if (kind == QuantKind::kStatic) {
       if (!ok) return;
-      const float inv_scale = device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const uint32_t v = t0 + k * stride;
         if (v >= vecs_per_row) continue;
         float x[kElems];
         NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-        device::fp8::StoreE4m3Multiplied<kElems>(x, inv_scale, q_row + v * kElems);
+        device::fp8::StoreE4m3Multiplied<kElems>(x, static_inv_scale, q_row + v * kElems);
       }
     } else if (kind == QuantKind::kPerToken) {
       float local = 0.0f;
