@@ -40,8 +40,13 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
   e.block_threads = static_cast<uint32_t>(device::RowBlockThreads(vecs));
   e.max_grid = 0;
   e.rows_divisor = algo == FusionAlgo::kOneShot ? 1u : static_cast<uint32_t>(world_size);
-  // The per-group pattern's own rules (hidden a multiple of the group): not an entry otherwise.
-  if (TraitsOf(pattern).quant == QuantKind::kPerGroup && hidden % fp8::kGroupSize != 0) {
+  // The FP8 patterns' own rules (contract::CheckPattern; any valid scale layout): not an entry
+  // otherwise.
+  if (!contract::CheckPattern(
+           contract::OpShape{dtype, hidden, 0, pattern,
+                             static_cast<uint8_t>(fp8::GroupScaleLayout::kFp32RowMajor)},
+           contract::OpVoice::kEngine)
+           .ok()) {
     return false;
   }
   // One function of the image serves the three FP8 patterns (instream_kernels.cu).

@@ -58,20 +58,12 @@ absl::StatusOr<std::vector<instream::KernelEntry>> InStreamKernelImage::Entries(
   for (uint32_t hidden : hiddens) {
     for (int pattern_value = 1; pattern_value <= kMaxPattern; ++pattern_value) {
       const auto pattern = static_cast<Pattern>(pattern_value);
-      // The FP8 patterns where they run (bf16, fp16; the per-group one at hidden a multiple of
-      // 128): an entry each; elsewhere none, and the client declines them (no kernel).
-      if (IsQuantPattern(pattern) &&
-          (!IsFusionSupported(dtype, world_size, pattern, FusionAlgo::kOneShot) ||
-           !contract::CheckPattern(
-                contract::OpShape{dtype, hidden, 0, pattern,
-                                  static_cast<uint8_t>(fp8::GroupScaleLayout::kFp32RowMajor)},
-                contract::OpVoice::kEngine)
-                .ok())) {
-        continue;
-      }
       for (FusionAlgo algo : {FusionAlgo::kOneShot, FusionAlgo::kTwoShot}) {
         instream::KernelEntry e{};
         if (!instream::DescribeKernelEntry(dtype, pattern, algo, hidden, world_size, &e)) {
+          // The FP8 patterns have entries where they run (DescribeKernelEntry: bf16, fp16; the
+          // per-group one at hidden a multiple of 128); elsewhere none, and the client declines.
+          if (IsQuantPattern(pattern)) continue;
           return absl::InvalidArgumentError(absl::StrCat(
               "hidden ", hidden, " ", DTypeName(dtype), " cannot run in-stream at world size ",
               world_size, " (a positive multiple of ", kHiddenMultiple, " up to ",
