@@ -106,7 +106,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     // depends on that load); the atomic's result is needed only at the end, so it costs no wait.
     if (s_error == 0) arrived = atomicAdd(&ctrl->lamport_arrived, 1u);
     uint64_t desc[4];
-    MakeOpDesc(p, s_epoch + 1, desc);
+    MakeOpDesc(p, s_epoch + 1, expected_generation != 0, desc);
 #pragma unroll
     for (int k = 0; k < 4; ++k) s_desc[k] = desc[k];
   }

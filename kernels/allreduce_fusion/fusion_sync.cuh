@@ -10,6 +10,7 @@
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
 #include "kernels/common/memory_model.cuh"
+#include "kernels/contract/op_contract.h"
 
 namespace arfuse {
 namespace fusion_device {
@@ -202,10 +203,22 @@ __device__ __forceinline__ float RowSumOfSquares(float v, float* scratch) {
 // Op agreement (FusionControl's op descriptors): each rank writes what it runs into every peer's
 // control block before its data; every rank compares its peers' descriptors with its own before
 // it stores any output of the call.
-__device__ __forceinline__ void MakeOpDesc(const FusionParams& p, uint32_t tag, uint64_t (&w)[4]) {
+// The descriptor also says who launched the op: an attached client's in-stream launch (it passes
+// the generation tag it was made for) or the sidecar's own (an eager op, the doorbell's serving
+// kernel). The two never pair: a client that died with its op published leaves that op for a
+// peer to find until its sidecar retires it, and a peer's eager op landing in that window would
+// otherwise sum the dead client's input and finish OK. With the origin in the descriptor it
+// fails with kOpMismatch on every rank, at no cost (the word is compared anyway).
+inline constexpr uint32_t kOpDescInStream = 1u << 31;
+static_assert(MaxFusionHidden(DType::kFP32) < kOpDescInStream &&
+                  MaxFusionHidden(DType::kBF16) < kOpDescInStream,
+              "the origin bit shares the hidden word of the op descriptor");
+
+__device__ __forceinline__ void MakeOpDesc(const FusionParams& p, uint32_t tag, bool in_stream,
+                                           uint64_t (&w)[4]) {
   const uint64_t t = static_cast<uint64_t>(tag) << 32;
   w[0] = t | p.num_tokens;
-  w[1] = t | p.hidden;
+  w[1] = t | p.hidden | (in_stream ? kOpDescInStream : 0u);
   w[2] = t | __float_as_uint(p.eps);
   w[3] = t | (static_cast<uint32_t>(p.dtype) | static_cast<uint32_t>(p.pattern) << 8 |
               static_cast<uint32_t>(p.algo) << 16 | static_cast<uint32_t>(p.world_size) << 24);

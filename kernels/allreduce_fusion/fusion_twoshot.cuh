@@ -69,7 +69,7 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
   const uint32_t seq = s_seq;
   const uint32_t n = static_cast<uint32_t>(p.world_size);
   uint64_t desc[4];
-  MakeOpDesc(p, seq + 1, desc);
+  MakeOpDesc(p, seq + 1, expected_generation != 0, desc);
   if (threadIdx.x == 0) {
     for (uint32_t q = 0; q < n; ++q) {
       if (q == static_cast<uint32_t>(p.rank)) continue;

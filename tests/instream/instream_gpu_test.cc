@@ -517,6 +517,64 @@ TEST_F(InStreamGpu, APeerThatNeverLaunchesEndsInTheErrorWord) {
   ASSERT_NO_FATAL_FAILURE(Reinitialize());
 }
 
+// An attached client's in-stream launch on rank 0 and the sidecar's own launch (an eager op) of
+// the same shape on rank 1 never pair, as after a client died with its op published and the
+// peer's sidecar ran an eager op before the workspace was retired: both ranks end in kOpMismatch
+// and rank 0 writes no output. One-shot (2 tokens) and two-shot (16 tokens).
+TEST_F(InStreamGpu, AnEagerOpNeverPairsWithAClientsInStreamOp) {
+  spin_timeout_ns_ = 500'000'000;
+  ASSERT_NO_FATAL_FAILURE(AttachAll());
+  int call = 0;
+  for (uint32_t tokens : {2u, 16u}) {
+    SCOPED_TRACE(tokens);
+    Op op(tokens, ++call);
+    for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+    ASSERT_EQ(op.Launch(ctx_[0], streams_[0], 0, true), ARFUSE_OK) << arfuse_last_error();
+    FusedOpArgs args;
+    args.pattern = Pattern::kAllReduceResidualRmsNorm;
+    args.dtype = DType::kBF16;
+    args.hidden = kHidden;
+    args.num_tokens = tokens;
+    args.eps = 1e-5f;
+    args.input = op.dev[1][0]->ptr;
+    args.residual_in = op.dev[1][1]->ptr;
+    args.residual_out = op.dev[1][2]->ptr;
+    args.norm_out = op.dev[1][3]->ptr;
+    args.gamma = op.gamma->ptr;
+    void* peers[kWorld] = {reinterpret_cast<void*>(ws_[0]->ptr),
+                           reinterpret_cast<void*>(ws_[1]->ptr)};
+    FusionLaunchSite site;
+    site.peer_workspace = peers;
+    site.rank = 1;
+    site.world_size = kWorld;
+    site.layout = layout_;
+    site.spin_timeout_ns = spin_timeout_ns_;
+    site.sm_budget = sm_budget_;
+    const FusionAlgo algo = tokens <= 4 ? FusionAlgo::kOneShot : FusionAlgo::kTwoShot;
+    const FusionParams params = MakeFusionParams(args, algo, site);
+    const char* why = nullptr;
+    ASSERT_EQ(CheckFusionParams(params, &why), cudaSuccess) << (why != nullptr ? why : "");
+    CUDA_OK(LaunchAllReduceFusion(params, streams_[1]));
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int r = 0; r < kWorld; ++r) {
+      uint32_t code = 0;
+      EXPECT_EQ(arfuse_check(ctx_[r], &code), ARFUSE_ABORTED) << "rank " << r;
+      EXPECT_EQ(code, static_cast<uint32_t>(FusionError::kOpMismatch)) << "rank " << r;
+      EXPECT_THAT(arfuse_last_error(), HasSubstr("op_mismatch"));
+    }
+    EXPECT_EQ(op.Download(0, 2), std::vector<uint8_t>(op.bytes, 0xee)) << "no output written";
+    ASSERT_NO_FATAL_FAILURE(Reinitialize());
+  }
+  // The same workspaces serve a paired in-stream op again.
+  Op op(2, ++call);
+  for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, true), ARFUSE_OK) << arfuse_last_error();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(op.Verify(true, call));
+}
+
 // The sidecar re-initialized the workspace (a new generation's tag) after the client attached:
 // the client's launches, eager or replayed from a graph captured before, change nothing, count
 // as stale, and say so in the error word (arfuse_check: FAILED_PRECONDITION, attach again).
