@@ -59,7 +59,7 @@ class TensorPool:
             raise ValueError(f"view at {offset} (+{count * elem} bytes) does not fit the pool")
         if hasattr(self.buffer, "tensor"):  # CudaBuffer
             return self.buffer.tensor(dtype, tuple(shape), offset)
-        raw = torch.frombuffer(self.buffer.shm.buf, dtype=torch.uint8, count=count * elem,
+        raw = torch.frombuffer(self.buffer.buf, dtype=torch.uint8, count=count * elem,
                                offset=offset)
         return raw.view(dtype).view(*shape)
 
