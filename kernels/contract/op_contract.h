@@ -253,6 +253,24 @@ inline OpShape ShapeOf(const FusedOpArgs& op) {
   return OpShape{op.dtype, op.hidden, op.num_tokens, op.pattern, op.scale_layout};
 }
 
+// Bytes of an FP8 pattern's scale tensor at op.num_tokens: one fp32 (static, read), one per token,
+// or the per-group layout's tensor (written); 0 for the unquantized patterns. Assumes CheckPattern
+// passed (a per-group op has hidden % 128 == 0 and a valid layout).
+inline constexpr uint64_t ScaleBytes(const OpShape& op) {
+  switch (TraitsOf(op.pattern).quant) {
+    case QuantKind::kStatic:
+      return 4;
+    case QuantKind::kPerToken:
+      return uint64_t{op.num_tokens} * 4;
+    case QuantKind::kPerGroup:
+      return fp8::GroupScaleBytes(static_cast<fp8::GroupScaleLayout>(op.scale_layout),
+                                  op.num_tokens, op.hidden / fp8::kGroupSize);
+    case QuantKind::kNone:
+      break;
+  }
+  return 0;
+}
+
 // What a workspace serves (--max-tokens, --hidden, --dtype): ops with hidden <= `hidden` and
 // tokens x hidden <= max_tokens x hidden, of `dtype`. byte_slot: a host-mode workspace, whose
 // slot holds max_tokens x hidden elements of `dtype` as bytes, so an op of any dtype fits when

@@ -131,6 +131,13 @@ absl::Status CudaEngine::ValidateOp(const OpArgs& op) const {
       return absl::InvalidArgumentError(
           "allreduce_residual_rmsnorm needs residual_in, residual_out, norm_out and gamma");
     }
+  } else if (TraitsOf(op.pattern).quant != QuantKind::kNone) {
+    // norm_out is optional beside quant_out (CheckOp above checked the pattern's own rules).
+    if (op.residual_in == nullptr || op.residual_out == nullptr || op.gamma == nullptr ||
+        op.quant_out == nullptr || op.scale == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          PatternName(op.pattern), " needs residual_in, residual_out, gamma, quant_out and scale"));
+    }
   } else {
     return absl::InvalidArgumentError("unknown pattern");
   }
@@ -254,6 +261,15 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   req.forced = cuda_options_.forced;
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
   const bool fused = choice.path != ExecPath::kUnfused;
+  if (!fused && TraitsOf(op.pattern).quant != QuantKind::kNone) {
+    // The unfused path (NCCL, then the add-RMSNorm kernel) has no quantizing step. Every rank
+    // chooses alike (the same table and request), so every rank refuses before any agreement,
+    // and the client runs its own path, as for any op the workspace cannot serve.
+    return absl::OutOfRangeError(
+        absl::StrCat(contract::kUnavailablePrefix, PatternName(op.pattern),
+                     " runs only fused (one-shot or two-shot); this op takes the unfused path: ",
+                     choice.reason));
+  }
 
   // The planes' work queued ahead on the stream would hold this op back: it steps aside first,
   // and queues again behind the op.

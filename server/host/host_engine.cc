@@ -294,8 +294,21 @@ class HostEngine final : public Engine, public InStreamHost {
     staged->residual_in = staging_in_.data();
     staged->gamma = staging_gamma_.data();
     staged->residual_out = staging_out_.data();
-    staged->norm_out = staging_norm_.data();
+    // An FP8 op without norm_out writes none (the collective skips it).
+    staged->norm_out = op.norm_out != nullptr ? staging_norm_.data() : nullptr;
+    const QuantKind quant = TraitsOf(op.pattern).quant;
+    if (quant != QuantKind::kNone) {
+      staging_quant_.resize(static_cast<size_t>(op.num_tokens) * op.hidden);
+      staging_scale_.resize(static_cast<size_t>(contract::ScaleBytes(contract::ShapeOf(op))));
+      staged->quant_out = staging_quant_.data();
+      staged->scale = staging_scale_.data();
+    }
     ARFUSE_RETURN_IF_ERROR(GuardedCopy(staging_in_.data(), op.residual_in, bytes, "residual_in"));
+    if (quant == QuantKind::kStatic) {
+      // The static pattern reads its scale: the one fp32 the client wrote.
+      ARFUSE_RETURN_IF_ERROR(
+          GuardedCopy(staging_scale_.data(), op.scale, staging_scale_.size(), "scale"));
+    }
     return GuardedCopy(staging_gamma_.data(), op.gamma, gamma_bytes, "gamma");
   }
 
@@ -306,6 +319,16 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     ARFUSE_RETURN_IF_ERROR(
         GuardedCopy(op.residual_out, staging_out_.data(), bytes, "residual_out"));
+    const QuantKind quant = TraitsOf(op.pattern).quant;
+    if (quant != QuantKind::kNone) {
+      ARFUSE_RETURN_IF_ERROR(
+          GuardedCopy(op.quant_out, staging_quant_.data(), staging_quant_.size(), "quant_out"));
+      if (quant != QuantKind::kStatic) {
+        ARFUSE_RETURN_IF_ERROR(
+            GuardedCopy(op.scale, staging_scale_.data(), staging_scale_.size(), "scale"));
+      }
+      if (op.norm_out == nullptr) return absl::OkStatus();
+    }
     return GuardedCopy(op.norm_out, staging_norm_.data(), bytes, "norm_out");
   }
 
@@ -487,7 +510,7 @@ class HostEngine final : public Engine, public InStreamHost {
   }
 
   absl::Status Validate(const OpArgs& op) const {
-    if (op.pattern != Pattern::kAllReduce && op.pattern != Pattern::kAllReduceResidualRmsNorm) {
+    if (!TraitsOf(op.pattern).valid) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown pattern ", static_cast<int>(op.pattern)));
     }
@@ -509,11 +532,16 @@ class HostEngine final : public Engine, public InStreamHost {
       if (op.residual_out == nullptr) {
         return absl::InvalidArgumentError("allreduce_residual_rmsnorm needs residual_out");
       }
-      if (op.norm_out == nullptr) {
+      const bool quantized = TraitsOf(op.pattern).quant != QuantKind::kNone;
+      if (op.norm_out == nullptr && !quantized) {
         return absl::InvalidArgumentError("allreduce_residual_rmsnorm needs norm_out");
       }
       if (op.gamma == nullptr) {
         return absl::InvalidArgumentError("allreduce_residual_rmsnorm needs gamma");
+      }
+      if (quantized && (op.quant_out == nullptr || op.scale == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(PatternName(op.pattern), " needs quant_out and scale"));
       }
     }
     return absl::OkStatus();
@@ -531,6 +559,7 @@ class HostEngine final : public Engine, public InStreamHost {
   std::mutex op_mu_;          // the workspace: Initialize and Execute
   // StageIn/StageOut's private copies of client tensors (guarded by exec_mu_: one op at a time).
   std::vector<uint8_t> staging_in_, staging_gamma_, staging_out_, staging_norm_;
+  std::vector<uint8_t> staging_quant_, staging_scale_;  // the FP8 patterns' quant_out and scale
   std::atomic<bool> abort_{false};
   // state_, generation_, reason_ and ws_ (replaced only under op_mu_ too, so Execute may use
   // ws_ with op_mu_ alone).

@@ -510,6 +510,9 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
                                                    const OpRequest& refs, uint32_t num_tokens,
                                                    bool from_plan) {
   std::vector<TensorRole> roles = RolesFor(shape.pattern);
+  for (TensorRole role : OptionalRolesFor(shape.pattern)) {
+    if (RefFor(refs, role).present) roles.push_back(role);
+  }
   std::vector<Placement> placements;
   std::vector<std::shared_ptr<Region>> regions;
   placements.reserve(roles.size());
@@ -562,6 +565,9 @@ absl::StatusOr<ResolvedOp> Registry::ResolveLocked(Session& session, const OpSha
   op.args_.residual_out = TensorPointer(TensorRole::kResidualOut, placements, regions);
   op.args_.norm_out = TensorPointer(TensorRole::kNormOut, placements, regions);
   op.args_.gamma = TensorPointer(TensorRole::kGamma, placements, regions);
+  op.args_.quant_out = TensorPointer(TensorRole::kQuantOut, placements, regions);
+  op.args_.scale = TensorPointer(TensorRole::kScale, placements, regions);
+  op.args_.scale_layout = shape.scale_layout;
   // One hold per distinct region: in_flight counts ops, not tensors.
   for (const auto& r : regions) {
     bool seen = false;

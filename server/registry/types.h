@@ -69,6 +69,9 @@ struct OpRequest {
   TensorRef residual_out;
   TensorRef norm_out;
   TensorRef gamma;
+  TensorRef quant_out;  // the FP8 patterns'
+  TensorRef scale;
+  int32_t scale_layout = 0;  // the per-group FP8 pattern's (arfuse.v1.ScaleLayout)
 };
 
 // The shape part of an OpRequest after validation.
@@ -78,6 +81,7 @@ struct OpShape {
   uint32_t hidden = 0;
   uint32_t max_tokens = 0;
   float eps = 1e-6f;
+  uint8_t scale_layout = 0;  // a fp8::GroupScaleLayout value for the per-group pattern, else 0
 };
 
 // What the sidecar's workspace serves (--max-tokens, --hidden, --dtype): the op contract's type.

@@ -10,7 +10,7 @@ namespace arfuse {
 namespace {
 
 bool IsDType(int32_t v) { return v >= 1 && v <= 3; }
-bool IsPattern(int32_t v) { return v >= 1 && v <= 2; }
+bool IsPattern(int32_t v) { return v >= 1 && v <= kMaxPattern; }
 
 bool Overlaps(const Placement& a, const Placement& b) {
   if (a.region_id != b.region_id) return false;
@@ -160,19 +160,33 @@ const char* TensorRoleName(TensorRole role) {
       return "norm_out";
     case TensorRole::kGamma:
       return "gamma";
+    case TensorRole::kQuantOut:
+      return "quant_out";
+    case TensorRole::kScale:
+      return "scale";
   }
   return "unknown";
 }
 
 bool IsOutputRole(TensorRole role) {
   return role == TensorRole::kOutput || role == TensorRole::kResidualOut ||
-         role == TensorRole::kNormOut;
+         role == TensorRole::kNormOut || role == TensorRole::kQuantOut ||
+         role == TensorRole::kScale;
 }
 
 std::vector<TensorRole> RolesFor(Pattern pattern) {
   if (pattern == Pattern::kAllReduce) return {TensorRole::kInput, TensorRole::kOutput};
+  if (TraitsOf(pattern).quant != QuantKind::kNone) {
+    return {TensorRole::kInput, TensorRole::kResidualIn, TensorRole::kResidualOut,
+            TensorRole::kGamma, TensorRole::kQuantOut,   TensorRole::kScale};
+  }
   return {TensorRole::kInput, TensorRole::kResidualIn, TensorRole::kResidualOut,
           TensorRole::kNormOut, TensorRole::kGamma};
+}
+
+std::vector<TensorRole> OptionalRolesFor(Pattern pattern) {
+  if (TraitsOf(pattern).quant != QuantKind::kNone) return {TensorRole::kNormOut};
+  return {};
 }
 
 const TensorRef& RefFor(const OpRequest& op, TensorRole role) {
@@ -189,11 +203,28 @@ const TensorRef& RefFor(const OpRequest& op, TensorRole role) {
       return op.norm_out;
     case TensorRole::kGamma:
       return op.gamma;
+    case TensorRole::kQuantOut:
+      return op.quant_out;
+    case TensorRole::kScale:
+      return op.scale;
   }
   return op.input;
 }
 
 absl::StatusOr<uint64_t> RoleBytes(const OpShape& shape, TensorRole role, uint64_t tokens) {
+  if (role == TensorRole::kQuantOut) {
+    // One E4M3 byte per element; tokens x hidden fits 64 bits (both are 32-bit limited).
+    return tokens * shape.hidden;
+  }
+  if (role == TensorRole::kScale) {
+    if (TraitsOf(shape.pattern).quant == QuantKind::kNone) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pattern ", PatternName(shape.pattern), " has no scale"));
+    }
+    return contract::ScaleBytes(contract::OpShape{shape.dtype, shape.hidden,
+                                                  static_cast<uint32_t>(tokens), shape.pattern,
+                                                  shape.scale_layout});
+  }
   return TensorBytes(shape.dtype, role == TensorRole::kGamma ? 1 : tokens, shape.hidden);
 }
 
@@ -201,7 +232,9 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
   if (!IsPattern(op.pattern)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pattern ", op.pattern,
-        " is not supported (PATTERN_ALLREDUCE=1, PATTERN_ALLREDUCE_RESIDUAL_RMSNORM=2)"));
+        " is not supported (PATTERN_ALLREDUCE=1, PATTERN_ALLREDUCE_RESIDUAL_RMSNORM=2, "
+        "PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_STATIC=3, ..._FP8_PER_TOKEN=4, "
+        "..._FP8_PER_GROUP=5)"));
   }
   if (!IsDType(op.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -211,6 +244,20 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
   shape.pattern = static_cast<Pattern>(op.pattern);
   shape.dtype = static_cast<DType>(op.dtype);
   if (plain::Status s = contract::CheckHidden(op.hidden, contract::OpVoice::kRegistry); !s.ok()) {
+    return ToAbsl(s);
+  }
+  // Only the per-group pattern reads the layout; a value past a byte is no layout at all.
+  const bool grouped = TraitsOf(shape.pattern).quant == QuantKind::kPerGroup;
+  if (grouped && (op.scale_layout < 0 || op.scale_layout > 255)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scale_layout ", op.scale_layout,
+        " is not 1 (SCALE_LAYOUT_FP32_ROW_MAJOR), 2 (..._FP32_MN_MAJOR) or 3 (..._UE8M0_PACKED)"));
+  }
+  shape.scale_layout = grouped ? static_cast<uint8_t>(op.scale_layout) : uint8_t{0};
+  if (plain::Status s = contract::CheckPattern(
+          contract::OpShape{shape.dtype, op.hidden, 0, shape.pattern, shape.scale_layout},
+          contract::OpVoice::kRegistry);
+      !s.ok()) {
     return ToAbsl(s);
   }
   if (op.hidden > limits.max_hidden) {
@@ -243,7 +290,8 @@ absl::StatusOr<OpShape> ValidateOpShape(const OpRequest& op, const RegistryLimit
 absl::Status CheckOpFitsWorkspace(const OpShape& shape, uint64_t tokens,
                                   const WorkspaceCapacity& workspace) {
   return ToAbsl(
-      contract::CheckOp(contract::OpShape{shape.dtype, shape.hidden, static_cast<uint32_t>(tokens)},
+      contract::CheckOp(contract::OpShape{shape.dtype, shape.hidden, static_cast<uint32_t>(tokens),
+                                          shape.pattern, shape.scale_layout},
                         workspace, contract::OpVoice::kRegistry));
 }
 

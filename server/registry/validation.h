@@ -65,13 +65,26 @@ absl::Status CheckGeneration(uint64_t sent, uint64_t current, NameFn&& what) {
 }
 
 // The tensors of one op, by role. Outputs may alias an input only where the op allows it
-// (output == input for ALLREDUCE, residual_out == residual_in), and then exactly.
-enum class TensorRole : uint8_t { kInput, kOutput, kResidualIn, kResidualOut, kNormOut, kGamma };
-inline constexpr int kNumTensorRoles = 6;
+// (output == input for ALLREDUCE, residual_out == residual_in), and then exactly. The FP8
+// patterns' scale counts as an output whether the pattern writes it or (static) reads it: it may
+// overlap nothing.
+enum class TensorRole : uint8_t {
+  kInput,
+  kOutput,
+  kResidualIn,
+  kResidualOut,
+  kNormOut,
+  kGamma,
+  kQuantOut,
+  kScale,
+};
+inline constexpr int kNumTensorRoles = 8;
 const char* TensorRoleName(TensorRole role);
 bool IsOutputRole(TensorRole role);
-// The roles a pattern uses, in a fixed order.
+// The roles a pattern needs, in a fixed order.
 std::vector<TensorRole> RolesFor(Pattern pattern);
+// The roles a pattern takes when the client sends them (the FP8 patterns' norm_out).
+std::vector<TensorRole> OptionalRolesFor(Pattern pattern);
 const TensorRef& RefFor(const OpRequest& op, TensorRole role);
 // Bytes of the tensor of `role` for `tokens` tokens (gamma is [hidden] whatever the tokens).
 absl::StatusOr<uint64_t> RoleBytes(const OpShape& shape, TensorRole role, uint64_t tokens);

@@ -13,8 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/contract/op_contract.h"
 #include "kernels/cpu/host_workspace.h"
+#include "kernels/cpu/reference_op.h"
 #include "server/peers/local_exchange.h"
 
 namespace arfuse {
@@ -241,6 +242,139 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, DType::kFP16, Pattern::kAllReduce},
                       Case{2, DType::kFP32, Pattern::kAllReduceResidualRmsNorm},
                       Case{8, DType::kBF16, Pattern::kAllReduce}));
+
+// The FP8 patterns through the host engine (its staging of quant_out and scale included): every
+// pattern and scale layout, with and without norm_out, 2 ranks, against the CPU reference bit for
+// bit. The static scale is an input (the engine reads it), the others are outputs.
+TEST(HostEngine, Fp8PatternsMatchTheCpuReferenceWithAndWithoutNormOut) {
+  constexpr int kWorld = 2;
+  constexpr uint32_t kHidden = 256;
+  Group g = MakeGroup(kWorld, 16, kHidden, DType::kBF16);
+  struct Fp8Case {
+    Pattern pattern;
+    uint8_t layout;
+  };
+  const Fp8Case cases[] = {{Pattern::kAllReduceResidualRmsNormFp8Static, 0},
+                           {Pattern::kAllReduceResidualRmsNormFp8PerToken, 0},
+                           {Pattern::kAllReduceResidualRmsNormFp8PerGroup, 1},
+                           {Pattern::kAllReduceResidualRmsNormFp8PerGroup, 2},
+                           {Pattern::kAllReduceResidualRmsNormFp8PerGroup, 3}};
+  int call = 0;
+  for (const Fp8Case& c : cases) {
+    for (bool with_norm : {true, false}) {
+      for (uint32_t tokens : {1u, 5u, 16u}) {
+        ++call;
+        SCOPED_TRACE(absl::StrCat(PatternName(c.pattern), " layout ", c.layout, " norm_out ",
+                                  with_norm, " tokens ", tokens));
+        const contract::OpShape shape{DType::kBF16, kHidden, tokens, c.pattern, c.layout};
+        const size_t scale_bytes = static_cast<size_t>(contract::ScaleBytes(shape));
+        ASSERT_GT(scale_bytes, 0u);
+        std::vector<Tensors> t;
+        std::vector<std::vector<uint8_t>> quant(kWorld), scale(kWorld);
+        for (int r = 0; r < kWorld; ++r) {
+          t.push_back(Fill(DType::kBF16, r, call, tokens, kHidden));
+          quant[r].assign(size_t{tokens} * kHidden, 0xee);
+          scale[r].assign(scale_bytes, 0xee);
+          if (c.pattern == Pattern::kAllReduceResidualRmsNormFp8Static) {
+            const float s = 0.03125f;
+            std::memcpy(scale[r].data(), &s, sizeof(s));
+          }
+        }
+        Tensors want = t[0];
+        std::vector<uint8_t> want_quant(quant[0].size()), want_scale = scale[0];
+        std::vector<const void*> ins;
+        for (auto& x : t) ins.push_back(x.input.data());
+        CpuOpArgs ref;
+        ref.pattern = c.pattern;
+        ref.dtype = DType::kBF16;
+        ref.world_size = kWorld;
+        ref.hidden = kHidden;
+        ref.num_tokens = tokens;
+        ref.eps = 1e-5f;
+        ref.rank_inputs = ins.data();
+        ref.residual_in = want.residual_in.data();
+        ref.residual_out = want.residual_out.data();
+        ref.norm_out = want.norm_out.data();
+        ref.gamma = want.gamma.data();
+        ref.quant_out = want_quant.data();
+        ref.scale = want_scale.data();
+        ref.scale_layout = c.layout;
+        ASSERT_TRUE(ReferenceFusedOp(ref).ok());
+
+        std::vector<absl::StatusOr<OpOutcome>> out(kWorld, absl::UnknownError("not run"));
+        OnRanks(kWorld, [&](int r) {
+          OpArgs a = Args(c.pattern, DType::kBF16, tokens, kHidden, t[r]);
+          if (!with_norm) a.norm_out = nullptr;
+          a.quant_out = quant[r].data();
+          a.scale = scale[r].data();
+          a.scale_layout = c.layout;
+          out[r] = g.eng[r]->Execute(a, Ctx(Soon()));
+        });
+        for (int r = 0; r < kWorld; ++r) {
+          ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status();
+          EXPECT_EQ(t[r].residual_out, want.residual_out) << "rank " << r;
+          EXPECT_EQ(quant[r], want_quant) << "rank " << r;
+          EXPECT_EQ(scale[r], want_scale) << "rank " << r;
+          if (with_norm) {
+            EXPECT_EQ(t[r].norm_out, want.norm_out) << "rank " << r;
+          } else {
+            EXPECT_EQ(t[r].norm_out, std::vector<uint8_t>(t[r].norm_out.size(), 0xee))
+                << "rank " << r << ": norm_out written though not given";
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(g.eng[0]->Status().state, WorkspaceState::kReady);
+}
+
+// What the FP8 patterns need, refused before any rank takes part: quant_out or scale missing, an
+// fp32 input, a per-group op with hidden off the group or no layout.
+TEST(HostEngine, RefusesFp8OpsMissingATensorOrBreakingThePatternsRules) {
+  Group g = MakeGroup(2, 16, 256, DType::kBF16);
+  Tensors t = Fill(DType::kBF16, 0, 1, 2, 256);
+  std::vector<uint8_t> quant(2 * 256), scale(64);
+  auto fp8 = [&](Pattern p) {
+    OpArgs a = Args(p, DType::kBF16, 2, 256, t);
+    a.quant_out = quant.data();
+    a.scale = scale.data();
+    a.scale_layout = 1;
+    return a;
+  };
+  struct Bad {
+    OpArgs op;
+    const char* says;
+  };
+  std::vector<Bad> bad;
+  OpArgs no_quant = fp8(Pattern::kAllReduceResidualRmsNormFp8Static);
+  no_quant.quant_out = nullptr;
+  bad.push_back({no_quant, "needs quant_out and scale"});
+  OpArgs no_scale = fp8(Pattern::kAllReduceResidualRmsNormFp8PerToken);
+  no_scale.scale = nullptr;
+  bad.push_back({no_scale, "needs quant_out and scale"});
+  OpArgs off_group = fp8(Pattern::kAllReduceResidualRmsNormFp8PerGroup);
+  off_group.hidden = 192;
+  bad.push_back({off_group, "not a multiple of the group size 128"});
+  OpArgs no_layout = fp8(Pattern::kAllReduceResidualRmsNormFp8PerGroup);
+  no_layout.scale_layout = 0;
+  bad.push_back({no_layout, "scale layout 0"});
+  Group g32 = MakeGroup(2, 16, 256, DType::kFP32);
+  Tensors t32 = Fill(DType::kFP32, 0, 1, 2, 256);
+  OpArgs fp32 = Args(Pattern::kAllReduceResidualRmsNormFp8Static, DType::kFP32, 2, 256, t32);
+  fp32.quant_out = quant.data();
+  fp32.scale = scale.data();
+  {
+    absl::StatusOr<OpOutcome> r = g32.eng[0]->Execute(fp32, Ctx(Soon()));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("takes bf16 or fp16 input"));
+  }
+  for (const Bad& b : bad) {
+    absl::StatusOr<OpOutcome> r = g.eng[0]->Execute(b.op, Ctx(Soon()));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.says;
+    EXPECT_THAT(r.status().message(), HasSubstr(b.says));
+  }
+  EXPECT_EQ(g.eng[0]->Status().state, WorkspaceState::kReady);
+}
 
 TEST(HostEngine, FastRankNeverOverwritesASlotASlowRankStillReads) {
   // Many back-to-back calls with no barrier between them: rank 0 races ahead as far as the

@@ -213,8 +213,114 @@ TEST(OpShapeValidation, AcceptsTheNormPattern) {
   EXPECT_FLOAT_EQ(r->eps, 1e-6f);
 }
 
+// The FP8 patterns: residual_in, residual_out, gamma, quant_out and scale needed, norm_out
+// optional; bf16 or fp16 input; per group hidden % 128 and a layout 1-3.
+OpRequest Fp8Op(int32_t pattern, int32_t layout = 0) {
+  OpRequest op = NormOp();
+  op.pattern = pattern;
+  op.hidden = 256;
+  op.norm_out = {};
+  op.quant_out = {true, 1, 1, 4096};
+  op.scale = {true, 1, 1, 8192};
+  op.scale_layout = layout;
+  return op;
+}
+
+TEST(OpShapeValidation, AcceptsTheFp8PatternsWithOrWithoutNormOut) {
+  for (int32_t p : {3, 4}) {
+    auto r = ValidateOpShape(Fp8Op(p), Limits());
+    ASSERT_TRUE(r.ok()) << p << ": " << r.status();
+    EXPECT_EQ(r->scale_layout, 0);
+  }
+  for (int32_t layout : {1, 2, 3}) {
+    OpRequest op = Fp8Op(5, layout);
+    op.norm_out = {true, 1, 1, 2048};
+    auto r = ValidateOpShape(op, Limits());
+    ASSERT_TRUE(r.ok()) << layout << ": " << r.status();
+    EXPECT_EQ(r->pattern, Pattern::kAllReduceResidualRmsNormFp8PerGroup);
+    EXPECT_EQ(r->scale_layout, layout);
+  }
+  // Only the per-group pattern keeps a layout.
+  auto r = ValidateOpShape(Fp8Op(3, 2), Limits());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->scale_layout, 0);
+  EXPECT_EQ(OptionalRolesFor(Pattern::kAllReduceResidualRmsNormFp8Static),
+            std::vector<TensorRole>{TensorRole::kNormOut});
+  EXPECT_TRUE(OptionalRolesFor(Pattern::kAllReduceResidualRmsNorm).empty());
+}
+
+TEST(OpShapeValidation, RefusesFp8OpsWithoutQuantOutOrScale) {
+  OpRequest no_quant = Fp8Op(3);
+  no_quant.quant_out = {};
+  auto r = ValidateOpShape(no_quant, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("needs quant_out, which is missing"));
+  OpRequest no_scale = Fp8Op(4);
+  no_scale.scale = {};
+  r = ValidateOpShape(no_scale, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("needs scale, which is missing"));
+}
+
+TEST(OpShapeValidation, RefusesFp8OpsBreakingThePatternsRules) {
+  OpRequest fp32 = Fp8Op(3);
+  fp32.dtype = 3;
+  auto r = ValidateOpShape(fp32, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("takes bf16 or fp16 input, not fp32"));
+  OpRequest off_group = Fp8Op(5, 1);
+  off_group.hidden = 192;
+  r = ValidateOpShape(off_group, Limits());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("not a multiple of the group size 128"));
+  for (int32_t layout : {0, 4, 255}) {
+    r = ValidateOpShape(Fp8Op(5, layout), Limits());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << layout;
+    EXPECT_THAT(r.status().message(), HasSubstr("scale layout")) << layout;
+  }
+  for (int32_t layout : {-1, 256, 1 << 20}) {
+    r = ValidateOpShape(Fp8Op(5, layout), Limits());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << layout;
+    EXPECT_THAT(r.status().message(), HasSubstr("scale_layout")) << layout;
+  }
+}
+
+TEST(OpShapeValidation, Fp8TensorsHaveTheirPatternsSizes) {
+  OpShape shape;
+  shape.dtype = DType::kBF16;
+  shape.hidden = 512;  // 4 groups
+  shape.max_tokens = 8;
+  shape.pattern = Pattern::kAllReduceResidualRmsNormFp8Static;
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kQuantOut, 5), 5u * 512u);
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kScale, 5), 4u);
+  shape.pattern = Pattern::kAllReduceResidualRmsNormFp8PerToken;
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kScale, 5), 20u);
+  shape.pattern = Pattern::kAllReduceResidualRmsNormFp8PerGroup;
+  shape.scale_layout = 1;  // fp32 [5, 4]
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kScale, 5), 80u);
+  shape.scale_layout = 2;  // fp32, 3 columns of align4(5) = 8 tokens, then 5
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kScale, 5), (3u * 8u + 5u) * 4u);
+  shape.scale_layout = 3;  // one int32 word of 4 exponents per token
+  EXPECT_EQ(*RoleBytes(shape, TensorRole::kScale, 5), 20u);
+  shape.pattern = Pattern::kAllReduceResidualRmsNorm;
+  auto none = RoleBytes(shape, TensorRole::kScale, 5);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(none.status().message(), HasSubstr("has no scale"));
+}
+
+TEST(OpShapeValidation, AnFp8ScaleOverlapsNothing) {
+  std::vector<Placement> p = {{TensorRole::kInput, 1, 0, 512}, {TensorRole::kScale, 1, 256, 4}};
+  absl::Status s = CheckNoForbiddenOverlap(Pattern::kAllReduceResidualRmsNormFp8Static, p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("input and scale overlap"));
+  p = {{TensorRole::kQuantOut, 1, 0, 512}, {TensorRole::kResidualOut, 1, 256, 512}};
+  s = CheckNoForbiddenOverlap(Pattern::kAllReduceResidualRmsNormFp8PerToken, p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("quant_out and residual_out overlap"));
+}
+
 TEST(OpShapeValidation, RefusesUnknownPatternsFromANewerClient) {
-  for (int32_t p : {0, 3, 99, -1}) {
+  for (int32_t p : {0, 6, 99, -1}) {
     OpRequest op = NormOp();
     op.pattern = p;
     auto r = ValidateOpShape(op, Limits());

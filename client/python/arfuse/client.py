@@ -35,7 +35,17 @@ DTYPES = {"bf16": common_pb2.DTYPE_BF16, "fp16": common_pb2.DTYPE_FP16,
           "fp32": common_pb2.DTYPE_FP32}
 DTYPE_BYTES = {common_pb2.DTYPE_BF16: 2, common_pb2.DTYPE_FP16: 2, common_pb2.DTYPE_FP32: 4}
 PATTERNS = {"allreduce": common_pb2.PATTERN_ALLREDUCE,
-            "allreduce_residual_rmsnorm": common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM}
+            "allreduce_residual_rmsnorm": common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM,
+            "allreduce_residual_rmsnorm_fp8_static":
+                common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_STATIC,
+            "allreduce_residual_rmsnorm_fp8_per_token":
+                common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_TOKEN,
+            "allreduce_residual_rmsnorm_fp8_per_group":
+                common_pb2.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP}
+# The per-group FP8 pattern's scale layouts (kernels/quant/fp8_format.h's GroupScaleLayout).
+SCALE_LAYOUTS = {"fp32_row_major": common_pb2.SCALE_LAYOUT_FP32_ROW_MAJOR,
+                 "fp32_mn_major": common_pb2.SCALE_LAYOUT_FP32_MN_MAJOR,
+                 "ue8m0_packed": common_pb2.SCALE_LAYOUT_UE8M0_PACKED}
 GRAPH_MODES = {"none": common_pb2.CUDA_GRAPH_MODE_NONE,
                "piecewise": common_pb2.CUDA_GRAPH_MODE_PIECEWISE,
                "full": common_pb2.CUDA_GRAPH_MODE_FULL}
@@ -185,6 +195,11 @@ class OpSpec:
     residual_out: Optional[TensorLoc] = None
     norm_out: Optional[TensorLoc] = None
     gamma: Optional[TensorLoc] = None
+    # The FP8 patterns': the E4M3 codes and the scale (static: read; otherwise written), and the
+    # per-group pattern's scale layout (a SCALE_LAYOUTS name or number).
+    quant_out: Optional[TensorLoc] = None
+    scale: Optional[TensorLoc] = None
+    scale_layout: Optional[object] = None
 
     def to_proto(self):
         op = fusion_pb2.OpSpec(
@@ -193,7 +208,11 @@ class OpSpec:
             hidden=self.hidden, max_tokens=self.max_tokens)
         if self.eps is not None:
             op.eps = self.eps
-        for field in ("input", "output", "residual_in", "residual_out", "norm_out", "gamma"):
+        if self.scale_layout is not None:
+            op.scale_layout = SCALE_LAYOUTS[self.scale_layout] \
+                if isinstance(self.scale_layout, str) else int(self.scale_layout)
+        for field in ("input", "output", "residual_in", "residual_out", "norm_out", "gamma",
+                      "quant_out", "scale"):
             loc = getattr(self, field)
             if loc is not None:
                 getattr(op, field).CopyFrom(fusion_pb2.RegionRef(

@@ -36,13 +36,31 @@ class FusionUnavailableWarning(RuntimeWarning):
 
 
 class AllReduceFusionPattern:
-    # FlashInfer's names and numbers for the two patterns we serve.
+    # FlashInfer's names and numbers for the patterns we serve ...
     kAllReduce = 0
     kARResidualRMSNorm = 1
+    kARResidualRMSNormFP8Quant = 2     # static scale; quant_out (no norm_out)
+    kARResidualRMSNormOutFP8Quant = 4  # static scale; norm_out and quant_out
+    # ... and arfuse's own numbers for its dynamic FP8 patterns (FlashInfer's differ in their
+    # scale formats): scale_out is written; norm_out is optional.
+    kARResidualRMSNormFP8PerToken = 100    # scale_out fp32 [tokens]
+    kARResidualRMSNormFP8PerGroup = 101    # one scale per 128 elements, in `scale_layout`
 
 
 _PATTERNS = {AllReduceFusionPattern.kAllReduce: "allreduce",
-             AllReduceFusionPattern.kARResidualRMSNorm: "allreduce_residual_rmsnorm"}
+             AllReduceFusionPattern.kARResidualRMSNorm: "allreduce_residual_rmsnorm",
+             AllReduceFusionPattern.kARResidualRMSNormFP8Quant:
+                 "allreduce_residual_rmsnorm_fp8_static",
+             AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant:
+                 "allreduce_residual_rmsnorm_fp8_static",
+             AllReduceFusionPattern.kARResidualRMSNormFP8PerToken:
+                 "allreduce_residual_rmsnorm_fp8_per_token",
+             AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup:
+                 "allreduce_residual_rmsnorm_fp8_per_group"}
+_FP8_PATTERNS = (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+                 AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant,
+                 AllReduceFusionPattern.kARResidualRMSNormFP8PerToken,
+                 AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup)
 
 # Refresh a "fusion unavailable" answer at most this often (seconds).
 _RECHECK_S = 1.0
@@ -80,6 +98,16 @@ def _address_and_bytes(t):
     return ai["data"][0], t.nbytes
 
 
+def _start_address(t) -> int:
+    """Where a tensor starts, whatever its strides (an FP8 scale tensor of a token-contiguous
+    layout is strided; the sidecar checks its extent against the region)."""
+    if isinstance(t, TensorView):
+        return t.address
+    if hasattr(t, "data_ptr"):
+        return t.data_ptr()
+    return t.__array_interface__["data"][0]
+
+
 class FusionWorkspace:
     """This rank's connection to its sidecar plus the buffers registered with it.
 
@@ -114,8 +142,10 @@ class FusionWorkspace:
         self._buffers.append((buffer.base_address, buffer.byte_size, region, buffer))
         return region
 
-    def locate(self, t) -> TensorLoc:
-        addr, nbytes = _address_and_bytes(t)
+    def locate(self, t, strided: bool = False) -> TensorLoc:
+        """The region and offset of `t`; strided=True locates only its start (the sidecar
+        checks the extent the op's shape gives it)."""
+        addr, nbytes = (_start_address(t), 1) if strided else _address_and_bytes(t)
         for base, size, region, _ in self._buffers:
             if base <= addr and addr + nbytes <= base + size:
                 return TensorLoc(region, addr - base)
@@ -207,24 +237,27 @@ class FusionWorkspace:
                     rms_gamma=None, output=None,
                     pattern: int = AllReduceFusionPattern.kARResidualRMSNorm,
                     rms_eps: float = 1e-6, max_tokens: Optional[int] = None,
-                    dtype: Optional[str] = None, doorbell: bool = False) -> Plan:
+                    dtype: Optional[str] = None, doorbell: bool = False, quant_out=None,
+                    scale=None, scale_layout=None) -> Plan:
         """A plan over tensors inside registered buffers (located by address, like
         allreduce_fusion), valid for up to `max_tokens` rows (default: input's rows).
 
         doorbell=True asks for the doorbell plane: the plan's `doorbell` is the Doorbell message
         to open with arfuse.ring.DoorbellRing. Raises ArfuseError (FAILED_PRECONDITION on a sidecar
         that cannot serve it: host mode or an unfused shape; RESOURCE_EXHAUSTED when its slots
-        are taken)."""
+        are taken). The FP8 patterns take quant_out and scale (scale_factor or scale_out of
+        allreduce_fusion) and, per group, scale_layout."""
         op, _ = _op_spec(self, input, pattern, output, residual_in, residual_out, norm_out,
-                         rms_gamma, rms_eps, dtype)
+                         rms_gamma, rms_eps, dtype, quant_out=quant_out, scale=scale,
+                         scale_layout=scale_layout)
         if max_tokens is not None:
             op.max_tokens = int(max_tokens)
         return self.client.create_plan(op, doorbell=doorbell)
 
 
 def _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out, rms_gamma,
-             rms_eps, dtype):
-    """(OpSpec at input's row count, the op's main output)."""
+             rms_eps, dtype, quant_out=None, scale=None, scale_layout=None):
+    """(OpSpec at input's row count, the op's main output: quant_out for the FP8 patterns)."""
     shape = tuple(input.shape)
     if len(shape) != 2:
         raise ValueError("input must be [num_tokens, hidden]")
@@ -234,15 +267,33 @@ def _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_
     if pattern == AllReduceFusionPattern.kAllReduce:
         op.output = workspace.locate(output if output is not None else input)
         return op, (output if output is not None else input)
-    for name, t in (("residual_in", residual_in), ("norm_out", norm_out),
-                    ("rms_gamma", rms_gamma)):
+    fp8 = pattern in _FP8_PATTERNS
+    # FlashInfer's kARResidualRMSNormFP8Quant writes no norm_out; its Out variant needs one; the
+    # dynamic patterns take one if given.
+    if pattern == AllReduceFusionPattern.kARResidualRMSNormFP8Quant:
+        norm_out = None
+    needs = [("residual_in", residual_in), ("rms_gamma", rms_gamma)]
+    if not fp8 or pattern == AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant:
+        needs.append(("norm_out", norm_out))
+    if fp8:
+        needs += [("quant_out", quant_out), ("scale_factor" if pattern in (
+            AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+            AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant) else "scale_out", scale)]
+    for name, t in needs:
         if t is None:
-            raise ValueError(f"{name} is required for kARResidualRMSNorm")
+            raise ValueError(f"{name} is required for pattern {pattern}")
     op.residual_in = workspace.locate(residual_in)
     op.residual_out = workspace.locate(residual_out if residual_out is not None else residual_in)
-    op.norm_out = workspace.locate(norm_out)
+    if norm_out is not None:
+        op.norm_out = workspace.locate(norm_out)
     op.gamma = workspace.locate(rms_gamma)
-    return op, norm_out
+    if not fp8:
+        return op, norm_out
+    op.quant_out = workspace.locate(quant_out)
+    op.scale = workspace.locate(scale, strided=True)
+    if pattern == AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup:
+        op.scale_layout = scale_layout if scale_layout is not None else "fp32_row_major"
+    return op, quant_out
 
 
 def allreduce_fusion(input, workspace: FusionWorkspace,
@@ -251,10 +302,19 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
                      output=None, residual_out=None, norm_out=None, quant_out=None,
                      scale_out=None, residual_in=None, rms_gamma=None, rms_eps: float = 1e-6,
                      scale_factor=None, layout_code=None, use_oneshot=None, fp32_acc=None,
-                     dtype: Optional[str] = None, timeout: Optional[float] = None, **unused):
+                     dtype: Optional[str] = None, timeout: Optional[float] = None,
+                     scale_layout=None, **unused):
     """Runs the fused op on this rank; every rank of the group must call it alike.
 
-    Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce), or None
+    The FP8 patterns also write quant_out (E4M3 codes, [num_tokens, hidden] bytes) from the
+    normalized value: the static ones (kARResidualRMSNormFP8Quant, kARResidualRMSNormOutFP8Quant)
+    with scale_factor, a one-element fp32 tensor, as quant = e4m3(norm * (1 / scale_factor));
+    arfuse's kARResidualRMSNormFP8PerToken and kARResidualRMSNormFP8PerGroup write their scales
+    into scale_out (fp32 [num_tokens], or the per-group `scale_layout`'s tensor:
+    "fp32_row_major" (default), "fp32_mn_major" or "ue8m0_packed"). bf16 or fp16 input only.
+
+    Returns the main output (norm_out for kARResidualRMSNorm, output for kAllReduce, quant_out
+    for the FP8 patterns), or None
     when the sidecar reports fusion unavailable, for the group or for this op (OUT_OF_RANGE:
     nothing ran on any rank). Errors of a call that did run
     raise ArfuseError; a sidecar that is gone raises SidecarLost. On CUDA the op is
@@ -262,14 +322,19 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
     workspace.check(). launch_with_pdl, use_oneshot and fp32_acc are accepted for FlashInfer
     compatibility; the sidecar picks the path and always accumulates in fp32.
     """
-    if quant_out is not None or scale_out is not None:
-        raise NotImplementedError("quantized outputs are not served yet")
     if pattern not in _PATTERNS:
         raise ValueError(f"pattern {pattern} is not supported")
+    if pattern not in _FP8_PATTERNS and (quant_out is not None or scale_out is not None):
+        raise ValueError(f"pattern {pattern} has no quantized output (quant_out, scale_out)")
+    if layout_code is not None:
+        raise NotImplementedError("layout_code (FlashInfer's FP4 scale layouts) is not served")
     if not workspace.fusion_available():
         return workspace._none()
+    static = pattern in (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+                         AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant)
     op, main = _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out,
-                        rms_gamma, rms_eps, dtype)
+                        rms_gamma, rms_eps, dtype, quant_out=quant_out,
+                        scale=scale_factor if static else scale_out, scale_layout=scale_layout)
     num_tokens = op.max_tokens
 
     wait_event = b""

@@ -52,6 +52,9 @@ OpRequest ToOpRequest(const v1::OpSpec& op) {
   out.residual_out = ToRef(op.has_residual_out(), op.residual_out());
   out.norm_out = ToRef(op.has_norm_out(), op.norm_out());
   out.gamma = ToRef(op.has_gamma(), op.gamma());
+  out.quant_out = ToRef(op.has_quant_out(), op.quant_out());
+  out.scale = ToRef(op.has_scale(), op.scale());
+  out.scale_layout = static_cast<int32_t>(op.scale_layout());
   return out;
 }
 
