@@ -6,8 +6,8 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/status_macros.h"
 #include "server/config/fusion_flags.h"
-#include "server/core/status_macros.h"
 
 // Every option of every subcommand, once: a subcommand's FlagSet names the ones it takes, and
 // its table in cli.cc holds their help. The values are text; the subcommands parse them.

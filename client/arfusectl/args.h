@@ -1,4 +1,4 @@
-// arfusectl's options, parsed by the binaries' one command-line library (server/core/flags.h):
+// arfusectl's options, parsed by the binaries' one command-line library (common/flags.h):
 // one FlagSet per subcommand over abseil flags named arfusectl_<name>, with the library's
 // spellings ("--name value", "--name=value", hyphens or underscores, "--switch", "--noswitch")
 // and its Strict rules: no positional arguments, a switch takes true or false only, and an
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/flags.h"
 #include "server/config/fusion_flags.h"
-#include "server/core/flags.h"
 
 namespace arfuse::cli {
 

@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/arfusectl/commands.h"
-#include "server/core/version.h"
+#include "common/version.h"
 
 namespace arfuse::cli {
 namespace {

@@ -13,9 +13,9 @@
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/commands.h"
 #include "client/arfusectl/top.h"
+#include "common/json.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/config/config_convert.h"
-#include "server/core/json.h"
 
 namespace arfuse::cli {
 

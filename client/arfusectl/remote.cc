@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/arfusectl/commands.h"
-#include "server/core/version.h"
+#include "common/version.h"
 
 namespace arfuse::cli {
 

@@ -24,8 +24,8 @@
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/commands.h"
-#include "server/core/json.h"
-#include "server/core/version.h"
+#include "common/json.h"
+#include "common/version.h"
 
 namespace arfuse::cli {
 

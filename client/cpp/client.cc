@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 #include "server/fdpass/fd_channel_client.h"
 
 namespace arfuse::client {

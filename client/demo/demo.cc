@@ -40,8 +40,8 @@
 #include "client/demo/demo_client.h"
 #include "client/demo/demo_flags.h"
 #include "client/demo/demo_shape.h"
-#include "server/core/json.h"
-#include "server/core/version.h"
+#include "common/json.h"
+#include "common/version.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
 #endif

@@ -1,10 +1,10 @@
-// arfuse-demo's flags (ABSL_FLAG, parsed by server/core/flags.h) and its --help text.
+// arfuse-demo's flags (ABSL_FLAG, parsed by common/flags.h) and its --help text.
 #pragma once
 
 #include <string>
 
 #include "absl/flags/declare.h"
-#include "server/core/flags.h"
+#include "common/flags.h"
 
 ABSL_DECLARE_FLAG(int, ranks);
 ABSL_DECLARE_FLAG(std::string, tokens);

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
-#include "server/core/status_macros.h"
 
 namespace arfuse::config {
 namespace {

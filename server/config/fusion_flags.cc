@@ -8,8 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "server/config/internal.h"
-#include "server/core/status_macros.h"
 
 namespace arfuse::config {
 namespace {

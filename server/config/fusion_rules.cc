@@ -9,11 +9,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json.h"
+#include "common/status_macros.h"
 #include "kernels/common/op_types.h"
 #include "server/config/fusion_config.h"
 #include "server/config/internal.h"
-#include "server/core/json.h"
-#include "server/core/status_macros.h"
 
 namespace arfuse::config {
 namespace {

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/config/fusion_config.h"
 #include "server/config/internal.h"
-#include "server/core/status_macros.h"
 
 namespace arfuse::config {
 namespace {

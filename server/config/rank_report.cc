@@ -10,9 +10,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "server/config/fusion_config.h"
 #include "server/config/internal.h"
-#include "server/core/status_macros.h"
 
 namespace arfuse::config {
 namespace {

@@ -9,11 +9,11 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "kernels/common/op_types.h"
 #include "server/config/fusion_config.h"
-#include "server/core/flags.h"
-#include "server/core/log.h"
-#include "server/core/status_macros.h"
 #include "server/daemon/config_file.h"
 
 ABSL_FLAG(std::string, socket, "",

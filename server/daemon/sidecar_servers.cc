@@ -6,12 +6,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/server_posix.h"
 #include "grpcpp/support/server_interceptor.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
 #include "server/daemon/tcp_listener.h"
 #include "server/daemon/tcp_server_keeper.h"
 #include "server/daemon/unix_listener.h"

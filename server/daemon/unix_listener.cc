@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "server/fdpass/fd_wire.h"
 #include "spdlog/spdlog.h"
 

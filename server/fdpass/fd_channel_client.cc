@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/fdpass/fd_wire.h"
 #include "server/fdpass/ticket_broker.h"
 

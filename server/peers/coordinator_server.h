@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/unique_fd.h"
 #include "server/fdpass/wake_fd.h"

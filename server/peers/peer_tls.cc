@@ -17,7 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/fdpass/scm_rights.h"
 
 namespace arfuse::peers {

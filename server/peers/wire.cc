@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/fdpass/scm_rights.h"
 
 namespace arfuse::peers {

@@ -13,9 +13,9 @@ ORDER = ["kernels", "server libraries", "gRPC services", "binaries"]
 
 # What the client side (client/, outside its binaries) may include of the tree, as the section's
 # paragraph after the table says: the proto, the kernels' CPU reference and ABI headers,
-# server/core, the client half of server/fdpass and server/config (the rules and their proto
+# common, the client half of server/fdpass and server/config (the rules and their proto
 # conversions); never a service or the daemon.
-CLIENT_MAY = ("client/", "kernels/", "arfuse/v1/", "server/core/", "server/fdpass/fd_channel_client",
+CLIENT_MAY = ("client/", "kernels/", "arfuse/v1/", "common/", "server/fdpass/fd_channel_client",
               "server/fdpass/unique_fd", "server/config/")
 
 
@@ -84,6 +84,6 @@ def test_the_client_side_includes_only_what_the_page_names():
 
 def test_a_planted_upward_include_is_caught():
     layers = layer_table()
-    here, there = layer_of("kernels/cpu/x.cc", layers), layer_of("server/core/log.h", layers)
+    here, there = layer_of("kernels/cpu/x.cc", layers), layer_of("common/log.h", layers)
     assert here[0] < there[0]
     assert layer_of("server/services/fusion/x.cc", layers)[1] == "server/services/"

@@ -1,5 +1,5 @@
-// The JSON text rules of every writer (server/core/json.h).
-#include "server/core/json.h"
+// The JSON text rules of every writer (common/json.h).
+#include "common/json.h"
 
 #include <cmath>
 #include <limits>

@@ -1,7 +1,7 @@
-#include "server/core/version.h"
+#include "common/version.h"
 
 #include "absl/strings/str_format.h"
-#include "server/core/git_revision.h"
+#include "common/git_revision.h"
 
 namespace arfuse {
 

@@ -1,6 +1,6 @@
 // The ids that name a caller's objects (session tokens, plan and attach ids): 128 (or 64) random
 // bits from the kernel, distinct, in their documented text form.
-#include "server/core/random_id.h"
+#include "common/random_id.h"
 
 #include <sys/wait.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "server/core/flags.h"
+#include "common/flags.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,7 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 
 namespace arfuse::flags {
 

@@ -1,5 +1,5 @@
-// The command-line library every binary parses with (server/core/flags.h).
-#include "server/core/flags.h"
+// The command-line library every binary parses with (common/flags.h).
+#include "common/flags.h"
 
 #include <cstdlib>
 #include <string>

@@ -1,4 +1,4 @@
-#include "server/core/log.h"
+#include "common/log.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "server/core/json.h"
+#include "common/json.h"
 #include "spdlog/formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/spdlog.h"

@@ -1,4 +1,4 @@
-#include "server/core/random_id.h"
+#include "common/random_id.h"
 
 #include <sys/random.h>
 

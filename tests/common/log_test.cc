@@ -1,4 +1,4 @@
-#include "server/core/log.h"
+#include "common/log.h"
 
 #include <atomic>
 #include <thread>

@@ -1,4 +1,4 @@
-#include "server/core/json.h"
+#include "common/json.h"
 
 #include <cmath>
 
