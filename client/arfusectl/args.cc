@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/status_macros.h"
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 
 // Every option of every subcommand, once: a subcommand's FlagSet names the ones it takes, and
 // its table in cli.cc holds their help. The values are text; the subcommands parse them.
@@ -22,7 +22,7 @@ ABSL_FLAG(std::string, arfusectl_backend, "", "set-backend: the backend");
 ABSL_FLAG(std::string, arfusectl_sm, "", "compute capability");
 ABSL_FLAG(std::string, arfusectl_nnodes, "", "nodes in the group");
 ABSL_FLAG(std::string, arfusectl_tp, "", "tensor-parallel size");
-// The fusion flags, from their one declaration (server/config/fusion_flags.inc): a switch is a
+// The fusion flags, from their one declaration (config/fusion_flags.inc): a switch is a
 // bool, a value text.
 #define ARFUSECTL_FLAG_TYPE_kSwitch bool
 #define ARFUSECTL_FLAG_TYPE_kOptional std::string
@@ -32,7 +32,7 @@ ABSL_FLAG(std::string, arfusectl_tp, "", "tensor-parallel size");
 #define ARFUSECTL_FLAG_DEFAULT_kValue ""
 #define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) \
   ABSL_FLAG(ARFUSECTL_FLAG_TYPE_##kind, arfusectl_##ident, ARFUSECTL_FLAG_DEFAULT_##kind, help);
-#include "server/config/fusion_flags.inc"
+#include "config/fusion_flags.inc"
 #undef ARFUSE_FUSION_FLAG
 ABSL_FLAG(std::string, arfusectl_cuda_graph_mode, "", "CUDA-graph mode, every phase");
 ABSL_FLAG(std::string, arfusectl_prefill_cuda_graph_mode, "", "CUDA-graph mode, prefill");

@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/flags.h"
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 
 namespace arfuse::cli {
 
@@ -58,7 +58,7 @@ absl::StatusOr<ParsedArgs> ParseArgs(const std::string& command,
                                      const std::vector<OptionSpec>& specs,
                                      const std::vector<std::string>& args);
 
-// The fusion flags' options, one per row of server/config/fusion_flags.inc: the serving
+// The fusion flags' options, one per row of config/fusion_flags.inc: the serving
 // frameworks' own flags, so a repeated one takes its last value (argparse's rule), each value
 // checked as it comes; the help is the table's first sentence.
 std::vector<OptionSpec> FusionFlagOptions();

@@ -18,7 +18,7 @@
 #include "arfuse/v1/fusion.pb.h"
 #include "client/arfusectl/args.h"
 #include "client/arfusectl/cli.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace arfuse::cli {
 

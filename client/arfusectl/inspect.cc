@@ -14,8 +14,8 @@
 #include "client/arfusectl/commands.h"
 #include "client/arfusectl/top.h"
 #include "common/json.h"
+#include "config/config_convert.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/config/config_convert.h"
 
 namespace arfuse::cli {
 

@@ -1,9 +1,9 @@
 // arfusectl resolve: the fusion decision, computed here from the command line (the same rules as
-// arfused's, server/config/fusion_config.h) or asked of a running arfused with --addr.
+// arfused's, config/fusion_config.h) or asked of a running arfused with --addr.
 #include "absl/strings/str_cat.h"
 #include "arfuse/v1/config.grpc.pb.h"
 #include "client/arfusectl/commands.h"
-#include "server/config/config_convert.h"
+#include "config/config_convert.h"
 
 namespace arfuse::cli {
 

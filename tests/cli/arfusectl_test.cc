@@ -28,7 +28,7 @@ extern char** environ;
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "client/arfusectl/cli.h"
 #include "common/version.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 #include "server/services/config/config_service.h"
 #include "tests/config/upstream_cases.h"
 

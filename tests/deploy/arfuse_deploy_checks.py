@@ -136,7 +136,7 @@ def fusion_flags_from_table(path: Path = FUSION_FLAGS_INC) -> dict[str, Flag]:
 
 def flags_from_options_cc(path: Path = OPTIONS_CC) -> dict[str, Flag]:
     """arfused's own flags (hyphenated name -> Flag) from options.cc and, for the fusion flags,
-    their table (server/config/fusion_flags.inc), which options.cc expands into its flags."""
+    their table (config/fusion_flags.inc), which options.cc expands into its flags."""
     source = path.read_text()
     own = None
     m = re.search(r"OwnFlagNames\(\)\s*\{(.*?)return names;", source, re.S)

@@ -13,10 +13,10 @@ ORDER = ["kernels", "server libraries", "gRPC services", "binaries"]
 
 # What the client side (client/, outside its binaries) may include of the tree, as the section's
 # paragraph after the table says: the proto, the kernels' CPU reference and ABI headers,
-# common, the client half of server/fdpass and server/config (the rules and their proto
+# common, the client half of server/fdpass and config/ (the rules and their proto
 # conversions); never a service or the daemon.
 CLIENT_MAY = ("client/", "kernels/", "arfuse/v1/", "common/", "server/fdpass/fd_channel_client",
-              "server/fdpass/unique_fd", "server/config/")
+              "server/fdpass/unique_fd", "config/")
 
 
 def layer_table():

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/version.h"
-#include "server/config/config_convert.h"
+#include "config/config_convert.h"
 #include "server/engine/doorbell_host.h"
 #include "server/services/common/grpc_status.h"
 

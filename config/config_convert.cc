@@ -1,4 +1,4 @@
-#include "server/config/config_convert.h"
+#include "config/config_convert.h"
 
 #include <cstdint>
 #include <limits>

@@ -1,4 +1,4 @@
-// Conversions between the arfuse.v1 Config messages and the plain structs of server/config.
+// Conversions between the arfuse.v1 Config messages and the plain structs of config/.
 // Shared by the Config service and by clients (arfusectl) so both read the API the same way.
 // Proto-to-struct conversions validate enum values and integer ranges (INVALID_ARGUMENT naming the
 // field); the rules themselves validate the rest.
@@ -6,7 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "arfuse/v1/config.pb.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace arfuse::config {
 

@@ -11,9 +11,9 @@
 #include "absl/strings/str_join.h"
 #include "common/json.h"
 #include "common/status_macros.h"
+#include "config/fusion_config.h"
+#include "config/internal.h"
 #include "kernels/common/op_types.h"
-#include "server/config/fusion_config.h"
-#include "server/config/internal.h"
 
 namespace arfuse::config {
 namespace {

@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
-#include "server/config/fusion_config.h"
-#include "server/config/internal.h"
+#include "config/fusion_config.h"
+#include "config/internal.h"
 
 namespace arfuse::config {
 namespace {

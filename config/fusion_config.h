@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 
 namespace arfuse::config {
 

@@ -52,7 +52,7 @@ absl::StatusOr<std::string> ParseModelArchitecture(const std::string& text);
 
 struct FusionFlags {
 #define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) Type field = init;
-#include "server/config/fusion_flags.inc"
+#include "config/fusion_flags.inc"
 #undef ARFUSE_FUSION_FLAG
 
   bool operator==(const FusionFlags&) const = default;

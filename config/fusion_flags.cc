@@ -1,4 +1,4 @@
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 
 #include <algorithm>
 #include <utility>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
-#include "server/config/internal.h"
+#include "config/internal.h"
 
 namespace arfuse::config {
 namespace {
@@ -109,7 +109,7 @@ const std::vector<FusionFlagSpec>& FusionFlagTable() {
   static const std::vector<FusionFlagSpec>* const table = new std::vector<FusionFlagSpec>{
 #define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) \
   Row(FusionFlagKind::kind, #ident, #field, &FusionFlags::field, values, check, help),
-#include "server/config/fusion_flags.inc"
+#include "config/fusion_flags.inc"
 #undef ARFUSE_FUSION_FLAG
   };
   return *table;
