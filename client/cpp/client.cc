@@ -15,9 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/fd/fd_channel_client.h"
 #include "common/status_macros.h"
 #include "common/version.h"
-#include "server/fdpass/fd_channel_client.h"
 
 namespace arfuse::client {
 namespace {

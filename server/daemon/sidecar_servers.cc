@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/fd/fd_channel_client.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -17,7 +18,6 @@
 #include "server/daemon/unix_listener.h"
 #include "server/daemon/unix_socket.h"
 #include "server/fdpass/connection_table.h"
-#include "server/fdpass/fd_channel_client.h"
 #include "server/fdpass/fd_channel_server.h"
 #include "server/fdpass/ticket_broker.h"
 #include "server/metrics/metrics.h"

@@ -15,8 +15,8 @@ ORDER = ["kernels", "server libraries", "gRPC services", "binaries"]
 # paragraph after the table says: the proto, the kernels' CPU reference and ABI headers,
 # common, the client half of server/fdpass and config/ (the rules and their proto
 # conversions); never a service or the daemon.
-CLIENT_MAY = ("client/", "kernels/", "arfuse/v1/", "common/", "server/fdpass/fd_channel_client",
-              "server/fdpass/unique_fd", "config/")
+CLIENT_MAY = ("client/", "kernels/", "arfuse/v1/", "common/", "common/fd/fd_channel_client",
+              "common/fd/unique_fd", "config/")
 
 
 def layer_table():

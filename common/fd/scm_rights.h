@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 

@@ -1,4 +1,4 @@
-#include "server/fdpass/fd_wire.h"
+#include "common/fd/fd_wire.h"
 
 #include <errno.h>
 #include <poll.h>

@@ -28,8 +28,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/fdpass/scm_rights.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/scm_rights.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 

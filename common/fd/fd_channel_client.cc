@@ -1,4 +1,4 @@
-#include "server/fdpass/fd_channel_client.h"
+#include "common/fd/fd_channel_client.h"
 
 #include <errno.h>
 #include <sys/socket.h>
@@ -9,9 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/fd/fd_ticket.h"
+#include "common/fd/fd_wire.h"
 #include "common/status_macros.h"
-#include "server/fdpass/fd_wire.h"
-#include "server/fdpass/ticket_broker.h"
 
 namespace arfuse {
 

@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 

@@ -1,4 +1,4 @@
-#include "server/fdpass/scm_rights.h"
+#include "common/fd/scm_rights.h"
 
 #include <errno.h>
 #include <poll.h>
