@@ -65,7 +65,7 @@ int HealthAsNobody(const std::string& socket) {
     if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) {
       ::_exit(100);
     }
-    std::string ctl = BinaryPath("client/arfusectl/arfusectl");
+    std::string ctl = BinaryPath("tools/arfusectl/arfusectl");
     std::string addr = "--addr=unix:" + socket;
     ::execl(ctl.c_str(), ctl.c_str(), "health", addr.c_str(), "--timeout-ms=3000",
             static_cast<char*>(nullptr));

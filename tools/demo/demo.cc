@@ -37,11 +37,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "client/demo/demo_client.h"
-#include "client/demo/demo_flags.h"
-#include "client/demo/demo_shape.h"
 #include "common/json.h"
 #include "common/version.h"
+#include "tools/demo/demo_client.h"
+#include "tools/demo/demo_flags.h"
+#include "tools/demo/demo_shape.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -57,7 +57,7 @@ std::string FindArfused(const char* argv0) {
   std::error_code ec;
   auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec) {
-    // build/client/demo/arfuse-demo -> build/server/daemon/arfused
+    // build/tools/demo/arfuse-demo -> build/server/daemon/arfused
     auto p = self.parent_path().parent_path().parent_path() / "server" / "daemon" / "arfused";
     if (std::filesystem::exists(p)) return p.string();
     auto q = self.parent_path() / "arfused";

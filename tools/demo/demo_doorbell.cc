@@ -1,4 +1,4 @@
-#include "client/demo/demo_doorbell.h"
+#include "tools/demo/demo_doorbell.h"
 
 #include <cuda_runtime_api.h>
 
@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/demo/demo_cuda.h"
 #include "kernels/cpu/reference_op.h"
 #include "kernels/doorbell/doorbell.h"
+#include "tools/demo/demo_cuda.h"
 
 namespace arfuse::demo {
 

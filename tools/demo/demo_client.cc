@@ -1,4 +1,4 @@
-#include "client/demo/demo_client.h"
+#include "tools/demo/demo_client.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,12 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
-#include "client/demo/demo_flags.h"
-#include "client/demo/demo_instream.h"
-#include "client/demo/demo_shape.h"
 #include "kernels/cpu/reference_op.h"
+#include "tools/demo/demo_flags.h"
+#include "tools/demo/demo_instream.h"
+#include "tools/demo/demo_shape.h"
 #if defined(ARFUSE_DEMO_CUDA)
-#include "client/demo/demo_doorbell.h"
+#include "tools/demo/demo_doorbell.h"
 #endif
 
 namespace arfuse::demo {

@@ -1,4 +1,4 @@
-#include "client/demo/demo_instream.h"
+#include "tools/demo/demo_instream.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +12,7 @@
 #include "client/cpp/instream_attach.h"
 #include "kernels/cpu/reference_op.h"
 #if defined(ARFUSE_DEMO_CUDA)
-#include "client/demo/demo_cuda.h"
+#include "tools/demo/demo_cuda.h"
 #endif
 
 namespace arfuse::demo {

@@ -1,4 +1,4 @@
-#include "client/demo/demo_shape.h"
+#include "tools/demo/demo_shape.h"
 
 #include <algorithm>
 #include <cmath>

@@ -16,9 +16,9 @@
 
 #include "absl/status/statusor.h"
 #include "arfuse/v1/fusion.pb.h"
-#include "client/arfusectl/args.h"
-#include "client/arfusectl/cli.h"
 #include "config/fusion_config.h"
+#include "tools/arfusectl/args.h"
+#include "tools/arfusectl/cli.h"
 
 namespace arfuse::cli {
 

@@ -8,8 +8,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/arfusectl/commands.h"
 #include "common/version.h"
+#include "tools/arfusectl/commands.h"
 
 namespace arfuse::cli {
 

@@ -1,4 +1,4 @@
-#include "client/arfusectl/args.h"
+#include "tools/arfusectl/args.h"
 
 #include <algorithm>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "client/arfusectl/top.h"
+#include "tools/arfusectl/top.h"
 
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -23,9 +23,9 @@
 #include "absl/strings/str_split.h"
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/commands.h"
 #include "common/json.h"
 #include "common/version.h"
+#include "tools/arfusectl/commands.h"
 
 namespace arfuse::cli {
 

@@ -1,4 +1,4 @@
-#include "client/demo/demo_cuda.h"
+#include "tools/demo/demo_cuda.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -1,9 +1,9 @@
-// arfusectl: see client/arfusectl/cli.h and docs/config.md.
+// arfusectl: see tools/arfusectl/cli.h and docs/config.md.
 #include <iostream>
 #include <string>
 #include <vector>
 
-#include "client/arfusectl/cli.h"
+#include "tools/arfusectl/cli.h"
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);

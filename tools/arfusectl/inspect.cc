@@ -11,11 +11,11 @@
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/config.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/commands.h"
-#include "client/arfusectl/top.h"
 #include "common/json.h"
 #include "config/config_convert.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tools/arfusectl/commands.h"
+#include "tools/arfusectl/top.h"
 
 namespace arfuse::cli {
 

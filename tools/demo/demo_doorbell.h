@@ -5,7 +5,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/cpp/client.h"
-#include "client/demo/demo_shape.h"
+#include "tools/demo/demo_shape.h"
 
 namespace arfuse::demo {
 

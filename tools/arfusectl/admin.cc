@@ -8,7 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/commands.h"
+#include "tools/arfusectl/commands.h"
 
 namespace arfuse::cli {
 namespace {

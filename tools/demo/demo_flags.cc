@@ -1,4 +1,4 @@
-#include "client/demo/demo_flags.h"
+#include "tools/demo/demo_flags.h"
 
 #include <algorithm>
 #include <vector>

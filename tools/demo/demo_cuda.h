@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/demo/demo_shape.h"
+#include "tools/demo/demo_shape.h"
 
 namespace arfuse::demo {
 

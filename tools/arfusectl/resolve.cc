@@ -2,8 +2,8 @@
 // arfused's, config/fusion_config.h) or asked of a running arfused with --addr.
 #include "absl/strings/str_cat.h"
 #include "arfuse/v1/config.grpc.pb.h"
-#include "client/arfusectl/commands.h"
 #include "config/config_convert.h"
+#include "tools/arfusectl/commands.h"
 
 namespace arfuse::cli {
 

@@ -1,14 +1,14 @@
 // arfusectl's table of subcommands, its usage text and the dispatch of a command line to a
 // subcommand's run function (commands.h lists them and what they share).
-#include "client/arfusectl/cli.h"
+#include "tools/arfusectl/cli.h"
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/arfusectl/commands.h"
 #include "common/version.h"
+#include "tools/arfusectl/commands.h"
 
 namespace arfuse::cli {
 namespace {
