@@ -48,7 +48,7 @@ RUN ARFUSE_GIT_REVISION="${GIT_REVISION}" scripts/setup
 # Stripped copies of the two binaries. `--version` touches no GPU, but the binary links the driver's
 # libcuda.so.1, which only the host provides at run time: the toolkit's stub stands in for it here.
 RUN install -d /out /tmp/cuda-stub \
- && install -m 0755 build/server/daemon/arfused build/client/arfusectl/arfusectl /out/ \
+ && install -m 0755 build/server/daemon/arfused build/tools/arfusectl/arfusectl /out/ \
  && strip --strip-unneeded /out/arfused /out/arfusectl \
  && ln -s /usr/local/cuda/lib64/stubs/libcuda.so /tmp/cuda-stub/libcuda.so.1 \
  && LD_LIBRARY_PATH=/tmp/cuda-stub /out/arfused --version \

@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 
 namespace arfuse::bench {
 namespace {

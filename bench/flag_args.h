@@ -1,5 +1,5 @@
 // The flags of the arfuse-bench subcommands, through the binaries' one command-line library
-// (server/core/flags.h): each subcommand defines its flags with ABSL_FLAG, named
+// (common/flags.h): each subcommand defines its flags with ABSL_FLAG, named
 // <subcommand>_<key> (kernels_world is `arfuse-bench kernels --world`) so that the subcommands'
 // flags stay apart in abseil's one registry, and reads them with absl::GetFlag after Parse.
 #pragma once
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/flags.h"
+#include "common/flags.h"
 
 namespace arfuse::bench {
 
@@ -31,7 +31,7 @@ class SubcommandFlags {
   // kHelp or kVersion, setting nothing, when any argument is --help (or -h) or --version.
   // Otherwise sets the flags from argv (argv[0] is the subcommand), appends every user flag, as
   // --key=value, to `user_flags` and returns kRun. INVALID_ARGUMENT for an argument that is not a
-  // flag, an unknown flag, or the first bad value (server/core/flags.h's messages).
+  // flag, an unknown flag, or the first bad value (common/flags.h's messages).
   absl::StatusOr<FlagOutcome> Parse(int argc, char** argv,
                                     std::vector<std::string>* user_flags) const;
 

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/fusion_workspace.h"
 

@@ -2,8 +2,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/common/op_types.h"
-#include "server/core/status_macros.h"
 
 // `arfuse-bench kernels --key`, with KernelsFlags' defaults (a run reads the flags into it).
 namespace {

@@ -4,7 +4,7 @@
 
 #include "bench/kernels_flags.h"
 #include "bench/subcommands.h"
-#include "server/core/version.h"
+#include "common/version.h"
 
 namespace arfuse::bench {
 namespace {

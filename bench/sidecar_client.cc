@@ -16,9 +16,9 @@
 #include "bench/sidecar_client_run.h"
 #include "bench/sidecar_rows.h"
 #include "client/cpp/client.h"
+#include "common/log.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/common/op_types.h"
-#include "server/core/log.h"
 #include "server/host/host_engine.h"
 #include "server/peers/peer_exchange.h"
 

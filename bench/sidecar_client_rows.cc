@@ -14,8 +14,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/sidecar_client_run.h"
+#include "common/status_macros.h"
 #include "kernels/common/op_types.h"
-#include "server/core/status_macros.h"
 
 #if defined(ARFUSE_BENCH_CUDA)
 #include <cuda_runtime_api.h>

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "bench/graph_timing.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/gpu/cuda_status.h"
 
 namespace arfuse::bench::sidecar {

@@ -19,9 +19,9 @@
 #include "bench/layer_standin.h"
 #include "bench/sidecar_client_run.h"
 #include "client/cpp/instream_attach.h"
+#include "common/status_macros.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "server/core/status_macros.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/fusion_workspace.h"
 

@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "server/core/json.h"
-#include "server/core/version.h"
+#include "common/json.h"
+#include "common/version.h"
 
 namespace arfuse::bench::sidecar {
 namespace {

@@ -1,5 +1,5 @@
 // libFuzzer: arfuse.v1 Config requests (ResolveRequest, NegotiateRequest, Decision,
-// CaptureRequest) as raw bytes -> ParseFromArray -> server/config/config_convert.h ->
+// CaptureRequest) as raw bytes -> ParseFromArray -> config/config_convert.h ->
 // the config rules. First byte picks the message. Oracles besides ASan/UBSan:
 //  - flag migration is idempotent (design §4 rule 1: migrating migrated flags changes nothing);
 //  - Decision and CaptureRequest survive struct -> proto -> struct unchanged;
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "arfuse/v1/config.pb.h"
-#include "server/config/config_convert.h"
-#include "server/config/fusion_config.h"
+#include "config/config_convert.h"
+#include "config/fusion_config.h"
 
 namespace {
 

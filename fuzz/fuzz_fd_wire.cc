@@ -1,4 +1,4 @@
-// libFuzzer: bytes (and descriptors) arriving on arfused's fd channel (server/fdpass/fd_wire.h;
+// libFuzzer: bytes (and descriptors) arriving on arfused's fd channel (common/fd/fd_wire.h;
 // any allowed local user can connect to <socket>.fd) -> TakeFdMessage -> AnswerFdRequest against
 // a real FdTicketBroker, as FdChannelServer does for each request.
 //
@@ -18,8 +18,8 @@
 #include <deque>
 #include <string>
 
+#include "common/fd/fd_wire.h"
 #include "server/fdpass/fd_channel_server.h"
-#include "server/fdpass/fd_wire.h"
 #include "server/fdpass/ticket_broker.h"
 #include "spdlog/spdlog.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace {
 

@@ -15,9 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
-#include "server/fdpass/fd_channel_client.h"
+#include "common/fd/fd_channel_client.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 
 namespace arfuse::client {
 namespace {

@@ -1,7 +1,7 @@
 #include "client/cpp/instream_attach.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/fdpass/fd_channel_client.h"
+#include "common/fd/fd_channel_client.h"
 
 namespace arfuse::client {
 

@@ -11,8 +11,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/core/flags.h"
-#include "server/core/status_macros.h"
+#include "common/flags.h"
+#include "common/status_macros.h"
 #include "yaml-cpp/yaml.h"
 
 namespace arfuse {

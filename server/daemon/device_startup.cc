@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/gpu/mps.h"
 #include "server/host/host_engine.h"

@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 #include "server/daemon/device_probe.h"
 #include "server/daemon/options.h"
 #include "server/engine/engine.h"

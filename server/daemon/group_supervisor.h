@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 #include "server/daemon/gated_engine.h"
 #include "server/daemon/options.h"
 #include "server/metrics/metrics.h"

@@ -5,8 +5,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include "server/core/log.h"
-#include "server/core/version.h"
+#include "common/log.h"
+#include "common/version.h"
 #include "server/daemon/options.h"
 #include "server/daemon/sidecar.h"
 #include "spdlog/spdlog.h"

@@ -9,11 +9,11 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "config/fusion_config.h"
 #include "kernels/common/op_types.h"
-#include "server/config/fusion_config.h"
-#include "server/core/flags.h"
-#include "server/core/log.h"
-#include "server/core/status_macros.h"
 #include "server/daemon/config_file.h"
 
 ABSL_FLAG(std::string, socket, "",
@@ -78,7 +78,7 @@ ABSL_FLAG(double, peer_heartbeat_timeout, 5,
           "readiness goes NOT_SERVING and the group re-forms. 0 turns heartbeats off (then only "
           "an op's --spin-timeout notices such a peer); otherwise 0.1..3600.");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
-// The fusion flags, from their one declaration (server/config/fusion_flags.inc): a switch is a
+// The fusion flags, from their one declaration (config/fusion_flags.inc): a switch is a
 // bool, a value unset by default an optional string, any other value a string with the table's
 // default.
 #define ARFUSED_FLAG_TYPE_kSwitch bool
@@ -90,7 +90,7 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, crit
 #define ARFUSED_FLAG_DEFAULT_kValue(ident) ::arfuse::config::FindFusionFlag(#ident)->default_text
 #define ARFUSE_FUSION_FLAG(kind, ident, field, Type, init, values, check, help) \
   ABSL_FLAG(ARFUSED_FLAG_TYPE_##kind, ident, ARFUSED_FLAG_DEFAULT_##kind(ident), help);
-#include "server/config/fusion_flags.inc"
+#include "config/fusion_flags.inc"
 #undef ARFUSE_FUSION_FLAG
 ABSL_FLAG(std::optional<int>, sm, std::nullopt,
           "Compute capability as major*10+minor (90, 100, ...); overrides the GPU's (tests, CPU "
@@ -264,7 +264,7 @@ absl::Status ReadFusionFlag(const char* ident, const std::optional<std::string>&
 absl::Status ReadFusionFlags(config::FusionFlags& to) {
 #define ARFUSE_FUSION_FLAG(kind, ident, ...) \
   ARFUSE_RETURN_IF_ERROR(ReadFusionFlag(#ident, absl::GetFlag(FLAGS_##ident), to));
-#include "server/config/fusion_flags.inc"
+#include "config/fusion_flags.inc"
 #undef ARFUSE_FUSION_FLAG
   return absl::OkStatus();
 }

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 #include "server/peers/peer_tls.h"
 
 namespace arfuse {
@@ -45,7 +45,7 @@ struct DaemonOptions {
   double peer_heartbeat_timeout_s = 5;
   std::string log_level = "info";
   std::string log_format = "text";  // "text" or "json"
-  // The fusion flags (server/config/fusion_flags.inc), as SGLang spells them.
+  // The fusion flags (config/fusion_flags.inc), as SGLang spells them.
   config::FusionFlags fusion;
   std::optional<int> sm;
   std::string cuda_graph_mode = "full";

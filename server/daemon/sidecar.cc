@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/daemon/unix_listener.h"
 #include "server/fdpass/ticket_broker.h"
 #include "server/peers/peer_tls.h"

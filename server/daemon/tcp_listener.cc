@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

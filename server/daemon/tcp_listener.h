@@ -19,9 +19,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/fd/unique_fd.h"
 #include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/connection_table.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

@@ -23,8 +23,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/fd/unique_fd.h"
 #include "grpcpp/server.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

@@ -21,11 +21,11 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/fd/unique_fd.h"
 #include "server/fdpass/accept_reserve.h"
 #include "server/fdpass/connection_table.h"
 #include "server/fdpass/socket_credentials.h"
 #include "server/fdpass/ticket_broker.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

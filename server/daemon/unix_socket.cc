@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

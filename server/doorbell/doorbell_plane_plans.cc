@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/scoped_device.h"
 #include "server/gpu/cuda_status.h"

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
-#include "server/core/status_macros.h"
 #include "server/doorbell/scoped_device.h"
 #include "server/gpu/cuda_status.h"
 #include "spdlog/spdlog.h"

@@ -13,10 +13,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/fd/unique_fd.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
 #include "server/engine/engine.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

@@ -8,7 +8,7 @@
 #pragma once
 
 #include "absl/time/time.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 

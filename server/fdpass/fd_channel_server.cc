@@ -14,9 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/log.h"
-#include "server/fdpass/fd_wire.h"
-#include "server/fdpass/scm_rights.h"
+#include "common/fd/fd_wire.h"
+#include "common/fd/scm_rights.h"
+#include "common/log.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

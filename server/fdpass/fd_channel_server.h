@@ -21,10 +21,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/fdpass/fd_wire.h"
+#include "common/fd/fd_wire.h"
+#include "common/fd/unique_fd.h"
 #include "server/fdpass/socket_credentials.h"
 #include "server/fdpass/ticket_broker.h"
-#include "server/fdpass/unique_fd.h"
 #include "server/fdpass/wake_fd.h"
 
 namespace arfuse {

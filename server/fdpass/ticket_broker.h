@@ -29,7 +29,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/fd_ticket.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 
@@ -50,8 +51,6 @@ struct FdTicketScope {
   std::string session;
   std::string attachment;
 };
-
-inline constexpr size_t kFdTicketChars = 32;
 
 class FdTicketBroker;
 
@@ -167,11 +166,5 @@ class FdTicketBroker {
   absl::flat_hash_map<uid_t, size_t> charged_;       // descriptors by uid; guarded by mu_
   size_t charged_total_ = 0;                         // guarded by mu_
 };
-
-// 16 random bytes from the kernel (getrandom) as 32 lowercase hex characters.
-std::string NewFdTicket();
-
-// 32 lowercase hex characters.
-bool IsWellFormedFdTicket(absl::string_view ticket);
 
 }  // namespace arfuse

@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse {
 

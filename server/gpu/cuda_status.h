@@ -18,7 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 
 namespace arfuse {
 

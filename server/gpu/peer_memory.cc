@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/group_step.h"
 #include "server/peers/exchange.h"

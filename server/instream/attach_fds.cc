@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 #include "server/instream/attach_blob.h"
 
 namespace arfuse {

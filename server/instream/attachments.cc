@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/random_id.h"
+#include "common/random_id.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

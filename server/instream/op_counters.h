@@ -7,8 +7,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "common/fd/unique_fd.h"
 #include "kernels/instream/op_counters.h"
-#include "server/fdpass/unique_fd.h"
 #include "server/instream/op_counts.h"
 
 namespace arfuse {

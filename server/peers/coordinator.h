@@ -19,7 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse::peers {
 

@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "arfuse/v1/peer.pb.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/peers/peer_credentials.h"
 #include "server/peers/peer_sockets.h"
 #include "spdlog/spdlog.h"

@@ -8,7 +8,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/peers/coordinator.h"
 
 namespace arfuse {

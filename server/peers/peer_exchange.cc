@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "arfuse/v1/peer.pb.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 #include "kernels/common/op_types.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
 #include "server/peers/socket_exchange.h"
 #include "spdlog/spdlog.h"
 

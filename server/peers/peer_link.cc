@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 #include "server/peers/peer_credentials.h"
 #include "server/peers/peer_sockets.h"
 #include "server/peers/socket_exchange.h"

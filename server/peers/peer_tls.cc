@@ -17,8 +17,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/status_macros.h"
-#include "server/fdpass/scm_rights.h"
+#include "common/fd/scm_rights.h"
+#include "common/status_macros.h"
 
 namespace arfuse::peers {
 namespace {

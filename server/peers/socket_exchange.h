@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "arfuse/v1/peer.pb.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 #include "server/fdpass/wake_fd.h"
 #include "server/peers/coordinator_server.h"
 #include "server/peers/peer_exchange.h"

@@ -10,8 +10,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
-#include "server/fdpass/scm_rights.h"
+#include "common/fd/scm_rights.h"
+#include "common/status_macros.h"
 
 namespace arfuse::peers {
 

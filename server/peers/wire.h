@@ -17,8 +17,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/fdpass/scm_rights.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/scm_rights.h"
+#include "common/fd/unique_fd.h"
 
 namespace arfuse::peers {
 

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/fdpass/unique_fd.h"
+#include "common/fd/unique_fd.h"
 #include "server/registry/validation.h"
 
 namespace arfuse {

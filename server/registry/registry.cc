@@ -8,8 +8,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/random_id.h"
-#include "server/core/status_macros.h"
+#include "common/random_id.h"
+#include "common/status_macros.h"
 #include "server/registry/validation.h"
 #include "spdlog/spdlog.h"
 

@@ -8,10 +8,10 @@
 #include <optional>
 #include <string>
 
+#include "common/fd/unique_fd.h"
 #include "kernels/common/op_types.h"
 #include "kernels/contract/op_contract.h"
 #include "server/fdpass/socket_credentials.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse {
 

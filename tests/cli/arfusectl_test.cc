@@ -26,11 +26,11 @@ extern char** environ;
 #include "absl/strings/str_join.h"
 #include "arfuse/v1/admin.grpc.pb.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/cli.h"
-#include "server/config/fusion_config.h"
-#include "server/core/version.h"
+#include "common/version.h"
+#include "config/fusion_config.h"
 #include "server/services/config/config_service.h"
 #include "tests/config/upstream_cases.h"
+#include "tools/arfusectl/cli.h"
 
 namespace arfuse {
 namespace {
@@ -70,7 +70,7 @@ class TempDir {
 // Runs the built arfusectl with `args`; stdout and stderr go to files (no pipe deadlocks).
 // `xdg` sets XDG_RUNTIME_DIR for the child ("" unsets it).
 Result RunBinary(const std::vector<std::string>& args, const std::string& xdg = "") {
-  static const std::string binary = std::string(ARFUSE_BINARY_DIR) + "/client/arfusectl/arfusectl";
+  static const std::string binary = std::string(ARFUSE_BINARY_DIR) + "/tools/arfusectl/arfusectl";
   TempDir dir;
   const std::string out_path = dir.path() + "/out";
   const std::string err_path = dir.path() + "/err";

@@ -20,10 +20,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "client/arfusectl/cli.h"
-#include "client/arfusectl/top.h"
 #include "client/cpp/client.h"
 #include "tests/support/subprocess.h"
+#include "tools/arfusectl/cli.h"
+#include "tools/arfusectl/top.h"
 
 namespace arfuse {
 namespace {
@@ -88,7 +88,7 @@ class TopTest : public ::testing::Test {
   std::string BothMetrics() const { return metrics_[0] + "," + metrics_[1]; }
 
   std::pair<int, std::string> Top(std::vector<std::string> args) {
-    args.insert(args.begin(), {BinaryPath("client/arfusectl/arfusectl"), "top"});
+    args.insert(args.begin(), {BinaryPath("tools/arfusectl/arfusectl"), "top"});
     return RunToCompletion(args, {}, 60s);
   }
 
@@ -196,7 +196,7 @@ TEST_F(TopTest, WithoutMetricsTheMetricColumnsShowADash) {
 // A sidecar that goes away: its line says so at every refresh while the other rank's lines go
 // on, and it is asked again until it answers; top runs its iterations to the end.
 TEST_F(TopTest, AKilledSidecarIsReportedAndFoundAgain) {
-  Subprocess top({BinaryPath("client/arfusectl/arfusectl"), "top", "--addr=" + Both(),
+  Subprocess top({BinaryPath("tools/arfusectl/arfusectl"), "top", "--addr=" + Both(),
                   "--iterations=40", "--interval-ms=200", "--plain"});
   ASSERT_TRUE(top.WaitForOutput(Addr(1) + "\n", 30s)) << top.Stdout() << top.Stderr();
   daemons_[1]->Signal(SIGKILL);

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/config/config_convert.h"
-#include "server/config/fusion_config.h"
+#include "config/config_convert.h"
+#include "config/fusion_config.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/config/upstream_cases.h"

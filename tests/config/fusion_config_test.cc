@@ -1,7 +1,7 @@
 // The config rules (docs/config.md): the full table, SGLang's rules case by case
 // under both rule sets (upstream_cases.h), migration, overrides, per-phase negotiation, world
 // sizes against the dispatch table, consensus and the encodings.
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

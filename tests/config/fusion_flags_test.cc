@@ -1,7 +1,7 @@
-// The fusion flags' one declaration (server/config/fusion_flags.inc): the table's rows, their
+// The fusion flags' one declaration (config/fusion_flags.inc): the table's rows, their
 // values as the command lines set them, the v1.FusionFlags field of every row, and
 // docs/config.md's flag table, which must be the generated one.
-#include "server/config/fusion_flags.h"
+#include "config/fusion_flags.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "arfuse/v1/config.pb.h"
+#include "config/config_convert.h"
 #include "google/protobuf/descriptor.h"
-#include "server/config/config_convert.h"
 
 namespace arfuse::config {
 namespace {
@@ -172,8 +172,7 @@ TEST(FusionFlagTable, DocsTableIsTheGeneratedOne) {
   std::stringstream text;
   text << in.rdbuf();
   const std::string doc = text.str();
-  const std::string begin =
-      "<!-- fusion-flags: generated from server/config/fusion_flags.inc -->\n";
+  const std::string begin = "<!-- fusion-flags: generated from config/fusion_flags.inc -->\n";
   const std::string end = "<!-- fusion-flags: end -->";
   const size_t from = doc.find(begin);
   ASSERT_NE(from, std::string::npos) << path << " has no line " << begin;

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace arfuse::config {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace arfuse::testing {
 

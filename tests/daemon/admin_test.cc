@@ -46,7 +46,7 @@ class AdminTest : public ::testing::Test {
   }
 
   std::pair<int, std::string> Ctl(std::vector<std::string> args) {
-    args.insert(args.begin(), BinaryPath("client/arfusectl/arfusectl"));
+    args.insert(args.begin(), BinaryPath("tools/arfusectl/arfusectl"));
     return RunToCompletion(args, {}, 60s);
   }
   std::string Addr(int r) { return "unix:" + sockets_[r]; }
@@ -410,11 +410,11 @@ TEST_F(AdminStatsTest, SessionsAddUpAcrossClients) {
   EXPECT_EQ(both.region_bytes(), 4096u + 8192u);
   // arfusectl shows the same figures, as text and as JSON.
   auto [tcode, text] = RunToCompletion(
-      {BinaryPath("client/arfusectl/arfusectl"), "stats", "--addr=unix:" + daemon_->socket}, {},
+      {BinaryPath("tools/arfusectl/arfusectl"), "stats", "--addr=unix:" + daemon_->socket}, {},
       60s);
   ASSERT_EQ(tcode, 0) << text;
   EXPECT_THAT(text, HasSubstr("sessions 2, regions 2 (12288 bytes), plans 0"));
-  auto [jcode, json] = RunToCompletion({BinaryPath("client/arfusectl/arfusectl"), "stats",
+  auto [jcode, json] = RunToCompletion({BinaryPath("tools/arfusectl/arfusectl"), "stats",
                                         "--addr=unix:" + daemon_->socket, "--json"},
                                        {}, 60s);
   ASSERT_EQ(jcode, 0) << json;

@@ -24,7 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/cpp/client.h"
-#include "server/fdpass/fd_channel_client.h"
+#include "common/fd/fd_channel_client.h"
 
 namespace {
 

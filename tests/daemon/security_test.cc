@@ -27,10 +27,10 @@
 #include "arfuse/v1/fusion.grpc.pb.h"
 #include "arfuse/v1/peer.grpc.pb.h"
 #include "client/cpp/client.h"
+#include "common/fd/fd_channel_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/instream/attach_abi.h"
-#include "server/fdpass/fd_channel_client.h"
 #include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/subprocess.h"
@@ -65,7 +65,7 @@ int HealthAsNobody(const std::string& socket) {
     if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) {
       ::_exit(100);
     }
-    std::string ctl = BinaryPath("client/arfusectl/arfusectl");
+    std::string ctl = BinaryPath("tools/arfusectl/arfusectl");
     std::string addr = "--addr=unix:" + socket;
     ::execl(ctl.c_str(), ctl.c_str(), "health", addr.c_str(), "--timeout-ms=3000",
             static_cast<char*>(nullptr));

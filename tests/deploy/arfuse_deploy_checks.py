@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIONS_CC = REPO / "server" / "daemon" / "options.cc"
-FUSION_FLAGS_INC = REPO / "server" / "config" / "fusion_flags.inc"
+FUSION_FLAGS_INC = REPO / "config" / "fusion_flags.inc"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 K8S = REPO / "deploy" / "k8s"
@@ -136,7 +136,7 @@ def fusion_flags_from_table(path: Path = FUSION_FLAGS_INC) -> dict[str, Flag]:
 
 def flags_from_options_cc(path: Path = OPTIONS_CC) -> dict[str, Flag]:
     """arfused's own flags (hyphenated name -> Flag) from options.cc and, for the fusion flags,
-    their table (server/config/fusion_flags.inc), which options.cc expands into its flags."""
+    their table (config/fusion_flags.inc), which options.cc expands into its flags."""
     source = path.read_text()
     own = None
     m = re.search(r"OwnFlagNames\(\)\s*\{(.*?)return names;", source, re.S)
@@ -566,7 +566,8 @@ def read_dockerignore(text: str) -> list[str]:
 def build_inputs(repo: Path = REPO) -> list[str]:
     """The files the build stage needs: scripts/setup and every source CMake may read."""
     needed = ["scripts/setup", "CMakeLists.txt"]
-    for top in ("proto", "kernels", "server", "client", "tests", "bench"):
+    for top in ("proto", "kernels", "common", "config", "server", "client", "tools", "tests",
+                "bench"):
         root = repo / top
         if not root.is_dir():
             continue

@@ -102,7 +102,7 @@ def _run_block(block, unshare, sidecars, kubectl, tmp_path):
         s["log"] = str(tmp_path / f"{s['name']}.log")
     spec = {"script": block.text, "mode": block.mode, "dir": str(tmp_path),
             "bin": {"arfused": str(run.binary("server/daemon/arfused")),
-                    "arfusectl": str(run.binary("client/arfusectl/arfusectl"))},
+                    "arfusectl": str(run.binary("tools/arfusectl/arfusectl"))},
             "sidecars": sidecars, "real_kubectl": kubectl}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     driver = run.REPO / "tests" / "deploy" / "runbook_sandbox.py"

@@ -147,7 +147,8 @@ def results_notes():
 
 # ---- code comments ----
 
-COMMENT_ROOTS = ("kernels", "server", "client", "tests", "scripts", "deploy", "bench")
+COMMENT_ROOTS = ("kernels", "common", "config", "server", "client", "tools", "tests", "scripts",
+                 "deploy", "bench")
 # The checks' own examples of what they refuse.
 COMMENT_EXCLUDED = ("tests/docs/",)
 _C_EXT = {".cc", ".h", ".cu", ".cuh", ".cpp", ".hpp", ".c", ".proto"}

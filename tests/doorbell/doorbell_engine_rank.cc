@@ -28,11 +28,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/half_convert.h"
 #include "kernels/cpu/reference_op.h"
 #include "kernels/doorbell/doorbell.h"
-#include "server/core/log.h"
-#include "server/core/status_macros.h"
 #include "server/cuda_engine/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/mps.h"

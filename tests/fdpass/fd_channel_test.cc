@@ -9,12 +9,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/fd/fd_channel_client.h"
+#include "common/fd/fd_wire.h"
+#include "common/fd/scm_rights.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/fdpass/fd_channel_client.h"
 #include "server/fdpass/fd_channel_server.h"
-#include "server/fdpass/fd_wire.h"
-#include "server/fdpass/scm_rights.h"
 #include "tests/fdpass/fd_test_util.h"
 
 namespace arfuse {

@@ -10,8 +10,8 @@
 
 #include <utility>
 
+#include "common/fd/unique_fd.h"
 #include "gtest/gtest.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse::testing {
 

@@ -1,5 +1,5 @@
 // The fd channel's framing: layout, strict decoding, and the blocking client helpers.
-#include "server/fdpass/fd_wire.h"
+#include "common/fd/fd_wire.h"
 
 #include <cstring>
 

@@ -14,9 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/client.h"
+#include "common/random_id.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/random_id.h"
 #include "server/fdpass/ticket_broker.h"
 #include "server/services/fusion/fusion_service.h"
 #include "tests/fusion/fake_engine.h"

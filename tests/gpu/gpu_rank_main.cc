@@ -19,10 +19,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/half_convert.h"
 #include "kernels/cpu/reference_op.h"
-#include "server/core/log.h"
-#include "server/core/status_macros.h"
 #include "server/cuda_engine/cuda_engine.h"
 #include "server/gpu/cuda_status.h"
 #include "server/gpu/device_error.h"

@@ -10,10 +10,10 @@
 
 #include "absl/status/statusor.h"
 #include "client/instream/arfuse_client.h"
+#include "common/fd/unique_fd.h"
 #include "kernels/common/op_types.h"
 #include "kernels/cpu/host_collective.h"
 #include "server/engine/instream_host.h"
-#include "server/fdpass/unique_fd.h"
 
 namespace arfuse::instream::testing {
 

@@ -138,7 +138,7 @@ def real_lib():
 @pytest.fixture
 def arfusectl(arfused):
     """The arfusectl built beside arfused."""
-    path = pathlib.Path(arfused).parents[2] / "client" / "arfusectl" / "arfusectl"
+    path = pathlib.Path(arfused).parents[2] / "tools" / "arfusectl" / "arfusectl"
     if not os.access(path, os.X_OK):
         pytest.skip(f"arfusectl is not built next to {arfused}")
     return str(path)

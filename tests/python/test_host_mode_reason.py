@@ -73,7 +73,7 @@ def test_reason_in_log_info_negotiation_and_first_none(no_sm):
 
 
 def test_arfusectl_info_says_why(no_sm, arfused):
-    arfusectl = pathlib.Path(arfused).parents[2] / "client" / "arfusectl" / "arfusectl"
+    arfusectl = pathlib.Path(arfused).parents[2] / "tools" / "arfusectl" / "arfusectl"
     if not os.access(arfusectl, os.X_OK):
         pytest.skip(f"arfusectl is not built ({arfusectl})")
     with arfuse.Client(no_sm.socket(0)) as c:

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/random_id.h"
 #include "server/registry/host_shm_opener.h"
 #include "tests/registry/fake_opener.h"
 

@@ -13,10 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "arfuse/v1/config.grpc.pb.h"
+#include "common/version.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "server/core/version.h"
 #include "tests/reliability/harness.h"
 
 namespace arfuse::reliability {

@@ -15,9 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/version.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/cpu/reference_op.h"
-#include "server/core/version.h"
 
 namespace arfuse::reliability {
 

@@ -6,7 +6,7 @@ sidecar serves beside its main one (``<socket>.fd``) and the gRPC call names it 
     ticket = fdpass.deposit(fdpass.channel_path("/run/arfuse/arfused.sock"), [memfd])
     client.stub.RegisterRegion(... host_fd=HostFdMemory(fd_ticket=ticket) ...)
 
-The protocol (server/fdpass/fd_wire.h): a 16-byte little-endian header (magic "ARFD", version,
+The protocol (common/fd/fd_wire.h): a 16-byte little-endian header (magic "ARFD", version,
 op, descriptor count, body length, reserved), then the body; descriptors ride on the header's
 first byte (SCM_RIGHTS). A ticket is single use, bound to this process's user and expires after a
 few seconds.

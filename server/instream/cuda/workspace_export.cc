@@ -7,8 +7,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "server/core/status_macros.h"
 #include "server/gpu/cuda_status.h"
 
 namespace arfuse {

@@ -8,9 +8,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/config/config_convert.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
+#include "common/status_macros.h"
+#include "common/version.h"
+#include "config/config_convert.h"
 #include "server/engine/doorbell_host.h"
 #include "server/services/common/grpc_status.h"
 

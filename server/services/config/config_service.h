@@ -1,4 +1,4 @@
-// arfuse.v1.Config: Resolve computes a decision with the library rules (server/config) for the
+// arfuse.v1.Config: Resolve computes a decision with the library rules (config/) for the
 // request's flags and topology, or the server's own; Negotiate answers for the group's current
 // decision, as the daemon reports it through a snapshot function.
 #pragma once
@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "arfuse/v1/config.grpc.pb.h"
-#include "server/config/fusion_config.h"
+#include "config/fusion_config.h"
 
 namespace arfuse {
 

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/version.h"
 #include "kernels/common/op_types.h"
-#include "server/core/status_macros.h"
-#include "server/core/version.h"
 #include "server/registry/openers.h"
 #include "server/services/common/grpc_status.h"
 #include "server/services/fusion/event_ipc_factory.h"

@@ -30,7 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "arfuse/v1/fusion.grpc.pb.h"
-#include "server/core/log.h"
+#include "common/log.h"
 #include "server/doorbell/plan_table.h"
 #include "server/engine/doorbell_host.h"
 #include "server/engine/engine.h"

@@ -9,8 +9,8 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "kernels/instream/attach_abi.h"
-#include "server/core/version.h"
 #include "server/engine/instream_host.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attach_fds.h"

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "common/status_macros.h"
 
 namespace arfuse {
 namespace cuda_events_internal {
