@@ -19,7 +19,6 @@ tests/docs/test_docs.py, in CI through scripts/test):
 """
 import ast
 import io
-import os
 import re
 import subprocess
 import tokenize

@@ -4,7 +4,6 @@ every layer, and the launcher end to end in --setup-only mode (host-mode sidecar
 run on known data and are checked; fusion off; a sidecar killed mid-run). The model itself needs
 torch: those tests skip without it (PyTorch is too big for CI; docs/integration.md has the GPU
 commands)."""
-import dataclasses
 import os
 import subprocess
 import sys
