@@ -2,14 +2,14 @@
 tests/docs/test_docs.py, in CI through scripts/test):
 
 - wording: docs/, README.md, results/'s notes (README.md, NOTES.txt, the measurement scripts) and
-  the code comments under kernels/ server/ client/ tests/ scripts/ deploy/ bench/ describe the
-  system in the present tense. A work log's wording belongs in CHANGELOG.md or nowhere: ordinal
-  work rounds, machine leases and loans, numbered device calls and runs, device time, dates in
-  prose (a date inside a results/ folder name or link is a name, not prose), and citations of
-  documents the repository does not hold (a design.md, an issue number). The technical senses stay
-  allowed: the API's `Session` RPC, a client's session, session ids and streams, `arfuse-session`;
-  a "helper" function, process or binary in code; a duration such as "the slowest call 3.5 ms"; a
-  verb such as "runs 2-64 ranks".
+  the code comments under kernels/ server/ client/ examples/ tests/ scripts/ deploy/ bench/
+  describe the system in the present tense. A work log's wording belongs in CHANGELOG.md or
+  nowhere: ordinal work rounds, machine leases and loans, numbered device calls and runs, device
+  time, dates in prose (a date inside a results/ folder name or link is a name, not prose), and
+  citations of documents the repository does not hold (a design.md, an issue number). The
+  technical senses stay allowed: the API's `Session` RPC, a client's session, session ids and
+  streams, `arfuse-session`; a "helper" function, process or binary in code; a duration such as
+  "the slowest call 3.5 ms"; a verb such as "runs 2-64 ranks".
 - links: every relative link (and image) of docs/, README.md, CHANGELOG.md and results/README.md
   points to a file or folder inside the repository that exists, and an anchor into a Markdown
   page names one of its headings.
@@ -19,7 +19,6 @@ tests/docs/test_docs.py, in CI through scripts/test):
 """
 import ast
 import io
-import os
 import re
 import subprocess
 import tokenize
@@ -147,8 +146,8 @@ def results_notes():
 
 # ---- code comments ----
 
-COMMENT_ROOTS = ("kernels", "common", "config", "server", "client", "tools", "tests", "scripts",
-                 "deploy", "bench")
+COMMENT_ROOTS = ("kernels", "common", "config", "server", "client", "tools", "examples", "tests",
+                 "scripts", "deploy", "bench")
 # The checks' own examples of what they refuse.
 COMMENT_EXCLUDED = ("tests/docs/",)
 _C_EXT = {".cc", ".h", ".cu", ".cuh", ".cpp", ".hpp", ".c", ".proto"}

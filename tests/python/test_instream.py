@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import arfuse
-from arfuse import _native, instream
+from arfuse import _native, instream, instream_context
 from conftest import Group
 from instream_fakes import RecordingLib, bound_context
 
@@ -114,8 +114,8 @@ def test_drain_of_a_cuda_context_waits_for_the_last_launch_then_answers(client, 
     lib = RecordingLib(device_kind=1)
     ctx = bound_context(client, lib)
     waited, capturing = [], [True]
-    monkeypatch.setattr(instream, "_capturing", lambda stream: capturing[0])
-    monkeypatch.setattr(instream, "wait_stream",
+    monkeypatch.setattr(instream_context, "capturing", lambda stream: capturing[0])
+    monkeypatch.setattr(instream_context, "wait_stream",
                         lambda stream, timeout: waited.append((stream, timeout)) or True)
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
     client._on_attach_event(DRAIN, lib.attach_id, "shutdown")
@@ -136,8 +136,8 @@ def test_drain_of_a_cuda_context_waits_for_the_last_launch_then_answers(client, 
 def test_drain_unanswered_while_the_last_launch_runs(client, monkeypatch, capsys):
     lib = RecordingLib(device_kind=1)
     ctx = bound_context(client, lib)
-    monkeypatch.setattr(instream, "_capturing", lambda stream: False)
-    monkeypatch.setattr(instream, "wait_stream", lambda stream, timeout: False)
+    monkeypatch.setattr(instream_context, "capturing", lambda stream: False)
+    monkeypatch.setattr(instream_context, "wait_stream", lambda stream, timeout: False)
     ctx.fused_allreduce_residual_rmsnorm(5, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
     client._on_attach_event(DRAIN, lib.attach_id, "switch")
     ctx.check()
@@ -429,8 +429,8 @@ def test_attach_refuses_a_blob_of_another_attachment(group2, monkeypatch):
 def test_after_a_vote_a_drain_waits_for_the_next_agreement_point(client, monkeypatch):
     lib = RecordingLib(device_kind=1)
     ctx = bound_context(client, lib)
-    monkeypatch.setattr(instream, "_capturing", lambda stream: False)
-    monkeypatch.setattr(instream, "wait_stream", lambda stream, timeout: True)
+    monkeypatch.setattr(instream_context, "capturing", lambda stream: False)
+    monkeypatch.setattr(instream_context, "wait_stream", lambda stream, timeout: True)
     ctx.poll(at_agreement=True)  # the ranks voted: fused
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
     client._on_attach_event(DRAIN, lib.attach_id, "backend switch to mnnvl")

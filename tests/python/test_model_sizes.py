@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 
-EXAMPLES = REPO / "client" / "python" / "examples"
+EXAMPLES = REPO / "examples"
 
 LLAMA_8B = ["--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--intermediate", "14336",
             "--vocab", "32000"]

@@ -1,10 +1,9 @@
-"""client/python/examples/tp_decode.py without torch: arguments, SGLang flags -> sidecar flags,
+"""examples/tp_decode.py without torch: arguments, SGLang flags -> sidecar flags,
 the pool layout, the negotiation -> execution table, sidecars started by the example, plans for
 every layer, and the launcher end to end in --setup-only mode (host-mode sidecars: the fused ops
 run on known data and are checked; fusion off; a sidecar killed mid-run). The model itself needs
 torch: those tests skip without it (PyTorch is too big for CI; docs/integration.md has the GPU
 commands)."""
-import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-EXAMPLES = REPO / "client" / "python" / "examples"
+EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import arfuse  # noqa: E402

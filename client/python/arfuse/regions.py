@@ -153,7 +153,7 @@ class TensorView:
         self.mv.release()
 
 
-class _CudaRt:
+class CudaRt:
     """The few CUDA runtime calls the client needs, through ctypes (no torch required)."""
 
     _lib = None
@@ -199,16 +199,16 @@ class CudaBuffer:
     """Device memory from plain cudaMalloc, exportable by cudaIpcGetMemHandle."""
 
     def __init__(self, byte_size: int, device: int = 0):
-        rt = _CudaRt.lib()
+        rt = CudaRt.lib()
         self.device = device
         self.byte_size = byte_size
-        _CudaRt.check(rt.cudaSetDevice(device), "cudaSetDevice")
+        CudaRt.check(rt.cudaSetDevice(device), "cudaSetDevice")
         ptr = ctypes.c_void_p()
-        _CudaRt.check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(byte_size)), "cudaMalloc")
+        CudaRt.check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(byte_size)), "cudaMalloc")
         self.ptr = ptr.value
         handle = (ctypes.c_char * 64)()
-        _CudaRt.check(rt.cudaIpcGetMemHandle(handle, ctypes.c_void_p(self.ptr)),
-                      "cudaIpcGetMemHandle")
+        CudaRt.check(rt.cudaIpcGetMemHandle(handle, ctypes.c_void_p(self.ptr)),
+                     "cudaIpcGetMemHandle")
         self.ipc_handle = bytes(handle)
 
     @property
@@ -240,7 +240,7 @@ class CudaBuffer:
 
     def close(self):
         if self.ptr:
-            _CudaRt.lib().cudaFree(ctypes.c_void_p(self.ptr))
+            CudaRt.lib().cudaFree(ctypes.c_void_p(self.ptr))
             self.ptr = 0
 
 
@@ -248,37 +248,37 @@ class IpcEvent:
     """An interprocess CUDA event: record on a stream and export, or open a peer's and wait."""
 
     def __init__(self, handle: Optional[bytes] = None):
-        rt = _CudaRt.lib()
+        rt = CudaRt.lib()
         ev = ctypes.c_void_p()
         if handle is None:
-            _CudaRt.check(rt.cudaEventCreateWithFlags(
+            CudaRt.check(rt.cudaEventCreateWithFlags(
                 ctypes.byref(ev), CUDA_EVENT_INTERPROCESS | CUDA_EVENT_DISABLE_TIMING),
                 "cudaEventCreateWithFlags")
             self.event = ev.value
             h = (ctypes.c_char * 64)()
-            _CudaRt.check(rt.cudaIpcGetEventHandle(h, ctypes.c_void_p(self.event)),
-                          "cudaIpcGetEventHandle")
+            CudaRt.check(rt.cudaIpcGetEventHandle(h, ctypes.c_void_p(self.event)),
+                         "cudaIpcGetEventHandle")
             self.handle = bytes(h)
         else:
             if len(handle) != 64:
                 raise ValueError(f"an IPC event handle is 64 bytes, got {len(handle)}")
             h = _IpcHandle.from_buffer_copy(handle)
             rt.cudaIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle]
-            _CudaRt.check(rt.cudaIpcOpenEventHandle(ctypes.byref(ev), h),
-                          "cudaIpcOpenEventHandle")
+            CudaRt.check(rt.cudaIpcOpenEventHandle(ctypes.byref(ev), h),
+                         "cudaIpcOpenEventHandle")
             self.event = ev.value
             self.handle = bytes(handle)
 
     def record(self, stream: int):
-        _CudaRt.check(_CudaRt.lib().cudaEventRecord(ctypes.c_void_p(self.event),
-                                                    ctypes.c_void_p(stream)), "cudaEventRecord")
+        CudaRt.check(CudaRt.lib().cudaEventRecord(ctypes.c_void_p(self.event),
+                                                  ctypes.c_void_p(stream)), "cudaEventRecord")
 
     def wait_on(self, stream: int):
-        _CudaRt.check(_CudaRt.lib().cudaStreamWaitEvent(ctypes.c_void_p(stream),
-                                                        ctypes.c_void_p(self.event), 0),
-                      "cudaStreamWaitEvent")
+        CudaRt.check(CudaRt.lib().cudaStreamWaitEvent(ctypes.c_void_p(stream),
+                                                      ctypes.c_void_p(self.event), 0),
+                     "cudaStreamWaitEvent")
 
     def synchronize(self):
         """Blocks the calling thread until the work before the event's last record finished."""
-        _CudaRt.check(_CudaRt.lib().cudaEventSynchronize(ctypes.c_void_p(self.event)),
-                      "cudaEventSynchronize")
+        CudaRt.check(CudaRt.lib().cudaEventSynchronize(ctypes.c_void_p(self.event)),
+                     "cudaEventSynchronize")

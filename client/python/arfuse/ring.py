@@ -125,6 +125,11 @@ class DoorbellRing:
     def slot_address(self) -> int:
         return self._slot.value or 0
 
+    @property
+    def library_path(self) -> Optional[str]:
+        """Where the libarfuse_ring.so this ring rings through was loaded from (for logs)."""
+        return getattr(self._lib, "_arfuse_path", None)
+
     def ring(self, stream: int, num_tokens: int, timeout_ns: int = 5_000_000_000):
         """Enqueues the ring kernel on `stream` (an int cudaStream_t, e.g.
         torch.cuda.current_stream().cuda_stream): stores num_tokens, rings, waits for the

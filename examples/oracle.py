@@ -2,7 +2,7 @@
 """oracle.py: the numerics oracle in one command (docs/numerics.md; tp_oracle.py says what it does).
 
     # one H200, two ranks sharing it under MPS (see docs/integration.md for the MPS setup)
-    python3 client/python/examples/oracle.py --gpus 1 --json-out oracle.json
+    python3 examples/oracle.py --gpus 1 --json-out oracle.json
 
 runs tp_decode.py --oracle at Llama-3-8B layer sizes (hidden 4096, 32 / 8 heads, intermediate
 14336, vocab 32000, 32 layers, batch 16, prompt 32, 8 decode steps), bf16, two ranks, the

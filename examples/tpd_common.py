@@ -10,8 +10,8 @@ import sys
 from typing import Dict, Optional, Tuple
 
 HERE = pathlib.Path(__file__).resolve().parent
-PKG_DIR = HERE.parent                       # client/python (the arfuse package)
-REPO = HERE.parents[2]
+REPO = HERE.parent
+PKG_DIR = REPO / "client" / "python"     # the arfuse package
 for _p in (str(PKG_DIR), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)

@@ -1,25 +1,17 @@
-"""The torch half of tp_decode: a compact Llama-style decoder with tensor parallelism whose
-allreduce + residual add + RMSNorm goes through arfuse (imported only by model ranks).
-It imports tp_decode's torch-free modules (tpd_*), never tp_decode.py itself.
+"""The torch half of tp_decode: a model rank's run, with the allreduce + residual add + RMSNorm
+of a compact Llama-style decoder with tensor parallelism going through arfuse (imported only by
+model ranks). It imports tp_decode's torch-free modules (tpd_*), never tp_decode.py itself.
 
-Model: replicated embedding and lm_head; per layer RMSNorm -> attention (column-parallel fused
-QKV, rotary embedding, grouped-query attention over a KV cache, row-parallel o_proj) -> RMSNorm
--> SwiGLU MLP (column-parallel gate/up, row-parallel down_proj), residuals: Hugging Face's
-LlamaForCausalLM, layer for layer (tp_oracle.py checks that). Weights are random from --seed,
-generated whole on every rank (one layer at a time, on the GPU when there is one) and sliced, so
-every world size computes the same model.
+The parts: tpm_layers.py (the model: weights, norms, attention, MLP, the forward pieces),
+tpm_comms.py (the per-layer op on each plane), and this file: the runner (prefill eagerly,
+decode in graphs), a pass, the comparison with the framework path, the perf rows, and the
+rank's setup and run. The names tp_oracle.py and the tests use are importable from here.
 
 The row-parallel outputs are partial sums. As in SGLang's LayerCommunicator, each one's
 allreduce is fused with the residual add and the *next* RMSNorm (post_attention_layernorm after
 attention; the next layer's input_layernorm, or the final norm, after the MLP): 2 fused ops per
 layer, "sites" 0 .. 2*layers-1. The forward is pieces 0 .. 2*layers with site i between piece i
 and piece i+1; the pieces are what piecewise CUDA graphs capture.
-
-The tensors a fused op touches (partial: the allreduce input; residual, in place; h: the norm
-output; the norm weights) have fixed addresses, which CUDA graphs need. On the in-stream plane
-they are ordinary torch tensors (the op takes memory from any allocator); on the eager and
-doorbell planes they live in one plain-cudaMalloc buffer registered with the sidecar once
-(arfuse.CudaBuffer; a HostShmBuffer on --device cpu).
 """
 import dataclasses
 import math
@@ -30,16 +22,27 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import arfuse
-from arfuse.pool import TensorPool
 
-from tpd_common import PROG, SetupError, log, site_name
+from tpd_common import PROG, SetupError, log
 from tpd_planes import (decide_execution, destroy_plans, report_eager_decode, try_doorbell,
                         try_instream)
 from tpd_sidecars import negotiation_key
 from tpd_verdicts import print_perf
+from tpm_comms import (ArfuseEagerComm, DoorbellComm, FrameworkComm, InStreamComm, OpFailed,
+                       TapComm)
+from tpm_layers import LayerWeights, TPModel, Weights, generate_weights, rmsnorm, rope
+
+# This module's names, and the model's and the comms' that tp_oracle.py and the tests reach
+# through it.
+__all__ = [
+    "LayerWeights", "TPModel", "Weights", "generate_weights", "rmsnorm", "rope",
+    "ArfuseEagerComm", "DoorbellComm", "FrameworkComm", "InStreamComm", "OpFailed", "TapComm",
+    "TORCH_DTYPES", "RTOL", "ATOL_REL", "depth_factor", "Runner", "PassResult", "run_pass",
+    "compare", "time_decode", "perf_row", "gather", "framework_mode", "RankSetup", "setup_rank",
+    "make_prompt", "run_rank", "run_perf",
+]
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # bf16 tolerance for logits: |a - r| <= k * (RTOL * |r| + ATOL_REL * max|r|) (per row), with
@@ -56,338 +59,6 @@ ATOL_REL = 1e-2
 
 def depth_factor(layers: int) -> float:
     return max(1.0, math.sqrt(layers / 4.0))
-
-
-class OpFailed(RuntimeError):
-    """A fused op failed (the sidecar answered an error, or a doorbell slot holds one)."""
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The framework's RMSNorm with the fused op's numerics (kernels/cpu/reference_op.h): fp32
-    math on the dtype-rounded input, 1/sqrt(mean(x^2) + eps), (x * inv) * weight, one rounding."""
-    y = x.float()
-    inv = 1.0 / torch.sqrt(y.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return ((y * inv) * weight.float()).to(x.dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
-
-
-# =============================================================================================
-# Weights and model
-# =============================================================================================
-
-@dataclasses.dataclass
-class LayerWeights:
-    wqkv_t: torch.Tensor   # [hidden, (heads_local + 2 * kv_local) * head_dim]  column-parallel
-    wo_t: torch.Tensor     # [heads_local * head_dim, hidden]                   row-parallel
-    wgu_t: torch.Tensor    # [hidden, 2 * inter_local]                          column-parallel
-    wd_t: torch.Tensor     # [inter_local, hidden]                              row-parallel
-
-
-def generate_weights(cfg, device):
-    """The model's weights from the seed, in a fixed order, one layer at a time, fp32 on
-    `device` (a generator of its own: the same numbers on every rank and in every process on the
-    same kind of device). Yields ("embed", [V, H]), then per layer ("layer", l, {q, k, v, o,
-    gate, up, down: [out, in]; input_norm, post_norm: [H]}), then ("final_norm", [H]) and
-    ("lm_head", [V, H]): Hugging Face's Llama layout."""
-    gdev = device if device.type == "cuda" else torch.device("cpu")
-    g = torch.Generator(device=gdev).manual_seed(cfg.seed)
-    H, V, hd = cfg.hidden, cfg.vocab, cfg.head_dim
-    nh, nkv, inter = cfg.heads, cfg.kv_heads, cfg.intermediate
-
-    def randn(*shape, std=1.0):
-        return torch.randn(*shape, generator=g, dtype=torch.float32, device=gdev) * std
-
-    yield ("embed", randn(V, H))
-    for layer in range(cfg.layers):
-        w = {"q": randn(nh * hd, H, std=H ** -0.5), "k": randn(nkv * hd, H, std=H ** -0.5),
-             "v": randn(nkv * hd, H, std=H ** -0.5), "o": randn(H, nh * hd, std=(nh * hd) ** -0.5),
-             "gate": randn(inter, H, std=H ** -0.5), "up": randn(inter, H, std=H ** -0.5),
-             "down": randn(H, inter, std=inter ** -0.5)}
-        w["input_norm"] = 1.0 + 0.1 * randn(H)
-        w["post_norm"] = 1.0 + 0.1 * randn(H)
-        yield ("layer", layer, w)
-    yield ("final_norm", 1.0 + 0.1 * randn(H))
-    yield ("lm_head", randn(V, H, std=H ** -0.5))
-
-
-class Weights:
-    """This rank's shard of the model generate_weights() makes (world=1 and dtype float32: the
-    fp32 reference, tp_oracle.py). An 80-layer model at 8B sizes never sits whole in memory."""
-
-    def __init__(self, cfg, rank: int, world: int, device, dtype):
-        hd = cfg.head_dim
-        hl, kvl, il = cfg.heads // world, cfg.kv_heads // world, cfg.intermediate // world
-        q = slice(rank * hl * hd, (rank + 1) * hl * hd)
-        kv = slice(rank * kvl * hd, (rank + 1) * kvl * hd)
-        mi = slice(rank * il, (rank + 1) * il)
-
-        def put(t):
-            return t.to(device=device, dtype=dtype).contiguous()
-
-        self.layers: List[LayerWeights] = []
-        self.norms: List[torch.Tensor] = []  # in_0, post_0, in_1, post_1, ..., final
-        for item in generate_weights(cfg, device):
-            if item[0] == "embed":
-                self.embed = put(item[1])
-            elif item[0] == "layer":
-                w = item[2]
-                self.norms += [put(w["input_norm"]), put(w["post_norm"])]
-                self.layers.append(LayerWeights(
-                    wqkv_t=put(torch.cat([w["q"][q], w["k"][kv], w["v"][kv]], 0).t()),
-                    wo_t=put(w["o"][:, q].t()),
-                    wgu_t=put(torch.cat([w["gate"][mi], w["up"][mi]], 0).t()),
-                    wd_t=put(w["down"][:, mi].t())))
-            elif item[0] == "final_norm":
-                self.norms.append(put(item[1]))
-            else:
-                self.lm_head_t = item[1].t().contiguous().to(device)  # [H, V] fp32 logits
-
-
-class TPModel:
-    """pool_buffer: the registered buffer the fused op's tensors are carved from (eager and
-    doorbell planes), or None for ordinary torch tensors (the in-stream plane, the references).
-    """
-
-    def __init__(self, cfg, weights: Weights, pool_buffer, layout, rank: int, world: int,
-                 device, dtype):
-        self.cfg, self.w, self.rank, self.world = cfg, weights, rank, world
-        self.device, self.dtype = device, dtype
-        self.cuda = device.type == "cuda"
-        H, M, B, S, hd = cfg.hidden, layout.max_tokens, cfg.batch, cfg.max_seq, cfg.head_dim
-        self.hl, self.kvl = cfg.heads // world, cfg.kv_heads // world
-        self.il = cfg.intermediate // world
-        self.sites = cfg.sites
-        self.pieces = cfg.sites + 1
-        # The fused op's tensors: static, in the registered pool or torch's allocator.
-        if pool_buffer is not None:
-            pool = TensorPool(pool_buffer)
-            self.partial = pool.view(dtype, (M, H), layout.offset("partial"))
-            self.residual = pool.view(dtype, (M, H), layout.offset("residual"))
-            self.h = pool.view(dtype, (M, H), layout.offset("h"))
-            self.gammas = pool.view(dtype, (cfg.sites + 1, H), layout.offset("gamma"))
-        else:
-            self.partial, self.residual, self.h = (torch.zeros(M, H, device=device, dtype=dtype)
-                                                   for _ in range(3))
-            self.gammas = torch.zeros(cfg.sites + 1, H, device=device, dtype=dtype)
-        self.gammas.copy_(torch.stack(weights.norms).to(device=device, dtype=dtype))
-        # Everything else: ordinary torch memory, allocated before any capture.
-        self.k_cache = [torch.zeros(B, self.kvl, S, hd, device=device, dtype=dtype)
-                        for _ in range(cfg.layers)]
-        self.v_cache = [torch.zeros_like(c) for c in self.k_cache]
-        self.key_pos = torch.arange(S, device=device)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        f = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
-        emb = torch.cat([f, f], dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
-        self.logits_out = torch.zeros(B, cfg.vocab, dtype=torch.float32, device=device)
-        self.next_tok = torch.zeros(B, dtype=torch.long, device=device)
-        # Decode's static inputs.
-        self.dec_tok = torch.zeros(B, dtype=torch.long, device=device)
-        self.dec_pos = torch.zeros(1, dtype=torch.long, device=device)
-
-    def reset(self):
-        for c in self.k_cache + self.v_cache:
-            c.zero_()
-
-    # -- pieces --
-    def piece(self, i: int, tok: torch.Tensor, pos: torch.Tensor, B: int, T: int):
-        n = B * T
-        if i == 0:
-            torch.index_select(self.w.embed, 0, tok, out=self.residual[:n])
-            # Layer 0's input_layernorm has no allreduce before it: a local norm.
-            self.h[:n].copy_(rmsnorm(self.residual[:n], self.gammas[0], self.cfg.eps))
-            self.attention(0, pos, B, T)
-        elif i == self.sites:
-            self.lm_head(B, T)
-        elif i % 2 == 1:
-            self.mlp((i - 1) // 2, n)
-        else:
-            self.attention(i // 2, pos, B, T)
-
-    def attention(self, layer: int, pos: torch.Tensor, B: int, T: int):
-        n, hd, hl, kvl = B * T, self.cfg.head_dim, self.hl, self.kvl
-        W = self.w.layers[layer]
-        qkv = torch.mm(self.h[:n], W.wqkv_t)
-        q, k, v = qkv.split([hl * hd, kvl * hd, kvl * hd], dim=1)
-        q = q.reshape(B, T, hl, hd).transpose(1, 2)
-        k = k.reshape(B, T, kvl, hd).transpose(1, 2)
-        v = v.reshape(B, T, kvl, hd).transpose(1, 2)
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        self.k_cache[layer].index_copy_(2, pos, k.contiguous())
-        self.v_cache[layer].index_copy_(2, pos, v.contiguous())
-        S, group = self.cfg.max_seq, hl // kvl
-        kk = self.k_cache[layer][:, :, None].expand(B, kvl, group, S, hd).reshape(B, hl, S, hd)
-        vv = self.v_cache[layer][:, :, None].expand(B, kvl, group, S, hd).reshape(B, hl, S, hd)
-        mask = self.key_pos[None, :] <= pos[:, None]  # [T, S]: causal over the cache
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        torch.mm(o.transpose(1, 2).reshape(n, hl * hd), W.wo_t, out=self.partial[:n])
-
-    def mlp(self, layer: int, n: int):
-        W = self.w.layers[layer]
-        gu = torch.mm(self.h[:n], W.wgu_t)
-        g, u = gu.split(self.il, dim=1)
-        torch.mm(F.silu(g) * u, W.wd_t, out=self.partial[:n])
-
-    def lm_head(self, B: int, T: int):
-        last = self.h[:B * T].view(B, T, self.cfg.hidden)[:, T - 1]
-        torch.mm(last.float(), self.w.lm_head_t, out=self.logits_out)
-        torch.argmax(self.logits_out, dim=-1, out=self.next_tok)
-
-
-# =============================================================================================
-# The per-layer op: framework path, arfuse eager plane, arfuse doorbell plane
-# =============================================================================================
-
-class FrameworkComm:
-    """The framework's own path (SGLang: tensor_model_parallel_all_reduce, then its add-RMSNorm
-    kernel): torch.distributed all_reduce + residual add + RMSNorm."""
-    plane = "framework"
-
-    def __init__(self, model: TPModel, backend: str, local: bool = False):
-        self.m, self.backend, self.local = model, backend, local
-        self.capturable = model.cuda and (backend == "nccl" or local)
-        self.phase = ""
-
-    def site(self, i: int, n: int):
-        m = self.m
-        x = m.partial[:n]
-        if m.world > 1 and not self.local:
-            if self.backend == "nccl":
-                dist.all_reduce(x)
-            else:  # gloo: sum in fp32, round once (for two ranks the same bits as a dtype sum)
-                t = x.float()
-                dist.all_reduce(t)
-                x.copy_(t)
-        r = m.residual[:n]
-        r.add_(x)
-        m.h[:n].copy_(rmsnorm(r, m.gammas[i + 1], m.cfg.eps))
-
-
-class ArfuseEagerComm:
-    """The eager plane, called the way SGLang calls FlashInfer's fused op: allreduce_fusion()
-    returns None when fusion is unavailable, and the framework's own path runs that op."""
-    plane = "eager"
-    capturable = False
-
-    def __init__(self, model: TPModel, ws, fallback: FrameworkComm, op_timeout: float,
-                 force_none: bool = False):
-        self.m, self.ws, self.fallback = model, ws, fallback
-        self.op_timeout, self.force_none = op_timeout, force_none
-        self.fused = 0
-        self.fallbacks = 0
-        self.phase = ""
-
-    def site(self, i: int, n: int):
-        m = self.m
-        out = None
-        if not self.force_none:
-            try:
-                out = arfuse.allreduce_fusion(
-                    input=m.partial[:n], workspace=self.ws, residual_in=m.residual[:n],
-                    residual_out=m.residual[:n], norm_out=m.h[:n], rms_gamma=m.gammas[i + 1],
-                    rms_eps=m.cfg.eps, timeout=self.op_timeout)
-            except arfuse.SidecarLost:
-                raise
-            except arfuse.ArfuseError as e:
-                raise OpFailed(f"fused op failed ({self.phase}, {site_name(m.cfg, i)}): "
-                               f"{e}") from e
-        if out is None:
-            self.fallbacks += 1
-            self.fallback.site(i, n)  # fusion unavailable: the framework's path
-        else:
-            self.fused += 1
-
-
-class DoorbellComm:
-    """The doorbell plane: the ring kernel of libarfuse_ring.so, captured in the decode graph."""
-    plane = "doorbell"
-    capturable = True
-
-    def __init__(self, model: TPModel, rings, timeout_ns: int):
-        self.m, self.rings, self.timeout_ns = model, rings, timeout_ns
-        self.phase = ""
-
-    def site(self, i: int, n: int):
-        self.rings[i].ring(torch.cuda.current_stream().cuda_stream, n, self.timeout_ns)
-
-    def check(self, phase: str):
-        """After a replay (outside capture): a slot error means that op's outputs are stale."""
-        for i, ring in enumerate(self.rings):
-            code = ring.error()
-            if code:
-                from arfuse import ring as ringmod
-                raise OpFailed(f"doorbell op failed ({phase}, {site_name(self.m.cfg, i)}): "
-                               f"slot error {code:#x}: {ringmod.slot_error_name(code)}")
-
-
-class InStreamComm:
-    """The in-stream plane: arfuse.torch's op, the sidecar's kernel launched on the current
-    stream (captured in the decode graph like any kernel). An op it does not serve fused (a
-    prefill above the fused range, say) takes the framework's path: decided alike on every
-    rank, from the shapes and the sidecars' shared tables."""
-    plane = "instream"
-
-    def __init__(self, model: TPModel, ictx, fallback: FrameworkComm):
-        import arfuse.torch as aft
-
-        self.m, self.ctx, self.fallback, self.aft = model, ictx, fallback, aft
-        self.capturable = model.cuda
-        self.fused = 0
-        self.fallbacks = 0
-        self.phase = ""
-
-    def site(self, i: int, n: int):
-        m = self.m
-        try:
-            ok = self.aft.fused_allreduce_residual_rmsnorm_(m.partial[:n], m.residual[:n],
-                                                            m.gammas[i + 1], m.cfg.eps,
-                                                            m.h[:n])
-        except arfuse.ArfuseError as e:
-            raise OpFailed(f"fused op failed ({self.phase}, {site_name(m.cfg, i)}): {e}") from e
-        if ok:
-            self.fused += 1
-        else:
-            self.fallbacks += 1
-            self.fallback.site(i, n)
-
-    def check(self, phase: str):
-        """After a replay or a pass (outside capture): a failed launch's outputs are stale."""
-        try:
-            self.ctx.check()
-        except arfuse.ArfuseError as e:
-            raise OpFailed(f"in-stream op failed ({phase}): {e}") from e
-
-
-class TapComm:
-    """Wraps a comm: after every MLP site (the end of a layer) copies the residual stream into
-    taps[layer] (the oracle's per-layer hidden states; in the graph when the op is)."""
-
-    def __init__(self, inner, taps: list):
-        self.inner, self.taps = inner, taps
-        self.plane, self.capturable = inner.plane, inner.capturable
-
-    @property
-    def phase(self):
-        return self.inner.phase
-
-    @phase.setter
-    def phase(self, v):
-        self.inner.phase = v
-
-    def site(self, i: int, n: int):
-        self.inner.site(i, n)
-        if i % 2 == 1:
-            self.taps[i // 2][:n].copy_(self.inner.m.residual[:n])
-
-    def __getattr__(self, name):  # check(), fused, fallbacks, m ...
-        return getattr(self.inner, name)
 
 
 # =============================================================================================
@@ -753,7 +424,7 @@ def setup_rank(ctx) -> RankSetup:
             plans, rings = [], []
         else:
             log(f"{len(plans)} doorbell plans, rings opened (lib "
-                f"{getattr(rings[0]._lib, '_arfuse_path', '?')})", rank)
+                f"{rings[0].library_path or '?'})", rank)
     ex = decide_execution(neg, ctx.device, ctx.want_mode,
                           framework_capturable=cuda and backend == "nccl",
                           doorbell_ok=dok, doorbell_reason=dreason,
@@ -857,3 +528,4 @@ def run_perf(ctx, model, fw, arfuse_comm, ex, ref_mode, backend) -> dict:
                       f"rank 0: batch {cfg.batch}, {cfg.layers} layers, hidden {cfg.hidden}, "
                       f"tp {ctx.world}")
     return {"rows": rows, "summary": summary, "layers": L, "batch": cfg.batch}
+
