@@ -80,7 +80,7 @@ def sidecar_argv(binary: str, rank: int, world: int, folder: str, device: str,
 
 
 class SidecarGroup:
-    """N arfused processes of one group (like client/demo/demo.cc starts them)."""
+    """N arfused processes of one group (like tools/demo/demo.cc starts them)."""
 
     def __init__(self, binary: str, world: int, folder: str, device: str, gpus: int,
                  cfg: ModelConfig, flags: Sequence[str], spin_timeout: float = 5.0,
