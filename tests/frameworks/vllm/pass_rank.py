@@ -184,25 +184,85 @@ def run(args):
         h2 = vllm.ir.ops.fused_add_rms_norm(z, r1, w_last, eps)[0]   # residual unused
         return h2, ar0, r1
 
-    def quant_native(x, r, w, scale):
-        # vLLM's QuantFP8 in its native form: divide, clamp, cast to FP8.
+    # ---- vLLM's FP8 sites: its AllReduceFused[Add]RMSNormStaticQuantFP8Pattern's graphs ----
+    fp8 = torch.float8_e4m3fn
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        GroupShape, group_broadcast, prep_scale_for_group_broadcast)
+
+    # vLLM's _C.static_scaled_fp8_quant (its CUDA extension, not on this machine), with its
+    # schema and its kernel's math: q = clamp(x * (1 / scale), -448, 448) in fp32.
+    if not hasattr(torch.ops._C, "static_scaled_fp8_quant"):
+        lib_c = torch.library.Library("_C", "FRAGMENT")
+        lib_c.define("static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
+                     "int[]? group_shape=None) -> ()")
+
+        def static_scaled_fp8_quant(result, input, scale, group_shape=None):
+            inv = 1.0 / scale.float().reshape(())
+            result.copy_((input.float() * inv).clamp(-448.0, 448.0).to(fp8))
+
+        lib_c.impl("static_scaled_fp8_quant", static_scaled_fp8_quant,
+                   "CompositeExplicitAutograd")
+        torch.library.register_fake("_C::static_scaled_fp8_quant",
+                                    lambda result, input, scale, group_shape=None: None)
+        result["stand_ins"] = ["_C::static_scaled_fp8_quant"]
+    quant_custom = torch.ops._C.static_scaled_fp8_quant.default
+
+    def custom_quant(n, scale, group_shape=(-1, -1)):
+        # As vLLM's MatcherQuantFP8.forward_custom traces it (group_shape: 0.31.0 on).
+        kw = {} if group_shape is None else {"group_shape": list(group_shape)}
+        _, q = auto_functionalized(quant_custom, result=torch.empty(n.shape, dtype=fp8,
+                                                                    device=n.device),
+                                   input=n, scale=scale, **kw)
+        return q
+
+    def native_quant(n, scale):
+        # vLLM's QuantFP8.forward_native, static per-tensor (its own helpers).
+        s = prep_scale_for_group_broadcast(scale, n, GroupShape.PER_TENSOR)
+        out = n.to(torch.float32) * group_broadcast(s.to(torch.float32),
+                                                     n.shape[-2:]).reciprocal()
+        return out.clamp(-448.0, 448.0).to(fp8)
+
+    def fp8_model(quant):
+        def f(x, x1, r, w_in, w_post, scale):
+            # First layer: allreduce + RMSNorm + FP8 (vLLM's pattern returns the codes and
+            # the allreduce, the residual stream); then allreduce + add-RMSNorm + FP8.
+            ar0 = ar(x)
+            q0 = quant(vllm.ir.ops.rms_norm(ar0, w_in, eps), scale)
+            n1, r1 = vllm.ir.ops.fused_add_rms_norm(ar(x1), ar0 + r, w_post, eps)
+            return q0, ar0, quant(n1, scale), r1
+        return f
+
+    def quant_nvfp4(x, r, w, scale):
+        # An NVFP4 quantization after the norm (as vLLM's scaled_fp4_quant: packed FP4).
         n, res = vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
-        q = (n.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return q, res
+        return torch.ops.arfuse_test.scaled_fp4_quant(n, scale), res
+
+    def quant_dynamic(x, r, w):
+        # Dynamic per-token FP8 (vLLM's dynamic_per_token_scaled_fp8_quant).
+        n, res = vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
+        return torch.ops.arfuse_test.dynamic_per_token_scaled_fp8_quant(n), res
+
+    def quant_norm_used(x, r, w, scale):
+        # The norm's output quantized and also used unquantized.
+        n, res = vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
+        return custom_quant(n, scale), n, res
 
     lib = torch.library.Library("arfuse_test", "FRAGMENT")
-    lib.define("static_scaled_fp8_quant(Tensor x, Tensor scale) -> Tensor")
-    lib.impl("static_scaled_fp8_quant",
-             lambda x, s: (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn),
-             "CompositeExplicitAutograd")
+    lib.define("scaled_fp4_quant(Tensor x, Tensor scale) -> Tensor")
+    lib.impl("scaled_fp4_quant",
+             lambda x, s: torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8,
+                                      device=x.device), "CompositeExplicitAutograd")
     torch.library.register_fake(
-        "arfuse_test::static_scaled_fp8_quant",
-        lambda x, s: torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device))
-
-    def quant_op(x, w, scale):
-        # An RMSNorm feeding a quantization op (as torch.ops._C.static_scaled_fp8_quant).
-        n = vllm.ir.ops.rms_norm(ar(x), w, eps)
-        return torch.ops.arfuse_test.static_scaled_fp8_quant(n, scale), n
+        "arfuse_test::scaled_fp4_quant",
+        lambda x, s: torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8,
+                                 device=x.device))
+    lib.define("dynamic_per_token_scaled_fp8_quant(Tensor x) -> Tensor")
+    lib.impl("dynamic_per_token_scaled_fp8_quant",
+             lambda x: x.float().clamp(-448, 448).to(fp8), "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        "arfuse_test::dynamic_per_token_scaled_fp8_quant",
+        lambda x: torch.empty(x.shape, dtype=fp8, device=x.device))
 
     def gemma(x, r, w):
         # Gemma's norm: (1 + weight) in fp32 against a bf16 input.
@@ -216,6 +276,23 @@ def run(args):
         return {"arfuse": sum("arfuse.fused_allreduce" in s for s in names),
                 "all_reduce": sum(s.startswith("vllm.all_reduce") for s in names),
                 "vllm_ir": sum(s.startswith("vllm_ir.") for s in names)}
+
+    def left(gm):
+        """vLLM's allreduce, norm and FP8 quant nodes left in a passed graph."""
+        names = [str(n.target) + " " + " ".join(str(a) for a in n.args[:1])
+                 for n in gm.graph.nodes if n.op == "call_function"]
+        return sorted(s for s in names if "vllm.all_reduce" in s or "vllm_ir." in s
+                      or "static_scaled_fp8_quant" in s or "reciprocal" in s
+                      or "clamp" in s)
+
+    def fp8_steps(got, want):
+        """The largest distance between two FP8 E4M3 tensors in E4M3 steps: the magnitude codes
+        are monotone in the value, so it is the codes' difference on one side of zero and the
+        sum of the magnitudes across it."""
+        g, w_ = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+        gm_, wm = g & 0x7F, w_ & 0x7F
+        same = (g & 0x80) == (w_ & 0x80)
+        return int(torch.where(same, (gm_ - wm).abs(), gm_ + wm).max())
 
     def run_pass(fn, *inputs):
         gm = make_fx(fn, tracing_mode="fake")(*inputs)
@@ -251,10 +328,32 @@ def run(args):
     result["model"]["ar0_equal"] = bool(torch.equal(got[1], want[1]))
 
     r = per_rank(t, h)
-    scale = torch.tensor([0.05], device=dev)
+    scale = torch.tensor([0.02], device=dev)
+    for name, quant in (("fp8_custom", custom_quant),
+                        ("fp8_custom_no_group_shape",
+                         lambda n, s: custom_quant(n, s, group_shape=None)),
+                        ("fp8_native", native_quant)):
+        inputs = (x, x1, r, w_in, w_post, scale)
+        gm, ref, b, a, k = run_pass(fp8_model(quant), *inputs)
+        res = {"before": b, "after": a, "matched": k, "left": left(gm)}
+        with torch.no_grad():
+            want, got = ref(*inputs), gm(*inputs)
+        res["dtypes"] = [str(g.dtype) for g in got]
+        res["codes_max_steps"] = [fp8_steps(g, w_) for g, w_ in zip(got[0::2], want[0::2])]
+        res["codes_differ"] = [int((g.view(torch.uint8) != w_.view(torch.uint8)).sum())
+                               for g, w_ in zip(got[0::2], want[0::2])]
+        res["codes_nonzero"] = [int((g.float() != 0).sum()) for g in got[0::2]]
+        res["residual_equal"] = bool(torch.equal(got[1], want[1]))
+        res["residual_max_abs_diff"] = float((got[3].float() - want[3].float()).abs().max())
+        res["residual_max_abs_ref"] = float(want[3].float().abs().max())
+        result[name] = res
+
     for name, fn, inputs in (
-            ("quant_native", quant_native, (x, r, w_post, scale)),
-            ("quant_op", quant_op, (x, w_post, scale)),
+            ("quant_nvfp4", quant_nvfp4, (x, r, w_post, scale)),
+            ("quant_dynamic", quant_dynamic, (x, r, w_post)),
+            ("quant_norm_used", quant_norm_used, (x, r, w_post, scale)),
+            ("quant_fp32", fp8_model(custom_quant),
+             (x.float(), x1.float(), r.float(), w_in.float(), w_post.float(), scale)),
             ("gemma", gemma, (x, r, w_post)),
             ("mixed", mixed, (x, r, w_post.float()))):
         _, _, b, a, k = run_pass(fn, *inputs)

@@ -84,7 +84,24 @@ def test_the_pass_serves_vllms_sites_within_the_fused_range(arfused, vllm_source
         assert model["ar0_equal"]
         for diff, ref in zip(model["max_abs_diff"], model["max_abs_ref"]):
             assert diff <= 1.6e-2 * ref + 1e-2, (version, model)
-        for declined in ("quant_native", "quant_op", "gemma", "mixed"):
+        # vLLM's static per-tensor FP8 sites (the first layer's and a middle one's), as its
+        # custom op under auto_functionalized (with and without group_shape) and as
+        # QuantFP8's native form: on arfuse's FP8 op, nothing of vLLM's site left, the codes
+        # within one E4M3 step of vLLM's path (arfuse quantizes the fp32 normalized value,
+        # vLLM the bf16 norm output), the residual streams as vLLM's.
+        for name in ("fp8_custom", "fp8_custom_no_group_shape", "fp8_native"):
+            fp8 = res[name]
+            assert fp8["matched"] == 2, (version, name, fp8)
+            assert fp8["before"]["all_reduce"] == 2 and fp8["before"]["vllm_ir"] == 2, fp8
+            assert fp8["after"] == {"arfuse": 2, "all_reduce": 0, "vllm_ir": 0}, fp8
+            assert fp8["left"] == [], (name, fp8["left"])
+            assert fp8["dtypes"][0::2] == ["torch.float8_e4m3fn"] * 2, fp8
+            assert fp8["codes_max_steps"] == [min(s, 1) for s in fp8["codes_max_steps"]], fp8
+            assert all(n > 0 for n in fp8["codes_nonzero"]), fp8
+            assert fp8["residual_equal"], fp8
+            assert fp8["residual_max_abs_diff"] <= 1.6e-2 * fp8["residual_max_abs_ref"] + 1e-2
+        for declined in ("quant_nvfp4", "quant_dynamic", "quant_norm_used", "quant_fp32",
+                         "gemma", "mixed"):
             assert res[declined]["matched"] == 0, (declined, res[declined])
             assert res[declined]["after"] == res[declined]["before"]
             assert res[declined]["after"]["arfuse"] == 0
@@ -98,7 +115,8 @@ def test_the_pass_serves_vllms_sites_within_the_fused_range(arfused, vllm_source
         declines = [l for l in logs if "arfuse: declined (" in l]
         reasons = [l.split("declined (", 1)[1].split(")", 1)[0] for l in declines]
         assert sorted(reasons) == sorted(set(reasons)), declines
-        assert {"quant", "dtype", "range"} <= set(reasons), declines
+        assert {"nvfp4", "fp8_dynamic", "fp8_norm_used", "fp8_dtype", "fp8", "dtype",
+                "range"} <= set(reasons), declines
         assert all(l.startswith("INFO ") and "vLLM's own allreduce + RMSNorm runs there" in l
                    for l in declines), declines
 
