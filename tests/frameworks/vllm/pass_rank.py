@@ -271,6 +271,11 @@ def run(args):
     def mixed(x, r, w):
         return vllm.ir.ops.fused_add_rms_norm(ar(x), r, w, eps)
 
+    def partial_first(x, w):
+        # The first layer's norm over part of the hidden size (rms_norm's variance_size is its
+        # fourth argument, fused_add_rms_norm's its fifth).
+        return vllm.ir.ops.rms_norm(ar(x), w, eps, w.shape[0] // 2)
+
     def counts(gm):
         names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
         return {"arfuse": sum("arfuse.fused_allreduce" in s for s in names),
@@ -355,7 +360,8 @@ def run(args):
             ("quant_fp32", fp8_model(custom_quant),
              (x.float(), x1.float(), r.float(), w_in.float(), w_post.float(), scale)),
             ("gemma", gemma, (x, r, w_post)),
-            ("mixed", mixed, (x, r, w_post.float()))):
+            ("mixed", mixed, (x, r, w_post.float())),
+            ("partial_first", partial_first, (x, w_in))):
         _, _, b, a, k = run_pass(fn, *inputs)
         result[name] = {"before": b, "after": a, "matched": k}
 

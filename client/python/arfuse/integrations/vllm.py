@@ -599,13 +599,17 @@ def pass_class():
             quantization op; the hidden size attached with a fused range covering this
             compile range."""
             for node in match.nodes:
+                # rms_norm(x, weight, epsilon, variance_size=None); fused_add_rms_norm(x,
+                # x_residual, weight, epsilon, variance_size=None): variance_size's position.
                 if node.target == ir_rms:
                     x, residual, weight = node.args[0], None, node.args[1]
+                    vs = 3
                 elif node.target == ir_add_rms:
                     x, residual, weight = node.args[0], node.args[1], node.args[2]
+                    vs = 4
                 else:
                     continue
-                if len(node.args) > 4 and node.args[4] is not None or \
+                if len(node.args) > vs and node.args[vs] is not None or \
                         node.kwargs.get("variance_size") is not None:
                     return _declined("shape", "an RMSNorm over part of the hidden size "
                                      "(variance_size)")
