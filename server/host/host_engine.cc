@@ -27,6 +27,7 @@
 #include "kernels/instream/attach_abi.h"
 #include "server/engine/instream_host.h"
 #include "server/host/guarded_copy.h"
+#include "server/host/op_staging.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 
@@ -255,11 +256,10 @@ class HostEngine final : public Engine, public InStreamHost {
     // Client memory (residual_in, gamma, the outputs) is read and written through private copies,
     // and the input through a guarded copy into the slot (guarded_copy.h): a client that shrinks
     // its region under the op gets an error for this op, and the daemon goes on.
-    const size_t bytes = static_cast<size_t>(op.num_tokens) * op.hidden * DTypeSize(op.dtype);
     // A rank whose client memory faults still takes part (on its private copies), so its peers
     // complete the op; it alone fails it, after.
     OpArgs staged = op;
-    const absl::Status staged_in = StageIn(op, bytes, &staged);
+    const absl::Status staged_in = staging_.In(op, &staged);
     host::HostOpResult r =
         collective.Run(staged, generation, limits, /*client=*/false,
                        [](void* to, const void* from, size_t n, const char* what) {
@@ -273,63 +273,8 @@ class HostEngine final : public Engine, public InStreamHost {
     }
     if (!r.status.ok()) return ToAbsl(r.status);
     ARFUSE_RETURN_IF_ERROR(staged_in);
-    ARFUSE_RETURN_IF_ERROR(StageOut(op, bytes));
+    ARFUSE_RETURN_IF_ERROR(staging_.Out(op));
     return OpOutcome{ExecPath::kHost, "host shared-memory workspace, CPU implementation"};
-  }
-
-  // The op's client tensors other than the input, copied into private buffers (guarded): the
-  // collective reads residual_in and gamma and writes the outputs there. `staged` points at the
-  // buffers even when a copy fails (its error is returned).
-  absl::Status StageIn(const OpArgs& op, size_t bytes, OpArgs* staged) {
-    staging_out_.resize(bytes);
-    if (op.pattern == Pattern::kAllReduce) {
-      staged->output = staging_out_.data();
-      return absl::OkStatus();
-    }
-    const size_t gamma_bytes = static_cast<size_t>(op.hidden) * DTypeSize(op.dtype);
-    staging_in_.resize(bytes);
-    staging_gamma_.resize(gamma_bytes);
-    staging_norm_.resize(bytes);
-    // The private pointers first: the collective runs on them even when a copy below fails.
-    staged->residual_in = staging_in_.data();
-    staged->gamma = staging_gamma_.data();
-    staged->residual_out = staging_out_.data();
-    // An FP8 op without norm_out writes none (the collective skips it).
-    staged->norm_out = op.norm_out != nullptr ? staging_norm_.data() : nullptr;
-    const QuantKind quant = TraitsOf(op.pattern).quant;
-    if (quant != QuantKind::kNone) {
-      staging_quant_.resize(static_cast<size_t>(op.num_tokens) * op.hidden);
-      staging_scale_.resize(static_cast<size_t>(contract::ScaleBytes(contract::ShapeOf(op))));
-      staged->quant_out = staging_quant_.data();
-      staged->scale = staging_scale_.data();
-    }
-    ARFUSE_RETURN_IF_ERROR(GuardedCopy(staging_in_.data(), op.residual_in, bytes, "residual_in"));
-    if (quant == QuantKind::kStatic) {
-      // The static pattern reads its scale: the one fp32 the client wrote.
-      ARFUSE_RETURN_IF_ERROR(
-          GuardedCopy(staging_scale_.data(), op.scale, staging_scale_.size(), "scale"));
-    }
-    return GuardedCopy(staging_gamma_.data(), op.gamma, gamma_bytes, "gamma");
-  }
-
-  // The op's outputs, from the private buffers back into the client's memory (guarded).
-  absl::Status StageOut(const OpArgs& op, size_t bytes) {
-    if (op.pattern == Pattern::kAllReduce) {
-      return GuardedCopy(op.output, staging_out_.data(), bytes, "output");
-    }
-    ARFUSE_RETURN_IF_ERROR(
-        GuardedCopy(op.residual_out, staging_out_.data(), bytes, "residual_out"));
-    const QuantKind quant = TraitsOf(op.pattern).quant;
-    if (quant != QuantKind::kNone) {
-      ARFUSE_RETURN_IF_ERROR(
-          GuardedCopy(op.quant_out, staging_quant_.data(), staging_quant_.size(), "quant_out"));
-      if (quant != QuantKind::kStatic) {
-        ARFUSE_RETURN_IF_ERROR(
-            GuardedCopy(op.scale, staging_scale_.data(), staging_scale_.size(), "scale"));
-      }
-      if (op.norm_out == nullptr) return absl::OkStatus();
-    }
-    return GuardedCopy(op.norm_out, staging_norm_.data(), bytes, "norm_out");
   }
 
   void Abort() override { abort_.store(true, std::memory_order_release); }
@@ -557,9 +502,8 @@ class HostEngine final : public Engine, public InStreamHost {
   const size_t slot_bytes_;
   std::timed_mutex exec_mu_;  // callers queue here, bounded by their deadline
   std::mutex op_mu_;          // the workspace: Initialize and Execute
-  // StageIn/StageOut's private copies of client tensors (guarded by exec_mu_: one op at a time).
-  std::vector<uint8_t> staging_in_, staging_gamma_, staging_out_, staging_norm_;
-  std::vector<uint8_t> staging_quant_, staging_scale_;  // the FP8 patterns' quant_out and scale
+  // The private copies of the op's client tensors (guarded by exec_mu_: one op at a time).
+  OpStaging staging_;
   std::atomic<bool> abort_{false};
   // state_, generation_, reason_ and ws_ (replaced only under op_mu_ too, so Execute may use
   // ws_ with op_mu_ alone).

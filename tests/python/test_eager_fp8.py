@@ -12,6 +12,7 @@ import pytest
 import arfuse
 from arfuse import instream
 from conftest import Group
+from fp8_values import e4m3_values
 
 P = arfuse.AllReduceFusionPattern
 HIDDEN, TOKENS, EPS = 256, 5, 1e-6
@@ -105,15 +106,6 @@ def two_ranks(arfused):
         for c in clients:
             c.close()
         g.stop()
-
-
-def e4m3_values():
-    out = np.empty(256, dtype=np.float64)
-    for c in range(256):
-        e, m = (c >> 3) & 15, c & 7
-        v = m * 2.0 ** -9 if e == 0 else (8 + m) * 2.0 ** (e - 10)
-        out[c] = np.nan if (c & 0x7f) == 0x7f else (-v if c & 0x80 else v)
-    return out
 
 
 def test_eager_fp8_patterns_equal_the_instream_plane_byte_for_byte(arfused, real_lib):

@@ -22,6 +22,7 @@ import pytest
 import arfuse
 from arfuse import _native, instream, instream_context
 from conftest import Group
+from fp8_values import e4m3_values
 from instream_fakes import RecordingLib, bound_context
 
 DRAIN = arfuse.fusion_pb2.AttachEvent.KIND_DRAIN
@@ -503,16 +504,6 @@ def test_fp8_scale_tensors_span_the_formats_extents():
     assert e("per_group", 5, 640, "ue8m0_packed") == 8 + 5
     assert e("per_token", 7, 128) == 7 and e("static", 7, 128) == 1
     assert e("per_group", 0, 128, "fp32_mn_major") == 0
-
-
-def e4m3_values():
-    """The value of every E4M3 code (OCP e4m3fn: bias 7, 0x7f / 0xff NaN)."""
-    out = np.empty(256, dtype=np.float64)
-    for c in range(256):
-        e, m = (c >> 3) & 15, c & 7
-        v = m * 2.0 ** -9 if e == 0 else (8 + m) * 2.0 ** (e - 10)
-        out[c] = np.nan if (c & 0x7f) == 0x7f else (-v if c & 0x80 else v)
-    return out
 
 
 def test_fp8_end_to_end_host_mode(arfused, real_lib):
