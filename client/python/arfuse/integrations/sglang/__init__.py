@@ -114,6 +114,7 @@ class _State:
         self.fp8_layout = 0          # instream.SCALE_LAYOUTS code of the scales handed back
         self.fp8_layout_name = ""
         self.fp8_quant = 0           # instream.QUANTS["per_group"]
+        self.fp8_dtype = None        # the torch dtype the setup decided (input, residual, weight)
         self.quant_hook_original = None  # SGLang's own hook: what a declined call runs
         self.quant_hook_installed = False
         self.lock = threading.Lock()  # install/setup/teardown only, never the op
@@ -189,7 +190,7 @@ def _fp8_why_not(x, residual, weight, group_size, keep_bf16) -> Optional[Tuple[s
         return "fp8_shape", (f"residual {tuple(residual.shape)} or weight "
                              f"{None if weight is None else tuple(weight.shape)} does not match "
                              f"input {tuple(x.shape)}")
-    if x.dtype != residual.dtype or x.dtype != weight.dtype or _dtype_name(x.dtype) != name:
+    if x.dtype != _state.fp8_dtype or residual.dtype != x.dtype or weight.dtype != x.dtype:
         return "fp8_dtype", (f"dtypes input {x.dtype}, residual {residual.dtype}, weight "
                              f"{weight.dtype} (served: all {name})")
     if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
@@ -458,6 +459,7 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
             _state.fp8_layout = instream.SCALE_LAYOUTS[scales]
             _state.fp8_layout_name = scales
             _state.fp8_limit = min(int(v[2]) for v in votes)
+            _state.fp8_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
             _state.fp8_served, _state.fp8_reason = True, ""
             fp8_line = (f"per-group FP8 hook: served ({scales} scales, up to "
                         f"{_state.fp8_limit} tokens per launch)")
