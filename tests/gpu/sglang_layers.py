@@ -252,11 +252,232 @@ def rank_main(args):
         extra.append(row)
         dist.barrier()
     out["graphs"] = extra
+    if args.fp8:
+        out["fp8"] = fp8_checks(args, layernorm, shim, dev, out["problems"])
     out["launches"] = shim.status()["launches"]
     fusion.cleanup_flashinfer_workspace()
     out["ok"] = not out["problems"]
     (pathlib.Path(args.dir) / f"rank{rank}.{args.hidden}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+E4M3_MAX = 448.0
+
+
+def e4m3_steps(a, b):
+    """Per element, how many E4M3 codes apart two float8_e4m3fn tensors are: the codes' bytes
+    with the sign applied are consecutive integers along the value axis (+0 and -0 both 0)."""
+    import torch
+
+    def ordinal(t):
+        c = t.view(torch.uint8).to(torch.int32)
+        return torch.where(c >= 128, -(c - 128), c)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+def fp8_reference(xs, r, w, eps, dtype):
+    """What SGLang's CUDA path computes when its per-group FP8 hook answers None: the allreduce
+    (rounded to the model's dtype, as NCCL hands it over), the residual add (rounded: the new
+    residual), RMSNorm of that residual in fp32 (output in the model's dtype), then
+    per_token_group_quant_fp8 of that output (group 128, scale = max(amax, 1e-10) / 448 in fp32,
+    codes clamp(x / scale) in E4M3, scales row-major [tokens, hidden / 128]). Also the same
+    scale formula on the fp32 normalized value before its rounding: what arfuse quantizes."""
+    import torch
+    a = sum(x.float() for x in xs).to(dtype)
+    s = (a.float() + r.float()).to(dtype).float()
+    n = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype)
+    tokens, hidden = n.shape
+    g = n.float().view(tokens, hidden // 128, 128)
+    scale = g.abs().amax(-1).clamp(min=1e-10) / E4M3_MAX
+    q = (g / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).view(tokens, hidden)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    scale32 = y.view(tokens, hidden // 128, 128).abs().amax(-1).clamp(min=1e-10) / E4M3_MAX
+    return q.to(torch.float8_e4m3fn), scale, s.to(dtype), scale32
+
+
+def fp8_checks(args, layernorm, shim, dev, problems):
+    """SGLang's per-group FP8 hook through RMSNorm's and GemmaRMSNorm's
+    forward_with_allreduce_fusion_quant_per_group (the methods SGLang's boundary calls), on
+    both ranks alike: served calls against fp8_reference (codes within one E4M3 step, scales
+    within bf16 rounding of the group's amax, residual within bf16 tolerance, the scale tensor's
+    dtype, shape and strides), declined calls (keep_bf16, another group size, beyond the FP8
+    launch limit) answer SGLang's own hook's None and are noted; from 0.5.21 also through the
+    layer boundary's fused_attn_input as SGLang's fusion module runs it; and torch.compile
+    (fullgraph) through the hook."""
+    import importlib
+    import torch
+    dtype = torch.bfloat16
+    st = shim.status()["fp8"]
+    res = {"status": st, "rows": []}
+    if not st["served"]:
+        problems.append(f"fp8 hook not served: {st['reason']}")
+        return res
+    hidden = args.hidden
+
+    def inputs(tokens, seed):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(WORLD)]
+        r = torch.randn(tokens, hidden, generator=g).to(dtype)
+        w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+        return xs, r, w
+
+    norms = {"RMSNorm": layernorm.RMSNorm(hidden, eps=EPS).to(device=dev, dtype=dtype),
+             "GemmaRMSNorm": layernorm.GemmaRMSNorm(hidden, eps=EPS).to(device=dev,
+                                                                        dtype=dtype)}
+
+    def set_weight(kind, norm, w):
+        with torch.no_grad():
+            if kind == "GemmaRMSNorm":
+                norm.gemma_weight.copy_(w.to(dev))  # the weight + 1 its hook passes
+            else:
+                norm.weight.copy_(w.to(dev))
+
+    def compare(label, got, xs, r, w):
+        (q, scale), rs = got
+        rq, rscale, rres, rscale32 = fp8_reference(xs, r, w, EPS, dtype)
+        tokens = rq.shape[0]
+        row = {"case": label, "tokens": tokens}
+        row["layout_ok"] = (q.dtype == torch.float8_e4m3fn and tuple(q.shape) == tuple(rq.shape)
+                            and q.is_contiguous() and scale.dtype == torch.float32
+                            and tuple(scale.shape) == (tokens, hidden // 128)
+                            and scale.stride() == (hidden // 128, 1))
+        steps = e4m3_steps(q.cpu(), rq)
+        row["max_code_steps"] = int(steps.max())
+        row["codes_off_by_one"] = int((steps == 1).sum())
+        sc = scale.cpu()
+        # arfuse's scale is SGLang's formula on the fp32 normalized value (equal up to the sum of
+        # squares' order, hidden x 2^-24); SGLang's fallback applies it after rounding that value
+        # to bf16, so the two agree once arfuse's amax is rounded alike, except where the fp32
+        # difference straddles a bf16 rounding midpoint (one bf16 step then).
+        row["scale_vs_fp32_rel"] = ((sc - rscale32).abs() / rscale32).max().item()
+        rounded = (sc * E4M3_MAX).to(dtype).float() / E4M3_MAX
+        row["scales_equal_after_rounding"] = float((rounded == rscale).float().mean())
+        row["scale_max_rel"] = ((sc - rscale).abs() / rscale).max().item()
+        row["residual_bit_equal"] = bool(torch.equal(rs.cpu(), rres))
+        row["ok"] = (row["layout_ok"] and row["max_code_steps"] <= 1
+                     and row["scale_vs_fp32_rel"] <= hidden * 2.0 ** -24
+                     and row["scale_max_rel"] <= 2.0 ** -7 and row["residual_bit_equal"])
+        if not row["ok"]:
+            problems.append(f"fp8 {label}: {row}")
+        res["rows"].append(row)
+
+    for kind, norm in norms.items():
+        for tokens in args.fp8_tokens:
+            xs, r, w = inputs(tokens, seed=20_000 + tokens)
+            set_weight(kind, norm, w)
+            x, rr = xs[args.rank].to(dev), r.to(dev)
+            r0 = rr.clone()
+            before = shim.status()["launches"]
+            with torch.no_grad():
+                got = norm.forward_with_allreduce_fusion_quant_per_group(
+                    x, rr, use_attn_tp_group=False)
+            if got is None:
+                problems.append(f"fp8 {kind} {tokens} tokens: the hook answered None")
+                continue
+            if shim.status()["launches"] != before + 1:
+                problems.append(f"fp8 {kind} {tokens} tokens: not one fused launch")
+            if not torch.equal(rr, r0):
+                problems.append(f"fp8 {kind} {tokens} tokens: the caller's residual changed")
+            compare(f"{kind} hook", got, xs, r, w)
+
+    # Declines: SGLang's own hook answers (None off ROCm/aiter), no launch, a noted reason.
+    norm = norms["RMSNorm"]
+    xs, r, w = inputs(8, seed=30_000)
+    set_weight("RMSNorm", norm, w)
+    x, rr = xs[args.rank].to(dev), r.to(dev)
+    big = st["max_tokens"] + 1
+    bx, br, _ = inputs(big, seed=30_001)
+    declines = {"keep_bf16": dict(x=x, residual=rr, keep_bf16=True),
+                "group_size": dict(x=x, residual=rr, group_size=64),
+                "range": dict(x=bx[args.rank].to(dev), residual=br.to(dev))}
+    res["declines"] = {}
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    log = logging.getLogger("arfuse.integrations.sglang")
+    level = log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    for what, kw in declines.items():
+        before = shim.status()["launches"]
+        with torch.no_grad():
+            got = norm.forward_with_allreduce_fusion_quant_per_group(
+                kw.pop("x"), kw.pop("residual"), use_attn_tp_group=False, **kw)
+        res["declines"][what] = {"none": got is None,
+                                 "launched": shim.status()["launches"] != before}
+        if got is not None or shim.status()["launches"] != before:
+            problems.append(f"fp8 decline {what}: {res['declines'][what]}")
+    log.removeHandler(lines)
+    log.setLevel(level)
+    noted = shim.status()["fp8"]["declined"]
+    res["noted"], res["decline_lines"] = noted, lines.lines
+    for cls in ("fp8_keep_bf16", "fp8_group_size", "fp8_range"):
+        if cls not in noted or not any(f"declined ({cls})" in m for m in lines.lines):
+            problems.append(f"fp8 decline {cls} not logged ({noted}, {lines.lines})")
+
+    # SGLang's layer-boundary fusion module (0.5.21 on): the attention-input fusion
+    # (complete_attention_input in 0.5.21, fused_attn_input from 0.5.23) with fuses_quant as
+    # attn_input_fusions sets it on ROCm/aiter (off elsewhere: it gates on _use_aiter).
+    try:
+        fusions = importlib.import_module("sglang.srt.layers.layer_boundary.fusions.allreduce")
+    except ImportError:
+        fusions = None
+    attn_input = None if fusions is None else (getattr(fusions, "fused_attn_input", None) or
+                                               getattr(fusions, "complete_attention_input", None))
+    if attn_input is not None:
+        output = importlib.import_module("sglang.srt.layers.layer_boundary.output")
+        moe = importlib.import_module("sglang.srt.layers.moe")
+
+        class Plan:
+            pass
+
+        plan = Plan()
+        plan.norm = norm
+        xs, r, w = inputs(64, seed=40_000)
+        set_weight("RMSNorm", norm, w)
+        owed = output.UnreducedOutput(partial=xs[args.rank].to(dev),
+                                      group=moe.post_experts_reduction_group())
+        with torch.no_grad():
+            got = attn_input(plan, owed, r.to(dev), None, None, fuses_quant=True,
+                             keep_bf16=False)
+        if not (isinstance(got, tuple) and isinstance(got[0], tuple)):
+            problems.append(f"fp8 {attn_input.__name__} answered {type(got).__name__}, not "
+                            "((fp8, scale), residual)")
+        else:
+            compare(f"boundary {attn_input.__name__}", got, xs, r, w)
+        res["caller_fuses_quant_here"] = bool(fusions._use_aiter)
+
+    # torch.compile(fullgraph=True) through the hook: no graph break, bit-identical to eager.
+    import torch._dynamo
+    xs, r, w = inputs(16, seed=50_000)
+    set_weight("RMSNorm", norm, w)
+    x, rr = xs[args.rank].to(dev), r.to(dev)
+
+    def f(x, rr):
+        (q, scale), rs = norm.forward_with_allreduce_fusion_quant_per_group(
+            x, rr, use_attn_tp_group=False)
+        return q.view(torch.uint8), scale, rs
+
+    with torch.no_grad():
+        eager = f(x, rr)
+        torch._dynamo.reset()
+        res["graph_breaks"] = torch._dynamo.explain(f)(x, rr).graph_break_count
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend="inductor")(x, rr)
+    res["compile_bit_identical"] = all(torch.equal(a, b) for a, b in zip(eager, got))
+    if res["graph_breaks"] != 0 or not res["compile_bit_identical"]:
+        problems.append(f"fp8 compile: {res['graph_breaks']} breaks, bit-identical "
+                        f"{res['compile_bit_identical']}")
+    return res
 
 
 # ---------------------------------------------------------------- the launcher
@@ -277,7 +498,9 @@ def run_hidden(args, d, hidden):
                     "--hidden", str(hidden), "--device", args.device,
                     "--sglang-src", args.sglang_src, "--tol", str(args.tol),
                     "--tokens", ",".join(map(str, args.tokens)),
-                    "--graph-tokens", ",".join(map(str, args.graph_tokens))]
+                    "--graph-tokens", ",".join(map(str, args.graph_tokens)),
+                    "--fp8-tokens", ",".join(map(str, args.fp8_tokens))] + \
+                (["--fp8"] if args.fp8 else [])
             log = open(d / f"rank{r}.{hidden}.log", "w")
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
         for p in procs:
@@ -365,6 +588,9 @@ def main():
     ap.add_argument("--hidden", default="4096,8192")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--graph-tokens", default="1,16,64")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also check SGLang's per-group FP8 hook (0.5.20 on) served by arfuse")
+    ap.add_argument("--fp8-tokens", default="1,7,64,2048")
     ap.add_argument("--tol", type=float, default=2e-2, help="max |out - ref| / (1 + max |ref|)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per hidden size")
     ap.add_argument("--out", default=None, help="JSON summary")
@@ -379,6 +605,7 @@ def main():
         ap.error("--sglang-src is required")
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.graph_tokens = [int(t) for t in args.graph_tokens.split(",") if t]
+    args.fp8_tokens = [int(t) for t in args.fp8_tokens.split(",") if t]
     args.sglang_src = str(pathlib.Path(args.sglang_src).resolve())
     if args.rank_worker is not None:
         args.rank, args.hidden = args.rank_worker, int(args.hidden)

@@ -37,6 +37,20 @@ and an fp32 add + RMSNorm. The op never answers (None, None) after a yes gate; a
 fails while serving (poisoned, its sidecar gone) raises arfuse.instream.Unavailable, never
 hangs. A shape the setup did not decide (another hidden size or input dtype) raises too.
 
+The per-group FP8 hook (layouts.QUANT_HOOK, layernorm's
+_forward_with_allreduce_fusion_quant_per_group, 0.5.20 on): where a release has it, install()
+replaces it too, and setup() decides and votes it with the op (every rank's sidecar serves the
+per-group FP8 pattern at the model's hidden size; the smallest per-launch limit any rank
+serves). A served call answers what SGLang's fallback hands its GEMM: ((fp8, scale),
+residual_out), the E4M3 codes, fp32 scales per group of 128 in the layout ARFUSE_SGLANG_FP8_SCALES
+names (fp32_row_major by default: [tokens, hidden / 128], per_token_group_quant_fp8's default;
+fp32_mn_major or ue8m0_packed for the GEMMs that read those), and a fresh residual. A call it
+cannot serve (keep_bf16, another group size, shape or dtype, beyond the FP8 launch limit, not
+voted on) runs SGLang's own hook, which answers None off ROCm/aiter, and logs its reason the
+first time. ARFUSE_SGLANG_FP8=0 turns the hook off. SGLang's callers ask for the hook only under
+aiter, so on CUDA it serves callers that ask for it; SGLang itself still runs the fused op and a
+separate quant there.
+
 torch.compile: what SGLang calls is a plain function that reads one attribute and calls the
 opaque custom op torch.ops.arfuse.allreduce_residual_rmsnorm (fake implementation registered):
 no locks, ctypes or dict lookups on the traced path, so fullgraph=True traces through it.
@@ -45,7 +59,9 @@ status() says what was decided and why. The setup logs one line per rank: the pa
 (arfuse or SGLang's own), whether this rank attached, the vote, every patched name and why. A
 gate or op call that declines (the gate says no: not set up, voted off) logs its reason the first
 time it occurs, at INFO, once per distinct reason; outside torch.compile's tracing only (the
-note is skipped while Dynamo traces, so compiled graphs hold nothing of it).
+note is skipped while Dynamo traces, so compiled graphs hold nothing of it). The FP8 hook's
+declines are noted alike, with the classes fp8_not_served, fp8_keep_bf16, fp8_group_size,
+fp8_shape, fp8_dtype, fp8_not_contiguous, fp8_no_residual and fp8_range.
 """
 import importlib
 import logging
@@ -56,7 +72,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import _decisions, _patches
 from . import layouts
-from .layouts import FUSION_MODULE, OP_NAME, Layout
+from .layouts import FUSION_MODULE, OP_NAME, QUANT_GROUP_SIZE, QUANT_HOOK, QUANT_HOOK_MODULE, Layout
 
 logger = logging.getLogger("arfuse.integrations.sglang")
 
@@ -90,14 +106,28 @@ class _State:
         self.setup_kwargs = {}
         self.installed = []          # (owner, attribute, original, had_attribute)
         self.patched_names: List[str] = []
+        # The per-group FP8 hook (layouts.QUANT_HOOK): decided and voted at setup like the op.
+        self.fp8_served = False
+        self.fp8_op = None           # torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8
+        self.fp8_reason = "not set up"
+        self.fp8_limit = 0           # tokens per launch, the smallest any rank's sidecar serves
+        self.fp8_layout = 0          # instream.SCALE_LAYOUTS code of the scales handed back
+        self.fp8_layout_name = ""
+        self.fp8_quant = 0           # instream.QUANTS["per_group"]
+        self.fp8_dtype = None        # the torch dtype the setup decided (input, residual, weight)
+        self.quant_hook_original = None  # SGLang's own hook: what a declined call runs
+        self.quant_hook_installed = False
         self.lock = threading.Lock()  # install/setup/teardown only, never the op
 
 
 _state = _State()
 
 OWN_PATH = "SGLang's own allreduce + RMSNorm"
+OWN_FP8_PATH = ("SGLang's own per-group FP8 hook (None off ROCm/aiter: its caller runs the "
+                "fused allreduce + RMSNorm and a separate per-group quant)")
 # Each reason the gate or the op declines for, logged the first time (docs/integration.md).
 _declines = _decisions.FirstDeclines(logger, OWN_PATH)
+_fp8_declines = _decisions.FirstDeclines(logger, OWN_FP8_PATH)
 
 
 def _compiling() -> bool:
@@ -136,6 +166,66 @@ def flashinfer_allreduce_residual_rmsnorm(
         _note_decline()
         return None, None
     return _state.op(input_tensor, residual, weight, float(eps))
+
+
+def _fp8_why_not(x, residual, weight, group_size, keep_bf16) -> Optional[Tuple[str, str]]:
+    """(reason class, why) when the per-group FP8 hook declines this call, else None. Reads only
+    what is alike on every rank (the voted setup, shapes, dtypes, flags), so every rank declines
+    the same calls."""
+    if not _state.fp8_served:
+        return "fp8_not_served", _state.fp8_reason
+    if residual is None:
+        return "fp8_no_residual", "no residual (SGLang's hook declines it too)"
+    if keep_bf16:
+        # The FP8 op hands back the codes and scales, not the bf16 normalized value as well.
+        return "fp8_keep_bf16", "keep_bf16 (a bf16 copy of the normalized value is not served)"
+    if int(group_size) != QUANT_GROUP_SIZE:
+        return "fp8_group_size", f"group size {group_size} (served: {QUANT_GROUP_SIZE})"
+    hidden, name = _state.decided
+    if x.dim() != 2 or int(x.shape[-1]) != hidden:
+        return "fp8_shape", (f"input {tuple(x.shape)} (served: [tokens, {hidden}], the hidden "
+                             "size the setup decided)")
+    if tuple(residual.shape) != tuple(x.shape) or weight is None or \
+            tuple(weight.shape) != (hidden,):
+        return "fp8_shape", (f"residual {tuple(residual.shape)} or weight "
+                             f"{None if weight is None else tuple(weight.shape)} does not match "
+                             f"input {tuple(x.shape)}")
+    if x.dtype != _state.fp8_dtype or residual.dtype != x.dtype or weight.dtype != x.dtype:
+        return "fp8_dtype", (f"dtypes input {x.dtype}, residual {residual.dtype}, weight "
+                             f"{weight.dtype} (served: all {name})")
+    if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+        return "fp8_not_contiguous", "a tensor is not contiguous"
+    tokens = int(x.shape[0])
+    if tokens <= 0 or tokens > _state.fp8_limit:
+        return "fp8_range", (f"{tokens} tokens (served: 1 to {_state.fp8_limit} per launch; "
+                             "the FP8 op is not chunked)")
+    return None
+
+
+def forward_with_allreduce_fusion_quant_per_group(norm_module, x, residual, weight,
+                                                  group_size: int = 128,
+                                                  use_attn_tp_group: bool = True,
+                                                  keep_bf16: bool = False):
+    """SGLang's per-group FP8 hook (layouts.QUANT_HOOK) through arfuse: ((fp8, scale),
+    residual_out) with fp8 the E4M3 codes (torch.float8_e4m3fn, x's shape) of
+    rmsnorm(allreduce(x) + residual) * weight, scale one fp32 per 128 values of a token in the
+    voted layout (fp32_row_major: [tokens, hidden / 128], strides [hidden / 128, 1], what
+    SGLang's per_token_group_quant_fp8 returns by default), residual_out = allreduce(x) +
+    residual, fresh (x and residual are not written). A call it declines (_fp8_why_not) runs
+    SGLang's own hook, which answers None off ROCm/aiter. Both groups are the sidecars' group
+    (setup checked it), so use_attn_tp_group selects nothing here."""
+    why = _fp8_why_not(x, residual, weight, group_size, keep_bf16)
+    if why is None:
+        q, residual_out, scale = _state.fp8_op(x, residual, weight,
+                                               float(norm_module.variance_epsilon),
+                                               _state.fp8_quant, _state.fp8_layout, None)
+        return (q, scale), residual_out
+    if not _compiling():
+        _fp8_declines.note(*why)
+    original = _state.quant_hook_original
+    if original is None:
+        return None
+    return original(norm_module, x, residual, weight, group_size, use_attn_tp_group, keep_bf16)
 
 
 def is_flashinfer_allreduce_unavailable() -> bool:
@@ -276,6 +366,34 @@ def _local_decision(hidden: int, name: Optional[str], tp, attn, moe, socket: Opt
     return None
 
 
+def _local_fp8_decision(hidden: int, name: Optional[str], scales: str) -> Tuple[Optional[str], int]:
+    """(why this rank cannot serve the per-group FP8 hook or None, tokens per launch), once the
+    fused op serves here."""
+    from arfuse import instream
+
+    mode = os.environ.get("ARFUSE_SGLANG_FP8", "").strip().lower()
+    if mode in _OFF:
+        return f"ARFUSE_SGLANG_FP8={mode}", 0
+    if mode and mode not in _ON:
+        return f"ARFUSE_SGLANG_FP8={mode} is not 1 or 0", 0
+    if not _state.quant_hook_installed:
+        return (f"no {QUANT_HOOK_MODULE}.{QUANT_HOOK} patched (SGLang "
+                f"{_state.version or '?'} has none, or install() did not run)"), 0
+    if scales not in instream.SCALE_LAYOUTS:
+        return (f"ARFUSE_SGLANG_FP8_SCALES={scales!r} is none of "
+                f"{', '.join(instream.SCALE_LAYOUTS)}"), 0
+    if name not in ("bf16", "fp16"):
+        return f"FP8 outputs are served for bf16 and fp16 input, not {name}", 0
+    if hidden % QUANT_GROUP_SIZE:
+        return f"hidden {hidden} is not a multiple of the group size {QUANT_GROUP_SIZE}", 0
+    ctx = _state.ctx
+    limit = ctx.max_fused_tokens(hidden, name, instream.PATTERN_FP8_PER_GROUP)
+    if limit <= 0:
+        return (f"the sidecar does not serve per-group FP8 at hidden {hidden} {name} "
+                f"({ctx.why_not(1, hidden, name, instream.PATTERN_FP8_PER_GROUP)})"), 0
+    return None, int(limit)
+
+
 def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] = None,
           groups=None, client=None, timeout: Optional[float] = None) -> bool:
     """Attaches this rank to its sidecar, decides whether the op serves SGLang's model
@@ -307,7 +425,13 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         local = _local_decision(int(hidden), name, tp, attn, moe, socket, client, timeout)
         attached = ("yes" if _state.ctx is not None
                     else f"no ({local})" if local else "no")
-        reasons = _gather(local, tp.cpu_group, world)
+        scales = os.environ.get("ARFUSE_SGLANG_FP8_SCALES", "").strip() or "fp32_row_major"
+        fp8_local, fp8_limit = (_local_fp8_decision(int(hidden), name, scales) if local is None
+                                else ("the fused op is not served on this rank", 0))
+        # One gather decides both: the fused op, and the FP8 hook on top of it (its launches are
+        # collectives too, so every rank must take the same calls and cut the same limit).
+        votes = _gather((local, fp8_local, fp8_limit, scales), tp.cpu_group, world)
+        reasons = [v[0] for v in votes]
         bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
         _state.decided = (int(hidden), name)
         if bad:
@@ -322,6 +446,23 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         from arfuse import instream
         per_launch = _state.ctx.max_fused_tokens(hidden, name,
                                                  instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM)
+        fp8_bad = [(r, v[1]) for r, v in enumerate(votes) if v[1] is not None]
+        if not fp8_bad and len({v[3] for v in votes}) > 1:
+            fp8_bad = [(r, f"ARFUSE_SGLANG_FP8_SCALES={v[3]}") for r, v in enumerate(votes)]
+        if fp8_bad:
+            _state.fp8_served = False
+            _state.fp8_reason = "; ".join(f"rank {r}: {why}" for r, why in fp8_bad)
+            fp8_line = f"per-group FP8 hook: {OWN_FP8_PATH} ({_state.fp8_reason})"
+        else:
+            _state.fp8_op = torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8
+            _state.fp8_quant = instream.QUANTS["per_group"]
+            _state.fp8_layout = instream.SCALE_LAYOUTS[scales]
+            _state.fp8_layout_name = scales
+            _state.fp8_limit = min(int(v[2]) for v in votes)
+            _state.fp8_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+            _state.fp8_served, _state.fp8_reason = True, ""
+            fp8_line = (f"per-group FP8 hook: served ({scales} scales, up to "
+                        f"{_state.fp8_limit} tokens per launch)")
         _state.served, _state.reason, _state.reason_class = True, "", ""
         _decisions.path_line(
             logger, logging.INFO, who, True, OWN_PATH, attached, "on on every rank",
@@ -329,7 +470,7 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
             f"{_state.layout.name if _state.layout else '-'} adapter, SGLang "
             f"{_state.version or '?'}: hidden {hidden} {name}, both groups, every batch the "
             f"gate admits (up to {per_launch} tokens per fused launch, larger batches in "
-            f"chunks); {_state.ctx!r}")
+            f"chunks); {fp8_line}; {_state.ctx!r}")
         return True
 
 
@@ -339,6 +480,7 @@ def _disable(reason: str, reason_class: str = "not_set_up"):
     import arfuse.torch as aft
 
     _state.served, _state.reason, _state.reason_class = False, reason, reason_class
+    _state.fp8_served, _state.fp8_reason = False, reason
     ctx, _state.ctx = _state.ctx, None
     if ctx is not None:
         aft.set_context(None, "cpu" if ctx.device == "host" else None)
@@ -366,7 +508,11 @@ def status() -> Dict[str, object]:
             "gate": _state.gate_name, "sglang": _state.version,
             "rank": _state.rank, "world_size": _state.world_size,
             "decided": _state.decided, "launches": ctx.launches if ctx is not None else 0,
-            "patched": list(_state.patched_names), "declined": _declines.seen()}
+            "patched": list(_state.patched_names), "declined": _declines.seen(),
+            "fp8": {"served": _state.fp8_served, "reason": _state.fp8_reason,
+                    "scale_layout": _state.fp8_layout_name if _state.fp8_served else None,
+                    "max_tokens": _state.fp8_limit if _state.fp8_served else 0,
+                    "declined": _fp8_declines.seen()}}
 
 
 # ---- install ----
@@ -450,6 +596,12 @@ def install(socket: Optional[str] = None, import_module=importlib.import_module)
                        is_flashinfer_allreduce_unavailable)
         for mod_name in layout.callers:
             import_module(mod_name)  # bound now, so that nothing imports an unpatched name
+        norm_mod = import_module(QUANT_HOOK_MODULE)
+        hook = vars(norm_mod).get(QUANT_HOOK)
+        if callable(hook):
+            _state.quant_hook_original = hook
+            _patch(norm_mod, QUANT_HOOK, forward_with_allreduce_fusion_quant_per_group)
+            _state.quant_hook_installed = True
         _state.layout, _state.gate_name = layout, f"{layout.gate_module}.{gate}"
         _state.version = sglang_version()
         _state.socket = socket
@@ -465,6 +617,8 @@ def uninstall():
         _patches.restore(_state.installed)
         _state.patched_names.clear()
         _state.layout, _state.gate_name, _state.op = None, "", None
+        _state.quant_hook_original, _state.quant_hook_installed = None, False
+        _state.fp8_op = None
         _state.reason = "not installed"
 
 

@@ -34,6 +34,22 @@ FUSION_FUNCTIONS: Dict[str, Tuple[str, ...]] = {
 }
 
 
+# SGLang's fused allreduce + RMSNorm + per-group FP8 hook (0.5.20 on): a module function of
+# layernorm that RMSNorm's and GemmaRMSNorm's forward_with_allreduce_fusion_quant_per_group look
+# up at call time, so replacing the module attribute reaches both. It answers
+# ((fp8, scale), residual), ((bf16, fp8, scale), residual) with keep_bf16, or None (the caller
+# then runs forward_with_allreduce_fusion and its own quant). SGLang implements it for ROCm/aiter
+# only; arfuse serves it with the per-group FP8 op. Optional: a release without it (0.5.14) is
+# served as before, the FP8 hook off.
+QUANT_HOOK_MODULE = "sglang.srt.layers.layernorm"
+QUANT_HOOK = "_forward_with_allreduce_fusion_quant_per_group"
+QUANT_HOOK_PARAMS = ("norm_module", "x", "residual", "weight", "group_size",
+                     "use_attn_tp_group", "keep_bf16")
+# The norm methods that call QUANT_HOOK, and the group size SGLang's callers leave at default.
+QUANT_HOOK_METHOD = "forward_with_allreduce_fusion_quant_per_group"
+QUANT_GROUP_SIZE = 128
+
+
 @dataclass(frozen=True)
 class Layout:
     name: str
