@@ -519,11 +519,15 @@ TEST_F(InStreamGpu, APeerThatNeverLaunchesEndsInTheErrorWord) {
 
 // An attached client's in-stream launch on rank 0 and the sidecar's own launch (an eager op) of
 // the same shape on rank 1 never pair, as after a client died with its op published and the
-// peer's sidecar ran an eager op before the workspace was retired: both ranks end in kOpMismatch
-// and rank 0 writes no output. One-shot (2 tokens) and two-shot (16 tokens).
+// peer's sidecar ran an eager op before the workspace was retired: both ranks' workspaces hold
+// the failure (kOpMismatch, or on rank 1 the abort it was sent) and rank 0 writes no output.
+// One-shot (2 tokens) and two-shot (16 tokens).
 TEST_F(InStreamGpu, AnEagerOpNeverPairsWithAClientsInStreamOp) {
   spin_timeout_ns_ = 500'000'000;
   ASSERT_NO_FATAL_FAILURE(AttachAll());
+  // The eager kernels are loaded before any kernel spins, as the sidecar's engine does: with lazy
+  // module loading, rank 1's first launch would wait behind rank 0's spinning kernel.
+  CUDA_OK(PrepareAllReduceFusionKernels());
   int call = 0;
   for (uint32_t tokens : {2u, 16u}) {
     SCOPED_TRACE(tokens);
@@ -556,13 +560,24 @@ TEST_F(InStreamGpu, AnEagerOpNeverPairsWithAClientsInStreamOp) {
     ASSERT_EQ(CheckFusionParams(params, &why), cudaSuccess) << (why != nullptr ? why : "");
     CUDA_OK(LaunchAllReduceFusion(params, streams_[1]));
     CUDA_OK(cudaDeviceSynchronize());
+    // Rank 0's client sees the mismatch; rank 1's workspace holds it, or the abort rank 0
+    // forwarded when it saw it first (the sidecar's engine reads that word after its op).
+    uint32_t code = 0;
+    EXPECT_EQ(arfuse_check(ctx_[0], &code), ARFUSE_ABORTED);
+    EXPECT_EQ(code, static_cast<uint32_t>(FusionError::kOpMismatch));
+    EXPECT_THAT(arfuse_last_error(), HasSubstr("op_mismatch"));
+    uint32_t words[kWorld] = {};
     for (int r = 0; r < kWorld; ++r) {
-      uint32_t code = 0;
-      EXPECT_EQ(arfuse_check(ctx_[r], &code), ARFUSE_ABORTED) << "rank " << r;
-      EXPECT_EQ(code, static_cast<uint32_t>(FusionError::kOpMismatch)) << "rank " << r;
-      EXPECT_THAT(arfuse_last_error(), HasSubstr("op_mismatch"));
+      CUDA_OK(ReadWorkspaceError(reinterpret_cast<void*>(ws_[r]->ptr), layout_, streams_[r],
+                                 &words[r]));
     }
-    EXPECT_EQ(op.Download(0, 2), std::vector<uint8_t>(op.bytes, 0xee)) << "no output written";
+    EXPECT_EQ(words[0], static_cast<uint32_t>(FusionError::kOpMismatch));
+    EXPECT_THAT(words[1], ::testing::AnyOf(static_cast<uint32_t>(FusionError::kOpMismatch),
+                                           static_cast<uint32_t>(FusionError::kPeerAbort)));
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_EQ(op.Download(r, 2), std::vector<uint8_t>(op.bytes, 0xee))
+          << "rank " << r << ": no output written";
+    }
     ASSERT_NO_FATAL_FAILURE(Reinitialize());
   }
   // The same workspaces serve a paired in-stream op again.
