@@ -233,7 +233,7 @@ def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
             aft.set_context(unbound_context(RecordingLib(device_kind=2)), "cpu")
         agreed = aft.agree(device="cpu")
         ctx = aft.get_context("cpu")
-        vote = shim._vote_unavailable(rank == 1, None)
+        vote = shim.process_groups.vote_unavailable(rank == 1, None)
         print("RESULT", rank, agreed, bool(ctx and ctx.disabled), vote)
     """)
     path = tmp_path / "vote.py"

@@ -67,11 +67,11 @@ import importlib
 import logging
 import os
 import sys
-import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .. import _decisions, _patches
-from . import layouts
+from . import layouts, process_groups
+from .state import State
 from .layouts import FUSION_MODULE, OP_NAME, QUANT_GROUP_SIZE, QUANT_HOOK, QUANT_HOOK_MODULE, Layout
 
 logger = logging.getLogger("arfuse.integrations.sglang")
@@ -85,42 +85,7 @@ class UnknownLayout(RuntimeError):
         self.version, self.why = version, why
 
 
-class _State:
-    """Read by the op and the gate on SGLang's hot (and traced) path: plain attributes only."""
-
-    def __init__(self):
-        self.served = False          # the gate's answer: set only by setup(), after the vote
-        self.op = None               # torch.ops.arfuse.allreduce_residual_rmsnorm once set up
-        self.reason = "not set up (SGLang calls pre_initialize_workspaces before capture)"
-        self.reason_class = "not_set_up"
-        self.ctx = None
-        self.client = None
-        self.owns_client = False
-        self.decided = None          # (hidden, dtype name) the vote decided
-        self.world_size = 1
-        self.rank = 0
-        self.layout: Optional[Layout] = None
-        self.gate_name = ""
-        self.version = ""
-        self.socket = None
-        self.setup_kwargs = {}
-        self.installed = []          # (owner, attribute, original, had_attribute)
-        self.patched_names: List[str] = []
-        # The per-group FP8 hook (layouts.QUANT_HOOK): decided and voted at setup like the op.
-        self.fp8_served = False
-        self.fp8_op = None           # torch.ops.arfuse.fused_allreduce_residual_rmsnorm_fp8
-        self.fp8_reason = "not set up"
-        self.fp8_limit = 0           # tokens per launch, the smallest any rank's sidecar serves
-        self.fp8_layout = 0          # instream.SCALE_LAYOUTS code of the scales handed back
-        self.fp8_layout_name = ""
-        self.fp8_quant = 0           # instream.QUANTS["per_group"]
-        self.fp8_dtype = None        # the torch dtype the setup decided (input, residual, weight)
-        self.quant_hook_original = None  # SGLang's own hook: what a declined call runs
-        self.quant_hook_installed = False
-        self.lock = threading.Lock()  # install/setup/teardown only, never the op
-
-
-_state = _State()
+_state = State()
 
 OWN_PATH = "SGLang's own allreduce + RMSNorm"
 OWN_FP8_PATH = ("SGLang's own per-group FP8 hook (None off ROCm/aiter: its caller runs the "
@@ -256,57 +221,9 @@ REPLACEMENTS = tuple(layouts.FUSION_FUNCTIONS)
 
 # ---- setup: attach, decide, vote ----
 
-def _dtype_name(dtype) -> Optional[str]:
-    if isinstance(dtype, str):
-        return dtype if dtype in ("bf16", "fp16", "fp32") else None
-    import arfuse.torch as aft
-    return aft.dtype_name(dtype)
-
-
 def sglang_groups(layout: Optional[Layout] = None):
     """SGLang's (TP, attention TP, post-experts) group coordinators, as the layout finds them."""
-    layout = layout or _state.layout
-    from sglang.srt.distributed import parallel_state as ps
-
-    tp, attn = ps.get_tp_group(), ps.get_attn_tp_group()
-    if layout is not None and layout.post_experts_group == "reduction_group":
-        from sglang.srt.layers.moe.utils import post_experts_reduction_group
-        moe = post_experts_reduction_group()
-    else:
-        ep = ps.get_moe_ep_group()
-        moe = ep if ep.world_size > 1 else ps.get_moe_tp_group()
-    return tp, attn, moe
-
-
-def _socket_for(template: str, rank: int, device_index: int) -> str:
-    import torch.distributed as dist
-    glob = dist.get_rank() if dist.is_initialized() else rank
-    return template.format(rank=rank, global_rank=glob, gpu=device_index)
-
-
-def _gather(local: Optional[str], group, world: int) -> List[Optional[str]]:
-    """Every rank's reason not to serve (None: this rank can), over the TP CPU group."""
-    import torch.distributed as dist
-    if world <= 1 or not dist.is_initialized():
-        return [local]
-    out: List[Optional[str]] = [None] * world
-    dist.all_gather_object(out, local, group=group)
-    return out
-
-
-def _vote_unavailable(local_unavailable: bool, group) -> bool:
-    """MAX all-reduce of an "unavailable" flag over `group`: True when any rank is."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size(group) <= 1:
-        return local_unavailable
-    on_cpu = dist.get_backend(group) != "nccl"
-    flag = torch.tensor([1 if local_unavailable else 0], dtype=torch.int32,
-                        device="cpu" if on_cpu else torch.device("cuda",
-                                                                 torch.cuda.current_device()))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(int(flag.item()))
+    return process_groups.sglang_groups(layout or _state.layout)
 
 
 def _local_decision(hidden: int, name: Optional[str], tp, attn, moe, socket: Optional[str],
@@ -338,7 +255,7 @@ def _local_decision(hidden: int, name: Optional[str], tp, attn, moe, socket: Opt
         owns = client is None
         try:
             if client is None:
-                target = _socket_for(template, tp.rank_in_group, device_index)
+                target = process_groups.socket_for(template, tp.rank_in_group, device_index)
                 client = arfuse.Client(target, client_name="sglang", connect_timeout=timeout)
                 client.wait_ready(timeout)
             if (client.rank, client.world_size) != (tp.rank_in_group, tp.world_size):
@@ -413,7 +330,7 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         tp, attn, moe = groups if groups is not None else sglang_groups()
         world, rank = int(tp.world_size), int(tp.rank_in_group)
         _state.world_size, _state.rank = world, rank
-        name = _dtype_name(dtype)
+        name = process_groups.dtype_name(dtype)
         if (int(hidden), name) == _state.decided and _state.served:
             return True
         who = f"SGLang rank {rank}/{world}"
@@ -430,7 +347,7 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
                                 else ("the fused op is not served on this rank", 0))
         # One gather decides both: the fused op, and the FP8 hook on top of it (its launches are
         # collectives too, so every rank must take the same calls and cut the same limit).
-        votes = _gather((local, fp8_local, fp8_limit, scales), tp.cpu_group, world)
+        votes = process_groups.gather((local, fp8_local, fp8_limit, scales), tp.cpu_group, world)
         reasons = [v[0] for v in votes]
         bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
         _state.decided = (int(hidden), name)
