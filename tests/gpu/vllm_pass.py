@@ -13,6 +13,9 @@ against vLLM's unpassed graph (its all_reduce over gloo: NCCL refuses two ranks 
 point passes when, inside the range, all three sites are arfuse's op with no vLLM allreduce or IR
 norm left, the outputs agree with vLLM's path within bf16 tolerance and a CUDA-graph replay of
 the passed graph is bit-identical to its eager run; beyond the range, the pass is not applied.
+The same ranks also pass FP8 graphs (a norm feeding vLLM's static per-tensor FP8 quant, in its
+_C-op and native forms): both sites on arfuse's FP8 op, nothing of vLLM's left, the codes within
+one E4M3 step of vLLM's and the residual identical; and graphs the pass must leave to vLLM.
 
 What is not vLLM's: the TP group (a stand-in GroupCoordinator over gloo: vLLM's needs its CUDA
 extension, whose build is tied to another torch) and xgrammar (vllm_env.py). vLLM's engine,
@@ -63,6 +66,36 @@ def judge(point, tol, fused_max):
     return problems
 
 
+FP8_FORMS = ("fp8_custom", "fp8_custom_no_group_shape", "fp8_native")
+DECLINED = ("quant_nvfp4", "quant_dynamic", "quant_norm_used", "quant_fp32", "gemma", "mixed",
+            "partial_first")
+
+
+def judge_fp8(res):
+    """Problems of one rank's FP8 graphs (pass_rank.py: a first-layer and an add-norm site whose
+    norm feeds vLLM's static per-tensor FP8 quant, in each of its graph forms) and of the graphs
+    the pass must leave alone."""
+    problems = []
+    for name in FP8_FORMS:
+        fp8 = res.get(name)
+        if fp8 is None:
+            problems.append(f"{name}: no result")
+            continue
+        if fp8["after"] != {"arfuse": 2, "all_reduce": 0, "vllm_ir": 0} or fp8["left"]:
+            problems.append(f"{name}: after the pass {fp8['after']}, left {fp8['left']}")
+        if any(s > 1 for s in fp8["codes_max_steps"]):
+            problems.append(f"{name}: codes {fp8['codes_max_steps']} E4M3 steps from vLLM's")
+        if not all(n > 0 for n in fp8["codes_nonzero"]):
+            problems.append(f"{name}: all-zero codes {fp8['codes_nonzero']}")
+        if not fp8["residual_equal"]:
+            problems.append(f"{name}: the residual differs from vLLM's")
+    for name in DECLINED:
+        got = res.get(name)
+        if got is None or got["matched"] != 0 or got["after"]["arfuse"] != 0:
+            problems.append(f"{name}: should be left to vLLM, got {got}")
+    return problems
+
+
 def run_hidden(args, d, hidden):
     from instream_scenarios import Sidecars
     ns = argparse.Namespace(arfused=args.arfused, device="cuda", world=WORLD, gpus=args.gpus,
@@ -104,6 +137,7 @@ def run_hidden(args, d, hidden):
             for point in res.get("sweep", []):
                 out["problems"] += [f"rank {r}: {p}" for p in
                                     judge(point, args.tol, res["max_token_num"])]
+            out["problems"] += [f"rank {r}: {p}" for p in judge_fp8(res)]
         out["ok"] = not out["problems"]
         return out
     finally:
@@ -201,6 +235,11 @@ def main():
         print(f"hidden {hidden}: {'PASS' if res['ok'] else 'FAIL'} "
               f"{'; '.join(res['problems'])[:1500]}", flush=True)
         for rank in res["ranks"][:1]:
+            for name in FP8_FORMS:
+                f = rank.get(name, {})
+                print(f"  {name:26} after {f.get('after')}  codes_max_steps "
+                      f"{f.get('codes_max_steps')}  codes_differ {f.get('codes_differ')}  "
+                      f"residual_equal {f.get('residual_equal')}", flush=True)
             for p in rank.get("sweep", []):
                 print(f"  {p['tokens']:5d} tokens  pass {'on ' if p['applicable'] else 'off'}  "
                       f"after {p['after']}  max|diff| {max(p['max_abs_diff']):.3g}  "
