@@ -477,8 +477,9 @@ class HostEngine final : public Engine, public InStreamHost {
       if (op.residual_out == nullptr) {
         return absl::InvalidArgumentError("allreduce_residual_rmsnorm needs residual_out");
       }
-      const bool quantized = TraitsOf(op.pattern).quant != QuantKind::kNone;
-      if (op.norm_out == nullptr && !quantized) {
+      const PatternTraits traits = TraitsOf(op.pattern);
+      const bool quantized = traits.quant != QuantKind::kNone;
+      if (op.norm_out == nullptr && traits.norm_out_required) {
         return absl::InvalidArgumentError("allreduce_residual_rmsnorm needs norm_out");
       }
       if (op.gamma == nullptr) {

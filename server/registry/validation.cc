@@ -174,18 +174,25 @@ bool IsOutputRole(TensorRole role) {
          role == TensorRole::kScale;
 }
 
+// Both lists come from the pattern's traits (kernels/common/op_types.h), the one statement of
+// which tensors a pattern reads and writes.
 std::vector<TensorRole> RolesFor(Pattern pattern) {
-  if (pattern == Pattern::kAllReduce) return {TensorRole::kInput, TensorRole::kOutput};
-  if (TraitsOf(pattern).quant != QuantKind::kNone) {
-    return {TensorRole::kInput, TensorRole::kResidualIn, TensorRole::kResidualOut,
-            TensorRole::kGamma, TensorRole::kQuantOut,   TensorRole::kScale};
+  const PatternTraits traits = TraitsOf(pattern);
+  if (!traits.norm) return {TensorRole::kInput, TensorRole::kOutput};
+  std::vector<TensorRole> roles = {TensorRole::kInput, TensorRole::kResidualIn,
+                                   TensorRole::kResidualOut};
+  if (traits.norm_out_required) roles.push_back(TensorRole::kNormOut);
+  roles.push_back(TensorRole::kGamma);
+  if (traits.quant != QuantKind::kNone) {
+    roles.push_back(TensorRole::kQuantOut);
+    roles.push_back(TensorRole::kScale);
   }
-  return {TensorRole::kInput, TensorRole::kResidualIn, TensorRole::kResidualOut,
-          TensorRole::kNormOut, TensorRole::kGamma};
+  return roles;
 }
 
 std::vector<TensorRole> OptionalRolesFor(Pattern pattern) {
-  if (TraitsOf(pattern).quant != QuantKind::kNone) return {TensorRole::kNormOut};
+  const PatternTraits traits = TraitsOf(pattern);
+  if (traits.norm && !traits.norm_out_required) return {TensorRole::kNormOut};
   return {};
 }
 

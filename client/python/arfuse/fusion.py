@@ -57,10 +57,11 @@ _PATTERNS = {AllReduceFusionPattern.kAllReduce: "allreduce",
                  "allreduce_residual_rmsnorm_fp8_per_token",
              AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup:
                  "allreduce_residual_rmsnorm_fp8_per_group"}
-_FP8_PATTERNS = (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
-                 AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant,
-                 AllReduceFusionPattern.kARResidualRMSNormFP8PerToken,
-                 AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup)
+# The static FP8 patterns read scale_factor; the dynamic ones write scale_out.
+_STATIC_FP8_PATTERNS = (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+                        AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant)
+_FP8_PATTERNS = _STATIC_FP8_PATTERNS + (AllReduceFusionPattern.kARResidualRMSNormFP8PerToken,
+                                        AllReduceFusionPattern.kARResidualRMSNormFP8PerGroup)
 
 # Refresh a "fusion unavailable" answer at most this often (seconds).
 _RECHECK_S = 1.0
@@ -276,9 +277,8 @@ def _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_
     if not fp8 or pattern == AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant:
         needs.append(("norm_out", norm_out))
     if fp8:
-        needs += [("quant_out", quant_out), ("scale_factor" if pattern in (
-            AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
-            AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant) else "scale_out", scale)]
+        needs += [("quant_out", quant_out),
+                  ("scale_factor" if pattern in _STATIC_FP8_PATTERNS else "scale_out", scale)]
     for name, t in needs:
         if t is None:
             raise ValueError(f"{name} is required for pattern {pattern}")
@@ -330,8 +330,7 @@ def allreduce_fusion(input, workspace: FusionWorkspace,
         raise NotImplementedError("layout_code (FlashInfer's FP4 scale layouts) is not served")
     if not workspace.fusion_available():
         return workspace._none()
-    static = pattern in (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
-                         AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant)
+    static = pattern in _STATIC_FP8_PATTERNS
     op, main = _op_spec(workspace, input, pattern, output, residual_in, residual_out, norm_out,
                         rms_gamma, rms_eps, dtype, quant_out=quant_out,
                         scale=scale_factor if static else scale_out, scale_layout=scale_layout)
