@@ -18,6 +18,7 @@
 #include "client/instream/plane.h"
 #include "kernels/common/plain_status.h"
 #include "kernels/contract/op_contract.h"
+#include "kernels/contract/program_key.h"
 #include "kernels/cpu/host_workspace.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
@@ -40,6 +41,9 @@ struct arfuse_ctx {
   lib::OpCountsMapping counts;
   // arfuse_disable may come from another thread (a session's drain) than the ops'.
   std::atomic<bool> disabled{false};
+  // arfuse_set_program_key's; read at every launch (relaxed: the caller orders the set before
+  // its ops).
+  std::atomic<uint32_t> program_key{0};
   mutable std::mutex mu;
   std::string disabled_reason;
 };
@@ -67,6 +71,7 @@ static_assert(ARFUSE_DECLINE_NOT_CONTIGUOUS ==
 static_assert(ARFUSE_DECLINE_OTHER == static_cast<int>(arfuse::instream::DeclineReason::kOther));
 static_assert(ARFUSE_PATTERN_FP8_PER_GROUP ==
               static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNormFp8PerGroup));
+static_assert(ARFUSE_PROGRAM_KEY_MAX == arfuse::kProgramKeyMax);
 static_assert(ARFUSE_PATTERN_FP8_STATIC ==
               static_cast<int>(arfuse::Pattern::kAllReduceResidualRmsNormFp8Static));
 static_assert(ARFUSE_SCALE_FP32_ROW_MAJOR ==
@@ -154,7 +159,7 @@ plain::Status RunOp(arfuse_ctx* ctx, void* stream, int pattern, int dtype, lib::
     }
   }
   ctx->counts.Fused(op.pattern, op.num_tokens);
-  return ctx->plane->Run(op, *d, stream);
+  return ctx->plane->Run(op, *d, ctx->program_key.load(std::memory_order_relaxed), stream);
 }
 
 // ARFUSE_INSTREAM_PDL=0|1 replaces the sidecar's choice of programmatic dependent launches for
@@ -360,6 +365,19 @@ int arfuse_check(arfuse_ctx* ctx, uint32_t* code) {
         plain::StrCat("a fused op failed (", arfuse_error_name(c),
                       "): the workspace is poisoned; attach again once the sidecars "
                       "re-initialized it"));
+  });
+}
+
+int arfuse_set_program_key(arfuse_ctx* ctx, uint32_t key) {
+  return Guarded([&]() -> plain::Status {
+    if (ctx == nullptr) return plain::InvalidArgumentError("ctx is NULL");
+    if (key > arfuse::kProgramKeyMax) {
+      return plain::InvalidArgumentError(plain::StrCat("the program key has bits above the low ",
+                                                       arfuse::kProgramKeyBits, " (at most ",
+                                                       arfuse::kProgramKeyMax, ")"));
+    }
+    ctx->program_key.store(key, std::memory_order_relaxed);
+    return plain::OkStatus();
   });
 }
 

@@ -191,6 +191,18 @@ int arfuse_fused_allreduce(arfuse_ctx* ctx, void* stream, const void* input, voi
  * written. Cheap (no CUDA call); outside capture. */
 int arfuse_check(arfuse_ctx* ctx, uint32_t* code);
 
+/* Names the program this ctx's ops belong to: every rank of one client program sets the same
+ * key (drawn once and shared over the program's own group, as arfuse.torch.agree does), before
+ * its first op and outside capture (a captured launch keeps the key it was captured with). Ops
+ * then pair only with ops of the same key: a client of another program launching on a peer rank
+ * (one that attached in the milliseconds after a client of this group died mid-op) fails with
+ * op_mismatch on every rank (ARFUSE_ABORTED from arfuse_check on CUDA; ARFUSE_INVALID_ARGUMENT
+ * from the op in host mode) instead of pairing with the dead client's op. 0 (the default) is no
+ * key; it pairs with other clients' key 0. INVALID_ARGUMENT for a key above 2^24 - 1
+ * (ARFUSE_PROGRAM_KEY_MAX). Launch ABI 4. */
+#define ARFUSE_PROGRAM_KEY_MAX 0xFFFFFFu
+int arfuse_set_program_key(arfuse_ctx* ctx, uint32_t key);
+
 /* Disables the ctx: every later op returns ARFUSE_UNAVAILABLE with `reason` (a drain, a lost
  * sidecar). Launches already enqueued are not affected. */
 int arfuse_disable(arfuse_ctx* ctx, const char* reason);

@@ -104,6 +104,9 @@ class InStreamContext {
     return s;
   }
 
+  // arfuse_set_program_key: every rank of the program sets the same key before its first op.
+  absl::Status SetProgramKey(uint32_t key) { return ToStatus(arfuse_set_program_key(ctx_, key)); }
+
   absl::Status Disable(const std::string& reason) {
     return ToStatus(arfuse_disable(ctx_, reason.c_str()));
   }

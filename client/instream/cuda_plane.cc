@@ -325,7 +325,8 @@ class CudaPlane final : public Plane {
     return plain::OkStatus();
   }
 
-  plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override {
+  plain::Status Run(const OpRequest& op, const Dispatch& d, uint32_t program_key,
+                    void* stream) override {
     InStreamLaunchArgs args;
     std::memset(&args, 0, sizeof(args));
     void* peers[kMaxWorldSize] = {};
@@ -346,6 +347,7 @@ class CudaPlane final : public Plane {
     args.abi_version = kLaunchAbiVersion;
     args.generation = header_.generation;
     args.counter_slot = header_.counter_slot;
+    args.program_key = program_key;
 
     const KernelEntry& e = *d.entry;
     const uint32_t blocks = (op.num_tokens + e.rows_divisor - 1) / e.rows_divisor;

@@ -37,7 +37,7 @@ plain::Status HostPlane::CheckCapacity(uint32_t, uint32_t, DType) const {
   return plain::OkStatus();
 }
 
-plain::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
+plain::Status HostPlane::Run(const OpRequest& op, const Dispatch&, uint32_t program_key, void*) {
   host::HostWaitLimits limits;
   // The spin timeout, capped where steady_clock's nanoseconds would overflow (about 292 years).
   const auto now = std::chrono::steady_clock::now();
@@ -47,7 +47,7 @@ plain::Status HostPlane::Run(const OpRequest& op, const Dispatch&, void*) {
   // The attach id names this client as the op's launcher: the sidecar retires the op if this
   // attachment ends before the op completes.
   host::HostOpResult r = collective_.Run(op, header_.generation, limits, /*client=*/true,
-                                         /*copy_input=*/nullptr, header_.attach_id);
+                                         /*copy_input=*/nullptr, header_.attach_id, program_key);
   if (r.error != 0) {
     uint32_t none = 0;
     error_.compare_exchange_strong(none, r.error, std::memory_order_acq_rel);

@@ -23,7 +23,8 @@ class HostPlane final : public Plane {
 
   plain::Status CheckCapacity(uint32_t tokens, uint32_t hidden, DType dtype) const override;
   plain::Status CheckPointer(const void*, const char*) override { return plain::OkStatus(); }
-  plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) override;
+  plain::Status Run(const OpRequest& op, const Dispatch& d, uint32_t program_key,
+                    void* stream) override;
   uint32_t ErrorCode() const override;
   uint32_t sm() const override { return 0; }
 

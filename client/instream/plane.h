@@ -37,7 +37,10 @@ class Plane {
 
   // Runs the checked op: one kernel launch on `stream` (CUDA), or the host collective. FAILED_
   // PRECONDITION for a stale workspace; host mode also DEADLINE_EXCEEDED / ABORTED.
-  virtual plain::Status Run(const OpRequest& op, const Dispatch& d, void* stream) = 0;
+  // `program_key`: the ctx's (arfuse_set_program_key; 0 = none), published with the op so that
+  // ranks of different programs never pair it.
+  virtual plain::Status Run(const OpRequest& op, const Dispatch& d, uint32_t program_key,
+                            void* stream) = 0;
 
   // The attachment's error word: 0 healthy, else a FusionError code or kErrorStaleGeneration /
   // kErrorLaunchAbi. No CUDA call.

@@ -26,7 +26,9 @@ __host__ __device__ constexpr uint32_t GenerationTag(uint64_t generation) {
 // left from an earlier call never matches and a zeroed slot (tag 0) means "not written yet".
 // Words are written and read as aligned 64-bit elements, each single-copy atomic.
 struct alignas(32) FusionOpDesc {
-  // num_tokens, hidden, eps bits, dtype | pattern << 8 | algo << 16 | world_size << 24.
+  // Low halves: num_tokens; hidden | program key bits 12-23 << 19 | in-stream origin << 31;
+  // eps bits; dtype | pattern << 4 | algo << 8 | world_size << 12 | program key bits 0-11 << 20
+  // (fusion_sync.cuh's MakeOpDesc).
   uint64_t words[4];
 };
 static_assert(sizeof(FusionOpDesc) == 32);

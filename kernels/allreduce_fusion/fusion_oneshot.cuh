@@ -37,12 +37,13 @@ template <DType DT, bool kNorm, int kBucket, bool kQuant = false>
 // Returns this thread's failure (a FusionError code; kPoisoned when the workspace already held
 // an error), 0 when it completed its part: a caller that finds 0 in every thread of every block
 // knows the op succeeded without reading the error word.
-// `expected_generation` (in-stream launches; 0 = unchecked): the workspace's generation tag
-// (FusionControl::generation) the launch was made for; another tag makes the launch return
-// kStaleGenerationRefusal at once, touching nothing and recording nothing in the workspace.
+// `origin` (in-stream launches; the default for the sidecar's): its expected_generation is the
+// workspace's generation tag (FusionControl::generation) the launch was made for, and another tag
+// makes the launch return kStaleGenerationRefusal at once, touching nothing and recording nothing
+// in the workspace; its program key goes into the op descriptor (MakeOpDesc).
 __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const KernelConfig& cfg,
                                                 const uint32_t unit, const uint32_t units,
-                                                const uint32_t expected_generation = 0) {
+                                                const LaunchOrigin origin = {}) {
   using Tr = device::VecTraits<DT>;
   constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[2][32];
@@ -82,6 +83,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   static_assert(offsetof(FusionControl, error) == 0 && offsetof(FusionControl, abort) == 4 &&
                 offsetof(FusionControl, lamport_epoch) == 8);
   uint32_t control[4] = {0, 0, 0, 0};
+  const uint32_t expected_generation = origin.expected_generation;
   uint32_t generation = expected_generation;
   if (threadIdx.x == 0) {
     LoadVolatile32x4(&ctrl->error, control);
@@ -106,7 +108,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
     // depends on that load); the atomic's result is needed only at the end, so it costs no wait.
     if (s_error == 0) arrived = atomicAdd(&ctrl->lamport_arrived, 1u);
     uint64_t desc[4];
-    MakeOpDesc(p, s_epoch + 1, expected_generation != 0, desc);
+    MakeOpDesc(p, s_epoch + 1, origin, desc);
 #pragma unroll
     for (int k = 0; k < 4; ++k) s_desc[k] = desc[k];
   }

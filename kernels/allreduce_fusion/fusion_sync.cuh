@@ -11,6 +11,7 @@
 #include "kernels/allreduce_fusion/fusion_control.h"
 #include "kernels/common/memory_model.cuh"
 #include "kernels/contract/op_contract.h"
+#include "kernels/contract/program_key.h"
 
 namespace arfuse {
 namespace fusion_device {
@@ -209,19 +210,45 @@ __device__ __forceinline__ float RowSumOfSquares(float v, float* scratch) {
 // peer to find until its sidecar retires it, and a peer's eager op landing in that window would
 // otherwise sum the dead client's input and finish OK. With the origin in the descriptor it
 // fails with kOpMismatch on every rank, at no cost (the word is compared anyway).
+// An in-stream launch also carries its program key (InStreamLaunchArgs::program_key: the value
+// every rank of one client program set, 0 when none did), so that in the same window a client
+// of another program (one that attached on a peer rank in those milliseconds) fails with
+// kOpMismatch too instead of pairing with the dead client's op of the same sequence number.
 inline constexpr uint32_t kOpDescInStream = 1u << 31;
-static_assert(MaxFusionHidden(DType::kFP32) < kOpDescInStream &&
-                  MaxFusionHidden(DType::kBF16) < kOpDescInStream,
-              "the origin bit shares the hidden word of the op descriptor");
+// Where the key's bits go: its low 12 bits above the op's kind in word 3 (bits 20-31), its high
+// 12 between the hidden size and the origin bit in word 1 (bits 19-30).
+inline constexpr uint32_t kDescKindBits = 20;
+inline constexpr uint32_t kDescHiddenBits = 19;
+static_assert(MaxFusionHidden(DType::kFP32) < (1u << kDescHiddenBits) &&
+                  MaxFusionHidden(DType::kBF16) < (1u << kDescHiddenBits) &&
+                  MaxFusionHidden(DType::kFP16) < (1u << kDescHiddenBits),
+              "the program key's high bits share the hidden word of the op descriptor");
+static_assert(static_cast<uint32_t>(DType::kFP32) < 16 && kMaxPattern < 16 &&
+                  static_cast<uint32_t>(FusionAlgo::kTwoShot) < 16 && kMaxWorldSize < 256,
+              "the op's kind fits the low 20 bits of descriptor word 3");
+static_assert(kDescHiddenBits + (kProgramKeyBits - (32 - kDescKindBits)) == 31,
+              "the key's high bits end below the origin bit");
 
-__device__ __forceinline__ void MakeOpDesc(const FusionParams& p, uint32_t tag, bool in_stream,
-                                           uint64_t (&w)[4]) {
+// Who launched an op: the sidecar's own launches pass the default (no generation check, no key);
+// an in-stream entry passes the generation tag its client attached to and the client's key.
+struct LaunchOrigin {
+  uint32_t expected_generation = 0;  // 0: not an in-stream launch (generation unchecked)
+  uint32_t program_key = 0;          // kProgramKeyMax at most; 0 for every sidecar launch
+  __device__ __forceinline__ bool in_stream() const { return expected_generation != 0; }
+};
+
+__device__ __forceinline__ void MakeOpDesc(const FusionParams& p, uint32_t tag,
+                                           const LaunchOrigin& origin, uint64_t (&w)[4]) {
   const uint64_t t = static_cast<uint64_t>(tag) << 32;
+  const uint32_t key = origin.program_key & kProgramKeyMax;
+  constexpr uint32_t key_low_bits = 32 - kDescKindBits;
   w[0] = t | p.num_tokens;
-  w[1] = t | p.hidden | (in_stream ? kOpDescInStream : 0u);
+  w[1] = t | p.hidden | (key >> key_low_bits) << kDescHiddenBits |
+         (origin.in_stream() ? kOpDescInStream : 0u);
   w[2] = t | __float_as_uint(p.eps);
-  w[3] = t | (static_cast<uint32_t>(p.dtype) | static_cast<uint32_t>(p.pattern) << 8 |
-              static_cast<uint32_t>(p.algo) << 16 | static_cast<uint32_t>(p.world_size) << 24);
+  w[3] = t | (static_cast<uint32_t>(p.dtype) | static_cast<uint32_t>(p.pattern) << 4 |
+              static_cast<uint32_t>(p.algo) << 8 | static_cast<uint32_t>(p.world_size) << 12 |
+              (key & ((1u << key_low_bits) - 1)) << kDescKindBits);
 }
 
 __device__ __forceinline__ void StoreOpDesc(FusionOpDesc* dst, const uint64_t* w) {

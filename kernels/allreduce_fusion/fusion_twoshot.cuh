@@ -31,7 +31,8 @@ namespace fusion_device {
 // Returns this thread's failure like OneShotBody (kStaleGenerationRefusal: see there).
 template <DType DT, bool kNorm, int kBucket, bool kQuant = false>
 __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const KernelConfig& cfg,
-                                                const uint32_t expected_generation = 0) {
+                                                const LaunchOrigin origin = {}) {
+  const uint32_t expected_generation = origin.expected_generation;
   using Tr = device::VecTraits<DT>;
   constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[2][32];
@@ -69,7 +70,7 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
   const uint32_t seq = s_seq;
   const uint32_t n = static_cast<uint32_t>(p.world_size);
   uint64_t desc[4];
-  MakeOpDesc(p, seq + 1, expected_generation != 0, desc);
+  MakeOpDesc(p, seq + 1, origin, desc);
   if (threadIdx.x == 0) {
     for (uint32_t q = 0; q < n; ++q) {
       if (q == static_cast<uint32_t>(p.rank)) continue;

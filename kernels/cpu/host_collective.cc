@@ -168,7 +168,7 @@ void AbortHostWorkspace(uint8_t* base, int rank) {
 
 HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
                                  const HostWaitLimits& limits, bool client, HostCopy copy_input,
-                                 uint64_t launcher) {
+                                 uint64_t launcher, uint32_t program_key) {
   HostWsHeader* h = header();
   // A stale workspace is refused before anything is touched: its slots may belong to nobody.
   if (h->generation != generation) return Stale("the workspace was re-initialized");
@@ -196,7 +196,7 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
         false, 0};
   }
   const uint64_t s = claimed + 1;
-  HostOpResult r = RunClaimed(op, s, limits, copy_input);
+  HostOpResult r = RunClaimed(op, s, limits, copy_input, program_key);
   // Release: this rank is done with call s (read it, or gave up on it) and may reuse buffer b.
   mine->done_seq.store(s, std::memory_order_release);
   if (client && r.status.ok()) mine->client_ops.fetch_add(1, std::memory_order_relaxed);
@@ -204,7 +204,8 @@ HostOpResult HostCollective::Run(const HostOpArgs& op, uint64_t generation,
 }
 
 HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
-                                        const HostWaitLimits& limits, HostCopy copy_input) {
+                                        const HostWaitLimits& limits, HostCopy copy_input,
+                                        uint32_t program_key) {
   HostRankSync* mine = sync(rank_);
   const int b = static_cast<int>(s & 1);
   // A rank gave up on this op or an earlier one: drop it without touching the buffers, as every
@@ -237,6 +238,7 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
       static_cast<uint8_t>(op.dtype),
       input_read.ok() ? uint8_t{0} : kHostSlotInputFaulted,
       TraitsOf(op.pattern).quant == QuantKind::kPerGroup ? op.scale_layout : uint8_t{0}};
+  mine->program_key[b] = program_key;
   // Release: the slot bytes and desc above are visible to any rank that acquires seq s.
   mine->written_seq[b].store(s, std::memory_order_release);
   // 3. Wait for every rank's slot of this call.
@@ -278,6 +280,11 @@ HostOpResult HostCollective::RunClaimed(const HostOpArgs& op, uint64_t s,
       ran = plain::InvalidArgumentError(plain::StrCat("ranks disagree on the op: rank ", q, " ran ",
                                                       Describe(d), " but rank ", rank_, " ran ",
                                                       Describe(m)));
+    } else if (sync(q)->program_key[b] != program_key) {
+      // The keys' values are not named: they are the programs' own.
+      ran = plain::InvalidArgumentError(plain::StrCat(
+          "ranks disagree on the op: rank ", q, "'s op comes from another program than rank ",
+          rank_, "'s (their program keys differ); every rank drops it"));
     }
   }
   if (ran.ok()) {

@@ -18,10 +18,11 @@
 //   4. confirm: ack_seq = s (release), then wait until every rank confirmed s. No rank reads a slot
 //      of call s before every rank saw every input of s, so a slot whose launcher died before it
 //      confirmed is never read, whichever rank arrives first;
-//   5. check every rank runs the same op: pattern, dtype, tokens, hidden, eps and the per-group
-//      FP8 pattern's scale layout (else INVALID_ARGUMENT "ranks disagree on the op" on every
-//      rank, not poisoned). Each rank's tensors are its own: the static FP8 scale is read from
-//      the rank's scale pointer, and norm_out may be given on one rank and not another;
+//   5. check every rank runs the same op: pattern, dtype, tokens, hidden, eps, the per-group
+//      FP8 pattern's scale layout and the launchers' program key (else INVALID_ARGUMENT "ranks
+//      disagree on the op" on every rank, not poisoned). Each rank's tensors are its own: the
+//      static FP8 scale is read from the rank's scale pointer, and norm_out may be given on one
+//      rank and not another;
 //   6. run the op over the slots in rank order, then publish done_seq = s (release; also after a
 //      failure from step 1 on: the rank is finished with s either way).
 // A wait that passes its deadline, or sees the local abort flag or a peer's abort word, gives up:
@@ -132,9 +133,11 @@ class HostCollective {
   // `copy_input` (optional) copies the input into the slot where it may fault (another
   // process's memory): its error fails the op on this rank, and every other rank drops it too.
   // `launcher`: who runs the op (the client's attach id; 0 for the rank's host engine), recorded
-  // with the claim for RetireAbandoned.
+  // with the claim for RetireAbandoned. `program_key`: the launcher's program key (0: none),
+  // published with the op; ranks with different keys refuse the op alike.
   HostOpResult Run(const HostOpArgs& op, uint64_t generation, const HostWaitLimits& limits,
-                   bool client = false, HostCopy copy_input = nullptr, uint64_t launcher = 0);
+                   bool client = false, HostCopy copy_input = nullptr, uint64_t launcher = 0,
+                   uint32_t program_key = 0);
 
   // The attachment `launcher` of this rank ended (its client exited or died). When the last op
   // this rank claimed is its and did not finish, that op is abandoned: poisons the workspace
@@ -157,7 +160,7 @@ class HostCollective {
   HostOpResult Fail(plain::Status s, uint64_t seq, HostWsError error);
   // Steps 1-6 of an op whose number `s` this rank claimed.
   HostOpResult RunClaimed(const HostOpArgs& op, uint64_t s, const HostWaitLimits& limits,
-                          HostCopy copy_input);
+                          HostCopy copy_input, uint32_t program_key);
   // Poisons the workspace for op `seq` of this rank, claimed by a launcher that ended before it
   // finished. An op every rank confirmed may have completed on the others: from seq + 1 then.
   HostOpResult Abandon(uint64_t seq, std::string_view why);

@@ -31,8 +31,8 @@ namespace arfuse::host {
 inline constexpr uint64_t kHostWsMagic = 0x5753484653465241ull;  // "ARFSHFSW"
 // 2: abort_seq. 3: retired, error; an op's sequence number comes from done_seq.
 // 4: HostSlotDesc::flags. 5: HostRankSync::launch_seq, ack_seq, launcher (two cache lines).
-// 6: HostSlotDesc::scale_layout (the FP8 patterns), flags one byte.
-inline constexpr uint32_t kHostWsLayoutVersion = 6;
+// 6: HostSlotDesc::scale_layout (the FP8 patterns), flags one byte. 7: HostRankSync::program_key.
+inline constexpr uint32_t kHostWsLayoutVersion = 7;
 inline constexpr int kHostWsBuffers = 2;
 inline constexpr size_t kHostWsSlotAlign = 64;
 inline constexpr size_t kHostWsDataAlign = 4096;
@@ -151,7 +151,11 @@ struct alignas(64) HostRankSync {
   // engine. Stored before the claim, so a sidecar that acquires launch_seq sees the launcher of
   // that op; the sidecar retires the op when the attachment that launched it ends mid-op.
   std::atomic<uint64_t> launcher;
-  uint64_t reserved[5];
+  // The program key of the launcher of the op in buffer b (a client's arfuse_set_program_key, 0
+  // for the host engine and for clients that set none), written with desc[b]: ranks whose
+  // launchers belong to different programs refuse the op as they refuse unlike ops.
+  uint32_t program_key[kHostWsBuffers];
+  uint64_t reserved[4];
 };
 static_assert(sizeof(HostRankSync) == 128);
 static_assert(offsetof(HostRankSync, done_seq) == 16);
@@ -159,6 +163,7 @@ static_assert(offsetof(HostRankSync, desc) == 32);
 static_assert(offsetof(HostRankSync, launch_seq) == 64);
 static_assert(offsetof(HostRankSync, ack_seq) == 72);
 static_assert(offsetof(HostRankSync, launcher) == 80);
+static_assert(offsetof(HostRankSync, program_key) == 88);
 // Cross-process atomics must be lock-free (a lock would live in one process only).
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);

@@ -34,8 +34,9 @@ inline constexpr uint32_t kAttachAbiVersion = 4;
 // The kernels' launch-parameter ABI (kernels/instream/launch_abi.h): a client built for another
 // version refuses to attach, because the kernel would read its parameters at other offsets.
 // 1: first version. 2: counter_slot (the kernels count each launch per attachment). 3: the FP8
-// patterns' quant_out, scale and scale_layout in FusionParams.
-inline constexpr uint32_t kLaunchAbiVersion = 3;
+// patterns' quant_out, scale and scale_layout in FusionParams. 4: program_key (compared in the
+// op descriptor).
+inline constexpr uint32_t kLaunchAbiVersion = 4;
 inline constexpr uint32_t kLaunchArgsBytes = 368;
 // At most this many hidden sizes per attach (each gets its kernel entries).
 inline constexpr uint32_t kMaxAttachHiddens = 16;

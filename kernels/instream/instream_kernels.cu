@@ -3,13 +3,15 @@
 // a fatbin (machine code for every architecture of the build, never PTX alone) that the sidecar
 // embeds and hands to clients at attach; instream_image.h names its entries.
 //
-// Each entry runs the body the sidecar's own launches run (fusion_device.cuh) with three
-// additions, all in block 0's thread 0 or folded into loads the body makes anyway:
+// Each entry runs the body the sidecar's own launches run (fusion_device.cuh) with these
+// additions, all in block 0's thread 0 or folded into loads and stores the body makes anyway:
 //   * the launch ABI version is checked first (a client built for another layout of the
 //     arguments would otherwise run garbage);
 //   * the workspace's generation tag is compared with the launch's inside the body's first
 //     control-word access, so a launch captured before a re-initialization (or replayed on a
 //     workspace the sidecar dropped) stores nothing and records nothing in the workspace;
+//   * the launch's origin and the client's program key go into the op descriptor, so it pairs
+//     only with in-stream launches of the same program (fusion_sync.cuh's MakeOpDesc);
 //   * the outcome is counted in the workspace (instream_launches / instream_stale, and the launch
 //     per attachment, pattern and token bucket in instream_ops, read by the sidecar for metrics)
 //     and mirrored into the client's host-mapped error word, so the client
@@ -42,12 +44,12 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   AllowDependentLaunch();
   const KernelConfig cfg{a.kernel_config[0], a.kernel_config[1], a.kernel_config[2],
                          a.kernel_config[3], a.kernel_config[4]};
-  const uint32_t tag = GenerationTag(a.generation);
+  const LaunchOrigin origin{GenerationTag(a.generation), a.program_key};
   uint32_t code;
   if constexpr (kAlgo == FusionAlgo::kOneShot) {
-    code = OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x, tag);
+    code = OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x, origin);
   } else {
-    code = TwoShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, tag);
+    code = TwoShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, origin);
   }
   if (!reporter) return;
   FusionControl* const ctrl = ControlOf(p.peer_workspace[p.rank], p.layout);

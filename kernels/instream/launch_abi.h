@@ -28,12 +28,16 @@ struct InStreamLaunchArgs {
   // kernel counts this launch. Written by the client, so the kernel trusts nothing in it: an
   // index of kInStreamAttachSlots or more is counted in kInStreamUnattributedSlot.
   uint32_t counter_slot;
-  uint32_t reserved;
+  // The program key the client set (arfuse_set_program_key; 0 = none): its low 24 bits go into
+  // the op descriptor, so ranks whose clients belong to different programs never pair an op
+  // (fusion_sync.cuh). Keys above 24 bits are refused by the client library.
+  uint32_t program_key;
 };
 static_assert(sizeof(InStreamLaunchArgs) == kLaunchArgsBytes);
 static_assert(offsetof(InStreamLaunchArgs, kernel_config) == 328);
 static_assert(offsetof(InStreamLaunchArgs, abi_version) == 348);
 static_assert(offsetof(InStreamLaunchArgs, generation) == 352);
 static_assert(offsetof(InStreamLaunchArgs, counter_slot) == 360);
+static_assert(offsetof(InStreamLaunchArgs, program_key) == 364);
 
 }  // namespace arfuse::instream

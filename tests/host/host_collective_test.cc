@@ -1,7 +1,8 @@
 // The host collective (kernels/cpu/host_collective.h) on its own, ranks as threads over a
 // workspace in this process's memory: the FP8 patterns run on every rank as the CPU reference
 // computes them over all ranks' inputs, and ranks that run different FP8 ops (another pattern,
-// another scale layout) are refused alike, without poisoning the workspace.
+// another scale layout, launchers of another program) are refused alike, without poisoning the
+// workspace.
 #include "kernels/cpu/host_collective.h"
 
 #include <cstdlib>
@@ -231,6 +232,46 @@ TEST(HostCollectiveFp8Agreement, AnOpTheReferenceRefusesFailsOnEveryRankWithoutP
     EXPECT_EQ(res[r].status.code(), plain::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(res[r].status.message()), HasSubstr("quant_out is null"));
     EXPECT_FALSE(res[r].poisoned);
+  }
+}
+
+// Launchers of two programs (program keys that differ) never pair an op, whatever else agrees:
+// refused alike on every rank, the keys' values not named, the workspace not poisoned; the same
+// key on every rank (0 included: no key) runs the op.
+TEST(HostCollectiveProgramKey, RanksOfDifferentProgramsAreRefusedAlikeAndTheSameKeyRuns) {
+  constexpr uint32_t kKeys[][2] = {{0xabcde, 0x13579}, {0, 0x13579}, {0xabcde, 0}};
+  for (const auto& keys : kKeys) {
+    Workspace ws(2, 16, 512, DType::kBF16);
+    std::vector<RankOp> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back(Pattern::kAllReduceResidualRmsNormFp8PerToken, DType::kBF16, r, 2, 256, 0);
+    }
+    std::vector<HostOpResult> res(2);
+    OnRanks(2, [&](int r) {
+      res[r] = ws.Rank(r).Run(ranks[r].Args(), 1, HostWaitLimits{}, /*client=*/true,
+                              /*copy_input=*/nullptr, /*launcher=*/10 + r, keys[r]);
+    });
+    for (int r = 0; r < 2; ++r) {
+      const std::string m(res[r].status.message());
+      EXPECT_EQ(res[r].status.code(), plain::StatusCode::kInvalidArgument) << r;
+      EXPECT_THAT(m, HasSubstr("comes from another program"));
+      EXPECT_THAT(m, HasSubstr("program keys differ"));
+      EXPECT_THAT(m, ::testing::Not(HasSubstr(std::to_string(0xabcde))));
+      EXPECT_THAT(m, ::testing::Not(HasSubstr(std::to_string(0x13579))));
+      EXPECT_FALSE(res[r].poisoned);
+    }
+    EXPECT_EQ(ws.Rank(0).header()->abort_word.load(), 0u);
+    for (uint32_t same : {keys[0], keys[1], 0u}) {
+      OnRanks(2, [&](int r) {
+        res[r] = ws.Rank(r).Run(ranks[r].Args(), 1, HostWaitLimits{}, true, nullptr, 10 + r, same);
+      });
+      for (int r = 0; r < 2; ++r) {
+        ASSERT_TRUE(res[r].status.ok()) << res[r].status.message();
+        RankOp want = Expected(ranks, r);
+        EXPECT_EQ(ranks[r].quant, want.quant) << r;
+        EXPECT_EQ(ranks[r].residual_out, want.residual_out) << r;
+      }
+    }
   }
 }
 

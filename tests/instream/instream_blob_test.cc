@@ -424,7 +424,8 @@ TEST_F(BlobTest, TheHostWorkspaceBehindTheDescriptor) {
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});
   EXPECT_EQ(r.rc, ARFUSE_FAILED_PRECONDITION);
-  EXPECT_THAT(r.message, HasSubstr("layout_version is 2, this build's is 6"));
+  EXPECT_THAT(r.message, HasSubstr(absl::StrCat("layout_version is 2, this build's is ",
+                                                host::kHostWsLayoutVersion)));
   h->magic = 0;
   r = AttachBlob(WithHeader(host_, [](AttachHeader& x) { x.generation = 6; }),
                  {(*other_gen)->fd.get()});

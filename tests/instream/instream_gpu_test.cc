@@ -590,6 +590,65 @@ TEST_F(InStreamGpu, AnEagerOpNeverPairsWithAClientsInStreamOp) {
   ASSERT_NO_FATAL_FAILURE(op.Verify(true, call));
 }
 
+// Clients of two programs (arfuse_set_program_key: keys that differ, in the descriptor's low or
+// high key bits, or a key against none) never pair an op, as when a client of another program
+// attached on rank 1 in the milliseconds after rank 0's client died with its op published: both
+// ranks fail with op_mismatch (or the abort the first to see it forwarded) and write no output.
+// Clients that set the same key pair as before. One-shot (2 tokens) and two-shot (16 tokens).
+TEST_F(InStreamGpu, ClientsOfTwoProgramsNeverPairAnOp) {
+  spin_timeout_ns_ = 500'000'000;
+  ASSERT_NO_FATAL_FAILURE(AttachAll());
+  const uint32_t mismatch = static_cast<uint32_t>(FusionError::kOpMismatch);
+  const uint32_t peer_abort = static_cast<uint32_t>(FusionError::kPeerAbort);
+  int call = 0;
+  struct Keys {
+    uint32_t k0, k1;
+  };
+  for (uint32_t tokens : {2u, 16u}) {
+    for (Keys keys : {Keys{0x001234, 0x003234}, Keys{0x001234, 0x001235}, Keys{0, 0x800000},
+                      Keys{0xfff000, 0}}) {
+      SCOPED_TRACE(::testing::Message() << tokens << " tokens, keys " << keys.k0 << " " << keys.k1);
+      ASSERT_EQ(arfuse_set_program_key(ctx_[0], keys.k0), ARFUSE_OK);
+      ASSERT_EQ(arfuse_set_program_key(ctx_[1], keys.k1), ARFUSE_OK);
+      Op op(tokens, ++call);
+      for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+      for (int r = 0; r < kWorld; ++r) {
+        ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, true), ARFUSE_OK) << arfuse_last_error();
+      }
+      CUDA_OK(cudaDeviceSynchronize());
+      uint32_t codes[kWorld] = {};
+      for (int r = 0; r < kWorld; ++r) {
+        EXPECT_EQ(arfuse_check(ctx_[r], &codes[r]), ARFUSE_ABORTED) << "rank " << r;
+        EXPECT_THAT(codes[r], ::testing::AnyOf(mismatch, peer_abort)) << "rank " << r;
+        EXPECT_EQ(op.Download(r, 2), std::vector<uint8_t>(op.bytes, 0xee))
+            << "rank " << r << ": no output written";
+      }
+      EXPECT_TRUE(codes[0] == mismatch || codes[1] == mismatch);
+      // The sidecars re-initialize a failed workspace under a new generation, and the clients
+      // attach again (their error words hold the failure until then).
+      for (arfuse_ctx*& c : ctx_) {
+        arfuse_detach(c);
+        c = nullptr;
+      }
+      ++generation_;
+      ASSERT_NO_FATAL_FAILURE(Reinitialize());
+      ASSERT_NO_FATAL_FAILURE(AttachAll());
+    }
+  }
+  // The same key on both ranks pairs, one-shot and two-shot.
+  for (uint32_t tokens : {2u, 16u}) {
+    for (arfuse_ctx* c : ctx_) ASSERT_EQ(arfuse_set_program_key(c, 0xabcdef), ARFUSE_OK);
+    Op op(tokens, ++call);
+    for (int r = 0; r < kWorld; ++r) op.Upload(streams_[r], r);
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(op.Launch(ctx_[r], streams_[r], r, true), ARFUSE_OK) << arfuse_last_error();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_NO_FATAL_FAILURE(op.Verify(true, call));
+  }
+  for (arfuse_ctx* c : ctx_) EXPECT_EQ(arfuse_check(c, nullptr), ARFUSE_OK) << arfuse_last_error();
+}
+
 // The sidecar re-initialized the workspace (a new generation's tag) after the client attached:
 // the client's launches, eager or replayed from a graph captured before, change nothing, count
 // as stale, and say so in the error word (arfuse_check: FAILED_PRECONDITION, attach again).

@@ -315,6 +315,55 @@ TEST(InStreamHostFp8Agreement, RanksAskingForDifferentFp8OpsAreRefusedAlike) {
   EXPECT_EQ(rc[1], ARFUSE_OK);
 }
 
+// arfuse_set_program_key: clients of two programs (keys that differ, or a key against none)
+// never pair an op; refused alike, named as another program's, nothing poisoned. Clients that set
+// the same key (or none) run the op and match the reference. Bad keys and a NULL ctx are refused.
+TEST(InStreamHostProgramKey, ClientsOfTwoProgramsNeverPairAnOp) {
+  auto ws = TestHostWorkspace::Create(2, 16, 256, DType::kBF16, 1);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  Ctxs ctxs;
+  for (int r = 0; r < 2; ++r) {
+    AttachResult a = AttachBlob(Blob(HostExport(**ws, r)), {(*ws)->fd.get()});
+    ASSERT_EQ(a.rc, ARFUSE_OK) << a.message;
+    ctxs.ctx.push_back(a.ctx);
+  }
+  EXPECT_EQ(arfuse_set_program_key(nullptr, 1), ARFUSE_INVALID_ARGUMENT);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("ctx is NULL"));
+  EXPECT_EQ(arfuse_set_program_key(ctxs.ctx[0], ARFUSE_PROGRAM_KEY_MAX + 1),
+            ARFUSE_INVALID_ARGUMENT);
+  EXPECT_THAT(arfuse_last_error(), HasSubstr("bits above the low 24"));
+  int call = 0;
+  auto run = [&](uint32_t key0, uint32_t key1) {
+    EXPECT_EQ(arfuse_set_program_key(ctxs.ctx[0], key0), ARFUSE_OK);
+    EXPECT_EQ(arfuse_set_program_key(ctxs.ctx[1], key1), ARFUSE_OK);
+    std::vector<RankTensors> t;
+    for (int r = 0; r < 2; ++r) t.emplace_back(DType::kBF16, r, call, 4, 256);
+    std::vector<int> rc(2, -1);
+    std::vector<std::string> msg(2);
+    OnRanks(2, [&](int r) {
+      rc[r] = RunOp(ctxs.ctx[r], Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 4, 256, t[r]);
+      msg[r] = arfuse_last_error();
+    });
+    if (key0 == key1) {
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(rc[r], ARFUSE_OK) << msg[r];
+      ExpectReference(Pattern::kAllReduceResidualRmsNorm, DType::kBF16, 4, 256, t, call);
+    } else {
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(rc[r], ARFUSE_INVALID_ARGUMENT) << r;
+        EXPECT_THAT(msg[r], HasSubstr("comes from another program"));
+      }
+    }
+    ++call;
+  };
+  run(0x1234, 0x4321);
+  run(0, 0x4321);
+  run(0x4321, 0x4321);
+  run(0x1234, 0);
+  run(0, 0);
+  run(ARFUSE_PROGRAM_KEY_MAX, ARFUSE_PROGRAM_KEY_MAX);
+  for (arfuse_ctx* ctx : ctxs.ctx) EXPECT_EQ(arfuse_check(ctx, nullptr), ARFUSE_OK);
+}
+
 // Rank 1 in a child process, which gets the workspace the way a client does: a descriptor and a
 // blob (here inherited over fork; from the sidecar's fd socket in production).
 TEST(InStreamHost, TwoProcessesShareTheWorkspace) {

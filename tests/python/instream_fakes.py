@@ -21,7 +21,7 @@ class RecordingLib:
         return instream.CLIENT_ABI_VERSION
 
     def arfuse_launch_abi_version(self):
-        return 3
+        return 4
 
     def arfuse_launch_args_bytes(self):
         return 368
@@ -88,6 +88,13 @@ class RecordingLib:
 
     def arfuse_check(self, handle, ref):
         self.calls.append(("check",))
+        return 0
+
+    def arfuse_set_program_key(self, handle, key):
+        self.calls.append(("program_key", key))
+        if key > instream.PROGRAM_KEY_MAX:
+            self.error = b"the program key has bits above the low 24"
+            return instream.INVALID_ARGUMENT
         return 0
 
     def arfuse_note_declined(self, handle, reason):

@@ -235,7 +235,7 @@ def test_real_library_versions(real_lib):
     v = instream.library_versions(real_lib)
     assert v["attach_abi_version"] == instream.CLIENT_ABI_VERSION
     # kernels/instream/attach_abi.h: kLaunchAbiVersion, kLaunchArgsBytes.
-    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (3, 368)
+    assert (v["launch_abi_version"], v["launch_args_bytes"]) == (4, 368)
     assert "stale" in instream.error_name(16, real_lib)
 
 
@@ -393,7 +393,7 @@ def test_attach_binds_the_context_and_detach_tells_the_sidecar(group2, monkeypat
         req = requests[0]
         assert list(req.hidden) == [256, 512]
         assert (req.attach_abi_version, req.launch_abi_version, req.launch_args_bytes) == \
-            (instream.CLIENT_ABI_VERSION, 3, 368)
+            (instream.CLIENT_ABI_VERSION, 4, 368)
         assert lib.calls[0] == ("attach", b"blob", 1)
         with pytest.raises(OSError):
             os.fstat(handed[0])  # the caller's descriptors are closed after arfuse_attach

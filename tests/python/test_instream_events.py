@@ -59,7 +59,7 @@ class Session:
                     attach_id, generation = ctx.attach_id, ctx.info.generation
                 else:
                     resp = self.client.attach_rpc(arfuse.fusion_pb2.AttachRequest(
-                        hidden=[HIDDEN], attach_abi_version=4, launch_abi_version=3,
+                        hidden=[HIDDEN], attach_abi_version=4, launch_abi_version=4,
                         launch_args_bytes=368))
                     for fd in instream.pick_up_fds(resp, 5.0):
                         os.close(fd)

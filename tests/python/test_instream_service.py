@@ -14,7 +14,7 @@ fusion_pb2 = arfuse.fusion_pb2
 
 
 def request(hiddens=(1024,), **overrides):
-    versions = {"attach_abi_version": 4, "launch_abi_version": 3, "launch_args_bytes": 368}
+    versions = {"attach_abi_version": 4, "launch_abi_version": 4, "launch_args_bytes": 368}
     versions.update(overrides)
     return fusion_pb2.AttachRequest(hidden=list(hiddens), **versions)
 
@@ -50,7 +50,7 @@ def refused(client, req):
 def test_another_client_abi_is_refused_before_anything_is_handed_out(client, field, value, words):
     e = refused(client, request(**{field: value}))
     assert e.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert words in e.message and "needs attach ABI 4, launch ABI 3" in e.message
+    assert words in e.message and "needs attach ABI 4, launch ABI 4" in e.message
     assert "the client library of an unnamed release speaks" in e.message
 
 
@@ -70,7 +70,7 @@ def test_a_client_library_of_another_release_is_refused_naming_both_releases(cli
         instream.attach(client, [1024], lib=lib)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "the client library 0.0.9 speaks attach ABI 4, launch ABI 9" in e.value.message
-    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 4, launch ABI 3",
+    assert re.search(r"this sidecar \(arfuse \d+\.\d+\.\d+\) needs attach ABI 4, launch ABI 4",
                      e.value.message), e.value.message
     # Refused before anything existed: the session's one attachment is still free.
     assert client.attach_rpc(request()).attach_id > 0

@@ -48,7 +48,7 @@ CHILD = textwrap.dedent(r"""
                               connect_timeout=5.0)
             c.wait_ready(10)
             req = arfuse.fusion_pb2.AttachRequest(
-                hidden=[arg["hidden"]], attach_abi_version=4, launch_abi_version=3,
+                hidden=[arg["hidden"]], attach_abi_version=4, launch_abi_version=4,
                 launch_args_bytes=368)
             resp = c.attach_rpc(req)
             fds = instream.pick_up_fds(resp, 5.0)
@@ -141,7 +141,7 @@ def test_the_descriptors_of_an_attach_go_only_to_its_uid(arfused, as_root):
         with arfuse.Client(g.socket(0), client_name="owner") as c:
             c.wait_ready(30)
             resp = c.attach_rpc(fusion_pb2.AttachRequest(
-                hidden=[256], attach_abi_version=4, launch_abi_version=3, launch_args_bytes=368))
+                hidden=[256], attach_abi_version=4, launch_abi_version=4, launch_args_bytes=368))
             assert resp.fd_count == 2 and resp.fd_ticket
             # Another (admitted) uid holding the ticket: refused, and the ticket is not spent.
             seen = run_as_other_uid("pickup", {"fd_socket": resp.fd_socket,

@@ -25,7 +25,7 @@ from test_instream_uid import OTHER_UID, as_root, open_to_everyone  # noqa: F401
 fusion_pb2 = arfuse.fusion_pb2
 H, T = 256, 16
 F32 = 4
-ATTACH = dict(hidden=[H], attach_abi_version=4, launch_abi_version=3, launch_args_bytes=368)
+ATTACH = dict(hidden=[H], attach_abi_version=4, launch_abi_version=4, launch_args_bytes=368)
 
 # The other uid's side: every Fusion RPC that names a session, with the token it is given, aimed at
 # the victim's region, plan and attachment; then, from a session of its own, the victim's plan id

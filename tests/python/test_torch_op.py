@@ -218,6 +218,57 @@ def test_torch_compile_traces_the_fp8_op(host_ctx):
     assert codes.shape == x.shape and lib.calls[-1][:6] == ("launch_fp8", None, 8, 256, 1, 2)
 
 
+def test_agree_sets_one_program_key_on_every_rank(tmp_path):
+    """Two gloo ranks, each with a context: agree() serves and leaves the same nonzero program
+    key on both (the larger of their draws), which reached the library."""
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        sys.path[:0] = [{HERE!r}, {os.path.join(HERE, '..', '..', 'client', 'python')!r}]
+        import arfuse.torch as aft
+        from instream_fakes import RecordingLib, unbound_context
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=rank,
+                                world_size=2)
+        lib = RecordingLib(device_kind=2)
+        aft.set_context(unbound_context(lib), "cpu")
+        agreed = aft.agree(device="cpu")
+        ctx = aft.get_context("cpu")
+        sent = [c[1] for c in lib.calls if c[0] == "program_key"]
+        print("RESULT", rank, agreed, ctx.program_key, sent)
+    """)
+    path = tmp_path / "key.py"
+    path.write_text(script)
+    procs = [subprocess.Popen([sys.executable, str(path), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    results = {}
+    for out in outs:
+        for line in out.splitlines():
+            if line.startswith("RESULT"):
+                _, rank, agreed, key, sent = line.split(" ", 4)
+                results[int(rank)] = (agreed, int(key), sent)
+    assert set(results) == {0, 1}, outs
+    assert results[0] == results[1], outs
+    agreed, key, sent = results[0]
+    assert agreed == "True" and 1 <= key <= instream.PROGRAM_KEY_MAX and sent == f"[{key}]"
+
+
+def test_set_program_key_refuses_bad_keys(host_ctx):
+    ctx, lib = host_ctx
+    for bad in (-1, 1 << 32, "7", True, 1.0):
+        with pytest.raises(instream.InStreamError) as e:
+            ctx.set_program_key(bad)
+        assert e.value.code == instream.status_code(instream.INVALID_ARGUMENT)
+        assert "program key" in str(e.value)
+    with pytest.raises(instream.InStreamError) as e:
+        ctx.set_program_key(instream.PROGRAM_KEY_MAX + 1)
+    assert "bits above the low 24" in str(e.value)
+    assert ctx.program_key == 0
+    ctx.set_program_key(instream.PROGRAM_KEY_MAX)
+    assert ctx.program_key == instream.PROGRAM_KEY_MAX
+    assert lib.calls[-1] == ("program_key", instream.PROGRAM_KEY_MAX)
+
+
 def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
     """Two gloo ranks: one without a context. Both end unavailable (MAX vote)."""
     script = textwrap.dedent(f"""

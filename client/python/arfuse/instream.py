@@ -40,10 +40,10 @@ from .instream_abi import (ABORTED, CLIENT_ABI_VERSION, DEADLINE_EXCEEDED, DECLI
                            DEVICE_KINDS, DTYPE_NAMES, DTYPES, FAILED_PRECONDITION,
                            INVALID_ARGUMENT, LIBRARY, OK, OUT_OF_RANGE, PATTERN_ALLREDUCE,
                            PATTERN_ALLREDUCE_RESIDUAL_RMSNORM, PATTERN_FP8_PER_GROUP,
-                           PATTERN_FP8_PER_TOKEN, PATTERN_FP8_STATIC, UNAVAILABLE, CtxInfoStruct,
-                           InStreamError, Unavailable, dtype_code, error_name,
-                           find_client_library, last_error, library_versions, load_library,
-                           status_code)
+                           PATTERN_FP8_PER_TOKEN, PATTERN_FP8_STATIC, PROGRAM_KEY_MAX,
+                           UNAVAILABLE, CtxInfoStruct, InStreamError, Unavailable,
+                           draw_program_key, dtype_code, error_name, find_client_library,
+                           last_error, library_versions, load_library, status_code)
 from .instream_attach import attach, pick_up_fds, reattach
 from .instream_context import (EVENT_CLIENT_CLOSED, EVENT_DRAIN, EVENT_POISONED,
                                EVENT_REINITIALIZED, EVENT_SESSION_LOST, ContextInfo,
@@ -57,8 +57,10 @@ __all__ = [
     "ABORTED", "CLIENT_ABI_VERSION", "DEADLINE_EXCEEDED", "DECLINE_REASONS", "DEVICE_KINDS",
     "DTYPE_NAMES", "DTYPES", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "LIBRARY", "OK",
     "OUT_OF_RANGE", "PATTERN_ALLREDUCE", "PATTERN_ALLREDUCE_RESIDUAL_RMSNORM",
-    "PATTERN_FP8_PER_GROUP", "PATTERN_FP8_PER_TOKEN", "PATTERN_FP8_STATIC", "UNAVAILABLE",
-    "CtxInfoStruct", "InStreamError", "Unavailable", "dtype_code", "error_name",
+    "PATTERN_FP8_PER_GROUP", "PATTERN_FP8_PER_TOKEN", "PATTERN_FP8_STATIC", "PROGRAM_KEY_MAX",
+    "UNAVAILABLE",
+    "CtxInfoStruct", "InStreamError", "Unavailable", "draw_program_key", "dtype_code",
+    "error_name",
     "find_client_library", "last_error", "library_versions", "load_library", "status_code",
     "attach", "pick_up_fds", "reattach",
     "EVENT_CLIENT_CLOSED", "EVENT_DRAIN", "EVENT_POISONED", "EVENT_REINITIALIZED",

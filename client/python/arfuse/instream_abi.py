@@ -7,6 +7,7 @@ The library is found through $ARFUSE_CLIENT_LIB, then in or beside this package,
 through the system's library path (arfuse._native).
 """
 import ctypes
+import secrets
 import threading
 from typing import Optional
 
@@ -27,6 +28,15 @@ FAILED_PRECONDITION = 9
 ABORTED = 10
 OUT_OF_RANGE = 11
 UNAVAILABLE = 14
+
+# The largest program key (arfuse_set_program_key, ARFUSE_PROGRAM_KEY_MAX: 24 bits).
+PROGRAM_KEY_MAX = 0xFFFFFF
+
+
+def draw_program_key() -> int:
+    """A random program key, 1 to PROGRAM_KEY_MAX, from the OS's random source. A group takes the
+    largest of its ranks' draws (one MAX all-reduce), so every rank ends with the same key."""
+    return secrets.randbelow(PROGRAM_KEY_MAX) + 1
 
 # Reasons a caller reports with note_declined (ARFUSE_DECLINE_* in arfuse_client.h); the library
 # counts every other decline itself.
@@ -114,6 +124,7 @@ def _declare(lib):
             ("arfuse_fused_allreduce", cint, [vp, vp, vp, vp, u32, u32, cint]),
             ("arfuse_check", cint, [vp, ctypes.POINTER(u32)]),
             ("arfuse_disable", cint, [vp, ctypes.c_char_p]),
+            ("arfuse_set_program_key", cint, [vp, u32]),
             ("arfuse_note_declined", cint, [vp, cint]),
             ("arfuse_error_name", ctypes.c_char_p, [u32])):
         fn = getattr(lib, name)

@@ -100,7 +100,8 @@ def reattach(ctx: InStreamContext, timeout: float = 60.0, detach_old: bool = Tru
     old context is detached first (destroy the graphs that captured its launches before).
     newer_than: only a workspace of a later generation will do (after a failed op: the group
     re-forms, and an attach that came before the re-formation would be to the failed workspace;
-    the sidecars' generations restart after a sidecar restart, so not then)."""
+    the sidecars' generations restart after a sidecar restart, so not then). The new context
+    keeps the old one's program key."""
     if detach_old:
         ctx.detach()
     old = ctx.client
@@ -123,6 +124,9 @@ def reattach(ctx: InStreamContext, timeout: float = 60.0, detach_old: bool = Tru
                 raise InStreamError(UNAVAILABLE, f"the workspace is still generation {gen}, "
                                                  f"not newer than {newer_than}")
             new.owns_client = True
+            # The same program: its ranks keep the key they agreed on (every rank re-attaches).
+            if ctx.program_key:
+                new.set_program_key(ctx.program_key)
             if old is not None and getattr(ctx, "owns_client", False):
                 old.close()
             return new

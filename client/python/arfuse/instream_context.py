@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 
 from .client import ArfuseError, Client
 from .instream_abi import (DEADLINE_EXCEEDED, DECLINE_REASONS, DEVICE_KINDS, DTYPE_NAMES,
-                           FAILED_PRECONDITION, OK, OUT_OF_RANGE,
+                           FAILED_PRECONDITION, INVALID_ARGUMENT, OK, OUT_OF_RANGE,
                            PATTERN_ALLREDUCE_RESIDUAL_RMSNORM, UNAVAILABLE, CtxInfoStruct,
                            InStreamError, Unavailable, dtype_code, error_name, last_error,
                            status_code)
@@ -87,6 +87,7 @@ class InStreamContext:
         self._pending: List[tuple] = []  # (kind, reason) recorded by the session thread
         self._disabled = ""              # see `disabled`
         self._disabled_reason = ""
+        self._program_key = 0
         self._drain_unanswered = False
         self._launches = 0
         self._last_stream: Optional[int] = None
@@ -205,6 +206,27 @@ class InStreamContext:
         with self._lock:
             self._require()
             self._disable("disabled", reason)
+
+    def set_program_key(self, key: int):
+        """Names the program this context's ops belong to (arfuse_set_program_key): every rank
+        of the program sets the same key, 1 to PROGRAM_KEY_MAX, before its first op and outside
+        capture; ops then pair only with ops of the same key, so a client of another program on
+        a peer rank fails with op_mismatch instead of pairing (arfuse.torch.agree draws one and
+        sets it on every rank). 0 clears it. InStreamError INVALID_ARGUMENT above the maximum."""
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key <= 0xFFFFFFFF:
+            raise InStreamError(INVALID_ARGUMENT,
+                                "the program key is not an integer from 0 to PROGRAM_KEY_MAX")
+        with self._lock:
+            self._require()
+            rc = self._lib.arfuse_set_program_key(self._handle, key)
+            if rc != OK:
+                raise InStreamError(rc, f"arfuse_set_program_key: {last_error(self._lib)}")
+            self._program_key = key
+
+    @property
+    def program_key(self) -> int:
+        """The key set_program_key() set (0: none)."""
+        return self._program_key
 
     def note_declined(self, reason: str):
         """Counts an op the caller declined before asking the library ("not_contiguous" or

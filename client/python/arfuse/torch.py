@@ -529,7 +529,12 @@ def agree(group=None, device=None) -> bool:
     fused ops are served: if any rank has no usable context, every rank disables its own, so
     that none fuses while a peer runs its own path. A MAX all-reduce of an "unavailable" flag
     (as SGLang does for FlashInfer), on the CPU when the group can (gloo). Call it at the same
-    point on every rank, outside capture. Returns whether the fused ops are served."""
+    point on every rank, outside capture. Returns whether the fused ops are served.
+
+    The same all-reduce gives the group its program key (the largest of a random key per rank),
+    which every rank sets on its context (InStreamContext.set_program_key): from then on the
+    group's ops pair only with each other, never with a client of another program on a peer
+    rank (docs/instream.md, "A client that dies mid-op")."""
     torch = _torch()
     import torch.distributed as dist
 
@@ -540,10 +545,15 @@ def agree(group=None, device=None) -> bool:
         ctx.poll(at_agreement=True)
     bad = 1 if ctx is None or ctx.disabled else 0
     on_cpu = dist.get_backend(group) != "nccl"
-    flag = torch.tensor([bad], dtype=torch.int32,
-                        device="cpu" if on_cpu else torch.device("cuda",
-                                                                 torch.cuda.current_device()))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()) and ctx is not None and not ctx.disabled:
-        ctx.disable("another rank of the group cannot use the in-stream plane")
-    return not int(flag.item())
+    key = instream.draw_program_key()
+    flags = torch.tensor([bad, key], dtype=torch.int32,
+                         device="cpu" if on_cpu else torch.device("cuda",
+                                                                  torch.cuda.current_device()))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    bad, key = (int(v) for v in flags.tolist())
+    if ctx is not None and not ctx.disabled:
+        if bad:
+            ctx.disable("another rank of the group cannot use the in-stream plane")
+        else:
+            ctx.set_program_key(key)
+    return not bad

@@ -346,8 +346,12 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
         fp8_local, fp8_limit = (_local_fp8_decision(int(hidden), name, scales) if local is None
                                 else ("the fused op is not served on this rank", 0))
         # One gather decides both: the fused op, and the FP8 hook on top of it (its launches are
-        # collectives too, so every rank must take the same calls and cut the same limit).
-        votes = process_groups.gather((local, fp8_local, fp8_limit, scales), tp.cpu_group, world)
+        # collectives too, so every rank must take the same calls and cut the same limit). It
+        # also carries each rank's draw of the group's program key (the largest wins).
+        from arfuse import instream
+        votes = process_groups.gather(
+            (local, fp8_local, fp8_limit, scales, instream.draw_program_key()), tp.cpu_group,
+            world)
         reasons = [v[0] for v in votes]
         bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
         _state.decided = (int(hidden), name)
@@ -357,10 +361,12 @@ def setup(hidden: int, dtype, max_token_num: int = 2048, socket: Optional[str] =
             _decisions.path_line(logger, logging.WARNING, who, False, OWN_PATH, attached,
                                  "off on every rank", _state.patched_names, _state.reason)
             return False
+        # Ops of this group pair only with each other's, never with a client of another program
+        # on a peer rank (docs/instream.md, "A client that dies mid-op").
+        _state.ctx.set_program_key(max(int(v[4]) for v in votes))
         aft.register_ops()
         import torch
         _state.op = torch.ops.arfuse.allreduce_residual_rmsnorm
-        from arfuse import instream
         per_launch = _state.ctx.max_fused_tokens(hidden, name,
                                                  instream.PATTERN_ALLREDUCE_RESIDUAL_RMSNORM)
         fp8_bad = [(r, v[1]) for r, v in enumerate(votes) if v[1] is not None]
