@@ -3,8 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/fusion_workspace.h"
+#include "server/cuda_device/cuda_status.h"
+#include "server/cuda_device/fusion_workspace.h"
 
 namespace arfuse::bench {
 

@@ -26,10 +26,10 @@
 #include <cuda_runtime_api.h>
 
 #include "bench/sidecar_gpu.h"
+#include "server/cuda_device/fusion_workspace.h"
+#include "server/cuda_device/mps_driver.h"
+#include "server/cuda_device/nccl_comm.h"
 #include "server/doorbell/doorbell_dispatch.h"
-#include "server/gpu/fusion_workspace.h"
-#include "server/gpu/mps_driver.h"
-#include "server/gpu/nccl_comm.h"
 #endif
 
 namespace arfuse::bench::sidecar {

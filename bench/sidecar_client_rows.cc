@@ -20,8 +20,8 @@
 #if defined(ARFUSE_BENCH_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/fusion_workspace.h"
+#include "server/cuda_device/cuda_status.h"
+#include "server/cuda_device/fusion_workspace.h"
 #endif
 
 namespace arfuse::bench::sidecar {

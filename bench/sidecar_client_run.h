@@ -17,7 +17,7 @@
 #include "bench/sidecar_rows.h"
 #include "client/cpp/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 #include "server/peers/peer_exchange.h"
 
 #if defined(ARFUSE_BENCH_CUDA)

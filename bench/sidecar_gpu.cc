@@ -11,7 +11,7 @@
 #include "absl/time/clock.h"
 #include "bench/graph_timing.h"
 #include "common/status_macros.h"
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 
 namespace arfuse::bench::sidecar {
 

@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "bench/sidecar_flags.h"
-#include "server/gpu/fusion_workspace.h"
-#include "server/gpu/nccl_comm.h"
+#include "server/cuda_device/fusion_workspace.h"
+#include "server/cuda_device/nccl_comm.h"
 #include "server/peers/exchange.h"
 #if __has_include("client/ring/arfuse_ring.h")
 #include "client/ring/arfuse_ring.h"

@@ -22,8 +22,8 @@
 #include "common/status_macros.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/fusion_workspace.h"
+#include "server/cuda_device/cuda_status.h"
+#include "server/cuda_device/fusion_workspace.h"
 
 namespace arfuse::bench::sidecar {
 

@@ -5,7 +5,7 @@
 #if defined(ARFUSE_BENCH_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 #endif
 
 namespace arfuse::bench::sidecar {

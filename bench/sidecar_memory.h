@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/cpp/client.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse::bench::sidecar {
 

@@ -28,7 +28,7 @@ from arfuse.pool import TensorPool
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The framework's RMSNorm with the fused op's numerics (kernels/cpu/reference_op.h): fp32
+    """The framework's RMSNorm with the fused op's numerics (kernels/host/reference_op.h): fp32
     math on the dtype-rounded input, 1/sqrt(mean(x^2) + eps), (x * inv) * weight, one rounding."""
     y = x.float()
     inv = 1.0 / torch.sqrt(y.pow(2).mean(dim=-1, keepdim=True) + eps)

@@ -19,7 +19,7 @@
 #include "kernels/common/plain_status.h"
 #include "kernels/contract/op_contract.h"
 #include "kernels/contract/program_key.h"
-#include "kernels/cpu/host_workspace.h"
+#include "kernels/host/host_workspace.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
 #if ARFUSE_CLIENT_CUDA

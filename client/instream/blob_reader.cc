@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 #include "kernels/instream/op_counters.h"
 
 namespace arfuse::instream::lib {

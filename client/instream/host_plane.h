@@ -1,6 +1,6 @@
-// Host mode of libarfuse_client: the group's host workspace (kernels/cpu/host_workspace.h),
+// Host mode of libarfuse_client: the group's host workspace (kernels/host/host_workspace.h),
 // mapped from the descriptor the sidecar handed out, and the CPU collective run synchronously
-// in the caller's thread (kernels/cpu/host_collective.h), taking turns with this rank's host
+// in the caller's thread (kernels/host/host_collective.h), taking turns with this rank's host
 // engine.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include "client/instream/blob_reader.h"
 #include "client/instream/plane.h"
 #include "kernels/common/plain_status.h"
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 
 namespace arfuse::instream::lib {
 

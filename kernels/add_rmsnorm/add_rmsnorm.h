@@ -1,5 +1,5 @@
 // Fused residual add + RMSNorm for the unfused path (after an NCCL allreduce), with the numerics
-// of kernels/cpu/reference_op.h at world size 1: -0.0 in `input` read as +0.0,
+// of kernels/host/reference_op.h at world size 1: -0.0 in `input` read as +0.0,
 // residual_out = round(input + residual_in), norm_out = round((y * inv) * gamma) with
 // inv = 1 / sqrtf(mean(y^2) + eps) over the dtype-rounded residual_out values y.
 #pragma once

@@ -1,6 +1,6 @@
 // Device helpers shared by the fused kernels: 16-byte vectors of bf16/fp16/fp32 handled as raw
 // bits, the -0.0 sentinel rules, dtype rounding, and the residual-add + RMSNorm of one row with
-// the numerics of kernels/cpu/reference_op.h. CUDA only.
+// the numerics of kernels/host/reference_op.h. CUDA only.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -4,10 +4,11 @@
 // docs/kernels.md explains the algorithms, the sizing rule and the memory-ordering argument.
 //
 // Who does what:
-//   * The workspace owner (server/gpu) allocates ComputeWorkspaceLayout(...).total_bytes per rank
-//     (cudaMalloc + IPC, or cuMemCreate), maps every peer's workspace into this process (unicast,
-//     never NVLink multicast), runs LaunchWorkspaceInit on its own workspace, synchronizes, and
-//     barriers with the peers BEFORE the first op of a generation (and before any graph capture).
+//   * The workspace owner (server/cuda_device) allocates ComputeWorkspaceLayout(...).total_bytes
+//     per rank (cudaMalloc + IPC, or cuMemCreate), maps every peer's workspace into this process
+//     (unicast, never NVLink multicast), runs LaunchWorkspaceInit on its own workspace,
+//     synchronizes, and barriers with the peers BEFORE the first op of a generation (and before any
+//     graph capture).
 //   * Per op it fills FusionParams and calls LaunchAllReduceFusion on its stream. Every rank of
 //     the group must launch the same sequence of (algo, num_tokens, hidden) calls. Where they
 //     do not (two clients racing on one group), every rank checks its peers' op descriptor

@@ -85,8 +85,8 @@ inline constexpr const char* PatternName(Pattern p) {
 }
 
 // One rank's op as the host sees it: the shape and this rank's tensors, pointers valid in the
-// calling process. The engines' OpArgs (server/engine/engine.h), the host collective's op and the
-// client library's request are this struct.
+// calling process. The engines' OpArgs (server/engine_api/engine.h), the host collective's op and
+// the client library's request are this struct.
 struct FusedOpArgs {
   Pattern pattern = Pattern::kAllReduceResidualRmsNorm;
   DType dtype = DType::kBF16;

@@ -1,5 +1,5 @@
 // A header-only status vocabulary for code that must not link abseil: libarfuse_client (the
-// in-stream plane's client library, client/instream) and what it runs (kernels/cpu's collective
+// in-stream plane's client library, client/instream) and what it runs (kernels/host's collective
 // and CPU op). That library is loaded into framework processes (torch, SGLang, vLLM) on machines
 // that have no abseil, so it may need nothing beyond glibc, libstdc++ and libgcc_s; Debian's
 // static abseil archives cannot be linked into a shared object (their TLS is local-exec), so the

@@ -1,7 +1,7 @@
 // The one table of device error codes: what a workspace's error word, the host workspace's error
 // word, an in-stream launch's error word and the low byte of a doorbell slot's kFusionFailed code
 // hold. Every other name of these codes is an alias of this table (FusionError in
-// kernels/allreduce_fusion/allreduce_fusion.h, HostWsError in kernels/cpu/host_workspace.h,
+// kernels/allreduce_fusion/allreduce_fusion.h, HostWsError in kernels/host/host_workspace.h,
 // kErrorStaleGeneration and kErrorLaunchAbi in kernels/instream/attach_abi.h, DoorbellError's
 // kFusionFailed range in kernels/doorbell/doorbell.h), and every name text comes from the row
 // here. The numbers cross process and ABI boundaries (kernels write them, libarfuse_client and

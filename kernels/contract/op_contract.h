@@ -191,7 +191,8 @@ static_assert(offsetof(FusionParams, dtype) == 304);
 static_assert(offsetof(FusionParams, quant_out) == 312);
 
 // Where a launch runs, besides the op: what differs between the sidecar's own launches
-// (server/gpu/fusion_workspace.cc) and an in-stream client's (client/instream/cuda_plane.cc).
+// (server/cuda_device/fusion_workspace.cc) and an in-stream client's
+// (client/instream/cuda_plane.cc).
 struct FusionLaunchSite {
   void* const* peer_workspace = nullptr;  // world_size entries, indexed by rank
   int32_t rank = 0;

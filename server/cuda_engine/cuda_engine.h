@@ -22,7 +22,7 @@
 // marks the device wedged (MarkDeviceWedged), so the daemon exits to be restarted.
 //
 // The data planes' engine sides sit behind one member (planes_,
-// server/cuda_engine/engine_planes.h), whose lifecycle hooks (server/engine/plane_hooks.h) the
+// server/cuda_engine/engine_planes.h), whose lifecycle hooks (server/engine_api/plane_hooks.h) the
 // engine runs at an eager op, a re-initialization, a dropped workspace and its own end; the eager
 // path names no plane. The doorbell plane (docs/doorbell.md) runs over the workspace, on the
 // engine's stream (server/doorbell/engine_doorbell.h: when it is made, paused, re-armed and
@@ -44,14 +44,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/collective/dispatch_table.h"
+#include "server/cuda_device/peer_memory.h"
 #include "server/cuda_engine/engine_planes.h"
 #include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
-#include "server/engine/doorbell_host.h"
-#include "server/engine/engine.h"
-#include "server/engine/instream_host.h"
-#include "server/gpu/dispatch_table.h"
-#include "server/gpu/peer_memory.h"
+#include "server/engine_api/doorbell_host.h"
+#include "server/engine_api/engine.h"
+#include "server/engine_api/instream_host.h"
 #include "server/instream/cuda/kernel_image.h"
 
 namespace arfuse {

@@ -4,10 +4,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/cuda_device/cuda_status.h"
+#include "server/cuda_device/fusion_workspace.h"
 #include "server/cuda_engine/cuda_engine.h"
 #include "server/doorbell/doorbell_dispatch.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/fusion_workspace.h"
 #include "server/instream/cuda/workspace_export.h"
 #include "spdlog/spdlog.h"
 

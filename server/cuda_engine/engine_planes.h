@@ -1,10 +1,10 @@
 // The data planes a CudaEngine holds, behind one member: every plane's lifecycle hooks
-// (server/engine/plane_hooks.h) run from here, in the order the planes are listed, so the engine
-// says when (an eager op, a re-initialization, a dropped workspace, its own end) and names no
-// plane. What is one plane's own (the doorbell plans: DoorbellHost) reaches that plane through
+// (server/engine_api/plane_hooks.h) run from here, in the order the planes are listed, so the
+// engine says when (an eager op, a re-initialization, a dropped workspace, its own end) and names
+// no plane. What is one plane's own (the doorbell plans: DoorbellHost) reaches that plane through
 // its accessor. The in-stream plane's engine side has no hook: its clients run their ops in
 // their own processes, and the engine's in-stream calls are InStreamHost's
-// (server/engine/instream_host.h). A new plane's hooks are one more entry of hooks_.
+// (server/engine_api/instream_host.h). A new plane's hooks are one more entry of hooks_.
 #pragma once
 
 #include <vector>
@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/doorbell/engine_doorbell.h"
-#include "server/engine/plane_hooks.h"
+#include "server/engine_api/plane_hooks.h"
 
 namespace arfuse {
 

@@ -6,18 +6,18 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "server/cuda_device/mps.h"
 #include "server/doorbell/doorbell_report.h"
-#include "server/gpu/mps.h"
 #include "server/host/host_engine.h"
 #include "spdlog/spdlog.h"
 #if ARFUSE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "server/cuda_device/cuda_status.h"
+#include "server/cuda_device/device_error.h"
+#include "server/cuda_device/mps_driver.h"
 #include "server/cuda_engine/cuda_engine.h"
 #include "server/doorbell/self_test.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/device_error.h"
-#include "server/gpu/mps_driver.h"
 #endif
 
 namespace arfuse {

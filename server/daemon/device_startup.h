@@ -12,7 +12,7 @@
 #include "config/fusion_config.h"
 #include "server/daemon/device_probe.h"
 #include "server/daemon/options.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "server/engine/doorbell_host.h"
-#include "server/engine/engine.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/doorbell_host.h"
+#include "server/engine_api/engine.h"
+#include "server/engine_api/instream_host.h"
 
 namespace arfuse {
 

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/engine/engine.h"
-#include "server/gpu/dispatch_table.h"
+#include "server/collective/dispatch_table.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

@@ -9,9 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/doorbell/scoped_device.h"
-#include "server/engine/doorbell_host.h"
-#include "server/gpu/cuda_status.h"
+#include "server/engine_api/doorbell_host.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/scoped_device.h"
-#include "server/gpu/cuda_status.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

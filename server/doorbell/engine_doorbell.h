@@ -1,7 +1,7 @@
 // The doorbell plane as an engine holds it (docs/doorbell.md): at most one DoorbellPlane over the
 // engine's workspace, created on the first plan (so a sidecar that never serves a doorbell pays
 // nothing), its id, its plan count, and the pause/resume protocol around everything else the
-// engine puts on its stream, as the plane's lifecycle hooks (server/engine/plane_hooks.h):
+// engine puts on its stream, as the plane's lifecycle hooks (server/engine_api/plane_hooks.h):
 //   - an eager op pauses the plane while it is enqueued (queued waiters leave at once) and
 //     resumes it right after (BeforeOp, AfterOp);
 //   - an in-place re-initialization pauses it (BeforeReinitialize), re-initializes the
@@ -21,8 +21,8 @@
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
-#include "server/engine/doorbell_host.h"
-#include "server/engine/plane_hooks.h"
+#include "server/engine_api/doorbell_host.h"
+#include "server/engine_api/plane_hooks.h"
 
 namespace arfuse {
 

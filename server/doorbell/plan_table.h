@@ -18,7 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/engine/doorbell_host.h"
+#include "server/engine_api/doorbell_host.h"
 #include "server/registry/registry.h"
 
 namespace arfuse {

@@ -1,5 +1,5 @@
 // The doorbell plane's device guard. (CUDA results map to absl::Status through
-// server/gpu/cuda_status.h, as everywhere in the server.)
+// server/cuda_device/cuda_status.h, as everywhere in the server.)
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -10,8 +10,8 @@
 #include "common/status_macros.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/doorbell/scoped_device.h"
-#include "server/gpu/cuda_status.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

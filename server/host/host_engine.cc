@@ -23,9 +23,9 @@
 #include "common/status_macros.h"
 #include "kernels/common/plain_status_absl.h"
 #include "kernels/contract/op_contract.h"
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 #include "kernels/instream/attach_abi.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 #include "server/host/guarded_copy.h"
 #include "server/host/op_staging.h"
 #include "server/peers/exchange.h"
@@ -334,7 +334,7 @@ class HostEngine final : public Engine, public InStreamHost {
         k.pattern = static_cast<uint8_t>(p);
         k.algo = kOneShotAlgo;
         k.dtype = static_cast<uint8_t>(options_.dtype);
-        e.entries.push_back(k);  // no function: the client runs kernels/cpu/host_collective
+        e.entries.push_back(k);  // no function: the client runs kernels/host/host_collective
       }
     }
     const uint64_t total = host::HostWsTotalBytes(options_.world_size, slot_bytes_);

@@ -1,12 +1,12 @@
 // The engine of --device=host: a host shared-memory workspace and the CPU implementation of the
-// op (kernels/cpu), running the same protocol shape as the GPU one-shot so CI exercises the
+// op (kernels/host), running the same protocol shape as the GPU one-shot so CI exercises the
 // server, peers and fault handling without a GPU. One node only (shared memory).
 #pragma once
 
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

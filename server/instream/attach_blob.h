@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/instream/op_counters.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 
 namespace arfuse {
 

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 #include "server/fdpass/socket_credentials.h"
 #include "server/fdpass/ticket_broker.h"
 

@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 #include "server/registry/opener.h"
 #include "server/registry/types.h"
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/gpu/dispatch_table.h"
+#include "server/collective/dispatch_table.h"
 #include "tests/config/upstream_cases.h"
 
 namespace arfuse::config {

@@ -191,7 +191,7 @@ def test_work_log_wording_in_comments_is_found_in_every_language(tmp_path):
 
 def test_comment_files_cover_the_code_and_leave_out_the_checks():
     names = {checks.rel(p) for p in checks.comment_files()}
-    for expected in ("kernels/cpu/reference_core.h", "server/daemon/options.cc",
+    for expected in ("kernels/host/reference_core.h", "server/daemon/options.cc",
                      "client/python/arfuse/_native.py", "scripts/gpu-stage",
                      "tests/python/conftest.py"):
         assert expected in names

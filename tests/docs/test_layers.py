@@ -106,7 +106,7 @@ def test_nothing_of_the_server_on_the_client_side():
 def test_a_planted_wrong_include_is_caught():
     layers = layer_table()
     # Upward: a kernel including the server.
-    here, there = layer_of("kernels/cpu/x.cc", layers), layer_of("server/fdpass/wake_fd.h", layers)
+    here, there = layer_of("kernels/host/x.cc", layers), layer_of("server/fdpass/wake_fd.h", layers)
     assert there[0] not in layers[here[0]][1]
     # Side by side: common/ and kernels/, the client SDK and the server libraries.
     assert layer_of("common/log.h", layers)[0] not in layers["kernels"][1]
@@ -115,3 +115,10 @@ def test_a_planted_wrong_include_is_caught():
     assert layer_of("client/cpp/client.h", layers)[0] not in layers["server libraries"][1]
     assert layer_of("server/services/fusion/x.cc", layers)[1] == "server/services/"
     assert layer_of("common/fd/fd_wire.h", layers)[0] == "common"
+
+
+def test_every_folder_the_table_names_exists():
+    # A folder renamed or moved without the table is a row that checks nothing.
+    missing = [f"{name}: {folder}" for name, (folders, _) in layer_table().items()
+               for folder in folders if not (REPO / folder).is_dir()]
+    assert not missing, "\n".join(missing)

@@ -48,12 +48,12 @@
 #include "common/version.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/doorbell/doorbell.h"
+#include "server/cuda_device/mps.h"
+#include "server/cuda_device/mps_driver.h"
 #include "server/doorbell/doorbell_dispatch.h"
 #include "server/doorbell/doorbell_plane.h"
 #include "server/doorbell/doorbell_report.h"
 #include "server/doorbell/self_test.h"
-#include "server/gpu/mps.h"
-#include "server/gpu/mps_driver.h"
 #include "tests/doorbell/doorbell_test_util.h"
 
 // Defaults as Args' (the run reads the flags into Args).

@@ -1,6 +1,6 @@
 // The doorbell plane on a real GPU, N ranks simulated in one process (tests/doorbell/
 // doorbell_test_util.h): every rank has a DoorbellPlane on its sidecar stream, and a "client"
-// stream that replays CUDA graphs of ring kernels. Outputs are checked against kernels/cpu's
+// stream that replays CUDA graphs of ring kernels. Outputs are checked against kernels/host's
 // ReferenceFusedOp. Also the indirect fused launch the plane queues (kernels/allreduce_fusion).
 // Run: ctest --test-dir <build> -L gpu -R Doorbell --output-on-failure
 #include <cuda_runtime_api.h>

@@ -25,8 +25,8 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "kernels/doorbell/doorbell.h"
+#include "server/cuda_device/mps.h"
 #include "server/doorbell/doorbell_plane.h"
-#include "server/gpu/mps.h"
 #include "tests/doorbell/doorbell_test_util.h"
 
 extern char** environ;

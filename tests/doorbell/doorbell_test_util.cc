@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 
 namespace arfuse::doorbell_test {
 namespace {

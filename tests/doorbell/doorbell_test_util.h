@@ -1,7 +1,7 @@
 // GPU test harness of the doorbell plane: N ranks simulated on one GPU in one process (N
 // workspaces, N sidecar streams, N client streams; peer pointers are plain device pointers), the
 // way tests/kernels/fusion_gpu_test.cc simulates them, plus host-side op data checked against
-// kernels/cpu's ReferenceFusedOp. Shared by the GPU tests, the IPC client helper and the bench.
+// kernels/host's ReferenceFusedOp. Shared by the GPU tests, the IPC client helper and the bench.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -6,7 +6,7 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse::testing {
 

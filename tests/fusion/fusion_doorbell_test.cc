@@ -18,7 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/daemon/gated_engine.h"
-#include "server/engine/doorbell_host.h"
+#include "server/engine_api/doorbell_host.h"
 #include "server/services/fusion/fusion_service.h"
 #include "tests/fusion/fusion_test_server.h"
 

@@ -1,9 +1,9 @@
 // The CUDA/driver/NCCL -> absl::Status mapping. Runs without a GPU or a driver: it only maps
 // result codes (machines without a driver get numeric names for driver results).
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 
 #include "gtest/gtest.h"
-#include "server/gpu/device_error.h"
+#include "server/cuda_device/device_error.h"
 
 namespace arfuse {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/gpu/dispatch_table.h"
+#include "server/collective/dispatch_table.h"
 
 #include "gtest/gtest.h"
 

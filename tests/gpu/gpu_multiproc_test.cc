@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/gpu/mps.h"
+#include "server/cuda_device/mps.h"
 #include "tests/gpu/process_util.h"
 
 namespace arfuse::testing {

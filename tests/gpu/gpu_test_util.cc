@@ -1,8 +1,8 @@
 #include "tests/gpu/gpu_test_util.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/half_convert.h"
-#include "server/gpu/cuda_status.h"
+#include "kernels/host/half_convert.h"
+#include "server/cuda_device/cuda_status.h"
 
 namespace arfuse::testing {
 

@@ -1,4 +1,4 @@
-#include "server/gpu/group_step.h"
+#include "server/collective/group_step.h"
 
 #include <string>
 #include <thread>

@@ -1,4 +1,4 @@
-#include "server/gpu/mps.h"
+#include "server/cuda_device/mps.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "server/gpu/op_agreement.h"
+#include "server/collective/op_agreement.h"
 
 #include <memory>
 #include <string>

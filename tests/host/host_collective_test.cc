@@ -1,9 +1,9 @@
-// The host collective (kernels/cpu/host_collective.h) on its own, ranks as threads over a
+// The host collective (kernels/host/host_collective.h) on its own, ranks as threads over a
 // workspace in this process's memory: the FP8 patterns run on every rank as the CPU reference
 // computes them over all ranks' inputs, and ranks that run different FP8 ops (another pattern,
 // another scale layout, launchers of another program) are refused alike, without poisoning the
 // workspace.
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -15,7 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference_core.h"
+#include "kernels/host/reference_core.h"
 #include "kernels/quant/fp8_format.h"
 
 namespace arfuse::host {

@@ -14,8 +14,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/contract/op_contract.h"
-#include "kernels/cpu/host_workspace.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/host_workspace.h"
+#include "kernels/host/reference_op.h"
 #include "server/peers/local_exchange.h"
 
 namespace arfuse {

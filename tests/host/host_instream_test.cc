@@ -9,8 +9,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/host_collective.h"
-#include "server/engine/instream_host.h"
+#include "kernels/host/host_collective.h"
+#include "server/engine_api/instream_host.h"
 #include "server/host/host_engine.h"
 #include "server/peers/local_exchange.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "server/host/host_engine.h"
 #include "server/peers/peer_exchange.h"
 

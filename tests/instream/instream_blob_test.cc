@@ -15,7 +15,7 @@
 #include "client/instream/blob_reader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
 #include "server/instream/attach_blob.h"

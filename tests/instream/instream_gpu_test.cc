@@ -22,7 +22,7 @@
 #include "gtest/gtest.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/allreduce_fusion/fusion_control.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "kernels/instream/instream_image.h"
 #include "kernels/quant/fp8_format.h"
 #include "server/instream/attach_blob.h"

@@ -1,11 +1,11 @@
 // libarfuse_client's host mode end to end: ranks attached through arfuse_attach with blobs from
-// the blob builder, over a host workspace made by kernels/cpu/host_collective or by real host
+// the blob builder, over a host workspace made by kernels/host/host_collective or by real host
 // engines (ExportInStream), as threads of this process or as two processes. Results against the
 // CPU reference bit for bit; turns with the host engine; stale generation after a
 // re-initialization; a peer that never arrives; the sidecar's abort; a client killed mid-op
 // (its op is never paired with anyone's later op, on either rank, in-stream or eager, with the
 // peer early or late).
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -24,7 +24,7 @@
 #include "client/instream/arfuse_client.hpp"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "kernels/quant/fp8_format.h"
 #include "server/host/host_engine.h"
 #include "server/instream/attach_blob.h"

@@ -15,7 +15,7 @@
 #include "client/instream/arfuse_client.hpp"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "tests/instream/instream_test_util.h"
 #if ARFUSE_TEST_CUDA
 #include "client/instream/cuda_plane.h"

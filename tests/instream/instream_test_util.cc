@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/common/plain_status_absl.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "server/instream/attach_blob.h"
 
 namespace arfuse::instream::testing {

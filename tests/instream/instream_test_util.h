@@ -1,5 +1,5 @@
 // Test support for libarfuse_client: a host workspace made in-process through
-// kernels/cpu/host_collective (the object layout the host engine makes), host and CUDA exports
+// kernels/host/host_collective (the object layout the host engine makes), host and CUDA exports
 // for the blob builder, and per-rank tensors with their CPU reference answer.
 #pragma once
 
@@ -12,8 +12,8 @@
 #include "client/instream/arfuse_client.h"
 #include "common/fd/unique_fd.h"
 #include "kernels/common/op_types.h"
-#include "kernels/cpu/host_collective.h"
-#include "server/engine/instream_host.h"
+#include "kernels/host/host_collective.h"
+#include "server/engine_api/instream_host.h"
 
 namespace arfuse::instream::testing {
 

@@ -8,8 +8,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/half_convert.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/half_convert.h"
+#include "kernels/host/reference_op.h"
 #include "kernels/quant/fp8_reference.h"
 
 namespace arfuse {

@@ -19,7 +19,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "kernels/quant/fp8_format.h"
 #include "kernels/quant/fp8_reference.h"
 #include "tests/kernels/fusion_gpu_util.h"

@@ -18,8 +18,8 @@
 #include "gtest/gtest.h"
 #include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/cpu/half_convert.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/half_convert.h"
+#include "kernels/host/reference_op.h"
 #include "tests/kernels/fusion_gpu_util.h"
 
 namespace arfuse {

@@ -15,7 +15,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 
 namespace arfuse {
 namespace fusion_test {

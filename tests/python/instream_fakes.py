@@ -3,7 +3,7 @@
 sidecar's Fusion.Attach is not there. It launches nothing and writes no output."""
 import types
 
-from arfuse import instream
+from arfuse import fusion_pb2, instream
 
 
 class RecordingLib:
@@ -114,9 +114,16 @@ def bound_context(client, lib):
     ctx = instream.InStreamContext(lib, object(), client,
                                    types.SimpleNamespace(attach_id=lib.attach_id,
                                                          memory_kind="host_shm"), [256])
-    client.expect_attachment(lib.attach_id)
-    client.bind_attachment(lib.attach_id, ctx)
+    table = instream.attachments_of(client)
+    table.expect(lib.attach_id)
+    table.bind(lib.attach_id, ctx)
     return ctx
+
+
+def deliver_event(client, kind, attach_id, reason):
+    """An AttachEvent as the client's session thread hands it to the client's attachments."""
+    instream.attachments_of(client).on_session_event(
+        fusion_pb2.AttachEvent(kind=kind, attach_id=attach_id, reason=reason))
 
 
 def unbound_context(lib, hiddens=(256,)):

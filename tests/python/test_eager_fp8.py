@@ -1,6 +1,6 @@
 """The FP8 patterns on the eager plane (Fusion.Execute through allreduce_fusion) against two
 host-mode sidecars: the same bytes as the in-stream plane's op on the same inputs (both run the
-CPU implementation, kernels/cpu), the codes dequantized within E4M3's precision, and bad input
+CPU implementation, kernels/host), the codes dequantized within E4M3's precision, and bad input
 answered with specific codes and nothing written."""
 import contextlib
 import threading

@@ -23,7 +23,7 @@ import arfuse
 from arfuse import _native, instream, instream_context
 from conftest import Group
 from fp8_values import e4m3_values
-from instream_fakes import RecordingLib, bound_context
+from instream_fakes import RecordingLib, bound_context, deliver_event
 
 DRAIN = arfuse.fusion_pb2.AttachEvent.KIND_DRAIN
 REINIT = arfuse.fusion_pb2.AttachEvent.KIND_REINITIALIZED
@@ -91,8 +91,8 @@ def test_fd_pickup_from_a_channel_that_is_not_there_names_it():
 def client(group2):
     c = arfuse.Client(group2.socket(0), client_name="instream-test")
     answered = []
-    original = c.answer_drain
-    c.answer_drain = lambda attach_id: (answered.append(attach_id), original(attach_id))
+    original = c.send_session_request
+    c.send_session_request = lambda req: (answered.append(req.drained_attach_id), original(req))
     c.answered = answered
     yield c
     c.close()
@@ -101,7 +101,7 @@ def client(group2):
 def test_drain_of_an_idle_host_context_is_applied_and_answered_at_once(client):
     lib = RecordingLib(device_kind=2)
     ctx = bound_context(client, lib)
-    client._on_attach_event(DRAIN, lib.attach_id, "backend switch to trtllm")
+    deliver_event(client, DRAIN, lib.attach_id, "backend switch to trtllm")
     assert ctx.disabled == "drained"
     assert lib.calls == [("disable", "drained by the sidecar: backend switch to trtllm")]
     assert client.answered == [lib.attach_id]
@@ -119,7 +119,7 @@ def test_drain_of_a_cuda_context_waits_for_the_last_launch_then_answers(client, 
     monkeypatch.setattr(instream_context, "wait_stream",
                         lambda stream, timeout: waited.append((stream, timeout)) or True)
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
-    client._on_attach_event(DRAIN, lib.attach_id, "shutdown")
+    deliver_event(client, DRAIN, lib.attach_id, "shutdown")
     # A CUDA context that launched: the session thread records the drain; nothing yet.
     assert ctx.disabled == "" and client.answered == [] and waited == []
     # The caller's next op applies it; inside a capture the answer waits (no synchronization).
@@ -140,7 +140,7 @@ def test_drain_unanswered_while_the_last_launch_runs(client, monkeypatch, capsys
     monkeypatch.setattr(instream_context, "capturing", lambda stream: False)
     monkeypatch.setattr(instream_context, "wait_stream", lambda stream, timeout: False)
     ctx.fused_allreduce_residual_rmsnorm(5, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
-    client._on_attach_event(DRAIN, lib.attach_id, "switch")
+    deliver_event(client, DRAIN, lib.attach_id, "switch")
     ctx.check()
     assert ctx.disabled == "drained" and client.answered == []
     assert "did not finish" in capsys.readouterr().err
@@ -153,8 +153,8 @@ def test_drain_unanswered_while_the_last_launch_runs(client, monkeypatch, capsys
 def test_reinitialized_and_poisoned_disable_with_the_reason(client, kind, state, words):
     lib = RecordingLib()
     ctx = bound_context(client, lib)
-    client._on_attach_event(kind, lib.attach_id,
-                            "peer restarted" if kind == REINIT else "op 12 timed out")
+    deliver_event(client, kind, lib.attach_id,
+                  "peer restarted" if kind == REINIT else "op 12 timed out")
     assert ctx.disabled == state and words in ctx.disabled_reason
     assert lib.calls[-1] == ("disable", ctx.disabled_reason)
     assert client.answered == []
@@ -165,16 +165,16 @@ def test_reinitialized_and_poisoned_disable_with_the_reason(client, kind, state,
 
 def test_events_before_the_context_is_bound_are_kept(client):
     lib = RecordingLib(attach_id=11)
-    client.expect_attachment(11)
-    client._on_attach_event(POISONED, 11, "early")  # between Attach's answer and arfuse_attach
+    instream.attachments_of(client).expect(11)
+    deliver_event(client, POISONED, 11, "early")  # between Attach's answer and arfuse_attach
     ctx = instream.InStreamContext(lib, object(), client,
                                    types.SimpleNamespace(attach_id=11), [256])
-    client.bind_attachment(11, ctx)
+    instream.attachments_of(client).bind(11, ctx)
     assert ctx.disabled == "poisoned" and "early" in ctx.disabled_reason
 
 
 def test_a_drain_for_an_unknown_attachment_is_answered_at_once(client):
-    client._on_attach_event(DRAIN, 99, "switch")
+    deliver_event(client, DRAIN, 99, "switch")
     assert client.answered == [99]
 
 
@@ -194,7 +194,7 @@ def test_a_sidecar_that_is_gone_disables_with_the_reason(arfused):
         assert ctx.disabled_reason.startswith("sidecar gone: session stream ended")
         # Detaching unmaps without asking the sidecar that is gone.
         ctx.detach()
-        assert lib.detached and c.attachments() == []
+        assert lib.detached and instream.attachments(c) == []
         c.close()
     finally:
         g.stop()
@@ -223,7 +223,7 @@ def test_attach_failure_leaves_no_state(group2):
     try:
         with pytest.raises(arfuse.ArfuseError):
             instream.attach(c, [256], lib=lib, fd_pickup=lambda resp, t: [])
-        assert c.attachments() == [] and c._early_events == {}
+        assert instream.attachments(c) == [] and instream.attachments_of(c).expecting() == []
     finally:
         c.close()
 
@@ -397,10 +397,10 @@ def test_attach_binds_the_context_and_detach_tells_the_sidecar(group2, monkeypat
         assert lib.calls[0] == ("attach", b"blob", 1)
         with pytest.raises(OSError):
             os.fstat(handed[0])  # the caller's descriptors are closed after arfuse_attach
-        assert c.attachments() == [ctx] and ctx.attach_id == 7 and ctx.hiddens == [256, 512]
+        assert instream.attachments(c) == [ctx] and ctx.attach_id == 7 and ctx.hiddens == [256, 512]
         assert ctx.info.device == "host" and ctx.info.memory_kind == "host_shm"
         ctx.detach()
-        assert detached == [7] and c.attachments() == [] and lib.detached
+        assert detached == [7] and instream.attachments(c) == [] and lib.detached
         ctx.detach()  # idempotent
         assert detached == [7]
         with pytest.raises(instream.InStreamError, match="detached"):
@@ -422,7 +422,7 @@ def test_attach_refuses_a_blob_of_another_attachment(group2, monkeypatch):
             instream.attach(c, [256], lib=lib)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "names attachment 7, the response 5" in e.value.message
-        assert lib.detached and detached == [5] and c.attachments() == []
+        assert lib.detached and detached == [5] and instream.attachments(c) == []
     finally:
         c.close()
 
@@ -434,7 +434,7 @@ def test_after_a_vote_a_drain_waits_for_the_next_agreement_point(client, monkeyp
     monkeypatch.setattr(instream_context, "wait_stream", lambda stream, timeout: True)
     ctx.poll(at_agreement=True)  # the ranks voted: fused
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
-    client._on_attach_event(DRAIN, lib.attach_id, "backend switch to mnnvl")
+    deliver_event(client, DRAIN, lib.attach_id, "backend switch to mnnvl")
     # Between the vote and the next one, ops and checks launch and answer nothing.
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
     ctx.check()
@@ -451,7 +451,7 @@ def test_after_a_vote_a_poisoning_still_applies_at_the_next_op(client):
     ctx = bound_context(client, lib)
     ctx.poll(at_agreement=True)
     ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
-    client._on_attach_event(POISONED, lib.attach_id, "timeout: a peer did not arrive")
+    deliver_event(client, POISONED, lib.attach_id, "timeout: a peer did not arrive")
     with pytest.raises(instream.Unavailable) as e:
         ctx.fused_allreduce_residual_rmsnorm(0x1234, 1, 2, 2, 3, 4, 8, 256, "fp32", 1e-6)
     assert e.value.disabled == "poisoned"

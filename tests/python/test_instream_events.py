@@ -38,15 +38,17 @@ class Session:
         self.generation = 0
         self.events = []
         self.cv = threading.Condition()
-        deliver = self.client._on_attach_event
+        # Added before the client's attachment table (the first attach adds it), so it hears
+        # each event before the contexts do.
+        self.client.add_session_listener(self)
 
-        def record(kind, attach_id, reason):
-            with self.cv:
-                self.events.append((kind, attach_id, reason))
-                self.cv.notify_all()
-            deliver(kind, attach_id, reason)
+    def on_session_event(self, event):
+        with self.cv:
+            self.events.append((event.kind, event.attach_id, event.reason))
+            self.cv.notify_all()
 
-        self.client._on_attach_event = record
+    def on_session_end(self, lost_reason):
+        pass
 
     def attach(self, timeout=30.0):
         """Attaches to a workspace newer than the last one (the group re-forms meanwhile)."""

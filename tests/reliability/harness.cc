@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "common/version.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 
 namespace arfuse::reliability {
 

@@ -167,7 +167,7 @@ class RankClient {
   // outputs with a NaN pattern so that an op that did not write them is caught.
   void Prepare(uint64_t residual_seed);
   absl::StatusOr<client::ExecResult> Run(absl::Duration timeout = absl::Seconds(10));
-  // Compares the outputs with kernels/cpu ReferenceFusedOp over every rank's inputs (same salt):
+  // Compares the outputs with kernels/host ReferenceFusedOp over every rank's inputs (same salt):
   // residual_out / output bit-exact, norm_out within two units in the last place of the dtype.
   bool Check(std::string* why);
 

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #include "tools/demo/demo_flags.h"
 #include "tools/demo/demo_instream.h"
 #include "tools/demo/demo_shape.h"

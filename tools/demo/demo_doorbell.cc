@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/reference_op.h"
 #include "kernels/doorbell/doorbell.h"
+#include "kernels/host/reference_op.h"
 #include "tools/demo/demo_cuda.h"
 
 namespace arfuse::demo {

@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/instream_attach.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 #if defined(ARFUSE_DEMO_CUDA)
 #include "tools/demo/demo_cuda.h"
 #endif

@@ -13,7 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "kernels/cpu/reference_op.h"
+#include "kernels/host/reference_op.h"
 
 namespace arfuse::demo {
 

@@ -8,16 +8,16 @@ The session stream also tells the client when its sidecar is gone: a sidecar tha
 killed) ends the stream at once, and `session_lost` then says why. allreduce_fusion raises
 SidecarLost in that case instead of reporting "fusion unavailable".
 
-In-stream attachments (attach(); arfuse.instream) hear from the sidecar on the same stream: the
-session thread hands every AttachEvent (drain, re-initialization, poisoning) to its context, and
-the stream's end to every context ("sidecar gone"). A drained context's answer
-(SessionRequest.drained_attach_id) goes back on the request stream.
+Whatever else the sidecar says on the stream (the in-stream plane's attachment events: drain,
+re-initialization, poisoning) goes to the session's listeners (add_session_listener): each hears
+every event the stream delivers, then the stream's end. Their answers go back on the request
+stream (send_session_request). arfuse.instream keeps its attachments in such a listener.
 """
 import dataclasses
 import queue
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import grpc
 
@@ -59,8 +59,8 @@ DEVICE_NAMES = {common_pb2.DEVICE_KIND_UNSPECIFIED: "unknown",
                 common_pb2.DEVICE_KIND_CUDA: "cuda", common_pb2.DEVICE_KIND_HOST: "host"}
 
 
-# arfuse.instream.attach, registered by that module when it is imported (register_attach), so
-# that this module does not import it back.
+# Client.attach's implementation (arfuse.instream.attach), registered by that module when it is
+# imported (register_attach), so that this module imports nothing of the in-stream plane.
 _ATTACH = None
 
 
@@ -294,11 +294,9 @@ class Client:
         self.server_api = (resp.server_api.major, resp.server_api.minor)
         self.config_stub = config_pb2_grpc.ConfigStub(self._channel)
         self._closed = False
-        # In-stream attachments by attach id: their contexts, and events that came before the
-        # context was bound (between Fusion.Attach's answer and arfuse_attach).
-        self._att_lock = threading.Lock()
-        self._attachments: Dict[int, object] = {}
-        self._early_events: Dict[int, list] = {}
+        # Who hears the session stream's events and its end (add_session_listener).
+        self._listeners_lock = threading.Lock()
+        self._listeners: list = []
         # The stream stays open for the session's life; its end (other than by close()) means
         # the sidecar is gone.
         self._lost_reason: Optional[str] = None
@@ -311,8 +309,8 @@ class Client:
         try:
             for resp in self._session_call:
                 if resp.HasField("event"):
-                    self._on_attach_event(resp.event.kind, resp.event.attach_id,
-                                          resp.event.reason)
+                    for listener in self.session_listeners():
+                        listener.on_session_event(resp.event)
             reason = "the sidecar ended the session"
         except grpc.RpcError as e:
             reason = f"session stream ended: {e.code().name}: {e.details()}"
@@ -322,76 +320,54 @@ class Client:
             reason = f"session stream ended: {e!r}"
         if not self._closed:
             self._lost_reason = reason
-        self._session_ended.set()
-        self._session_gone()
+        # Under the lock, so that a listener added meanwhile hears the end exactly once: here, or
+        # in add_session_listener.
+        with self._listeners_lock:
+            self._session_ended.set()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener.on_session_end(self._lost_reason)
 
-    # -- in-stream attachments (arfuse.instream) --
-    def _on_attach_event(self, kind: int, attach_id: int, reason: str):
-        """An AttachEvent (session thread): to its context, or kept until it is bound."""
-        with self._att_lock:
-            ctx = self._attachments.get(attach_id)
-            if ctx is None:
-                early = self._early_events.get(attach_id)
-                if early is not None:
-                    early.append((kind, reason))
-                    return
-        if ctx is None:
-            # Not ours (any more): a drain of an attachment this client no longer holds is
-            # answered at once, so the sidecar does not wait for it.
-            if kind == fusion_pb2.AttachEvent.KIND_DRAIN:
-                self.answer_drain(attach_id)
-            return
-        ctx.on_session_event(kind, reason)
+    # -- the session stream's listeners --
+    def add_session_listener(self, listener):
+        """`listener` hears the session stream from now on, on the session's thread:
+        listener.on_session_event(event) for each event the stream delivers (a
+        SessionResponse.event, fusion_pb2.AttachEvent), then listener.on_session_end(lost) once
+        the stream ended (`lost`: session_lost, None after close()). A listener added after the
+        end hears the end at once."""
+        with self._listeners_lock:
+            self._listeners.append(listener)
+            ended = self._session_ended.is_set()
+        if ended:
+            listener.on_session_end(self._lost_reason)
 
-    def _session_end_event(self):
-        """(kind, reason) for the contexts once the session ended: 0 = the sidecar is gone,
-        -1 = this client was closed (arfuse.instream.EVENT_SESSION_LOST / EVENT_CLIENT_CLOSED)."""
-        if self._lost_reason is not None:
-            return 0, self._lost_reason
-        return -1, "the arfuse client of this attachment was closed"
+    def remove_session_listener(self, listener):
+        with self._listeners_lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
-    def _session_gone(self):
-        kind, reason = self._session_end_event()
-        with self._att_lock:
-            ctxs = list(self._attachments.values())
-        for ctx in ctxs:
-            ctx.on_session_event(kind, reason)
+    def session_listeners(self) -> tuple:
+        """The listeners, in the order they were added."""
+        with self._listeners_lock:
+            return tuple(self._listeners)
 
-    # The session-event hook of arfuse.instream: an attach announces its id before its context
-    # exists (events that arrive meanwhile are kept), binds the context once made, and forgets
-    # it at detach; a drain is answered on the session's request stream.
-    def expect_attachment(self, attach_id: int):
-        with self._att_lock:
-            self._early_events.setdefault(attach_id, [])
+    def send_session_request(self, request) -> bool:
+        """Puts a SessionRequest on the session's request stream; False (nothing sent) once the
+        client is closed or the sidecar ended the session."""
+        if self._closed or self._lost_reason is not None:
+            return False
+        self._outbox.put(request)
+        return True
 
-    def bind_attachment(self, attach_id: int, ctx):
-        with self._att_lock:
-            early = self._early_events.pop(attach_id, [])
-            self._attachments[attach_id] = ctx
-        for kind, reason in early:
-            ctx.on_session_event(kind, reason)
-        if self._session_ended.is_set():
-            ctx.on_session_event(*self._session_end_event())
-
-    def forget_attachment(self, attach_id: int):
-        with self._att_lock:
-            self._attachments.pop(attach_id, None)
-            self._early_events.pop(attach_id, None)
+    @property
+    def session_ended(self) -> bool:
+        """True once the session stream ended (the sidecar's end or close())."""
+        return self._session_ended.is_set()
 
     @property
     def closed(self) -> bool:
         """True once close() ran."""
         return self._closed
-
-    def answer_drain(self, attach_id: int):
-        """SessionRequest.drained_attach_id on the request stream."""
-        if not self._closed and self._lost_reason is None:
-            self._outbox.put(fusion_pb2.SessionRequest(drained_attach_id=attach_id))
-
-    def attachments(self) -> list:
-        """The in-stream contexts attached through this client."""
-        with self._att_lock:
-            return list(self._attachments.values())
 
     def attach_rpc(self, request, timeout: Optional[float] = None):
         """Fusion.Attach (the raw AttachResponse); attach() does the rest."""

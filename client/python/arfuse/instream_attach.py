@@ -11,6 +11,7 @@ from .client import ArfuseError, Client, SidecarLost, fusion_pb2
 from .instream_abi import (FAILED_PRECONDITION, INVALID_ARGUMENT, OK, UNAVAILABLE, InStreamError,
                            last_error, library_versions, load_library)
 from .instream_context import InStreamContext
+from .instream_sessions import attachments_of
 
 def pick_up_fds(resp, timeout: float) -> List[int]:
     """The descriptors the sidecar offers for this attach on its fd socket (fd_ticket)."""
@@ -54,7 +55,8 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
                                    launch_args_bytes=v["launch_args_bytes"],
                                    client_version=v["version"])
     resp = client.attach_rpc(req, timeout)
-    client.expect_attachment(resp.attach_id)
+    table = attachments_of(client)
+    table.expect(resp.attach_id)
     fds: List[int] = []
     try:
         if resp.fd_count:
@@ -75,7 +77,7 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
             lib.arfuse_detach(handle)
             raise
     except BaseException:
-        client.forget_attachment(resp.attach_id)
+        table.forget(resp.attach_id)
         if not client.session_lost:
             try:
                 client.detach_rpc(resp.attach_id)
@@ -88,7 +90,7 @@ def attach(client: Client, hiddens: Optional[Sequence[int]] = None, lib=None,
                 os.close(fd)  # the library keeps its own duplicates
             except OSError:
                 pass
-    client.bind_attachment(resp.attach_id, ctx)
+    table.bind(resp.attach_id, ctx)
     return ctx
 
 

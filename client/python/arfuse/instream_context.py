@@ -15,14 +15,9 @@ from .instream_abi import (DEADLINE_EXCEEDED, DECLINE_REASONS, DEVICE_KINDS, DTY
                            InStreamError, Unavailable, dtype_code, error_name, last_error,
                            status_code)
 from .instream_fp8 import quant_code, scale_layout_code
+from .instream_sessions import (EVENT_CLIENT_CLOSED, EVENT_DRAIN, EVENT_POISONED,
+                                EVENT_REINITIALIZED, EVENT_SESSION_LOST, attachments_of)
 from .stream_wait import capturing, wait_stream
-
-# AttachEvent.Kind numbers (fusion.proto), and the session's end as the client reports it.
-EVENT_DRAIN = 1
-EVENT_REINITIALIZED = 2
-EVENT_POISONED = 3
-EVENT_SESSION_LOST = 0
-EVENT_CLIENT_CLOSED = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +123,7 @@ class InStreamContext:
         if self._detached:
             raise InStreamError(FAILED_PRECONDITION, "the in-stream context is detached")
 
-    # -- events (from the client's session thread) --
+    # -- events (from the client's session thread, through arfuse.instream_sessions) --
     def on_session_event(self, kind: int, reason: str):
         """Records an AttachEvent or a lost session; applied by the caller's next op/check."""
         self._pending.append((kind, reason))
@@ -188,7 +183,7 @@ class InStreamContext:
                       file=sys.stderr)
                 return
         self._drain_unanswered = False
-        client.answer_drain(self.attach_id)
+        attachments_of(client).answer_drain(self.attach_id)
 
     def poll(self, at_agreement: bool = False):
         """Applies what the sidecar said since the last call (called by every op and check).
@@ -383,7 +378,7 @@ class InStreamContext:
             msg = last_error(self._lib) if rc != OK else ""
         client = self.client
         if client is not None:
-            client.forget_attachment(self.attach_id)
+            attachments_of(client).forget(self.attach_id)
             if not client.session_lost and not client.closed:
                 try:
                     client.detach_rpc(self.attach_id)

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/instream/instream_image.h"
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 
 namespace arfuse {
 

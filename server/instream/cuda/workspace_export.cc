@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 
 namespace arfuse {
 

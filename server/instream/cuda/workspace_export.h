@@ -10,9 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/common/op_types.h"
-#include "server/engine/instream_host.h"
-#include "server/gpu/dispatch_table.h"
-#include "server/gpu/fusion_workspace.h"
+#include "server/collective/dispatch_table.h"
+#include "server/cuda_device/fusion_workspace.h"
+#include "server/engine_api/instream_host.h"
 #include "server/instream/cuda/kernel_image.h"
 
 namespace arfuse {

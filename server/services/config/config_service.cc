@@ -11,7 +11,7 @@
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "config/config_convert.h"
-#include "server/engine/doorbell_host.h"
+#include "server/engine_api/doorbell_host.h"
 #include "server/services/common/grpc_status.h"
 
 namespace arfuse {

@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
 #include "kernels/instream/attach_abi.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 #include "server/instream/attach_blob.h"
 #include "server/instream/attach_fds.h"
 #include "server/instream/op_counters.h"

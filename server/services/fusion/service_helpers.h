@@ -6,7 +6,7 @@
 
 #include "absl/status/status.h"
 #include "arfuse/v1/fusion.pb.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 #include "server/services/common/grpc_status.h"
 
 namespace arfuse {

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/common/op_types.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

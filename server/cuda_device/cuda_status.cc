@@ -1,4 +1,4 @@
-#include "server/gpu/cuda_status.h"
+#include "server/cuda_device/cuda_status.h"
 
 #include <string>
 #include <utility>
@@ -6,7 +6,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "server/gpu/device_error.h"
+#include "server/cuda_device/device_error.h"
 #include "spdlog/spdlog.h"
 
 namespace arfuse {

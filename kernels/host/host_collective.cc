@@ -1,4 +1,4 @@
-#include "kernels/cpu/host_collective.h"
+#include "kernels/host/host_collective.h"
 
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cpu/reference_core.h"
+#include "kernels/host/reference_core.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

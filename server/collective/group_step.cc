@@ -1,4 +1,4 @@
-#include "server/gpu/group_step.h"
+#include "server/collective/group_step.h"
 
 #include "absl/strings/str_cat.h"
 #include "server/peers/exchange.h"

@@ -2,7 +2,7 @@
 // created by rank 0's host engine and mapped by every rank of the node, and by the clients that
 // attached to it (libarfuse_client's host mode). Shared between processes (and between builds:
 // the sidecar and a framework's copy of the client library), so every field's size and offset is
-// pinned here. kernels/cpu/host_collective.h runs the protocol on it.
+// pinned here. kernels/host/host_collective.h runs the protocol on it.
 //
 //   [HostWsHeader][HostRankSync x world_size] ... page ... [slot(buf 0, rank 0)] ... [slot(buf 1,
 //   rank world_size-1)]

@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/common/plain_status_absl.h"
-#include "kernels/cpu/reference_core.h"
+#include "kernels/host/reference_core.h"
 
 namespace arfuse {
 

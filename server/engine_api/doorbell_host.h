@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

@@ -1,4 +1,4 @@
-#include "server/gpu/device_error.h"
+#include "server/cuda_device/device_error.h"
 
 #include "absl/strings/cord.h"
 

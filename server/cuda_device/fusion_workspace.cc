@@ -1,4 +1,4 @@
-#include "server/gpu/fusion_workspace.h"
+#include "server/cuda_device/fusion_workspace.h"
 
 #include <atomic>
 #include <cstddef>
@@ -11,8 +11,8 @@
 #include "kernels/allreduce_fusion/fusion_control.h"
 #include "kernels/common/plain_status_absl.h"
 #include "kernels/contract/op_contract.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/group_step.h"
+#include "server/collective/group_step.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 

@@ -2,8 +2,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cpu/half_convert.h"
-#include "kernels/cpu/reference_core.h"
+#include "kernels/host/half_convert.h"
+#include "kernels/host/reference_core.h"
 #include "kernels/quant/fp8_reference.h"
 
 namespace arfuse {

@@ -1,4 +1,4 @@
-#include "server/gpu/mps_driver.h"
+#include "server/cuda_device/mps_driver.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-#include "server/gpu/nccl_comm.h"
+#include "server/cuda_device/nccl_comm.h"
 
 #include <unistd.h>
 
@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/group_step.h"
+#include "server/collective/group_step.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 

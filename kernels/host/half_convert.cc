@@ -1,4 +1,4 @@
-#include "kernels/cpu/half_convert.h"
+#include "kernels/host/half_convert.h"
 
 namespace arfuse {
 

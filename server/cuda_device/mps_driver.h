@@ -2,7 +2,7 @@
 // scan). CUDA builds only: it calls the driver through the shim (server/cudadrv).
 #pragma once
 
-#include "server/gpu/mps.h"
+#include "server/cuda_device/mps.h"
 
 namespace arfuse {
 

@@ -44,7 +44,7 @@
 
 #include "kernels/common/op_types.h"
 #include "kernels/common/plain_status.h"
-#include "kernels/cpu/host_workspace.h"
+#include "kernels/host/host_workspace.h"
 
 namespace arfuse::host {
 

@@ -106,11 +106,11 @@ class Engine {
 
   virtual EngineStatus Status() const = 0;
 
-  // The doorbell plane (server/engine/doorbell_host.h), or null when this engine has none (host
+  // The doorbell plane (server/engine_api/doorbell_host.h), or null when this engine has none (host
   // mode). The pointer lives as long as the engine.
   virtual DoorbellHost* doorbell_host() { return nullptr; }
 
-  // The in-stream plane (server/engine/instream_host.h), or null when this engine cannot hand
+  // The in-stream plane (server/engine_api/instream_host.h), or null when this engine cannot hand
   // its workspace to a client library. The pointer lives as long as the engine.
   virtual InStreamHost* instream_host() { return nullptr; }
 };

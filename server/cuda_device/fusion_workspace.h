@@ -28,9 +28,9 @@
 #include "absl/time/time.h"
 #include "kernels/allreduce_fusion/allreduce_fusion.h"
 #include "kernels/common/op_types.h"
-#include "server/engine/engine.h"
-#include "server/engine/instream_host.h"
-#include "server/gpu/peer_memory.h"
+#include "server/cuda_device/peer_memory.h"
+#include "server/engine_api/engine.h"
+#include "server/engine_api/instream_host.h"
 
 namespace arfuse {
 

@@ -1,4 +1,4 @@
-#include "server/gpu/peer_memory.h"
+#include "server/cuda_device/peer_memory.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/fd/unique_fd.h"
-#include "server/gpu/cuda_status.h"
-#include "server/gpu/group_step.h"
+#include "server/collective/group_step.h"
+#include "server/cuda_device/cuda_status.h"
 #include "server/peers/exchange.h"
 #include "spdlog/spdlog.h"
 

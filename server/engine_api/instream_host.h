@@ -16,7 +16,7 @@
 #include "common/fd/unique_fd.h"
 #include "kernels/instream/attach_abi.h"
 #include "kernels/instream/op_counters.h"
-#include "server/engine/engine.h"
+#include "server/engine_api/engine.h"
 
 namespace arfuse {
 

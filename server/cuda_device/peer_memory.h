@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/engine/instream_host.h"
+#include "server/engine_api/instream_host.h"
 
 namespace arfuse {
 
