@@ -25,14 +25,17 @@ struct WireOpKey {
   uint32_t num_tokens;
   uint32_t hidden;
   uint32_t eps_bits;  // bit for bit: -0.0 and 0.0 are other ops
+  uint8_t scale_layout;
+  uint8_t reserved[3];
 };
 static_assert(std::is_trivially_copyable_v<WireOpKey>);
-static_assert(sizeof(WireOpKey) == 16);
+static_assert(sizeof(WireOpKey) == 20);
 static_assert(offsetof(WireOpKey, num_tokens) == 4);
 static_assert(offsetof(WireOpKey, eps_bits) == 12);
 static_assert(sizeof(float) == sizeof(uint32_t), "eps travels as its 32 bits");
 static_assert(std::endian::native == std::endian::little);
-constexpr uint8_t kWireOpKeyVersion = 1;
+// 2: scale_layout joined the key (a version-1 key from an older sidecar is unreadable here).
+constexpr uint8_t kWireOpKeyVersion = 2;
 
 bool DecodeUnfusedOp(const std::string& in, UnfusedOpKey* key) {
   WireOpKey w;
@@ -45,15 +48,20 @@ bool DecodeUnfusedOp(const std::string& in, UnfusedOpKey* key) {
   key->pattern = static_cast<Pattern>(w.pattern);
   std::memcpy(&key->eps, &w.eps_bits, sizeof(w.eps_bits));
   key->symmetric = w.symmetric != 0;
+  key->scale_layout = w.scale_layout;
   return true;
 }
 
 }  // namespace
 
 std::string DescribeUnfusedOp(const UnfusedOpKey& key) {
+  const std::string layout =
+      key.pattern == Pattern::kAllReduceResidualRmsNormFp8PerGroup
+          ? absl::StrCat(" scale_layout=", static_cast<int>(key.scale_layout))
+          : std::string();
   return absl::StrCat("tokens=", key.num_tokens, " hidden=", key.hidden,
                       " dtype=", DTypeName(key.dtype), " pattern=", PatternName(key.pattern),
-                      " eps=", key.eps, " nccl=", key.symmetric ? "symmetric" : "regular");
+                      layout, " eps=", key.eps, " nccl=", key.symmetric ? "symmetric" : "regular");
 }
 
 std::string EncodeUnfusedOp(const UnfusedOpKey& key) {
@@ -64,6 +72,7 @@ std::string EncodeUnfusedOp(const UnfusedOpKey& key) {
   w.symmetric = key.symmetric ? 1 : 0;
   w.num_tokens = key.num_tokens;
   w.hidden = key.hidden;
+  w.scale_layout = key.scale_layout;
   std::memcpy(&w.eps_bits, &key.eps, sizeof(w.eps_bits));
   return std::string(reinterpret_cast<const char*>(&w), sizeof(w));
 }

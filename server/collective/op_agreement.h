@@ -33,9 +33,14 @@ struct UnfusedOpKey {
   Pattern pattern = Pattern::kAllReduce;
   float eps = 0.0f;
   bool symmetric = false;  // through the symmetric-window communicator
+  // kAllReduceResidualRmsNormFp8PerGroup: the fp8::GroupScaleLayout of its scales (0 for every
+  // other pattern). NCCL would pair the sums regardless, but two ranks writing their scales in
+  // other layouts serve two different requests.
+  uint8_t scale_layout = 0;
 };
 
-// "tokens=4 hidden=4096 dtype=bf16 pattern=allreduce eps=1e-06 nccl=regular"
+// "tokens=4 hidden=4096 dtype=bf16 pattern=allreduce eps=1e-06 nccl=regular", with
+// " scale_layout=3" after the pattern for the per-group FP8 pattern.
 std::string DescribeUnfusedOp(const UnfusedOpKey& key);
 
 // The fixed-size encoding the ranks exchange (also what a test stands in with).

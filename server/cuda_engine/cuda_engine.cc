@@ -58,6 +58,9 @@ CudaEngine::~CudaEngine() {
   workspace_.reset();
   sym_nccl_.reset();
   nccl_.reset();
+  if (unfused_scratch_ != nullptr) {
+    ARFUSE_CUDA_LOG_IF_ERROR(cudaFreeAsync(unfused_scratch_, stream_));
+  }
   if (op_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(op_done_));
   if (unfused_done_ != nullptr) ARFUSE_CUDA_LOG_IF_ERROR(cudaEventDestroy(unfused_done_));
   // Returns at once; the stream's resources go when its work is done.
@@ -261,14 +264,12 @@ absl::StatusOr<OpOutcome> CudaEngine::ExecuteLocked(const OpArgs& op, const Exec
   req.forced = cuda_options_.forced;
   ARFUSE_ASSIGN_OR_RETURN(DispatchChoice choice, ChooseExecPath(cuda_options_.table, req));
   const bool fused = choice.path != ExecPath::kUnfused;
-  if (!fused && TraitsOf(op.pattern).quant != QuantKind::kNone) {
-    // The unfused path (NCCL, then the add-RMSNorm kernel) has no quantizing step. Every rank
-    // chooses alike (the same table and request), so every rank refuses before any agreement,
-    // and the client runs its own path, as for any op the workspace cannot serve.
-    return absl::OutOfRangeError(
-        absl::StrCat(contract::kUnavailablePrefix, PatternName(op.pattern),
-                     " runs only fused (one-shot or two-shot); this op takes the unfused path: ",
-                     choice.reason));
+  if (!fused && !choice.nccl_symmetric && op.pattern != Pattern::kAllReduce &&
+      op.norm_out == nullptr) {
+    // An FP8 op without norm_out: NCCL's sum needs a home of its own (residual_out may be
+    // residual_in, which the add-RMSNorm kernel still reads). Taken before the agreement, so a
+    // failure here enqueues nothing that peers would wait for.
+    ARFUSE_RETURN_IF_ERROR(EnsureUnfusedScratchLocked());
   }
 
   // The planes' work queued ahead on the stream would hold this op back: it steps aside first,
@@ -349,6 +350,8 @@ absl::Status CudaEngine::AgreeOnUnfusedLocked(const OpArgs& op, bool symmetric,
   key.pattern = op.pattern;
   key.eps = op.eps;
   key.symmetric = symmetric;
+  // The other patterns ignore scale_layout: only the per-group pattern's makes two ops differ.
+  if (TraitsOf(op.pattern).quant == QuantKind::kPerGroup) key.scale_layout = op.scale_layout;
   uint64_t generation = 0;
   {
     absl::MutexLock state(&state_mu_);
@@ -407,10 +410,12 @@ absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::T
     return nccl_->AllReduce(op.input, op.output, count, op.dtype, stream_, deadline);
   } else {
     // norm_out holds the sum until the norm kernel overwrites it in place (allowed: norm_out
-    // may equal input), so no scratch buffer is needed.
-    ARFUSE_RETURN_IF_ERROR(
-        nccl_->AllReduce(op.input, op.norm_out, count, op.dtype, stream_, deadline));
-    reduced = op.norm_out;
+    // may equal input). An FP8 op may come without norm_out: the sum goes to the engine's scratch
+    // (EnsureUnfusedScratchLocked ran before the agreement).
+    void* sum = op.norm_out != nullptr ? op.norm_out : unfused_scratch_;
+    if (sum == nullptr) return absl::InternalError("the unfused path has no buffer for the sum");
+    ARFUSE_RETURN_IF_ERROR(nccl_->AllReduce(op.input, sum, count, op.dtype, stream_, deadline));
+    reduced = sum;
   }
   AddRmsNormParams p = {};
   p.input = reduced;
@@ -422,12 +427,27 @@ absl::Status CudaEngine::LaunchUnfused(const OpArgs& op, bool symmetric, absl::T
   p.hidden = op.hidden;
   p.eps = op.eps;
   p.dtype = op.dtype;
+  // The FP8 patterns quantize in the same kernel, with the fused epilogue's math.
+  p.quant = TraitsOf(op.pattern).quant;
+  p.scale_layout = op.scale_layout;
+  p.quant_out = op.quant_out;
+  p.scale = op.scale;
   const char* why = nullptr;
   if (CheckAddRmsNormParams(p, &why) != cudaSuccess) {
     return absl::InvalidArgumentError(
         absl::StrCat("add-RMSNorm refused the op: ", why != nullptr ? why : "invalid arguments"));
   }
   ARFUSE_CUDA_RETURN_IF_ERROR(LaunchAddRmsNorm(p, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::EnsureUnfusedScratchLocked() {
+  if (unfused_scratch_ != nullptr) return absl::OkStatus();
+  // The capacity's bytes: CheckOp bounds every op's tokens x hidden by it. Stream-ordered, so
+  // the allocation waits for no kernel (a resident doorbell kernel, a peer's NCCL op).
+  const size_t bytes =
+      static_cast<size_t>(options_.max_tokens) * options_.max_hidden * DTypeSize(options_.dtype);
+  ARFUSE_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&unfused_scratch_, bytes, stream_));
   return absl::OkStatus();
 }
 

@@ -138,6 +138,8 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
   void PoisonLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether an unfused op enqueued earlier is still unfinished after waiting the spin timeout.
   bool UnfusedOpStuck() const;
+  // Allocates unfused_scratch_ once (an FP8 op without norm_out on the regular NCCL path).
+  absl::Status EnsureUnfusedScratchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads the kernels' error word after a fused op; poisons and maps the error.
   absl::Status CheckFusedError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InitializeLocked(Exchange& exchange, absl::Time deadline)
@@ -173,6 +175,9 @@ class CudaEngine final : public Engine, public DoorbellHost, public InStreamHost
   void* symmetric_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;  // owned by sym_nccl_
   size_t symmetric_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shares_gpu_ ABSL_GUARDED_BY(mu_) = false;
+  // The unfused path's sum for FP8 ops without norm_out: max_tokens x max_hidden of the dtype,
+  // taken at the first such op (most callers pass norm_out or the symmetric window serves).
+  void* unfused_scratch_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The exchange of the last Initialize: unfused ops agree over it.
   Exchange* exchange_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The planes' engine sides and their hooks; the doorbell plane over workspace_ (none until the

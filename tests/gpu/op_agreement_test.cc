@@ -86,6 +86,42 @@ TEST(OpAgreement, EveryFieldOfTheOpTakesPart) {
   }
 }
 
+TEST(OpAgreement, FP8PatternsAndGroupScaleLayoutsTakePart) {
+  // The unfused path serves the FP8 patterns too: a static op is not a per-token op, and two
+  // per-group ops writing their scales in other layouts are two requests.
+  UnfusedOpKey stat = Key(4, 4096), token = Key(4, 4096), row_major = Key(4, 4096);
+  stat.pattern = Pattern::kAllReduceResidualRmsNormFp8Static;
+  token.pattern = Pattern::kAllReduceResidualRmsNormFp8PerToken;
+  row_major.pattern = Pattern::kAllReduceResidualRmsNormFp8PerGroup;
+  row_major.scale_layout = 1;
+  UnfusedOpKey packed = row_major;
+  packed.scale_layout = 3;
+  {
+    std::vector<std::unique_ptr<Exchange>> group = LocalExchangeGroup::Create(2);
+    std::vector<absl::Status> got = AgreeAll(group, {stat, token}, 1);
+    EXPECT_EQ(got[0].code(), absl::StatusCode::kInvalidArgument) << got[0];
+    EXPECT_NE(got[0].message().find("pattern=allreduce_residual_rmsnorm_fp8_per_token"),
+              std::string::npos)
+        << got[0];
+  }
+  {
+    std::vector<std::unique_ptr<Exchange>> group = LocalExchangeGroup::Create(2);
+    std::vector<absl::Status> got = AgreeAll(group, {row_major, packed}, 1);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(got[r].code(), absl::StatusCode::kInvalidArgument) << got[r];
+      EXPECT_NE(got[r].message().find("ranks disagree on the op"), std::string::npos) << got[r];
+    }
+    EXPECT_NE(got[0].message().find("rank 1 runs tokens=4 hidden=4096 dtype=bf16 pattern="),
+              std::string::npos)
+        << got[0];
+    EXPECT_NE(got[0].message().find("scale_layout=3"), std::string::npos) << got[0];
+    EXPECT_NE(got[1].message().find("scale_layout=1"), std::string::npos) << got[1];
+    // Equal per-group ops agree.
+    got = AgreeAll(group, {packed, packed}, 1);
+    for (const absl::Status& s : got) EXPECT_TRUE(s.ok()) << s;
+  }
+}
+
 TEST(OpAgreement, NegativeZeroEpsIsAnotherOp) {
   // Bit for bit: -0.0f == 0.0f as floats, but the ops are not the same request.
   UnfusedOpKey a = Key(1, 4096), b = Key(1, 4096);

@@ -255,6 +255,90 @@ TEST(CheckAddRmsNorm, RefusesEachBadField) {
   EXPECT_EQ(LaunchAddRmsNorm(bad, nullptr), cudaErrorInvalidValue);
 }
 
+// The FP8 patterns on the unfused path: quant_out and scale required, norm_out optional, the
+// pattern's own rules (contract::CheckPattern) and the alignments of the fused kernels' check.
+TEST(CheckAddRmsNorm, Fp8RefusesEachBadField) {
+  AddRmsNormParams p{};
+  p.input = reinterpret_cast<void*>(0x1000);
+  p.residual_in = reinterpret_cast<void*>(0x2000);
+  p.residual_out = reinterpret_cast<void*>(0x2000);  // in place
+  p.norm_out = nullptr;                              // optional beside quant_out
+  p.gamma = reinterpret_cast<void*>(0x5000);
+  p.quant_out = reinterpret_cast<void*>(0x6008);  // 8-byte aligned is enough
+  p.scale = reinterpret_cast<void*>(0x7004);
+  p.num_tokens = 4;
+  p.hidden = 4096;
+  p.dtype = DType::kBF16;
+  const char* why = nullptr;
+  for (QuantKind kind : {QuantKind::kStatic, QuantKind::kPerToken, QuantKind::kPerGroup}) {
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      AddRmsNormParams ok = p;
+      ok.quant = kind;
+      ok.dtype = dt;
+      ok.scale_layout = kind == QuantKind::kPerGroup ? 3 : 0;
+      EXPECT_EQ(CheckAddRmsNormParams(ok, &why), cudaSuccess) << static_cast<int>(kind);
+      EXPECT_EQ(why, nullptr);
+      ok.norm_out = reinterpret_cast<void*>(0x4000);
+      EXPECT_EQ(CheckAddRmsNormParams(ok, &why), cudaSuccess) << static_cast<int>(kind);
+    }
+  }
+  p.quant = QuantKind::kPerGroup;
+  p.scale_layout = 1;
+  AddRmsNormParams bad = p;
+  bad.quant = static_cast<QuantKind>(4);
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("quant kind is not none, static, per-token or per-group"));
+  bad = p;
+  bad.dtype = DType::kFP32;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("bf16 or fp16 input"));
+  bad = p;
+  bad.hidden = 4096 + 64;  // a multiple of 8, not of the group
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("hidden a multiple of 128"));
+  bad.quant = QuantKind::kPerToken;  // no group rule for the other kinds
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaSuccess);
+  for (uint8_t layout : {uint8_t{0}, uint8_t{4}}) {
+    bad = p;
+    bad.scale_layout = layout;
+    EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+    EXPECT_THAT(why, HasSubstr("known scale layout"));
+  }
+  bad = p;
+  bad.quant_out = nullptr;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("quant_out or scale is null"));
+  bad = p;
+  bad.scale = nullptr;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("quant_out or scale is null"));
+  bad = p;
+  bad.quant_out = reinterpret_cast<void*>(0x6004);
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("quant_out is not 8-byte"));
+  bad = p;
+  bad.scale = reinterpret_cast<void*>(0x7002);
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("scale not 4-byte aligned"));
+  EXPECT_EQ(LaunchAddRmsNorm(bad, nullptr), cudaErrorInvalidValue);
+  bad = p;
+  bad.norm_out = reinterpret_cast<void*>(0x4002);  // optional, but aligned when given
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("16-byte aligned"));
+  // Without a quant kind norm_out stays required.
+  bad = p;
+  bad.quant = QuantKind::kNone;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaErrorInvalidValue);
+  EXPECT_THAT(why, HasSubstr("a tensor pointer is null"));
+  // Zero tokens need no pointers.
+  bad = p;
+  bad.num_tokens = 0;
+  bad.quant_out = nullptr;
+  bad.scale = nullptr;
+  EXPECT_EQ(CheckAddRmsNormParams(bad, &why), cudaSuccess);
+  EXPECT_EQ(LaunchAddRmsNorm(bad, nullptr), cudaSuccess);  // nothing launched
+}
+
 TEST(FusionErrors, EveryCodeHasAName) {
   EXPECT_THAT(FusionErrorName(1), HasSubstr("timeout"));
   EXPECT_THAT(FusionErrorName(2), HasSubstr("host"));
