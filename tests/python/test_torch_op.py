@@ -218,25 +218,20 @@ def test_torch_compile_traces_the_fp8_op(host_ctx):
     assert codes.shape == x.shape and lib.calls[-1][:6] == ("launch_fp8", None, 8, 256, 1, 2)
 
 
-def test_agree_sets_one_program_key_on_every_rank(tmp_path):
-    """Two gloo ranks, each with a context: agree() serves and leaves the same nonzero program
-    key on both (the larger of their draws), which reached the library."""
+def run_two_gloo_ranks(tmp_path, name: str, body: str) -> dict:
+    """Runs `body` (after a gloo group of two ranks is formed, `rank` set, arfuse.torch imported
+    as aft and the fakes importable) in two processes; returns {rank: the words after "RESULT
+    <rank>"} and the outputs."""
     script = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
         sys.path[:0] = [{HERE!r}, {os.path.join(HERE, '..', '..', 'client', 'python')!r}]
         import arfuse.torch as aft
         from instream_fakes import RecordingLib, unbound_context
         rank = int(sys.argv[1])
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=rank,
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/init-{name}", rank=rank,
                                 world_size=2)
-        lib = RecordingLib(device_kind=2)
-        aft.set_context(unbound_context(lib), "cpu")
-        agreed = aft.agree(device="cpu")
-        ctx = aft.get_context("cpu")
-        sent = [c[1] for c in lib.calls if c[0] == "program_key"]
-        print("RESULT", rank, agreed, ctx.program_key, sent)
-    """)
-    path = tmp_path / "key.py"
+    """) + textwrap.dedent(body)
+    path = tmp_path / f"{name}.py"
     path.write_text(script)
     procs = [subprocess.Popen([sys.executable, str(path), str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
@@ -245,12 +240,25 @@ def test_agree_sets_one_program_key_on_every_rank(tmp_path):
     for out in outs:
         for line in out.splitlines():
             if line.startswith("RESULT"):
-                _, rank, agreed, key, sent = line.split(" ", 4)
-                results[int(rank)] = (agreed, int(key), sent)
+                _, rank, rest = line.split(" ", 2)
+                results[int(rank)] = rest
+    return results, outs
+
+
+def test_agree_sets_one_program_key_on_every_rank(tmp_path):
+    """Two gloo ranks, each with a context: agree() serves and leaves the same nonzero program
+    key on both (the larger of their draws), which reached the library."""
+    results, outs = run_two_gloo_ranks(tmp_path, "key", """
+        lib = RecordingLib(device_kind=2)
+        aft.set_context(unbound_context(lib), "cpu")
+        agreed = aft.agree(device="cpu")
+        sent = [c[1] for c in lib.calls if c[0] == "program_key"]
+        print("RESULT", rank, agreed, aft.get_context("cpu").program_key, sent)
+    """)
     assert set(results) == {0, 1}, outs
     assert results[0] == results[1], outs
-    agreed, key, sent = results[0]
-    assert agreed == "True" and 1 <= key <= instream.PROGRAM_KEY_MAX and sent == f"[{key}]"
+    agreed, key, sent = results[0].split(" ", 2)
+    assert agreed == "True" and 1 <= int(key) <= instream.PROGRAM_KEY_MAX and sent == f"[{key}]"
 
 
 def test_set_program_key_refuses_bad_keys(host_ctx):
@@ -271,15 +279,8 @@ def test_set_program_key_refuses_bad_keys(host_ctx):
 
 def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
     """Two gloo ranks: one without a context. Both end unavailable (MAX vote)."""
-    script = textwrap.dedent(f"""
-        import sys, torch, torch.distributed as dist
-        sys.path[:0] = [{HERE!r}, {os.path.join(HERE, '..', '..', 'client', 'python')!r}]
-        import arfuse.torch as aft
+    raw, outs = run_two_gloo_ranks(tmp_path, "vote", """
         from arfuse.integrations import sglang as shim
-        from instream_fakes import RecordingLib, unbound_context
-        rank = int(sys.argv[1])
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=rank,
-                                world_size=2)
         if rank == 0:
             aft.set_context(unbound_context(RecordingLib(device_kind=2)), "cpu")
         agreed = aft.agree(device="cpu")
@@ -287,15 +288,5 @@ def test_agree_and_the_shims_vote_over_two_ranks(tmp_path):
         vote = shim.process_groups.vote_unavailable(rank == 1, None)
         print("RESULT", rank, agreed, bool(ctx and ctx.disabled), vote)
     """)
-    path = tmp_path / "vote.py"
-    path.write_text(script)
-    procs = [subprocess.Popen([sys.executable, str(path), str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    results = {}
-    for out in outs:
-        for line in out.splitlines():
-            if line.startswith("RESULT"):
-                _, rank, agreed, disabled, vote = line.split()
-                results[int(rank)] = (agreed, disabled, vote)
+    results = {r: tuple(v.split()) for r, v in raw.items()}
     assert results == {0: ("False", "True", "True"), 1: ("False", "False", "True")}, outs
