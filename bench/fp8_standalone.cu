@@ -46,10 +46,11 @@ __global__ void __launch_bounds__(kThreads) StandaloneQuantKernel(StandaloneFp8P
     for (int k = 0; k < kMaxVecs; ++k) local = device::fp8::AbsMaxInto<kElems>(local, x[k]);
     const float scale = device::fp8::DynamicTokenScale(device::fp8::BlockMax(local, scratch));
     if (threadIdx.x == 0) static_cast<float*>(p.scale)[row] = scale;
+    const device::fp8::ScaleDivisor divisor(scale);
 #pragma unroll
     for (int k = 0; k < kMaxVecs; ++k) {
       const uint32_t v = threadIdx.x + k * kThreads;
-      if (v < vecs) device::fp8::StoreE4m3Divided<kElems>(x[k], scale, q + v * kElems);
+      if (v < vecs) device::fp8::StoreE4m3Divided<kElems>(x[k], divisor, q + v * kElems);
     }
   } else {
     constexpr uint32_t kLanes = device::fp8::kGroupLanes<fp8::kGroupSize, kElems>;
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) StandaloneQuantKernel(StandaloneFp8P
         device::fp8::StoreGroupScale(fp8::GroupScaleLayout::kFp32RowMajor, p.scale, row, v / kLanes,
                                      p.tokens, groups, scale, 0);
       }
-      device::fp8::StoreE4m3Divided<kElems>(x[k], scale, q + v * kElems);
+      device::fp8::StoreE4m3Divided<kElems>(x[k], device::fp8::ScaleDivisor(scale), q + v * kElems);
     }
   }
 }

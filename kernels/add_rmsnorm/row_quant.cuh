@@ -86,13 +86,14 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
     if (!ok) return;
     const float scale = fp8::DynamicTokenScale(amax);
     if (threadIdx.x == 0) static_cast<float*>(q.scale)[row] = scale;
+    const fp8::ScaleDivisor divisor(scale);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v >= vecs_per_row) continue;
       float x[kElems];
       NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-      fp8::StoreE4m3Divided<kElems>(x, scale, q_row + v * kElems);
+      fp8::StoreE4m3Divided<kElems>(x, divisor, q_row + v * kElems);
     }
   } else {
     // Per group of fp8::kGroupSize elements: kLanes consecutive, aligned lanes of one warp hold
@@ -127,7 +128,7 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
         if (v % kLanes == 0) {
           fp8::StoreGroupScale(layout, q.scale, row, group, q.num_tokens, groups, scale, 0);
         }
-        fp8::StoreE4m3Divided<kElems>(x, scale, q_row + v * kElems);
+        fp8::StoreE4m3Divided<kElems>(x, fp8::ScaleDivisor(scale), q_row + v * kElems);
       }
     }
     if (ok && threadIdx.x == 0) {

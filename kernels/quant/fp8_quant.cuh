@@ -10,6 +10,7 @@
 
 #include <cuda_fp8.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -35,6 +36,35 @@ __host__ __device__ __forceinline__ float MulRn(float a, float b) {
   return __fmul_rn(a, b);
 #else
   return a * b;
+#endif
+}
+
+// a * b + c with one rounding (std::fmaf on the host).
+__host__ __device__ __forceinline__ float FmaRn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t BitsOf(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+__host__ __device__ __forceinline__ float FloatOf(uint32_t bits) {
+  float x;
+  memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// RN(1 / a), correctly rounded.
+__host__ __device__ __forceinline__ float RcpRn(float a) {
+#ifdef __CUDA_ARCH__
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
 #endif
 }
 
@@ -74,13 +104,23 @@ __host__ __device__ __forceinline__ uint8_t Ue8m0FromAmax(float amax) {
   return static_cast<uint8_t>(((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u));
 }
 // 1 / 2^(byte - 127), exact: dividing by a power of two and multiplying by its reciprocal round
-// the same real number, so x * Ue8m0Reciprocal(e) has the bits of x / 2^(e - 127) (byte 0xff,
-// from an infinite amax, gives 2^128 = inf and reciprocal 0: x / inf and x * 0 agree too).
+// the same real number, so x * Ue8m0Reciprocal(e) has the bits of x / 2^(e - 127). The
+// reciprocal 2^(127 - byte) is a power of two too, written as its exponent field 254 - byte (no
+// division): normal for bytes 1-253, the subnormal 2^-127 for 254, and 0 for 255
+// (an infinite amax gives 2^128 = inf, and x / inf and x * 0 agree). Byte 0 reads as the float 0
+// and gives inf; Ue8m0FromAmax never gives it (its floor is byte 94).
 __host__ __device__ __forceinline__ float Ue8m0Reciprocal(uint8_t byte) {
-  const uint32_t bits = static_cast<uint32_t>(byte) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof(scale));
-  return DivRn(1.0f, scale);
+  uint32_t bits;
+  if (byte == 0u) {
+    bits = 0x7f800000u;
+  } else if (byte <= 253u) {
+    bits = (254u - byte) << 23;
+  } else {
+    bits = byte == 254u ? 0x00400000u : 0u;
+  }
+  float reciprocal;
+  memcpy(&reciprocal, &bits, sizeof(reciprocal));
+  return reciprocal;
 }
 
 // ---- amax over a row held in registers --------------------------------------------------------
@@ -171,13 +211,46 @@ __device__ __forceinline__ void StoreE4m3Multiplied(const float (&f)[kElems], fl
   StoreE4m3<kElems>(s, dst);
 }
 
-// q = E4M3(f / scale): per-token dynamic and fp32 group scales. IEEE division, as vLLM's and
-// FlashInfer's kernels: a multiply by the reciprocal would differ by an ulp now and then.
+// Division by a per-token or per-group scale without a division per element. IEEE division
+// (__fdiv_rn) is a subroutine with a slow-path branch per call, and the epilogue's 8-16 calls per
+// thread run in series at decode sizes. Built once per scale: inv = RN(1 / scale) (__frcp_rn).
+// Per element, q0 = RN(x * inv) is within one ulp of x / scale, the residual x - q0 * scale is
+// exact in one fma, and RN(q0 + residual * inv) is then the correctly rounded quotient
+// (Markstein's theorem) whenever nothing overflows and the residual and the quotient are normal
+// floats. The epilogue's quotients are at most about 448 (the scale's amax covers x) and its
+// scales finite and at least kGroupEps / 448 (about 2^-42), so a residual can be subnormal only
+// for |x| < 2^-100; then, as for any quotient below 2^-126, the code is 0x00 or 0x80 either way
+// (E4M3's smallest step is 2^-9), and a zero quotient takes x's
+// sign (x = -0 gives -0, as -0 / scale does). An infinite scale (a row or group holding +-inf,
+// so the only place an infinite x occurs) takes the division itself: the residual would be
+// inf * 0. The codes are thus those of E4M3(x / scale), the quotient vLLM's and FlashInfer's
+// kernels and the CPU reference take: tests/kernels/fp8_quant_host_test.cu (host) and
+// fp8_quant_gpu_test.cu (device, every fp32 x) check it for every x whose quotient is at most
+// 2^100 in magnitude (and the quotient's bits where it and x are normal, |x| >= 2^-100).
+struct ScaleDivisor {
+  float scale;
+  float inv;
+  bool finite;
+  __host__ __device__ explicit ScaleDivisor(float s)
+      : scale(s), inv(RcpRn(s)), finite((BitsOf(s) & 0x7f800000u) != 0x7f800000u) {}
+};
+
+__host__ __device__ __forceinline__ float DivideByScale(float x, const ScaleDivisor& d) {
+  if (!d.finite) return DivRn(x, d.scale);
+  const float q0 = MulRn(x, d.inv);
+  const float residual = FmaRn(-q0, d.scale, x);
+  const float q = FmaRn(residual, d.inv, q0);
+  // The quotient's sign is x's (the scale is positive), but a zero can come out as +0.
+  return q == 0.0f ? FloatOf(BitsOf(x) & 0x80000000u) : q;
+}
+
+// q = E4M3(f / scale): per-token dynamic and fp32 group scales, with DivideByScale's codes.
 template <int kElems>
-__device__ __forceinline__ void StoreE4m3Divided(const float (&f)[kElems], float scale, void* dst) {
+__device__ __forceinline__ void StoreE4m3Divided(const float (&f)[kElems], const ScaleDivisor& d,
+                                                 void* dst) {
   float s[kElems];
 #pragma unroll
-  for (int j = 0; j < kElems; ++j) s[j] = DivRn(f[j], scale);
+  for (int j = 0; j < kElems; ++j) s[j] = DivideByScale(f[j], d);
   StoreE4m3<kElems>(s, dst);
 }
 

@@ -106,6 +106,62 @@ TEST(Fp8QuantGpu, EveryFloatConvertsAsTheReference) {
   }
 }
 
+// ---- the division by a scale ------------------------------------------------------------------
+
+// For every x of base .. base + n - 1 whose IEEE quotient by d.scale is at most 2^100 in
+// magnitude (the epilogue's are at most about 448; NaN x included), counts the x whose code through
+// DivideByScale differs from the code of __fdiv_rn(x, scale), and those whose quotient's bits
+// differ where |x| >= 2^-100 and the quotient is normal.
+__global__ void DivideEveryPattern(uint64_t base, uint64_t n, dq::ScaleDivisor d,
+                                   unsigned long long* code_bad, unsigned long long* bits_bad) {
+  unsigned long long codes = 0, bits = 0;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float x = __uint_as_float(static_cast<uint32_t>(base + i));
+    const float want = __fdiv_rn(x, d.scale);
+    if (fabsf(want) > 0x1p100f || isinf(x)) continue;
+    const float got = dq::DivideByScale(x, d);
+    codes += dq::E4m3FromFloat(got) != dq::E4m3FromFloat(want);
+    bits += fabsf(x) >= 0x1p-100f && fabsf(want) >= 0x1p-126f &&
+            __float_as_uint(got) != __float_as_uint(want);
+  }
+  if (codes != 0) atomicAdd(code_bad, codes);
+  if (bits != 0) atomicAdd(bits_bad, bits);
+}
+
+// The device's DivideByScale over all 2^32 patterns of x, for the scales the formulas give at
+// their edges (the floors, an all-ones significand, the largest finite), powers of two and
+// random ones; and an infinite scale divides (finite x give +-0, an infinity NaN).
+TEST(Fp8QuantGpu, DivideByScaleGivesTheQuotientsCodeForEveryFloat) {
+  std::vector<float> scales = {fp8::kMinScalingFactor,
+                               fp8::GroupScaleFp32(0.0f),
+                               1.0f,
+                               0x1.fffffep-1f,
+                               0x1.fffffep+0f,
+                               fp8::DynamicTokenScale(336.0f),
+                               fp8::DynamicTokenScale(3.4028235e38f),
+                               fp8::GroupScaleFp32(3.4028235e38f),
+                               0x1p-20f,
+                               0x1p100f};
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> exponent(-42.0f, 119.0f);
+  for (int i = 0; i < 6; ++i) scales.push_back(std::exp2(exponent(rng)));
+  DeviceBuffer counts(2 * sizeof(unsigned long long));
+  ASSERT_NE(counts.ptr, nullptr);
+  for (const float scale : scales) {
+    CUDA_OK(cudaMemset(counts.ptr, 0, counts.bytes));
+    const dq::ScaleDivisor d(scale);
+    ASSERT_TRUE(d.finite);
+    auto* c = counts.as<unsigned long long>();
+    DivideEveryPattern<<<4096, 256>>>(0, 1ull << 32, d, c, c + 1);
+    CUDA_OK(cudaGetLastError());
+    unsigned long long got[2] = {1, 1};
+    CUDA_OK(cudaMemcpy(got, counts.ptr, sizeof(got), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got[0], 0u) << std::hexfloat << "codes differ for scale " << scale;
+    EXPECT_EQ(got[1], 0u) << std::hexfloat << "quotients differ for scale " << scale;
+  }
+  EXPECT_FALSE(dq::ScaleDivisor(INFINITY).finite);
+}
+
 // ---- rows in the row layout -------------------------------------------------------------------
 
 struct RowArgs {
@@ -163,11 +219,12 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
     parity ^= 1u;
     const float token_scale = dq::DynamicTokenScale(amax);
     if (t0 == 0) a.token_scales[row] = token_scale;
+    const dq::ScaleDivisor token_divisor(token_scale);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v < vecs)
-        dq::StoreE4m3Divided<kElems>(f[k], token_scale, a.q_token + row_at + v * kElems);
+        dq::StoreE4m3Divided<kElems>(f[k], token_divisor, a.q_token + row_at + v * kElems);
     }
     // Per-group scales: every lane reduces for every k (the shuffle needs the whole warp).
 #pragma unroll
@@ -186,7 +243,8 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
           dq::StoreGroupScale(GroupScaleLayout::kUe8m0Packed, a.scales_ue8m0, row, g, a.tokens,
                               groups, scale, e);
         }
-        dq::StoreE4m3Divided<kElems>(f[k], scale, a.q_group + row_at + v * kElems);
+        dq::StoreE4m3Divided<kElems>(f[k], dq::ScaleDivisor(scale),
+                                     a.q_group + row_at + v * kElems);
         dq::StoreE4m3Multiplied<kElems>(f[k], dq::Ue8m0Reciprocal(e),
                                         a.q_group_ue8m0 + row_at + v * kElems);
       }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "kernels/quant/fp8_quant.cuh"
 #include "kernels/quant/fp8_reference.h"
@@ -68,6 +69,75 @@ TEST(Fp8QuantHost, ScaleFormulasMatchTheReference) {
   }
   EXPECT_EQ(dq::Ue8m0FromAmax(INFINITY), 0xff);
   EXPECT_EQ(dq::Ue8m0Reciprocal(0xff), 0.0f);  // 1 / inf: finite values quantize to +-0
+  // Every byte: the reciprocal of the float whose exponent field it is.
+  for (uint32_t byte = 0; byte < 256; ++byte) {
+    EXPECT_EQ(dq::Ue8m0Reciprocal(static_cast<uint8_t>(byte)), 1.0f / FromBits(byte << 23)) << byte;
+  }
+}
+
+// DivideByScale (the epilogue's division by a per-token or per-group scale, one reciprocal per
+// scale and two fmas per element) against the IEEE quotient the reference takes: for every
+// scale the formulas can give at the edges (the floors, an all-ones significand, a power of two,
+// the largest finite) and random ones, every 1024th fp32 pattern of x and its neighbours (NaN, inf
+// and subnormals included) whose quotient is at most 2^100 gives the code of E4M3(x / scale), and
+// its bits wherever |x| >= 2^-100 and the quotient is normal (else the residual or the quotient is
+// subnormal and the code +-0 either way).
+TEST(Fp8QuantHost, DivideByScaleGivesTheCodesOfTheQuotient) {
+  std::vector<float> scales = {fp8::kMinScalingFactor,
+                               fp8::GroupScaleFp32(0.0f),
+                               1.0f,
+                               FromBits(0x3f7fffffu),  // 0x1.fffffep-1
+                               FromBits(0x3fffffffu),
+                               fp8::DynamicTokenScale(448.0f * 0.75f),
+                               fp8::DynamicTokenScale(3.4028235e38f),
+                               fp8::GroupScaleFp32(3.4028235e38f)};
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> exponent(-42.0f, 119.0f);
+  for (int i = 0; i < 8; ++i) scales.push_back(std::exp2(exponent(rng)));
+  uint64_t code_mismatches = 0;
+  uint64_t bit_mismatches = 0;
+  auto check = [&](float x, const dq::ScaleDivisor& d) {
+    const float want = x / d.scale;
+    // The epilogue's domain (its quotients are at most about 448); NaN x stay in.
+    if (std::fabs(want) > 0x1p100f || std::isinf(x)) return;
+    const float got = dq::DivideByScale(x, d);
+    if (fp8::E4m3FromFloat(got) != fp8::E4m3FromFloat(want) && ++code_mismatches <= 5) {
+      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << d.scale << ": " << got << ", want "
+                    << want;
+    }
+    uint32_t got_bits, want_bits;
+    std::memcpy(&got_bits, &got, 4);
+    std::memcpy(&want_bits, &want, 4);
+    if (std::fabs(x) >= 0x1p-100f && std::fabs(want) >= 0x1p-126f && got_bits != want_bits &&
+        ++bit_mismatches <= 5) {
+      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << d.scale << ": bits of " << got
+                    << ", want " << want;
+    }
+  };
+  for (const float scale : scales) {
+    const dq::ScaleDivisor d(scale);
+    ASSERT_TRUE(d.finite) << scale;
+    for (uint64_t b = 0; b < (1ull << 32); b += 1024) {
+      const auto bits = static_cast<uint32_t>(b);
+      check(FromBits(bits), d);
+      check(FromBits(bits + 1), d);
+      check(FromBits(bits - 1), d);
+    }
+  }
+  for (int i = 0; i < 2'000'000; ++i) {
+    check(FromBits(static_cast<uint32_t>(rng())), dq::ScaleDivisor(std::exp2(exponent(rng))));
+  }
+  EXPECT_EQ(code_mismatches, 0u);
+  EXPECT_EQ(bit_mismatches, 0u);
+  // The sign of a zero quotient, and an infinite scale (a row or group holding an infinity).
+  const dq::ScaleDivisor one(1.0f);
+  EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-0.0f, one)), 0x80);
+  EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-0x1p-140f, dq::ScaleDivisor(4.0f))), 0x80);
+  const dq::ScaleDivisor inf(INFINITY);
+  EXPECT_FALSE(inf.finite);
+  EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-3.0f, inf)), 0x80);
+  EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(3.0f, inf)), 0x00);
+  EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(INFINITY, inf)), fp8::kE4m3NanCode);
 }
 
 }  // namespace
