@@ -59,6 +59,14 @@ __host__ __device__ __forceinline__ float FloatOf(uint32_t bits) {
   return x;
 }
 
+__host__ __device__ __forceinline__ float CopySign(float magnitude, float sign) {
+#ifdef __CUDA_ARCH__
+  return copysignf(magnitude, sign);
+#else
+  return std::copysign(magnitude, sign);
+#endif
+}
+
 // RN(1 / a), correctly rounded.
 __host__ __device__ __forceinline__ float RcpRn(float a) {
 #ifdef __CUDA_ARCH__
@@ -220,28 +228,30 @@ __device__ __forceinline__ void StoreE4m3Multiplied(const float (&f)[kElems], fl
 // floats. The epilogue's quotients are at most about 448 (the scale's amax covers x) and its
 // scales finite and at least kGroupEps / 448 (about 2^-42), so a residual can be subnormal only
 // for |x| < 2^-100; then, as for any quotient below 2^-126, the code is 0x00 or 0x80 either way
-// (E4M3's smallest step is 2^-9), and a zero quotient takes x's
-// sign (x = -0 gives -0, as -0 / scale does). An infinite scale (a row or group holding +-inf,
-// so the only place an infinite x occurs) takes the division itself: the residual would be
-// inf * 0. The codes are thus those of E4M3(x / scale), the quotient vLLM's and FlashInfer's
-// kernels and the CPU reference take: tests/kernels/fp8_quant_host_test.cu (host) and
-// fp8_quant_gpu_test.cu (device, every fp32 x) check it for every x whose quotient is at most
-// 2^100 in magnitude (and the quotient's bits where it and x are normal, |x| >= 2^-100).
+// (E4M3's smallest step is 2^-9), and a zero quotient takes x's sign (x = -0 gives -0, as
+// -0 / scale does). An infinite scale (a row or group holding +-inf) is kept as scale 1 with
+// reciprocal 0: then q0 = +-0 for a finite x (NaN for +-inf or NaN), the residual is x, and the
+// result +-0 (NaN), what x / inf gives. So no element branches, and the codes are those of
+// E4M3(x / scale), the quotient vLLM's and FlashInfer's kernels and the CPU reference take:
+// tests/kernels/fp8_quant_host_test.cu (host) and fp8_quant_gpu_test.cu (device, every fp32 x)
+// check it for every x whose quotient is at most 2^100 in magnitude (and the quotient's bits
+// where it and x are normal, |x| >= 2^-100).
 struct ScaleDivisor {
-  float scale;
-  float inv;
-  bool finite;
-  __host__ __device__ explicit ScaleDivisor(float s)
-      : scale(s), inv(RcpRn(s)), finite((BitsOf(s) & 0x7f800000u) != 0x7f800000u) {}
+  float scale;  // the scale, or 1 for an infinite one
+  float inv;    // RN(1 / scale), or 0 for an infinite scale
+  __host__ __device__ explicit ScaleDivisor(float s) {
+    const bool infinite = (BitsOf(s) & 0x7fffffffu) == 0x7f800000u;
+    scale = infinite ? 1.0f : s;
+    inv = infinite ? 0.0f : RcpRn(s);
+  }
 };
 
 __host__ __device__ __forceinline__ float DivideByScale(float x, const ScaleDivisor& d) {
-  if (!d.finite) return DivRn(x, d.scale);
   const float q0 = MulRn(x, d.inv);
   const float residual = FmaRn(-q0, d.scale, x);
   const float q = FmaRn(residual, d.inv, q0);
   // The quotient's sign is x's (the scale is positive), but a zero can come out as +0.
-  return q == 0.0f ? FloatOf(BitsOf(x) & 0x80000000u) : q;
+  return q == 0.0f ? CopySign(0.0f, x) : q;
 }
 
 // q = E4M3(f / scale): per-token dynamic and fp32 group scales, with DivideByScale's codes.

@@ -90,19 +90,20 @@ TEST(Fp8QuantHost, DivideByScaleGivesTheCodesOfTheQuotient) {
                                FromBits(0x3fffffffu),
                                fp8::DynamicTokenScale(448.0f * 0.75f),
                                fp8::DynamicTokenScale(3.4028235e38f),
-                               fp8::GroupScaleFp32(3.4028235e38f)};
+                               fp8::GroupScaleFp32(3.4028235e38f),
+                               INFINITY};
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> exponent(-42.0f, 119.0f);
   for (int i = 0; i < 8; ++i) scales.push_back(std::exp2(exponent(rng)));
   uint64_t code_mismatches = 0;
   uint64_t bit_mismatches = 0;
-  auto check = [&](float x, const dq::ScaleDivisor& d) {
-    const float want = x / d.scale;
+  auto check = [&](float x, float scale, const dq::ScaleDivisor& d) {
+    const float want = x / scale;
     // The epilogue's domain (its quotients are at most about 448); NaN x stay in.
-    if (std::fabs(want) > 0x1p100f || std::isinf(x)) return;
+    if (std::fabs(want) > 0x1p100f || (std::isinf(x) && !std::isinf(scale))) return;
     const float got = dq::DivideByScale(x, d);
     if (fp8::E4m3FromFloat(got) != fp8::E4m3FromFloat(want) && ++code_mismatches <= 5) {
-      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << d.scale << ": " << got << ", want "
+      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << scale << ": " << got << ", want "
                     << want;
     }
     uint32_t got_bits, want_bits;
@@ -110,22 +111,22 @@ TEST(Fp8QuantHost, DivideByScaleGivesTheCodesOfTheQuotient) {
     std::memcpy(&want_bits, &want, 4);
     if (std::fabs(x) >= 0x1p-100f && std::fabs(want) >= 0x1p-126f && got_bits != want_bits &&
         ++bit_mismatches <= 5) {
-      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << d.scale << ": bits of " << got
+      ADD_FAILURE() << std::hexfloat << "x " << x << " / " << scale << ": bits of " << got
                     << ", want " << want;
     }
   };
   for (const float scale : scales) {
     const dq::ScaleDivisor d(scale);
-    ASSERT_TRUE(d.finite) << scale;
     for (uint64_t b = 0; b < (1ull << 32); b += 1024) {
       const auto bits = static_cast<uint32_t>(b);
-      check(FromBits(bits), d);
-      check(FromBits(bits + 1), d);
-      check(FromBits(bits - 1), d);
+      check(FromBits(bits), scale, d);
+      check(FromBits(bits + 1), scale, d);
+      check(FromBits(bits - 1), scale, d);
     }
   }
   for (int i = 0; i < 2'000'000; ++i) {
-    check(FromBits(static_cast<uint32_t>(rng())), dq::ScaleDivisor(std::exp2(exponent(rng))));
+    const float scale = std::exp2(exponent(rng));
+    check(FromBits(static_cast<uint32_t>(rng())), scale, dq::ScaleDivisor(scale));
   }
   EXPECT_EQ(code_mismatches, 0u);
   EXPECT_EQ(bit_mismatches, 0u);
@@ -134,7 +135,6 @@ TEST(Fp8QuantHost, DivideByScaleGivesTheCodesOfTheQuotient) {
   EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-0.0f, one)), 0x80);
   EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-0x1p-140f, dq::ScaleDivisor(4.0f))), 0x80);
   const dq::ScaleDivisor inf(INFINITY);
-  EXPECT_FALSE(inf.finite);
   EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(-3.0f, inf)), 0x80);
   EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(3.0f, inf)), 0x00);
   EXPECT_EQ(fp8::E4m3FromFloat(dq::DivideByScale(INFINITY, inf)), fp8::kE4m3NanCode);
