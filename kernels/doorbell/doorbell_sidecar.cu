@@ -184,7 +184,9 @@ __device__ void LoadInPlaceParams(const DoorbellServeParams& sp, uint32_t slot, 
   __syncthreads();
 }
 
-template <DType DT, bool kNorm, int kBucket>
+// kQuant: the FP8 patterns (the one-shot body's norm epilogue quantizes; each plan's params say
+// how), bf16 and fp16 only, as the fused kernels.
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     DoorbellServeKernel(const DoorbellServeParams sp) {
   // As the waiter: the op record must not be overwritten before the kernel before it finished.
@@ -300,7 +302,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
         if (threadIdx.x == 0) s_params_slot = s_slot;  // read after the op's last barrier
       }
       const uint32_t failure =
-          fusion_device::OneShotBody<DT, kNorm, kBucket>(s_params, cfg, blockIdx.x, active);
+          fusion_device::OneShotBody<DT, kNorm, kBucket, kQuant>(s_params, cfg, blockIdx.x, active);
       // Every thread's stores of this block before its count (or, for a one-block op, the
       // completion); the OR says whether any thread of the block failed.
       block_failed = __syncthreads_or(failure != 0) != 0;
@@ -382,12 +384,12 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
 // The serving launch's grid: at most max_blocks and kMaxDoorbellServeBlocks (the count's bits), and
 // never more than can be resident at once within the template's SM budget (every block must be
 // resident: an op completes when all of its blocks counted in).
-template <DType DT, bool kNorm, int kBucket>
+template <DType DT, bool kNorm, int kBucket, bool kQuant>
 cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   const FusionParams& t = sp.inplace_template;
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
   const int threads = device::RowBlockThreads(vecs_per_row);
-  auto* kernel = &DoorbellServeKernel<DT, kNorm, kBucket>;
+  auto* kernel = &DoorbellServeKernel<DT, kNorm, kBucket, kQuant>;
   const uint32_t resident =
       FusionResidentBlocks(reinterpret_cast<const void*>(kernel), threads, t.sm_budget);
   if (resident == 0) return cudaErrorInvalidDevice;
@@ -395,47 +397,57 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, sp);
 }
 
-template <DType DT, bool kNorm>
+template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchServeBucket(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   switch (device::RowBucket(sp.inplace_template.hidden / device::VecTraits<DT>::kElems)) {
     case 0:
-      return LaunchServeTyped<DT, kNorm, 0>(sp, stream, pdl);
+      return LaunchServeTyped<DT, kNorm, 0, kQuant>(sp, stream, pdl);
     case 1:
-      return LaunchServeTyped<DT, kNorm, 1>(sp, stream, pdl);
+      return LaunchServeTyped<DT, kNorm, 1, kQuant>(sp, stream, pdl);
     case 2:
-      return LaunchServeTyped<DT, kNorm, 2>(sp, stream, pdl);
+      return LaunchServeTyped<DT, kNorm, 2, kQuant>(sp, stream, pdl);
     default:
-      return LaunchServeTyped<DT, kNorm, 3>(sp, stream, pdl);
+      return LaunchServeTyped<DT, kNorm, 3, kQuant>(sp, stream, pdl);
   }
 }
+
+// The FP8 epilogue takes bf16 or fp16 input (the op contract refuses fp32 FP8 ops).
+template <DType DT>
+inline constexpr bool kHasQuantServe = DT != DType::kFP32;
 
 template <DType DT>
 cudaError_t LaunchServeForDType(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
-  switch (sp.inplace_template.pattern) {
-    case Pattern::kAllReduce:
-      return LaunchServeBucket<DT, false>(sp, stream, pdl);
-    case Pattern::kAllReduceResidualRmsNorm:
-      return LaunchServeBucket<DT, true>(sp, stream, pdl);
-  }
+  const PatternTraits traits = TraitsOf(sp.inplace_template.pattern);
+  if (!traits.valid) return cudaErrorInvalidValue;
+  if (!traits.norm) return LaunchServeBucket<DT, false, false>(sp, stream, pdl);
+  if (traits.quant == QuantKind::kNone) return LaunchServeBucket<DT, true, false>(sp, stream, pdl);
+  if constexpr (kHasQuantServe<DT>) return LaunchServeBucket<DT, true, true>(sp, stream, pdl);
   return cudaErrorInvalidValue;
 }
 
-template <DType DT, bool kNorm>
+template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LoadServeKernels() {
-  return LoadKernelFunctions({reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 0>),
-                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 1>),
-                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 2>),
-                              reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 3>)});
+  return LoadKernelFunctions(
+      {reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 0, kQuant>),
+       reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 1, kQuant>),
+       reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 2, kQuant>),
+       reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 3, kQuant>)});
+}
+
+template <DType DT>
+cudaError_t LoadServeDTypeKernels() {
+  cudaError_t quant = cudaSuccess;
+  if constexpr (kHasQuantServe<DT>) quant = LoadServeKernels<DT, true, true>();
+  return FirstError(
+      {LoadServeKernels<DT, false, false>(), LoadServeKernels<DT, true, false>(), quant});
 }
 
 }  // namespace
 
 cudaError_t PrepareDoorbellSidecarKernels() {
-  return FirstError(
-      {ring_service::PrepareDoorbellWaiterKernels(), LoadServeKernels<DType::kBF16, false>(),
-       LoadServeKernels<DType::kBF16, true>(), LoadServeKernels<DType::kFP16, false>(),
-       LoadServeKernels<DType::kFP16, true>(), LoadServeKernels<DType::kFP32, false>(),
-       LoadServeKernels<DType::kFP32, true>(), PrepareAllReduceFusionKernels()});
+  return FirstError({ring_service::PrepareDoorbellWaiterKernels(),
+                     LoadServeDTypeKernels<DType::kBF16>(), LoadServeDTypeKernels<DType::kFP16>(),
+                     LoadServeDTypeKernels<DType::kFP32>(), PrepareAllReduceFusionKernels()});
 }
 
 cudaError_t CheckDoorbellServeParams(const DoorbellServeParams& sp, const char** why) {

@@ -168,13 +168,6 @@ absl::StatusOr<DoorbellGrant> CudaEngine::AddDoorbellPlanLocked(const OpArgs& op
                      reason, "): use the eager plane (CreatePlan without doorbell, then Execute)"));
   }
   if (max_tokens == 0) return absl::InvalidArgumentError("a doorbell plan needs max_tokens > 0");
-  if (TraitsOf(op_template.pattern).quant != QuantKind::kNone) {
-    // The doorbell's serving kernel has no quantizing epilogue.
-    return absl::FailedPreconditionError(
-        absl::StrCat("the doorbell plane does not serve ", PatternName(op_template.pattern),
-                     ": use the eager plane (CreatePlan without doorbell, then Execute) or the "
-                     "in-stream plane"));
-  }
   OpArgs op = op_template;
   op.num_tokens = max_tokens;
   ARFUSE_RETURN_IF_ERROR(ValidateOp(op));
