@@ -10,10 +10,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/flashinfer/arfuse_ops.h"
 #include "bench/flashinfer/cases.h"
 #include "bench/flashinfer/compare.h"
@@ -22,6 +28,7 @@
 #include "bench/flashinfer/pair_runner.h"
 #include "bench/flashinfer/report.h"
 #include "bench/flashinfer/row_runner.h"
+#include "common/flags.h"
 
 namespace arfuse::bench_fi {
 namespace {
@@ -29,10 +36,9 @@ namespace {
 constexpr float kStaticScale = 1.0f / 128.0f;  // normalized values of about +-3 -> codes up to 384
 
 struct Options {
-  std::vector<uint32_t> hidden = {4096, 8192};
-  std::vector<uint32_t> tokens = {1, 2, 8, 32, 128, 512, 2048};
-  std::vector<Case> cases = {Case::kNorm, Case::kFp8Static, Case::kFp8PerToken,
-                             Case::kFp8GroupUe8m0, Case::kFp8GroupFp32};
+  std::vector<uint32_t> hidden;
+  std::vector<uint32_t> tokens;
+  std::vector<Case> cases;
   int iters = 20;
   int warmup = 3;
   int repeats = 9;
@@ -44,109 +50,84 @@ struct Options {
   int arfuse_sm_budget = -1;     // -1: half the device's SMs
 };
 
-constexpr const char* kUsage =
-    "usage: arfuse-bench-flashinfer [--hidden=4096,8192] [--tokens=1,2,8,32,128,512,2048]\n"
-    "         [--patterns=norm,fp8_static,fp8_per_token,fp8_group_ue8m0,fp8_group_fp32]\n"
-    "         [--iters=20] [--warmup=3] [--repeats=9] [--json=PATH] [--watchdog_s=5]\n"
-    "         [--spin_ms=2000] [--flashinfer_sms=0|half|N] [--arfuse_sm_budget=SMs/2]\n"
-    "  --flashinfer_sms=N  FlashInfer's launcher sizes its grids for N SMs (0: the device's,\n"
-    "                      half: half of them, each rank's share as arfuse's default budget)\n"
-    "  --arfuse_sm_budget=N  SMs each arfuse rank's grid may assume (default half the GPU)\n";
+}  // namespace
+}  // namespace arfuse::bench_fi
 
-bool ParseList(const std::string& v, std::vector<uint32_t>* out) {
-  out->clear();
-  size_t at = 0;
-  while (at <= v.size()) {
-    const size_t comma = std::min(v.find(',', at), v.size());
-    const std::string item = v.substr(at, comma - at);
-    char* end = nullptr;
-    const unsigned long n = std::strtoul(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || n == 0 || n > (1u << 20)) return false;
-    out->push_back(static_cast<uint32_t>(n));
-    at = comma + 1;
+ABSL_FLAG(arfuse::flags::PositiveList, hidden, (arfuse::flags::PositiveList{{4096, 8192}}),
+          "hidden sizes (multiples of 128)");
+ABSL_FLAG(arfuse::flags::PositiveList, tokens,
+          (arfuse::flags::PositiveList{{1, 2, 8, 32, 128, 512, 2048}}), "token counts");
+ABSL_FLAG(std::string, patterns, "norm,fp8_static,fp8_per_token,fp8_group_ue8m0,fp8_group_fp32",
+          "the cases to run (bench/flashinfer/cases.h)");
+ABSL_FLAG(int, iters, 20, "op pairs captured per graph");
+ABSL_FLAG(int, warmup, 3, "untimed graph replays first");
+ABSL_FLAG(int, repeats, 9, "timed graph replays (the median is reported)");
+ABSL_FLAG(std::string, json, "", "write every row to this JSON file");
+ABSL_FLAG(double, watchdog_s, 5.0, "abort when one replay takes longer (seconds)");
+ABSL_FLAG(int, spin_ms, 2000, "arfuse's spin deadline (ms)");
+ABSL_FLAG(std::string, flashinfer_sms, "0",
+          "SMs FlashInfer's launcher sizes its grids for: 0 (the device's), half (each rank's "
+          "share, as arfuse's default budget) or a number");
+ABSL_FLAG(int, arfuse_sm_budget, -1, "SMs each arfuse rank's grid may assume (-1: half the GPU)");
+
+namespace arfuse::bench_fi {
+namespace {
+
+constexpr const char* kFlagNames[] = {
+    "hidden", "tokens",     "patterns", "iters",          "warmup",          "repeats",
+    "json",   "watchdog_s", "spin_ms",  "flashinfer_sms", "arfuse_sm_budget"};
+
+std::string Usage(const flags::FlagSet& set) {
+  std::string out = "usage: arfuse-bench-flashinfer [--key=value ...]\n";
+  for (const std::string& name : set.names()) {
+    const absl::CommandLineFlag* f = set.Find(name);
+    out +=
+        "  --" + flags::Hyphenated(name) + "=" + f->DefaultValue() + "\n      " + f->Help() + "\n";
   }
-  return !out->empty();
+  return out;
 }
 
-bool ParseInt(const std::string& v, int lo, int* out) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo || n > (1 << 30)) return false;
-  *out = static_cast<int>(n);
-  return true;
-}
-
-// 0: run; 1: a bad flag (message printed); 2: --help.
-int ParseFlags(int argc, char** argv, Options* o) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") return 2;
-    const size_t eq = arg.find('=');
-    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
-      std::fprintf(stderr, "arfuse-bench-flashinfer: expected --key=value, got %s\n%s", arg.c_str(),
-                   kUsage);
-      return 1;
-    }
-    std::string key = arg.substr(2, eq - 2);
-    std::replace(key.begin(), key.end(), '-', '_');
-    const std::string v = arg.substr(eq + 1);
-    bool ok = true;
-    if (key == "hidden") {
-      ok = ParseList(v, &o->hidden);
-    } else if (key == "tokens") {
-      ok = ParseList(v, &o->tokens);
-    } else if (key == "patterns") {
-      o->cases.clear();
-      size_t at = 0;
-      while (ok && at <= v.size()) {
-        const size_t comma = std::min(v.find(',', at), v.size());
-        const std::string name = v.substr(at, comma - at);
-        bool found = false;
-        for (int c = 0; c < kNumCases; ++c) {
-          if (name == InfoOf(static_cast<Case>(c)).name) {
-            o->cases.push_back(static_cast<Case>(c));
-            found = true;
-          }
-        }
-        ok = found;
-        at = comma + 1;
-      }
-    } else if (key == "iters") {
-      ok = ParseInt(v, 1, &o->iters);
-    } else if (key == "warmup") {
-      ok = ParseInt(v, 0, &o->warmup);
-    } else if (key == "repeats") {
-      ok = ParseInt(v, 1, &o->repeats);
-    } else if (key == "json") {
-      o->json = v;
-    } else if (key == "watchdog_s") {
-      char* end = nullptr;
-      o->watchdog_s = std::strtod(v.c_str(), &end);
-      ok = !v.empty() && *end == '\0' && o->watchdog_s > 0;
-    } else if (key == "spin_ms") {
-      ok = ParseInt(v, 1, &o->spin_ms);
-    } else if (key == "flashinfer_sms") {
-      o->flashinfer_half = v == "half";
-      ok = o->flashinfer_half || ParseInt(v, 0, &o->flashinfer_sms);
-    } else if (key == "arfuse_sm_budget") {
-      ok = ParseInt(v, 0, &o->arfuse_sm_budget);
-    } else {
-      std::fprintf(stderr, "arfuse-bench-flashinfer: unknown flag --%s\n%s", key.c_str(), kUsage);
-      return 1;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "arfuse-bench-flashinfer: bad value in %s\n%s", arg.c_str(), kUsage);
-      return 1;
-    }
-  }
-  for (uint32_t h : o->hidden) {
+// A value out of range, or a pattern name not in cases.h: INVALID_ARGUMENT naming the flag.
+absl::StatusOr<Options> ReadOptions() {
+  Options o;
+  o.hidden = absl::GetFlag(FLAGS_hidden).values;
+  o.tokens = absl::GetFlag(FLAGS_tokens).values;
+  for (const uint32_t h : o.hidden) {
     if (h % fp8::kGroupSize != 0) {
-      std::fprintf(stderr, "arfuse-bench-flashinfer: hidden %u is not a multiple of %u\n", h,
-                   fp8::kGroupSize);
-      return 1;
+      return absl::InvalidArgumentError(
+          absl::StrCat("--hidden=", h, ": not a multiple of ", fp8::kGroupSize));
     }
   }
-  return 0;
+  for (const absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_patterns), ',')) {
+    bool found = false;
+    for (int c = 0; c < kNumCases; ++c) {
+      if (name == InfoOf(static_cast<Case>(c)).name) {
+        o.cases.push_back(static_cast<Case>(c));
+        found = true;
+      }
+    }
+    if (!found) return absl::InvalidArgumentError(absl::StrCat("--patterns: unknown ", name));
+  }
+  o.iters = absl::GetFlag(FLAGS_iters);
+  o.warmup = absl::GetFlag(FLAGS_warmup);
+  o.repeats = absl::GetFlag(FLAGS_repeats);
+  o.json = absl::GetFlag(FLAGS_json);
+  o.watchdog_s = absl::GetFlag(FLAGS_watchdog_s);
+  o.spin_ms = absl::GetFlag(FLAGS_spin_ms);
+  o.arfuse_sm_budget = absl::GetFlag(FLAGS_arfuse_sm_budget);
+  if (o.iters < 1 || o.warmup < 0 || o.repeats < 1 || o.spin_ms < 1 || !(o.watchdog_s > 0) ||
+      o.arfuse_sm_budget < -1) {
+    return absl::InvalidArgumentError(
+        "--iters, --repeats and --spin-ms must be at least 1, --warmup at least 0, "
+        "--watchdog-s positive and --arfuse-sm-budget at least -1");
+  }
+  const std::string sms = absl::GetFlag(FLAGS_flashinfer_sms);
+  o.flashinfer_half = sms == "half";
+  if (!o.flashinfer_half && (!absl::SimpleAtoi(sms, &o.flashinfer_sms) || o.flashinfer_sms < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--flashinfer-sms=", sms, ": expected 0, half or a number of SMs"));
+  }
+  return o;
 }
 
 #define CHECK_CUDA(expr)                                                                          \
@@ -328,10 +309,26 @@ int Run(const Options& o, const std::string& command) {
 }  // namespace arfuse::bench_fi
 
 int main(int argc, char** argv) {
-  arfuse::bench_fi::Options o;
-  if (int rc = arfuse::bench_fi::ParseFlags(argc, argv, &o); rc != 0) {
-    if (rc == 2) std::printf("%s", arfuse::bench_fi::kUsage);
-    return rc == 2 ? 0 : 2;
+  const arfuse::flags::FlagSet set(
+      "arfuse-bench-flashinfer", std::vector<std::string>(std::begin(arfuse::bench_fi::kFlagNames),
+                                                          std::end(arfuse::bench_fi::kFlagNames)));
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf("%s", arfuse::bench_fi::Usage(set).c_str());
+      return 0;
+    }
+  }
+  absl::StatusOr<arfuse::bench_fi::Options> o = absl::InvalidArgumentError("not parsed");
+  if (absl::StatusOr<std::vector<arfuse::flags::GivenFlag>> given = set.Parse(argc, argv);
+      !given.ok()) {
+    o = given.status();
+  } else {
+    o = arfuse::bench_fi::ReadOptions();
+  }
+  if (!o.ok()) {
+    std::fprintf(stderr, "arfuse-bench-flashinfer: %s\n%s",
+                 std::string(o.status().message()).c_str(), arfuse::bench_fi::Usage(set).c_str());
+    return 2;
   }
   // Before the first CUDA call: rank 0's and rank 1's streams (and a graph's branches) must not
   // share a hardware queue, where a kernel spinning on its peer would hold back the peer's
@@ -339,5 +336,5 @@ int main(int argc, char** argv) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   std::string command = "arfuse-bench-flashinfer";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
-  return arfuse::bench_fi::Run(o, command);
+  return arfuse::bench_fi::Run(*o, command);
 }

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "bench/flashinfer/flashinfer_ops.h"
+#include "common/json.h"
 
 #ifndef ARFUSE_BENCH_VERSION
 #define ARFUSE_BENCH_VERSION "unknown"
@@ -62,43 +63,19 @@ std::string CheckCell(const RowResult& r) {
   return o.str();
 }
 
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
-std::string Num(double v) {
-  if (std::isnan(v)) return "null";
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3f", v);
-  return buf;
-}
-
 void AlgoJson(std::ostream& o, const AlgoResult& a) {
-  o << "{\"ran\": " << (a.ran ? "true" : "false") << ", \"us\": " << Num(a.us)
-    << ", \"us_min\": " << Num(a.us_min) << ", \"us_max\": " << Num(a.us_max)
-    << ", \"note\": " << Quote(a.note) << ", \"grids\": " << Quote(a.detail)
+  o << "{\"ran\": " << JsonBool(a.ran) << ", \"us\": " << JsonNumber(a.us, 3)
+    << ", \"us_min\": " << JsonNumber(a.us_min, 3) << ", \"us_max\": " << JsonNumber(a.us_max, 3)
+    << ", \"note\": " << JsonQuote(a.note) << ", \"grids\": " << JsonQuote(a.detail)
     << ", \"grid\": " << a.grid.grid << ", \"block\": " << a.grid.block
     << ", \"cluster\": " << a.grid.cluster << ", \"rank_diff\": " << a.rank_diff << "}";
 }
 
 void ImplJson(std::ostream& o, const ImplResult& r) {
   const int b = r.best();
-  o << "{\"us\": " << Num(r.best_us())
-    << ", \"algo\": " << (b < 0 ? std::string("null") : Quote(kAlgoNames[b])) << ", \"oneshot\": ";
+  o << "{\"us\": " << JsonNumber(r.best_us(), 3)
+    << ", \"algo\": " << (b < 0 ? std::string("null") : JsonQuote(kAlgoNames[b]))
+    << ", \"oneshot\": ";
   AlgoJson(o, r.algo[0]);
   o << ", \"twoshot\": ";
   AlgoJson(o, r.algo[1]);
@@ -176,18 +153,19 @@ void PrintTable(const RunInfo& info, const std::vector<RowResult>& rows) {
 
 bool WriteJson(const std::string& path, const RunInfo& info, const std::vector<RowResult>& rows) {
   std::ofstream o(path);
-  o << "{\n  \"command\": " << Quote(info.command)
-    << ",\n  \"arfuse_version\": " << Quote(ARFUSE_BENCH_VERSION)
-    << ",\n  \"flashinfer_version\": " << Quote(FlashInferVersion())
-    << ",\n  \"flashinfer_patterns\": " << Quote(FlashInferPatterns())
-    << ",\n  \"device\": " << Quote(info.device) << ",\n  \"sms\": " << info.sms
+  o << "{\n  \"command\": " << JsonQuote(info.command)
+    << ",\n  \"arfuse_version\": " << JsonQuote(ARFUSE_BENCH_VERSION)
+    << ",\n  \"flashinfer_version\": " << JsonQuote(FlashInferVersion())
+    << ",\n  \"flashinfer_patterns\": " << JsonQuote(FlashInferPatterns())
+    << ",\n  \"device\": " << JsonQuote(info.device) << ",\n  \"sms\": " << info.sms
     << ",\n  \"world_size\": " << kWorld << ",\n  \"dtype\": \"bf16\""
     << ",\n  \"arfuse_sm_budget\": " << info.arfuse_sm_budget
     << ",\n  \"flashinfer_sms\": " << (info.flashinfer_sms > 0 ? info.flashinfer_sms : info.sms)
     << ",\n  \"iters\": " << info.iters << ",\n  \"warmup\": " << info.warmup
-    << ",\n  \"repeats\": " << info.repeats << ",\n  \"watchdog_s\": " << Num(info.watchdog_s)
+    << ",\n  \"repeats\": " << info.repeats
+    << ",\n  \"watchdog_s\": " << JsonNumber(info.watchdog_s, 3)
     << ",\n  \"spin_ms\": " << info.spin_ms
-    << ",\n  \"fusion_tuning\": " << Quote(info.fusion_tuning)
+    << ",\n  \"fusion_tuning\": " << JsonQuote(info.fusion_tuning)
     << ",\n  \"arfuse_workspace_bytes_per_rank\": " << info.arfuse_workspace_bytes
     << ",\n  \"flashinfer_workspace_bytes_per_rank\": " << info.flashinfer_workspace_bytes
     << ",\n  \"unit\": \"us_per_op\",\n  \"rows\": [\n";
@@ -197,16 +175,16 @@ bool WriteJson(const std::string& path, const RunInfo& info, const std::vector<R
     const CrossCheck& k = r.check;
     const double a = r.arfuse.best_us(), f = r.flashinfer.best_us();
     o << "    {\"hidden\": " << r.hidden << ", \"tokens\": " << r.tokens
-      << ", \"pattern\": " << Quote(ci.name)
+      << ", \"pattern\": " << JsonQuote(ci.name)
       << ", \"arfuse_pattern\": " << static_cast<int>(ci.arfuse_pattern)
       << ", \"arfuse_scale_layout\": " << static_cast<int>(ci.scale_layout)
       << ", \"flashinfer_pattern\": " << ci.flashinfer_pattern
-      << ", \"ratio\": " << Num(std::isnan(a) || std::isnan(f) ? NAN : a / f)
-      << ", \"ok\": " << (r.ok() ? "true" : "false") << ",\n     \"arfuse\": ";
+      << ", \"ratio\": " << JsonNumber(std::isnan(a) || std::isnan(f) ? NAN : a / f, 3)
+      << ", \"ok\": " << JsonBool(r.ok()) << ",\n     \"arfuse\": ";
     ImplJson(o, r.arfuse);
     o << ",\n     \"flashinfer\": ";
     ImplJson(o, r.flashinfer);
-    o << ",\n     \"check\": {\"compared\": " << (k.compared ? "true" : "false")
+    o << ",\n     \"check\": {\"compared\": " << JsonBool(k.compared)
       << ", \"residual_diff\": " << k.residual_diff << ", \"norm_diff\": " << k.norm_diff
       << ", \"norm_max_ulp\": " << k.norm_max_ulp << ", \"codes\": " << k.codes
       << ", \"codes_one_step\": " << k.codes_one_step << ", \"codes_beyond\": " << k.codes_beyond
