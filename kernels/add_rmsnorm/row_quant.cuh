@@ -131,9 +131,7 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
         fp8::StoreE4m3Divided<kElems>(x, fp8::ScaleDivisor(scale), q_row + v * kElems);
       }
     }
-    if (ok && threadIdx.x == 0) {
-      fp8::ZeroGroupScalePadding(layout, q.scale, row, q.num_tokens, groups);
-    }
+    if (ok) fp8::ZeroGroupScalePadding(layout, q.scale, row, q.num_tokens, groups, t0, stride);
   }
 }
 

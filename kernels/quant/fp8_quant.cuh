@@ -53,11 +53,6 @@ __host__ __device__ __forceinline__ uint32_t BitsOf(float x) {
   memcpy(&bits, &x, sizeof(bits));
   return bits;
 }
-__host__ __device__ __forceinline__ float FloatOf(uint32_t bits) {
-  float x;
-  memcpy(&x, &bits, sizeof(x));
-  return x;
-}
 
 __host__ __device__ __forceinline__ float CopySign(float magnitude, float sign) {
 #ifdef __CUDA_ARCH__
@@ -94,19 +89,31 @@ __host__ __device__ __forceinline__ uint32_t E4m3QuadFromFloats(float a, float b
   return E4m3PairFromFloats(a, b) | (E4m3PairFromFloats(c, d) << 16);
 }
 
-// Scale formulas (fp8_reference.h states each; these are the same operations).
+// amax / 448 for an amax (>= 0, or inf), correctly rounded without a division (one per row or
+// group in the epilogue): Markstein's correction with the constant RN(1 / 448), as
+// DivideByScale below argues. It is exact wherever the residual is normal, amax >= 2^-100, and
+// every formula floors smaller quotients far above that (kMinScalingFactor, kGroupEps); an
+// infinite amax gives inf (its residual would be NaN).
+__host__ __device__ __forceinline__ float AmaxOver448(float amax) {
+  constexpr float kInv448 = 1.0f / kE4m3Max;  // folded by the compiler: RN(1 / 448)
+  const float q0 = MulRn(amax, kInv448);
+  const float q = FmaRn(FmaRn(-q0, kE4m3Max, amax), kInv448, q0);
+  return (BitsOf(q0) & 0x7fffffffu) == 0x7f800000u ? q0 : q;
+}
+
+// Scale formulas (fp8_reference.h states each; these give the same bits).
 __host__ __device__ __forceinline__ float StaticInvScale(float scale) { return DivRn(1.0f, scale); }
 __host__ __device__ __forceinline__ float DynamicTokenScale(float amax) {
-  return fmaxf(DivRn(amax, kE4m3Max), kMinScalingFactor);
+  return fmaxf(AmaxOver448(amax), kMinScalingFactor);
 }
 __host__ __device__ __forceinline__ float GroupScaleFp32(float amax) {
-  return DivRn(fmaxf(amax, kGroupEps), kE4m3Max);
+  return AmaxOver448(fmaxf(amax, kGroupEps));
 }
 // 2^ceil(log2(max(amax / 448, 1e-10))) as its exponent byte: the fp32 exponent field, plus one
 // when any fraction bit is set (the value is then not a power of two). The floor keeps the
 // scale a normal float, and a finite amax / 448 is far below 2^127, so no carry overflows.
 __host__ __device__ __forceinline__ uint8_t Ue8m0FromAmax(float amax) {
-  const float s = fmaxf(DivRn(amax, kE4m3Max), kGroupEps);
+  const float s = fmaxf(AmaxOver448(amax), kGroupEps);
   uint32_t bits;
   memcpy(&bits, &s, sizeof(bits));
   return static_cast<uint8_t>(((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u));
@@ -280,26 +287,28 @@ __device__ __forceinline__ void StoreGroupScale(GroupScaleLayout layout, void* s
 // Writes 0 into the bytes of the scale tensor that hold no group's scale and belong to token
 // t's share: for kUe8m0Packed the unused bytes of t's last packed word; for the token-contiguous
 // layouts, when t is the last token, the TMA padding entries (tokens .. TmaAlignedTokens - 1)
-// of every column but the last. Called by one thread per token, so a tensor from an
-// uninitialized allocation comes out fully defined, as DeepGEMM's TMA loads read padding too.
+// of every column but the last. So a tensor from an uninitialized allocation comes out fully
+// defined, as DeepGEMM's TMA loads read padding too. Called by `count` threads of the token's
+// row, thread `index` of them writing every count-th entry: at one token and hidden 8192 the
+// UE8M0 tensor has 45 padding words, which one thread alone writes in series after its row.
 __device__ __forceinline__ void ZeroGroupScalePadding(GroupScaleLayout layout, void* scales,
                                                       uint32_t token, uint32_t tokens,
-                                                      uint32_t groups) {
+                                                      uint32_t groups, uint32_t index,
+                                                      uint32_t count) {
   if (layout == GroupScaleLayout::kFp32RowMajor || groups == 0) return;
   auto* bytes = static_cast<uint8_t*>(scales);
-  if (layout == GroupScaleLayout::kUe8m0Packed) {
+  if (layout == GroupScaleLayout::kUe8m0Packed && index == 0) {
     for (uint32_t g = groups; g % 4u != 0u; ++g) {
       bytes[::arfuse::fp8::GroupScaleByteOffset(layout, token, g, tokens, groups)] = 0u;
     }
   }
   if (token + 1u != tokens) return;
   const uint32_t aligned = ::arfuse::fp8::TmaAlignedTokens(tokens);
+  const uint32_t pads = aligned - tokens;  // 0-3 per column
   const uint32_t columns = ::arfuse::fp8::GroupScaleColumns(layout, groups);
   auto* words = reinterpret_cast<uint32_t*>(scales);
-  for (uint32_t c = 0; c + 1u < columns; ++c) {
-    for (uint32_t pad = tokens; pad < aligned; ++pad) {
-      words[static_cast<uint64_t>(c) * aligned + pad] = 0u;
-    }
+  for (uint32_t i = index; i < (columns - 1u) * pads; i += count) {
+    words[static_cast<uint64_t>(i / pads) * aligned + tokens + i % pads] = 0u;
   }
 }
 

@@ -248,12 +248,11 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
                                         a.q_group_ue8m0 + row_at + v * kElems);
       }
     }
-    if (t0 == 0) {
-      dq::ZeroGroupScalePadding(GroupScaleLayout::kFp32MnMajor, a.scales_mn_major, row, a.tokens,
-                                groups);
-      dq::ZeroGroupScalePadding(GroupScaleLayout::kUe8m0Packed, a.scales_ue8m0, row, a.tokens,
-                                groups);
-    }
+    // Shared by the row's threads, as the epilogue shares it.
+    dq::ZeroGroupScalePadding(GroupScaleLayout::kFp32MnMajor, a.scales_mn_major, row, a.tokens,
+                              groups, t0, stride);
+    dq::ZeroGroupScalePadding(GroupScaleLayout::kUe8m0Packed, a.scales_ue8m0, row, a.tokens, groups,
+                              t0, stride);
   }
 }
 

@@ -68,6 +68,17 @@ TEST(Fp8QuantHost, ScaleFormulasMatchTheReference) {
     EXPECT_EQ(dq::Ue8m0FromAmax(amax), fp8::Ue8m0FromAmax(amax)) << amax;
   }
   EXPECT_EQ(dq::Ue8m0FromAmax(INFINITY), 0xff);
+  // amax / 448 without a division: the quotient's bits for every 16th non-negative float from
+  // 2^-100 up (the formulas floor anything smaller), and inf for inf.
+  uint64_t off = 0;
+  for (uint32_t bits = 0x0d800000u; bits <= 0x7f800000u; bits += 16) {
+    const float amax = FromBits(bits);
+    if (dq::AmaxOver448(amax) != amax / 448.0f && ++off <= 5) {
+      ADD_FAILURE() << std::hexfloat << amax << " / 448: " << dq::AmaxOver448(amax);
+    }
+  }
+  EXPECT_EQ(off, 0u);
+  EXPECT_EQ(dq::AmaxOver448(INFINITY), INFINITY);
   EXPECT_EQ(dq::Ue8m0Reciprocal(0xff), 0.0f);  // 1 / inf: finite values quantize to +-0
   // Every byte: the reciprocal of the float whose exponent field it is.
   for (uint32_t byte = 0; byte < 256; ++byte) {
