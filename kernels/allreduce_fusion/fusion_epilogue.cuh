@@ -25,14 +25,12 @@ struct QuantScratch {
   float amax[2][32];
 };
 
-// The static FP8 pattern's scale (0 otherwise), loaded once per launch by every thread, with
-// gamma at the kernel's start. Only the load: its reciprocal is taken in the epilogue, so no
-// thread waits for the load's round trip before the op's first barrier.
+// 1 / scale of the static FP8 pattern (0 otherwise), read once per launch by every thread.
 template <bool kQuant>
-__device__ __forceinline__ float StaticScaleOf(const FusionParams& p) {
+__device__ __forceinline__ float StaticInvScaleOf(const FusionParams& p) {
   if constexpr (kQuant) {
     if (TraitsOf(p.pattern).quant == QuantKind::kStatic) {
-      return *static_cast<const float*>(p.scale);
+      return device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
     }
   }
   return 0.0f;
@@ -45,13 +43,13 @@ __device__ __forceinline__ float StaticScaleOf(const FusionParams& p) {
 // the dtype-rounded pre-norm sum, `g` gamma. `ok`: this thread's part of the op succeeded (a
 // failed thread stores nothing). Every thread of the block calls it for every row, failed or not:
 // the per-token scale is a block reduction and the per-group one a warp shuffle. `parity` picks
-// the QuantScratch buffer (the row's, alternating); `static_scale` is StaticScaleOf's.
+// the QuantScratch buffer (the row's, alternating); `static_inv_scale` is StaticInvScaleOf's.
 template <DType DT, int kVec, bool kQuant>
 __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uint32_t row,
                                              const Raw16 (&pre)[kVec], float total, uint32_t t0,
                                              uint32_t stride, uint32_t vecs_per_row,
                                              const Raw16 (&g)[kVec], QuantScratch* qs,
-                                             uint32_t parity, float static_scale) {
+                                             uint32_t parity, float static_inv_scale) {
   const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
   if constexpr (!kQuant) {
     if (ok) {
@@ -67,8 +65,6 @@ __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uin
     // the same codes and scales for the same normalized values.
     const device::QuantRowOp q{
         TraitsOf(p.pattern).quant, p.scale_layout, p.num_tokens, p.hidden, p.quant_out, p.scale};
-    const float static_inv_scale =
-        q.kind == QuantKind::kStatic ? device::fp8::StaticInvScale(static_scale) : 0.0f;
     device::QuantizeRow<DT, kVec>(q, p.eps, ok, row, pre, total, t0, stride, vecs_per_row, g,
                                   qs->amax[parity], static_inv_scale);
   }

@@ -95,7 +95,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   // The static FP8 pattern's scale, loaded with gamma: a load in the epilogue would be a
   // dependent round trip at the end of every row.
-  const float static_scale = StaticScaleOf<kQuant>(p);
+  const float static_inv_scale = StaticInvScaleOf<kQuant>(p);
   uint32_t arrived = 0;
   if (threadIdx.x == 0) {
     InitWatch(watch);
@@ -271,7 +271,7 @@ __device__ __forceinline__ uint32_t OneShotBody(const FusionParams& p, const Ker
       const float total = RowSumOfSquares(mine, scratch[parity]);
       parity ^= 1u;
       NormEpilogue<DT, kVec, kQuant>(p, ok, row, sum, total, t0, stride, vecs_per_row, gamma,
-                                     &qscratch, row_parity, static_scale);
+                                     &qscratch, row_parity, static_inv_scale);
     } else {
       if (failure != 0) break;
       if (row + units < tokens) load_row(row + units);

@@ -48,7 +48,7 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
   if constexpr (kNorm) device::LoadRowVectors<kVec>(gamma, p.gamma, t0, stride, vecs_per_row);
   // The static FP8 pattern's scale, loaded with gamma: a load in the epilogue would be a
   // dependent round trip at the end of every row.
-  const float static_scale = StaticScaleOf<kQuant>(p);
+  const float static_inv_scale = StaticInvScaleOf<kQuant>(p);
   if (threadIdx.x == 0) {
     InitWatch(watch);
     const uint32_t generation =
@@ -221,7 +221,7 @@ __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const Ker
             const float total = RowSumOfSquares(mine, scratch[parity]);
             parity ^= 1u;
             NormEpilogue<DT, kVec, kQuant>(p, true, token, reduced, total, t0, stride, vecs_per_row,
-                                           gamma, &qscratch, row_parity, static_scale);
+                                           gamma, &qscratch, row_parity, static_inv_scale);
           } else {
 #pragma unroll
             for (int k = 0; k < kVec; ++k) {
