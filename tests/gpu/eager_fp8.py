@@ -91,11 +91,15 @@ def worker(args):
         static.fill_(STATIC_SCALE)
         return x, res, g, static
 
-    def run_doorbell(ws, ring, x, res, res_out, norm, g, pattern, q, scale, layout, tokens, words):
+    def poison(tokens, hidden, words):
+        """Every output of the shape's op to 0xee, so an output an op never wrote is caught."""
+        for name, n in (("res_out", 2 * tokens * hidden), ("norm", 2 * tokens * hidden),
+                        ("q", tokens * hidden), ("s", 4 * max(words, 1))):
+            view(name, torch.uint8, (n,)).fill_(0xee)
+
+    def run_doorbell(x, res, res_out, norm, g, pattern, q, scale, layout, tokens, words):
         """One op through a doorbell plan over the same tensors: its outputs, or why not."""
-        for t in (res_out, q, view("s", torch.uint8, (4 * max(words, 1),))) + \
-                ((norm,) if norm is not None else ()):
-            t.view(torch.uint8).fill_(0xee)
+        poison(tokens, x.shape[1], words)
         try:
             plan = ws.create_plan(x, residual_in=res, residual_out=res_out, norm_out=norm,
                                   rms_gamma=g, rms_eps=EPS, doorbell=True,
@@ -115,8 +119,7 @@ def worker(args):
             client.destroy_plan(plan)
         s = view("s", torch.float32, (max(words, 1),))
         return (res_out.clone(), q.clone(), s[:words].clone(),
-                norm.clone() if norm is not None else view("norm", torch.bfloat16,
-                                                           tuple(x.shape)).clone())
+                norm.clone() if norm is not None else None)
 
     shapes = [(h, t, c) for h in HIDDENS for t in TOKENS for c in CASES]
     # The eager plane first: a workspace with an in-stream attachment serves only its clients.
@@ -129,8 +132,7 @@ def worker(args):
         q = view("q", torch.uint8, (tokens, hidden))
         words = instream.fp8_scale_elements(quant, tokens, hidden, layout)
         s = view("s", torch.float32, (max(words, 1),))
-        for t in (res_out, norm, q, s):
-            t.view(torch.uint8).fill_(0xee)
+        poison(tokens, hidden, words)
         kw = dict(scale_factor=static) if quant == "static" else dict(scale_out=s)
         out = arfuse.allreduce_fusion(
             input=x, workspace=ws, pattern=getattr(arfuse.AllReduceFusionPattern, pattern),
@@ -142,7 +144,7 @@ def worker(args):
             res_out.clone(), q.clone(), s[:words].clone(), norm.clone())
         if args.doorbell and tokens <= DOORBELL_MAX_TOKENS:
             eager[("doorbell", hidden, tokens, case)] = run_doorbell(
-                ws, ring, x, res, res_out, norm if with_norm else None, g, pattern, q,
+                x, res, res_out, norm if with_norm else None, g, pattern, q,
                 static if quant == "static" else s, layout, tokens, words)
     aft.attach(client, list(HIDDENS))
     rows = []
