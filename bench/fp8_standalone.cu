@@ -1,8 +1,10 @@
 // A separate FP8 quantization kernel for `arfuse-bench kernels --fp8`: what a framework runs after
 // an unquantized fused op when the op cannot quantize (vLLM's static/dynamic scaled_fp8_quant,
-// per_token_group_quant_fp8). One block of 128 threads per token reads the bf16 norm_out row and
-// writes E4M3 codes and the scales with kernels/quant's device math, so the baseline's arithmetic
-// is the fused epilogue's and only the extra kernel and memory round trip differ.
+// per_token_group_quant_fp8). One block per token reads the bf16 norm_out row in the fused
+// kernels' row layout (kernels/add_rmsnorm/row_math.cuh: RowBlockThreads threads, each holding
+// RowVecsPerThread vectors) and writes E4M3 codes and the scales with kernels/quant's device
+// math, so the baseline's arithmetic and parallelism are the fused epilogue's and only the extra
+// kernel and memory round trip differ.
 #include "bench/fp8_standalone.h"
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/quant/fp8_quant.cuh"
@@ -10,54 +12,55 @@
 namespace arfuse::bench {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxVecs = 16;  // hidden up to 16384 bf16: 2048 vectors / 128 threads
-
-template <QuantKind kKind>
-__global__ void __launch_bounds__(kThreads) StandaloneQuantKernel(StandaloneFp8Params p) {
+template <QuantKind kKind, int kBucket>
+__global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
+    StandaloneQuantKernel(StandaloneFp8Params p) {
   using Tr = device::VecTraits<DType::kBF16>;
   constexpr int kElems = Tr::kElems;
+  constexpr int kVec = device::BucketVecs(kBucket);
   __shared__ float scratch[32];
   const uint32_t row = blockIdx.x;
   const uint32_t vecs = p.hidden / kElems;
+  const uint32_t t0 = threadIdx.x;
+  const uint32_t stride = blockDim.x;
   const char* in = static_cast<const char*>(p.norm) + static_cast<uint64_t>(row) * p.hidden * 2;
   char* q = static_cast<char*>(p.quant_out) + static_cast<uint64_t>(row) * p.hidden;
-  float x[kMaxVecs][kElems];
+  device::Raw16 raw[kVec];
+  device::LoadRowVectors<kVec>(raw, in, t0, stride, vecs);
+  float x[kVec][kElems];
 #pragma unroll
-  for (int k = 0; k < kMaxVecs; ++k) {
-    const uint32_t v = threadIdx.x + k * kThreads;
-    const device::Raw16 raw =
-        v < vecs ? device::LoadRaw(reinterpret_cast<const uint4*>(in) + v) : device::Raw16{};
+  for (int k = 0; k < kVec; ++k) {
+    const bool mine = t0 + k * stride < vecs;
 #pragma unroll
     for (int j = 0; j < kElems; ++j) {
-      x[k][j] = v < vecs ? Tr::ToFloat(device::GetBits<DType::kBF16>(raw, j)) : 0.0f;
+      x[k][j] = mine ? Tr::ToFloat(device::GetBits<DType::kBF16>(raw[k], j)) : 0.0f;
     }
   }
   if constexpr (kKind == QuantKind::kStatic) {
     const float inv = device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const uint32_t v = threadIdx.x + k * kThreads;
+    for (int k = 0; k < kVec; ++k) {
+      const uint32_t v = t0 + k * stride;
       if (v < vecs) device::fp8::StoreE4m3Multiplied<kElems>(x[k], inv, q + v * kElems);
     }
   } else if constexpr (kKind == QuantKind::kPerToken) {
     float local = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) local = device::fp8::AbsMaxInto<kElems>(local, x[k]);
+    for (int k = 0; k < kVec; ++k) local = device::fp8::AbsMaxInto<kElems>(local, x[k]);
     const float scale = device::fp8::DynamicTokenScale(device::fp8::BlockMax(local, scratch));
     if (threadIdx.x == 0) static_cast<float*>(p.scale)[row] = scale;
     const device::fp8::ScaleDivisor divisor(scale);
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const uint32_t v = threadIdx.x + k * kThreads;
+    for (int k = 0; k < kVec; ++k) {
+      const uint32_t v = t0 + k * stride;
       if (v < vecs) device::fp8::StoreE4m3Divided<kElems>(x[k], divisor, q + v * kElems);
     }
   } else {
     constexpr uint32_t kLanes = device::fp8::kGroupLanes<fp8::kGroupSize, kElems>;
     const uint32_t groups = p.hidden / fp8::kGroupSize;
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const uint32_t v = threadIdx.x + k * kThreads;
+    for (int k = 0; k < kVec; ++k) {
+      const uint32_t v = t0 + k * stride;
       const float amax = device::fp8::GroupAbsMax<fp8::kGroupSize, kElems>(x[k]);
       if (v >= vecs) continue;
       const float scale = device::fp8::GroupScaleFp32(amax);
@@ -70,27 +73,45 @@ __global__ void __launch_bounds__(kThreads) StandaloneQuantKernel(StandaloneFp8P
   }
 }
 
+template <QuantKind kKind>
+cudaError_t LaunchKind(const StandaloneFp8Params& p, uint32_t vecs, cudaStream_t stream) {
+  const dim3 grid(p.tokens);
+  const dim3 block(static_cast<uint32_t>(device::RowBlockThreads(vecs)));
+  switch (device::RowBucket(vecs)) {
+    case 0:
+      StandaloneQuantKernel<kKind, 0><<<grid, block, 0, stream>>>(p);
+      break;
+    case 1:
+      StandaloneQuantKernel<kKind, 1><<<grid, block, 0, stream>>>(p);
+      break;
+    case 2:
+      StandaloneQuantKernel<kKind, 2><<<grid, block, 0, stream>>>(p);
+      break;
+    default:
+      StandaloneQuantKernel<kKind, 3><<<grid, block, 0, stream>>>(p);
+      break;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t LaunchStandaloneFp8Quant(const StandaloneFp8Params& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  if (p.hidden % fp8::kGroupSize != 0 || p.hidden > kMaxVecs * kThreads * 8) {
-    return cudaErrorInvalidValue;
-  }
+  constexpr uint32_t kMaxVecs =
+      static_cast<uint32_t>(device::kMaxVecPerThread * device::BucketMaxThreads(3));
+  const uint32_t vecs = p.hidden / device::VecTraits<DType::kBF16>::kElems;
+  if (p.hidden % fp8::kGroupSize != 0 || vecs > kMaxVecs) return cudaErrorInvalidValue;
   switch (p.kind) {
     case QuantKind::kStatic:
-      StandaloneQuantKernel<QuantKind::kStatic><<<p.tokens, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKind<QuantKind::kStatic>(p, vecs, stream);
     case QuantKind::kPerToken:
-      StandaloneQuantKernel<QuantKind::kPerToken><<<p.tokens, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKind<QuantKind::kPerToken>(p, vecs, stream);
     case QuantKind::kPerGroup:
-      StandaloneQuantKernel<QuantKind::kPerGroup><<<p.tokens, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKind<QuantKind::kPerGroup>(p, vecs, stream);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace arfuse::bench

@@ -17,7 +17,7 @@ struct StandaloneFp8Params {
   // kStatic: one fp32 (read); kPerToken: fp32 [tokens]; kPerGroup: fp32 [tokens, hidden / 128].
   void* scale = nullptr;
   uint32_t tokens = 0;
-  uint32_t hidden = 0;  // a multiple of 128, at most 16384
+  uint32_t hidden = 0;  // a multiple of 128, at most 65536 (the row layout's limit)
 };
 
 // One kernel on `stream`; cudaErrorInvalidValue for a hidden it does not take.

@@ -300,6 +300,15 @@ std::vector<float> TestRows(uint32_t tokens, uint32_t hidden, uint32_t seed) {
     row(4)[hidden / 2 + 3] = INFINITY;  // one inf: its group's and its token's scales are inf
     row(4)[7] = std::nanf("");          // one NaN: ignored by the amax, converted to NaN
   }
+  if (tokens > 5 && hidden >= 2 * kGroupSize) {
+    // Row 5: group 0 all NaN (its amax is the floor's) and group 1 NaN in every other pair of
+    // elements: the amax trees meet NaN subtrees as well as NaN leaves.
+    std::fill(row(5), row(5) + kGroupSize, std::nanf(""));
+    for (uint32_t i = kGroupSize; i < 2 * kGroupSize; i += 4) {
+      row(5)[i] = std::nanf("");
+      row(5)[i + 1] = -std::nanf("");
+    }
+  }
   return x;
 }
 
