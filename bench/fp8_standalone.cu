@@ -6,6 +6,7 @@
 // math, so the baseline's arithmetic and parallelism are the fused epilogue's and only the extra
 // kernel and memory round trip differ.
 #include "bench/fp8_standalone.h"
+#include "kernels/add_rmsnorm/add_rmsnorm.h"
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/quant/fp8_quant.cuh"
 
@@ -98,10 +99,11 @@ cudaError_t LaunchKind(const StandaloneFp8Params& p, uint32_t vecs, cudaStream_t
 
 cudaError_t LaunchStandaloneFp8Quant(const StandaloneFp8Params& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  constexpr uint32_t kMaxVecs =
-      static_cast<uint32_t>(device::kMaxVecPerThread * device::BucketMaxThreads(3));
+  // The row layout's largest row, as the unfused path's add-RMSNorm kernel bounds it.
+  if (p.hidden % fp8::kGroupSize != 0 || p.hidden > MaxAddRmsNormHidden(DType::kBF16)) {
+    return cudaErrorInvalidValue;
+  }
   const uint32_t vecs = p.hidden / device::VecTraits<DType::kBF16>::kElems;
-  if (p.hidden % fp8::kGroupSize != 0 || vecs > kMaxVecs) return cudaErrorInvalidValue;
   switch (p.kind) {
     case QuantKind::kStatic:
       return LaunchKind<QuantKind::kStatic>(p, vecs, stream);
