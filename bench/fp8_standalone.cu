@@ -78,20 +78,9 @@ template <QuantKind kKind>
 cudaError_t LaunchKind(const StandaloneFp8Params& p, uint32_t vecs, cudaStream_t stream) {
   const dim3 grid(p.tokens);
   const dim3 block(static_cast<uint32_t>(device::RowBlockThreads(vecs)));
-  switch (device::RowBucket(vecs)) {
-    case 0:
-      StandaloneQuantKernel<kKind, 0><<<grid, block, 0, stream>>>(p);
-      break;
-    case 1:
-      StandaloneQuantKernel<kKind, 1><<<grid, block, 0, stream>>>(p);
-      break;
-    case 2:
-      StandaloneQuantKernel<kKind, 2><<<grid, block, 0, stream>>>(p);
-      break;
-    default:
-      StandaloneQuantKernel<kKind, 3><<<grid, block, 0, stream>>>(p);
-      break;
-  }
+  device::WithRowBucket(vecs, [&](auto bucket) {
+    StandaloneQuantKernel<kKind, decltype(bucket)::value><<<grid, block, 0, stream>>>(p);
+  });
   return cudaGetLastError();
 }
 

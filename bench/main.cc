@@ -19,11 +19,18 @@ int KernelsMain(int argc, char** argv) {
                "toolkit and NCCL to build it)\n");
   return 2;
 }
+
+int EpilogueMain(int /*argc*/, char** /*argv*/) {
+  std::fprintf(stderr, "arfuse-bench epilogue: this build has no CUDA\n");
+  return 2;
+}
 #endif
 
 constexpr Subcommand kSubcommands[] = {
     {"kernels", "fused one-shot/two-shot vs NCCL (+ add-RMSNorm) vs a peer copy, per shape",
      KernelsMain},
+    {"epilogue", "cycles per row of the FP8 patterns' last step vs the norm store, one block",
+     EpilogueMain},
     {"sidecar", "eager and doorbell planes per op vs gRPC echo / in-process launch; layer loop",
      SidecarMain},
 };

@@ -15,6 +15,7 @@ struct Subcommand {
 };
 
 int KernelsMain(int argc, char** argv);
+int EpilogueMain(int argc, char** argv);
 int SidecarMain(int argc, char** argv);
 
 }  // namespace arfuse::bench

@@ -75,22 +75,11 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
 }
 
 template <DType DT, bool kQuant>
-void LaunchAddRmsNormTyped(const AddRmsNormParams& p, unsigned grid, int threads, int bucket,
-                           cudaStream_t stream) {
-  switch (bucket) {
-    case 0:
-      AddRmsNormKernel<DT, 0, kQuant><<<grid, threads, 0, stream>>>(p);
-      break;
-    case 1:
-      AddRmsNormKernel<DT, 1, kQuant><<<grid, threads, 0, stream>>>(p);
-      break;
-    case 2:
-      AddRmsNormKernel<DT, 2, kQuant><<<grid, threads, 0, stream>>>(p);
-      break;
-    default:
-      AddRmsNormKernel<DT, 3, kQuant><<<grid, threads, 0, stream>>>(p);
-      break;
-  }
+void LaunchAddRmsNormTyped(const AddRmsNormParams& p, unsigned grid, int threads,
+                           uint32_t vecs_per_row, cudaStream_t stream) {
+  device::WithRowBucket(vecs_per_row, [&](auto bucket) {
+    AddRmsNormKernel<DT, decltype(bucket)::value, kQuant><<<grid, threads, 0, stream>>>(p);
+  });
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -171,27 +160,26 @@ cudaError_t LaunchAddRmsNorm(const AddRmsNormParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const uint32_t vecs_per_row = p.hidden / (16u / static_cast<uint32_t>(DTypeSize(p.dtype)));
   const int threads = device::RowBlockThreads(vecs_per_row);
-  const int bucket = device::RowBucket(vecs_per_row);
   // Enough rows in flight to cover the GPU a few times over; no cross-block waiting here.
   const unsigned grid = std::min<uint32_t>(p.num_tokens, 4096u);
   const bool quant = p.quant != QuantKind::kNone;  // CheckAddRmsNormParams: bf16 or fp16 then
   switch (p.dtype) {
     case DType::kBF16:
       if (quant) {
-        LaunchAddRmsNormTyped<DType::kBF16, true>(p, grid, threads, bucket, stream);
+        LaunchAddRmsNormTyped<DType::kBF16, true>(p, grid, threads, vecs_per_row, stream);
       } else {
-        LaunchAddRmsNormTyped<DType::kBF16, false>(p, grid, threads, bucket, stream);
+        LaunchAddRmsNormTyped<DType::kBF16, false>(p, grid, threads, vecs_per_row, stream);
       }
       break;
     case DType::kFP16:
       if (quant) {
-        LaunchAddRmsNormTyped<DType::kFP16, true>(p, grid, threads, bucket, stream);
+        LaunchAddRmsNormTyped<DType::kFP16, true>(p, grid, threads, vecs_per_row, stream);
       } else {
-        LaunchAddRmsNormTyped<DType::kFP16, false>(p, grid, threads, bucket, stream);
+        LaunchAddRmsNormTyped<DType::kFP16, false>(p, grid, threads, vecs_per_row, stream);
       }
       break;
     case DType::kFP32:
-      LaunchAddRmsNormTyped<DType::kFP32, false>(p, grid, threads, bucket, stream);
+      LaunchAddRmsNormTyped<DType::kFP32, false>(p, grid, threads, vecs_per_row, stream);
       break;
   }
   return cudaGetLastError();

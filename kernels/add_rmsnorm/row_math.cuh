@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/op_types.h"
 
@@ -230,6 +231,25 @@ inline int RowBucket(uint32_t vecs_per_row) {
 constexpr int BucketVecs(int bucket) { return bucket == 0 ? 2 : (bucket == 1 ? 4 : 8); }
 constexpr int BucketMaxThreads(int bucket) { return bucket == 3 ? 1024 : 512; }
 constexpr int BucketMinBlocks(int /*bucket*/) { return 1; }
+inline constexpr int kRowBuckets = 4;
+
+// The one switch from a row's shape to the kernels instantiated per bucket: calls
+// f(std::integral_constant<int, RowBucket(vecs_per_row)>{}) and returns what it returns, so a
+// launcher names its kernel as Kernel<..., decltype(bucket)::value, ...> once, for every bucket.
+template <typename F>
+decltype(auto) WithRowBucket(uint32_t vecs_per_row, F&& f) {
+  static_assert(kRowBuckets == 4, "one case per bucket of RowBucket");
+  switch (RowBucket(vecs_per_row)) {
+    case 0:
+      return f(std::integral_constant<int, 0>{});
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    default:
+      return f(std::integral_constant<int, 3>{});
+  }
+}
 
 // Steps 4-5 for one row, split in two so callers can overlap the sum of squares' reduction with
 // their own barriers. Row thread `t0` (see RowBlockThreads) holds, for k < kVec, the allreduced

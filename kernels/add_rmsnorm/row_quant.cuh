@@ -49,7 +49,12 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
 // the per-token scale is a block reduction (fp8::BlockMax over `amax_scratch`, 32 floats, which
 // must not be written again before every thread passed a later barrier) and the per-group one a
 // warp shuffle. `static_inv_scale`: fp8::StaticInvScale of the static scale (kStatic only).
-template <DType DT, int kVec>
+// kKeepValues (per-token): keep the normalized values in registers across the block reduction
+// instead of computing them again after it. At up to two vectors per thread (hidden up to 8192
+// at 16-bit dtypes) keeping them is 190-260 cycles a row faster (`arfuse-bench epilogue`,
+// docs/performance.md); larger rows compute them twice, their kernels being at the register
+// limit their block size allows.
+template <DType DT, int kVec, bool kKeepValues = (kVec <= 2)>
 __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool ok, uint32_t row,
                                             const Raw16 (&pre)[kVec], float total, uint32_t t0,
                                             uint32_t stride, uint32_t vecs_per_row,
@@ -73,6 +78,8 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
       fp8::StoreE4m3Multiplied<kElems>(x, static_inv_scale, q_row + v * kElems);
     }
   } else if (q.kind == QuantKind::kPerToken) {
+    // The values are needed before the block reduction (amax) and after it (codes).
+    float kept[kKeepValues ? kVec : 1][kElems];
     float local = 0.0f;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
@@ -81,6 +88,10 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
       float x[kElems];
       NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
       local = fp8::AbsMaxInto<kElems>(local, x);
+      if constexpr (kKeepValues) {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) kept[k][j] = x[j];
+      }
     }
     const float amax = fp8::BlockMax(local, amax_scratch);
     if (!ok) return;
@@ -91,9 +102,13 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v >= vecs_per_row) continue;
-      float x[kElems];
-      NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-      fp8::StoreE4m3Divided<kElems>(x, divisor, q_row + v * kElems);
+      if constexpr (kKeepValues) {
+        fp8::StoreE4m3Divided<kElems>(kept[k], divisor, q_row + v * kElems);
+      } else {
+        float x[kElems];
+        NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
+        fp8::StoreE4m3Divided<kElems>(x, divisor, q_row + v * kElems);
+      }
     }
   } else {
     // Per group of fp8::kGroupSize elements: kLanes consecutive, aligned lanes of one warp hold

@@ -249,16 +249,9 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
 
 template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchBucket(const FusionParams& p, cudaStream_t stream) {
-  switch (device::RowBucket(p.hidden / device::VecTraits<DT>::kElems)) {
-    case 0:
-      return LaunchTyped<DT, kNorm, 0, kQuant>(p, stream);
-    case 1:
-      return LaunchTyped<DT, kNorm, 1, kQuant>(p, stream);
-    case 2:
-      return LaunchTyped<DT, kNorm, 2, kQuant>(p, stream);
-    default:
-      return LaunchTyped<DT, kNorm, 3, kQuant>(p, stream);
-  }
+  return device::WithRowBucket(p.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
+    return LaunchTyped<DT, kNorm, decltype(bucket)::value, kQuant>(p, stream);
+  });
 }
 
 // The FP8 patterns have kernels for bf16 and fp16 only (IsFusionSupported).
@@ -305,16 +298,10 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
 template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchIndirectBucket(const FusionParams& t, const FusionParams* device_params,
                                  cudaStream_t stream, bool programmatic) {
-  switch (device::RowBucket(t.hidden / device::VecTraits<DT>::kElems)) {
-    case 0:
-      return LaunchIndirectTyped<DT, kNorm, 0, kQuant>(t, device_params, stream, programmatic);
-    case 1:
-      return LaunchIndirectTyped<DT, kNorm, 1, kQuant>(t, device_params, stream, programmatic);
-    case 2:
-      return LaunchIndirectTyped<DT, kNorm, 2, kQuant>(t, device_params, stream, programmatic);
-    default:
-      return LaunchIndirectTyped<DT, kNorm, 3, kQuant>(t, device_params, stream, programmatic);
-  }
+  return device::WithRowBucket(t.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
+    return LaunchIndirectTyped<DT, kNorm, decltype(bucket)::value, kQuant>(t, device_params, stream,
+                                                                           programmatic);
+  });
 }
 
 template <DType DT>

@@ -399,16 +399,10 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
 
 template <DType DT, bool kNorm, bool kQuant>
 cudaError_t LaunchServeBucket(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
-  switch (device::RowBucket(sp.inplace_template.hidden / device::VecTraits<DT>::kElems)) {
-    case 0:
-      return LaunchServeTyped<DT, kNorm, 0, kQuant>(sp, stream, pdl);
-    case 1:
-      return LaunchServeTyped<DT, kNorm, 1, kQuant>(sp, stream, pdl);
-    case 2:
-      return LaunchServeTyped<DT, kNorm, 2, kQuant>(sp, stream, pdl);
-    default:
-      return LaunchServeTyped<DT, kNorm, 3, kQuant>(sp, stream, pdl);
-  }
+  return device::WithRowBucket(
+      sp.inplace_template.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
+        return LaunchServeTyped<DT, kNorm, decltype(bucket)::value, kQuant>(sp, stream, pdl);
+      });
 }
 
 // The FP8 epilogue takes bf16 or fp16 input (the op contract refuses fp32 FP8 ops).
