@@ -51,9 +51,9 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
 // warp shuffle. `static_inv_scale`: fp8::StaticInvScale of the static scale (kStatic only).
 // kKeepValues (per-token): keep the normalized values in registers across the block reduction
 // instead of computing them again after it. At up to two vectors per thread (hidden up to 8192
-// at 16-bit dtypes) keeping them is 190-260 cycles a row faster (`arfuse-bench epilogue`,
-// docs/performance.md); larger rows compute them twice, their kernels being at the register
-// limit their block size allows.
+// at 16-bit dtypes) keeping them saves about 140 of a row's 2270-2920 cycles (`arfuse-bench
+// epilogue`, docs/performance.md); larger rows compute them twice, their kernels being at the
+// register limit their block size allows.
 template <DType DT, int kVec, bool kKeepValues = (kVec <= 2)>
 __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool ok, uint32_t row,
                                             const Raw16 (&pre)[kVec], float total, uint32_t t0,
