@@ -21,8 +21,9 @@ using namespace ::arfuse::fusion_device;  // NOLINT(build/namespaces): the kerne
 // register-array size of the row layout (row_math.cuh), which also bounds the block size.
 // Launched as programmatic dependents (own GPU only), they wait for the kernel before them and
 // its stores, then let the kernel after them be scheduled early (it waits the same way).
-// kQuant: the FP8 patterns (the norm epilogue quantizes; FusionParams::pattern says how).
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+// kQuant: what the norm epilogue quantizes (EpilogueQuant): the static and per-group FP8 patterns
+// have kernels of their own, the per-token one the kAny kernel (LaunchForDType says why).
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     OneShotKernel(const FusionParams p, const KernelConfig cfg) {
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
   OneShotBody<DT, kNorm, kBucket, kQuant>(p, cfg, blockIdx.x, gridDim.x);
 }
 
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     TwoShotKernel(const FusionParams p, const KernelConfig cfg) {
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
 // anything of the protocol is touched. The decision reads only the device params and the
 // template, so it is the same in every block. One algorithm per kernel: a kernel holding both
 // bodies spilled five times more registers (ptxas -v).
-template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, EpilogueQuant kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
     IndirectKernel(const FusionParams tmpl, const FusionParams* __restrict__ device_params) {
@@ -221,7 +222,7 @@ uint32_t ResidentBlocks(const void* kernel, int threads, uint32_t sm_budget) {
   return static_cast<uint32_t>(std::min(kMaxFusionBlocks, std::max(1, sms * per_sm)));
 }
 
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   const Tuning& tuning = GetTuning();
   const uint32_t vecs_per_row = p.hidden / device::VecTraits<DT>::kElems;
@@ -247,7 +248,7 @@ cudaError_t LaunchTyped(const FusionParams& p, cudaStream_t stream) {
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, p, cfg);
 }
 
-template <DType DT, bool kNorm, bool kQuant>
+template <DType DT, bool kNorm, EpilogueQuant kQuant>
 cudaError_t LaunchBucket(const FusionParams& p, cudaStream_t stream) {
   return device::WithRowBucket(p.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
     return LaunchTyped<DT, kNorm, decltype(bucket)::value, kQuant>(p, stream);
@@ -262,14 +263,30 @@ template <DType DT>
 cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
   const PatternTraits traits = TraitsOf(p.pattern);
   if (!traits.valid) return cudaErrorInvalidValue;
-  if (!traits.norm) return LaunchBucket<DT, false, false>(p, stream);
-  if (traits.quant == QuantKind::kNone) return LaunchBucket<DT, true, false>(p, stream);
-  if constexpr (kHasQuantKernels<DT>) return LaunchBucket<DT, true, true>(p, stream);
+  if (!traits.norm) return LaunchBucket<DT, false, EpilogueQuant::kNone>(p, stream);
+  if constexpr (kHasQuantKernels<DT>) {
+    switch (EpilogueQuantOf(traits.quant)) {
+      case EpilogueQuant::kStatic:
+        return LaunchBucket<DT, true, EpilogueQuant::kStatic>(p, stream);
+      case EpilogueQuant::kPerToken:
+        // Through the kAny kernel: instantiated for the per-token kind alone, the one-shot kernel
+        // got 128 registers and a 16-byte stack at bucket 0 (kAny's: 120, none) and measured
+        // 0.1-0.3 us slower at hidden 8192 on one H200 (docs/performance.md).
+        return LaunchBucket<DT, true, EpilogueQuant::kAny>(p, stream);
+      case EpilogueQuant::kPerGroup:
+        return LaunchBucket<DT, true, EpilogueQuant::kPerGroup>(p, stream);
+      default:
+        break;
+    }
+  }
+  if (traits.quant == QuantKind::kNone) {
+    return LaunchBucket<DT, true, EpilogueQuant::kNone>(p, stream);
+  }
   return cudaErrorInvalidValue;
 }
 
 // The indirect launch's geometry: from the template only (see allreduce_fusion.h).
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* device_params,
                                 cudaStream_t stream, bool programmatic) {
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
@@ -295,7 +312,7 @@ cudaError_t LaunchIndirectTyped(const FusionParams& t, const FusionParams* devic
              : LaunchKernel(two_shot_kernel, grid, block, programmatic, stream, t, device_params);
 }
 
-template <DType DT, bool kNorm, bool kQuant>
+template <DType DT, bool kNorm, EpilogueQuant kQuant>
 cudaError_t LaunchIndirectBucket(const FusionParams& t, const FusionParams* device_params,
                                  cudaStream_t stream, bool programmatic) {
   return device::WithRowBucket(t.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
@@ -310,41 +327,63 @@ cudaError_t LaunchIndirectForDType(const FusionParams& t, const FusionParams* de
   const PatternTraits traits = TraitsOf(t.pattern);
   if (!traits.valid) return cudaErrorInvalidValue;
   if (!traits.norm) {
-    return LaunchIndirectBucket<DT, false, false>(t, device_params, stream, programmatic);
+    return LaunchIndirectBucket<DT, false, EpilogueQuant::kNone>(t, device_params, stream,
+                                                                 programmatic);
   }
   if (traits.quant == QuantKind::kNone) {
-    return LaunchIndirectBucket<DT, true, false>(t, device_params, stream, programmatic);
+    return LaunchIndirectBucket<DT, true, EpilogueQuant::kNone>(t, device_params, stream,
+                                                                programmatic);
   }
   if constexpr (kHasQuantKernels<DT>) {
-    return LaunchIndirectBucket<DT, true, true>(t, device_params, stream, programmatic);
+    return LaunchIndirectBucket<DT, true, EpilogueQuant::kAny>(t, device_params, stream,
+                                                               programmatic);
   }
   return cudaErrorInvalidValue;
 }
 
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+// Direct: the by-value kernels; indirect: the indirect ones (whose FP8 kernel is kAny).
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant, bool kIndirect>
 cudaError_t LoadBucketKernels() {
-  return LoadKernelFunctions(
-      {reinterpret_cast<const void*>(&OneShotKernel<DT, kNorm, kBucket, kQuant>),
-       reinterpret_cast<const void*>(&TwoShotKernel<DT, kNorm, kBucket, kQuant>),
-       reinterpret_cast<const void*>(
-           &IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket, kQuant>),
-       reinterpret_cast<const void*>(
-           &IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket, kQuant>)});
+  if constexpr (kIndirect) {
+    return LoadKernelFunctions(
+        {reinterpret_cast<const void*>(
+             &IndirectKernel<DT, kNorm, FusionAlgo::kOneShot, kBucket, kQuant>),
+         reinterpret_cast<const void*>(
+             &IndirectKernel<DT, kNorm, FusionAlgo::kTwoShot, kBucket, kQuant>)});
+  } else {
+    return LoadKernelFunctions(
+        {reinterpret_cast<const void*>(&OneShotKernel<DT, kNorm, kBucket, kQuant>),
+         reinterpret_cast<const void*>(&TwoShotKernel<DT, kNorm, kBucket, kQuant>)});
+  }
 }
 
-template <DType DT, bool kNorm, bool kQuant>
+template <DType DT, bool kNorm, EpilogueQuant kQuant, bool kIndirect>
 cudaError_t LoadPatternKernels() {
-  return FirstError(
-      {LoadBucketKernels<DT, kNorm, 0, kQuant>(), LoadBucketKernels<DT, kNorm, 1, kQuant>(),
-       LoadBucketKernels<DT, kNorm, 2, kQuant>(), LoadBucketKernels<DT, kNorm, 3, kQuant>()});
+  return FirstError({LoadBucketKernels<DT, kNorm, 0, kQuant, kIndirect>(),
+                     LoadBucketKernels<DT, kNorm, 1, kQuant, kIndirect>(),
+                     LoadBucketKernels<DT, kNorm, 2, kQuant, kIndirect>(),
+                     LoadBucketKernels<DT, kNorm, 3, kQuant, kIndirect>()});
+}
+
+// Every kernel one pattern family launches, direct and indirect.
+template <DType DT, bool kNorm, EpilogueQuant kQuant>
+cudaError_t LoadBothKernels() {
+  return FirstError({LoadPatternKernels<DT, kNorm, kQuant, false>(),
+                     LoadPatternKernels<DT, kNorm, kQuant, true>()});
 }
 
 template <DType DT>
 cudaError_t LoadDTypeKernels() {
   cudaError_t quant = cudaSuccess;
-  if constexpr (kHasQuantKernels<DT>) quant = LoadPatternKernels<DT, true, true>();
+  if constexpr (kHasQuantKernels<DT>) {
+    quant = FirstError({LoadPatternKernels<DT, true, EpilogueQuant::kStatic, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kAny, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kPerGroup, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kAny, true>()});
+  }
   return FirstError(
-      {LoadPatternKernels<DT, false, false>(), LoadPatternKernels<DT, true, false>(), quant,
+      {LoadBothKernels<DT, false, EpilogueQuant::kNone>(),
+       LoadBothKernels<DT, true, EpilogueQuant::kNone>(), quant,
        LoadKernelFunctions({reinterpret_cast<const void*>(&WorkspaceInitKernel<DT>)})});
 }
 

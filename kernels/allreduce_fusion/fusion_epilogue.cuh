@@ -25,11 +25,47 @@ struct QuantScratch {
   float amax[2][32];
 };
 
+// What a kernel's norm epilogue quantizes, fixed when it is instantiated: nothing (the
+// unquantized patterns), one QuantKind (a kernel only launched for the FP8 pattern of that kind:
+// the other kinds' code is not in it), or kAny (FusionParams::pattern says which at run time: the
+// in-stream entries and the doorbell's serving kernel, one function for the three FP8 patterns).
+enum class EpilogueQuant : uint8_t { kNone, kStatic, kPerToken, kPerGroup, kAny };
+inline constexpr EpilogueQuant EpilogueQuantOf(QuantKind kind) {
+  switch (kind) {
+    case QuantKind::kStatic:
+      return EpilogueQuant::kStatic;
+    case QuantKind::kPerToken:
+      return EpilogueQuant::kPerToken;
+    case QuantKind::kPerGroup:
+      return EpilogueQuant::kPerGroup;
+    case QuantKind::kNone:
+      break;
+  }
+  return EpilogueQuant::kNone;
+}
+// The kind a launch of a kQuant kernel quantizes with: kQuant's own, or the pattern's (kAny).
+template <EpilogueQuant kQuant>
+__device__ __forceinline__ QuantKind QuantKindOf(const FusionParams& p) {
+  switch (kQuant) {
+    case EpilogueQuant::kStatic:
+      return QuantKind::kStatic;
+    case EpilogueQuant::kPerToken:
+      return QuantKind::kPerToken;
+    case EpilogueQuant::kPerGroup:
+      return QuantKind::kPerGroup;
+    case EpilogueQuant::kAny:
+      return TraitsOf(p.pattern).quant;
+    case EpilogueQuant::kNone:
+      break;
+  }
+  return QuantKind::kNone;
+}
+
 // 1 / scale of the static FP8 pattern (0 otherwise), read once per launch by every thread.
-template <bool kQuant>
+template <EpilogueQuant kQuant>
 __device__ __forceinline__ float StaticInvScaleOf(const FusionParams& p) {
-  if constexpr (kQuant) {
-    if (TraitsOf(p.pattern).quant == QuantKind::kStatic) {
+  if constexpr (kQuant != EpilogueQuant::kNone) {
+    if (QuantKindOf<kQuant>(p) == QuantKind::kStatic) {
       return device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
     }
   }
@@ -37,21 +73,21 @@ __device__ __forceinline__ float StaticInvScaleOf(const FusionParams& p) {
 }
 
 // Step 5 of row `row` for the norm patterns, after the block reduced the sum of squares to
-// `total`: norm_out (pattern 2; optional for the FP8 patterns), and with kQuant the E4M3 codes of
-// the normalized values into quant_out and the row's scales (FusionParams::pattern says which
-// scale). Row thread t0 of `stride` holds vectors t0 + k * stride (k < kVec) of the row: `pre`
-// the dtype-rounded pre-norm sum, `g` gamma. `ok`: this thread's part of the op succeeded (a
+// `total`: norm_out (pattern 2; optional for the FP8 patterns), and for the FP8 patterns the E4M3
+// codes of the normalized values into quant_out and the row's scales (FusionParams::pattern says
+// which scale). Row thread t0 of `stride` holds vectors t0 + k * stride (k < kVec) of the row:
+// `pre` the dtype-rounded pre-norm sum, `g` gamma. `ok`: this thread's part of the op succeeded (a
 // failed thread stores nothing). Every thread of the block calls it for every row, failed or not:
 // the per-token scale is a block reduction and the per-group one a warp shuffle. `parity` picks
 // the QuantScratch buffer (the row's, alternating); `static_inv_scale` is StaticInvScaleOf's.
-template <DType DT, int kVec, bool kQuant>
+template <DType DT, int kVec, EpilogueQuant kQuant>
 __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uint32_t row,
                                              const Raw16 (&pre)[kVec], float total, uint32_t t0,
                                              uint32_t stride, uint32_t vecs_per_row,
                                              const Raw16 (&g)[kVec], QuantScratch* qs,
                                              uint32_t parity, float static_inv_scale) {
   const uint64_t row_bytes = static_cast<uint64_t>(vecs_per_row) * 16ull;
-  if constexpr (!kQuant) {
+  if constexpr (kQuant == EpilogueQuant::kNone) {
     if (ok) {
       device::NormRowStore<DT, kVec>(pre, total, t0, stride, vecs_per_row, p.hidden, p.eps, g,
                                      static_cast<char*>(p.norm_out) + row * row_bytes);
@@ -64,7 +100,7 @@ __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uin
     // The unfused path's add-RMSNorm kernel quantizes with the same function: both paths give
     // the same codes and scales for the same normalized values.
     const device::QuantRowOp q{
-        TraitsOf(p.pattern).quant, p.scale_layout, p.num_tokens, p.hidden, p.quant_out, p.scale};
+        QuantKindOf<kQuant>(p), p.scale_layout, p.num_tokens, p.hidden, p.quant_out, p.scale};
     device::QuantizeRow<DT, kVec>(q, p.eps, ok, row, pre, total, t0, stride, vecs_per_row, g,
                                   qs->amax[parity], static_inv_scale);
   }

@@ -31,7 +31,7 @@ namespace fusion_device {
 // the control words are read, and each row's successor is loaded while the row is finished.
 // (Splitting small rows over the CTAs of a cluster, as FlashInfer does, was measured: 0.3 us
 // slower at hidden 4096 and no faster at 8192, so rows stay within one CTA.)
-template <DType DT, bool kNorm, int kBucket, bool kQuant = false>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant = EpilogueQuant::kNone>
 // `unit` / `units`: this block's index and the number of blocks taking part (blockIdx.x and
 // gridDim.x for a kernel that runs one op; the doorbell's serving kernel passes its own).
 // Returns this thread's failure (a FusionError code; kPoisoned when the workspace already held

@@ -29,7 +29,7 @@ namespace fusion_device {
 // call-k kernel ended. The last block to count itself in at barrier B (every block read the
 // sequence long before) resets the counters and advances the sequence.
 // Returns this thread's failure like OneShotBody (kStaleGenerationRefusal: see there).
-template <DType DT, bool kNorm, int kBucket, bool kQuant = false>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant = EpilogueQuant::kNone>
 __device__ __forceinline__ uint32_t TwoShotBody(const FusionParams& p, const KernelConfig& cfg,
                                                 const LaunchOrigin origin = {}) {
   const uint32_t expected_generation = origin.expected_generation;

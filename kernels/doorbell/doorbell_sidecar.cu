@@ -17,6 +17,7 @@ namespace {
 
 // The ring's steps and, through them, the memory-model helpers.
 using namespace ring_service;  // NOLINT(build/namespaces)
+using fusion_device::EpilogueQuant;
 
 // The serving launch. Block 0's first warp polls; per ring it
 // either announces an in-place op or ends the launch, in one ticket word. Every block runs an
@@ -184,9 +185,9 @@ __device__ void LoadInPlaceParams(const DoorbellServeParams& sp, uint32_t slot, 
   __syncthreads();
 }
 
-// kQuant: the FP8 patterns (the one-shot body's norm epilogue quantizes; each plan's params say
-// how), bf16 and fp16 only, as the fused kernels.
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+// kQuant: kAny for the FP8 patterns (the one-shot body's norm epilogue quantizes; each plan's
+// params say how), bf16 and fp16 only, as the fused kernels.
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
     DoorbellServeKernel(const DoorbellServeParams sp) {
   // As the waiter: the op record must not be overwritten before the kernel before it finished.
@@ -384,7 +385,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket), 1)
 // The serving launch's grid: at most max_blocks and kMaxDoorbellServeBlocks (the count's bits), and
 // never more than can be resident at once within the template's SM budget (every block must be
 // resident: an op completes when all of its blocks counted in).
-template <DType DT, bool kNorm, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   const FusionParams& t = sp.inplace_template;
   const uint32_t vecs_per_row = t.hidden / device::VecTraits<DT>::kElems;
@@ -397,7 +398,7 @@ cudaError_t LaunchServeTyped(const DoorbellServeParams& sp, cudaStream_t stream,
   return LaunchKernel(kernel, grid, static_cast<unsigned>(threads), pdl, stream, sp);
 }
 
-template <DType DT, bool kNorm, bool kQuant>
+template <DType DT, bool kNorm, EpilogueQuant kQuant>
 cudaError_t LaunchServeBucket(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   return device::WithRowBucket(
       sp.inplace_template.hidden / device::VecTraits<DT>::kElems, [&](auto bucket) {
@@ -413,13 +414,15 @@ template <DType DT>
 cudaError_t LaunchServeForDType(const DoorbellServeParams& sp, cudaStream_t stream, bool pdl) {
   const PatternTraits traits = TraitsOf(sp.inplace_template.pattern);
   if (!traits.valid) return cudaErrorInvalidValue;
-  if (!traits.norm) return LaunchServeBucket<DT, false, false>(sp, stream, pdl);
-  if (traits.quant == QuantKind::kNone) return LaunchServeBucket<DT, true, false>(sp, stream, pdl);
-  if constexpr (kHasQuantServe<DT>) return LaunchServeBucket<DT, true, true>(sp, stream, pdl);
+  if (!traits.norm) return LaunchServeBucket<DT, false, EpilogueQuant::kNone>(sp, stream, pdl);
+  if (traits.quant == QuantKind::kNone)
+    return LaunchServeBucket<DT, true, EpilogueQuant::kNone>(sp, stream, pdl);
+  if constexpr (kHasQuantServe<DT>)
+    return LaunchServeBucket<DT, true, EpilogueQuant::kAny>(sp, stream, pdl);
   return cudaErrorInvalidValue;
 }
 
-template <DType DT, bool kNorm, bool kQuant>
+template <DType DT, bool kNorm, EpilogueQuant kQuant>
 cudaError_t LoadServeKernels() {
   return LoadKernelFunctions(
       {reinterpret_cast<const void*>(&DoorbellServeKernel<DT, kNorm, 0, kQuant>),
@@ -431,9 +434,9 @@ cudaError_t LoadServeKernels() {
 template <DType DT>
 cudaError_t LoadServeDTypeKernels() {
   cudaError_t quant = cudaSuccess;
-  if constexpr (kHasQuantServe<DT>) quant = LoadServeKernels<DT, true, true>();
-  return FirstError(
-      {LoadServeKernels<DT, false, false>(), LoadServeKernels<DT, true, false>(), quant});
+  if constexpr (kHasQuantServe<DT>) quant = LoadServeKernels<DT, true, EpilogueQuant::kAny>();
+  return FirstError({LoadServeKernels<DT, false, EpilogueQuant::kNone>(),
+                     LoadServeKernels<DT, true, EpilogueQuant::kNone>(), quant});
 }
 
 }  // namespace

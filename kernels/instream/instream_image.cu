@@ -49,11 +49,25 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
            .ok()) {
     return false;
   }
-  // One function of the image serves the three FP8 patterns (instream_kernels.cu).
+  // The FP8 patterns have a function each (instream_kernels.cu says which body each runs).
   const PatternTraits traits = TraitsOf(pattern);
-  const char* pname = !traits.norm                       ? "allreduce"
-                      : traits.quant == QuantKind::kNone ? "arnorm"
-                                                         : "arnormfp8";
+  const char* pname = "allreduce";
+  if (traits.norm) {
+    switch (traits.quant) {
+      case QuantKind::kNone:
+        pname = "arnorm";
+        break;
+      case QuantKind::kStatic:
+        pname = "arnormfp8static";
+        break;
+      case QuantKind::kPerToken:
+        pname = "arnormfp8token";
+        break;
+      case QuantKind::kPerGroup:
+        pname = "arnormfp8group";
+        break;
+    }
+  }
   const int n =
       std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname, pname,
                     algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", device::RowBucket(vecs));

@@ -29,7 +29,7 @@ using namespace ::arfuse::fusion_device;  // NOLINT(build/namespaces): the kerne
 
 static_assert(kStaleGenerationRefusal == kErrorStaleGeneration);
 
-template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, bool kQuant>
+template <DType DT, bool kNorm, FusionAlgo kAlgo, int kBucket, EpilogueQuant kQuant>
 __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   const FusionParams& p = a.fusion;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
@@ -77,15 +77,18 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
 }  // namespace arfuse::instream
 
 // The entry points: arfuse_is_<dtype>_<pattern>_<algorithm>_b<bucket> (instream_image.h builds
-// the same names). C names, so the client finds them in the image without C++ mangling. One
-// function serves the three FP8 patterns of a dtype (FusionParams::pattern picks the scale).
+// the same names). C names, so the client finds them in the image without C++ mangling. Each
+// FP8 pattern has functions of its own: the static and per-group ones hold only their kind's
+// epilogue (measured faster than one function for all three, docs/performance.md); the per-token
+// ones run the kAny body (FusionParams::pattern says which), as the by-value launch does
+// (allreduce_fusion.cu's LaunchForDType says why).
 #define ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, b)                   \
   extern "C" __global__ void __launch_bounds__(::arfuse::device::BucketMaxThreads(b),             \
                                                ::arfuse::device::BucketMinBlocks(b))              \
       arfuse_is_##dname##_##pname##_##aname##_b##b(                                               \
           const ::arfuse::instream::InStreamLaunchArgs a) {                                       \
     ::arfuse::instream::InStreamEntry<::arfuse::DType::DT, kNorm, ::arfuse::FusionAlgo::kAlgo, b, \
-                                      kQuant>(a);                                                 \
+                                      ::arfuse::fusion_device::EpilogueQuant::kQuant>(a);         \
   }
 #define ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, aname, kAlgo) \
   ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, 0)      \
@@ -96,11 +99,15 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
   ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, oneshot, kOneShot) \
   ARFUSE_INSTREAM_BUCKETS(dname, DT, pname, kNorm, kQuant, twoshot, kTwoShot)
 #define ARFUSE_INSTREAM_PATTERNS(dname, DT)                 \
-  ARFUSE_INSTREAM_ALGOS(dname, DT, allreduce, false, false) \
-  ARFUSE_INSTREAM_ALGOS(dname, DT, arnorm, true, false)
+  ARFUSE_INSTREAM_ALGOS(dname, DT, allreduce, false, kNone) \
+  ARFUSE_INSTREAM_ALGOS(dname, DT, arnorm, true, kNone)
 
 ARFUSE_INSTREAM_PATTERNS(bf16, kBF16)
 ARFUSE_INSTREAM_PATTERNS(fp16, kFP16)
 ARFUSE_INSTREAM_PATTERNS(fp32, kFP32)
-ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8, true, true)
-ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8, true, true)
+ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8static, true, kStatic)
+ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8static, true, kStatic)
+ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8token, true, kAny)
+ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8token, true, kAny)
+ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8group, true, kPerGroup)
+ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8group, true, kPerGroup)
