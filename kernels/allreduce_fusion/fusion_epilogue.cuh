@@ -28,37 +28,25 @@ struct QuantScratch {
 // What a kernel's norm epilogue quantizes, fixed when it is instantiated: nothing (the
 // unquantized patterns), one QuantKind (a kernel only launched for the FP8 pattern of that kind:
 // the other kinds' code is not in it), or kAny (FusionParams::pattern says which at run time: the
-// in-stream entries and the doorbell's serving kernel, one function for the three FP8 patterns).
-enum class EpilogueQuant : uint8_t { kNone, kStatic, kPerToken, kPerGroup, kAny };
+// per-token pattern's kernels, the indirect kernels and the doorbell's serving kernel). The
+// first four values are QuantKind's, so the two convert by value.
+enum class EpilogueQuant : uint8_t { kNone = 0, kStatic = 1, kPerToken = 2, kPerGroup = 3, kAny };
+static_assert(static_cast<int>(EpilogueQuant::kNone) == static_cast<int>(QuantKind::kNone) &&
+              static_cast<int>(EpilogueQuant::kStatic) == static_cast<int>(QuantKind::kStatic) &&
+              static_cast<int>(EpilogueQuant::kPerToken) ==
+                  static_cast<int>(QuantKind::kPerToken) &&
+              static_cast<int>(EpilogueQuant::kPerGroup) == static_cast<int>(QuantKind::kPerGroup));
 inline constexpr EpilogueQuant EpilogueQuantOf(QuantKind kind) {
-  switch (kind) {
-    case QuantKind::kStatic:
-      return EpilogueQuant::kStatic;
-    case QuantKind::kPerToken:
-      return EpilogueQuant::kPerToken;
-    case QuantKind::kPerGroup:
-      return EpilogueQuant::kPerGroup;
-    case QuantKind::kNone:
-      break;
-  }
-  return EpilogueQuant::kNone;
+  return static_cast<EpilogueQuant>(kind);
 }
 // The kind a launch of a kQuant kernel quantizes with: kQuant's own, or the pattern's (kAny).
 template <EpilogueQuant kQuant>
 __device__ __forceinline__ QuantKind QuantKindOf(const FusionParams& p) {
-  switch (kQuant) {
-    case EpilogueQuant::kStatic:
-      return QuantKind::kStatic;
-    case EpilogueQuant::kPerToken:
-      return QuantKind::kPerToken;
-    case EpilogueQuant::kPerGroup:
-      return QuantKind::kPerGroup;
-    case EpilogueQuant::kAny:
-      return TraitsOf(p.pattern).quant;
-    case EpilogueQuant::kNone:
-      break;
+  if constexpr (kQuant == EpilogueQuant::kAny) {
+    return TraitsOf(p.pattern).quant;
+  } else {
+    return static_cast<QuantKind>(kQuant);
   }
-  return QuantKind::kNone;
 }
 
 // 1 / scale of the static FP8 pattern (0 otherwise), read once per launch by every thread.

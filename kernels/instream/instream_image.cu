@@ -49,25 +49,13 @@ bool DescribeKernelEntry(DType dtype, Pattern pattern, FusionAlgo algo, uint32_t
            .ok()) {
     return false;
   }
-  // The FP8 patterns have a function each (instream_kernels.cu says which body each runs).
+  // The norm patterns by QuantKind: the FP8 patterns have a function each (instream_kernels.cu
+  // says which body each runs).
+  static constexpr const char* kNormNames[] = {"arnorm", "arnormfp8static", "arnormfp8token",
+                                               "arnormfp8group"};
+  static_assert(static_cast<int>(QuantKind::kPerGroup) == 3);
   const PatternTraits traits = TraitsOf(pattern);
-  const char* pname = "allreduce";
-  if (traits.norm) {
-    switch (traits.quant) {
-      case QuantKind::kNone:
-        pname = "arnorm";
-        break;
-      case QuantKind::kStatic:
-        pname = "arnormfp8static";
-        break;
-      case QuantKind::kPerToken:
-        pname = "arnormfp8token";
-        break;
-      case QuantKind::kPerGroup:
-        pname = "arnormfp8group";
-        break;
-    }
-  }
+  const char* pname = traits.norm ? kNormNames[static_cast<int>(traits.quant)] : "allreduce";
   const int n =
       std::snprintf(e.function, sizeof(e.function), "arfuse_is_%s_%s_%s_b%d", dname, pname,
                     algo == FusionAlgo::kOneShot ? "oneshot" : "twoshot", device::RowBucket(vecs));
