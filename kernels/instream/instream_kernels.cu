@@ -81,7 +81,7 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
 // FP8 pattern has functions of its own: the static and per-group ones hold only their kind's
 // epilogue (measured faster than one function for all three, docs/performance.md); the per-token
 // ones run the kAny body (FusionParams::pattern says which), as the by-value launch does
-// (allreduce_fusion.cu's LaunchForDType says why).
+// (allreduce_fusion.cu's DirectEpilogueQuant says why).
 #define ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, b)                   \
   extern "C" __global__ void __launch_bounds__(::arfuse::device::BucketMaxThreads(b),             \
                                                ::arfuse::device::BucketMinBlocks(b))              \
