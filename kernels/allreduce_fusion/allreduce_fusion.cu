@@ -21,8 +21,8 @@ using namespace ::arfuse::fusion_device;  // NOLINT(build/namespaces): the kerne
 // register-array size of the row layout (row_math.cuh), which also bounds the block size.
 // Launched as programmatic dependents (own GPU only), they wait for the kernel before them and
 // its stores, then let the kernel after them be scheduled early (it waits the same way).
-// kQuant: what the norm epilogue quantizes (EpilogueQuant): the static and per-group FP8 patterns
-// have kernels of their own, the per-token one the kAny kernel (DirectEpilogueQuant says why).
+// kQuant: what the norm epilogue quantizes (EpilogueQuant): each FP8 pattern has kernels of its
+// own (kStatic, kPerToken, kPerGroup); the indirect kernels hold all three (kAny).
 template <DType DT, bool kNorm, int kBucket, EpilogueQuant kQuant>
 __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket),
                                   device::BucketMinBlocks(kBucket))
@@ -259,14 +259,6 @@ cudaError_t LaunchBucket(const FusionParams& p, cudaStream_t stream) {
 template <DType DT>
 inline constexpr bool kHasQuantKernels = DT != DType::kFP32;
 
-// The by-value kernel an FP8 pattern launches (LaunchForDType; LoadDTypeKernels loads the same
-// ones). The per-token pattern goes through the kAny kernel: instantiated for the per-token kind
-// alone, the one-shot kernel got 128 registers and a 16-byte stack at bucket 0 (kAny's: 120,
-// none) and measured 0.1-0.3 us slower at hidden 8192 on one H200 (docs/performance.md).
-constexpr EpilogueQuant DirectEpilogueQuant(QuantKind kind) {
-  return kind == QuantKind::kPerToken ? EpilogueQuant::kAny : EpilogueQuantOf(kind);
-}
-
 template <DType DT>
 cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
   const PatternTraits traits = TraitsOf(p.pattern);
@@ -278,11 +270,11 @@ cudaError_t LaunchForDType(const FusionParams& p, cudaStream_t stream) {
   if constexpr (kHasQuantKernels<DT>) {
     switch (traits.quant) {
       case QuantKind::kStatic:
-        return LaunchBucket<DT, true, DirectEpilogueQuant(QuantKind::kStatic)>(p, stream);
+        return LaunchBucket<DT, true, EpilogueQuant::kStatic>(p, stream);
       case QuantKind::kPerToken:
-        return LaunchBucket<DT, true, DirectEpilogueQuant(QuantKind::kPerToken)>(p, stream);
+        return LaunchBucket<DT, true, EpilogueQuant::kPerToken>(p, stream);
       case QuantKind::kPerGroup:
-        return LaunchBucket<DT, true, DirectEpilogueQuant(QuantKind::kPerGroup)>(p, stream);
+        return LaunchBucket<DT, true, EpilogueQuant::kPerGroup>(p, stream);
       case QuantKind::kNone:
         break;
     }
@@ -381,11 +373,10 @@ template <DType DT>
 cudaError_t LoadDTypeKernels() {
   cudaError_t quant = cudaSuccess;
   if constexpr (kHasQuantKernels<DT>) {
-    quant = FirstError(
-        {LoadPatternKernels<DT, true, DirectEpilogueQuant(QuantKind::kStatic), false>(),
-         LoadPatternKernels<DT, true, DirectEpilogueQuant(QuantKind::kPerToken), false>(),
-         LoadPatternKernels<DT, true, DirectEpilogueQuant(QuantKind::kPerGroup), false>(),
-         LoadPatternKernels<DT, true, EpilogueQuant::kAny, true>()});
+    quant = FirstError({LoadPatternKernels<DT, true, EpilogueQuant::kStatic, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kPerToken, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kPerGroup, false>(),
+                        LoadPatternKernels<DT, true, EpilogueQuant::kAny, true>()});
   }
   return FirstError(
       {LoadBothKernels<DT, false, EpilogueQuant::kNone>(),

@@ -28,8 +28,8 @@ struct QuantScratch {
 // What a kernel's norm epilogue quantizes, fixed when it is instantiated: nothing (the
 // unquantized patterns), one QuantKind (a kernel only launched for the FP8 pattern of that kind:
 // the other kinds' code is not in it), or kAny (FusionParams::pattern says which at run time: the
-// per-token pattern's kernels, the indirect kernels and the doorbell's serving kernel). The
-// first four values are QuantKind's, so the two convert by value.
+// indirect kernels and the doorbell's serving kernel). The first four values are QuantKind's, so
+// the two convert by value.
 enum class EpilogueQuant : uint8_t { kNone = 0, kStatic = 1, kPerToken = 2, kPerGroup = 3, kAny };
 static_assert(static_cast<int>(EpilogueQuant::kNone) == static_cast<int>(QuantKind::kNone) &&
               static_cast<int>(EpilogueQuant::kStatic) == static_cast<int>(QuantKind::kStatic) &&
@@ -89,8 +89,13 @@ __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uin
     // the same codes and scales for the same normalized values.
     const device::QuantRowOp q{
         QuantKindOf<kQuant>(p), p.scale_layout, p.num_tokens, p.hidden, p.quant_out, p.scale};
-    device::QuantizeRow<DT, kVec>(q, p.eps, ok, row, pre, total, t0, stride, vecs_per_row, g,
-                                  qs->amax[parity], static_inv_scale);
+    // A per-token kernel of its own computes the normalized values again after the amax's
+    // reduction instead of keeping them (row_quant.cuh's kKeepValues): kept, its one-shot kernel
+    // needed more registers than the kAny one and a stack (docs/performance.md, "One kernel per
+    // FP8 pattern").
+    constexpr bool kKeepValues = kVec <= 2 && kQuant == EpilogueQuant::kAny;
+    device::QuantizeRow<DT, kVec, kKeepValues>(q, p.eps, ok, row, pre, total, t0, stride,
+                                               vecs_per_row, g, qs->amax[parity], static_inv_scale);
   }
 }
 

@@ -78,10 +78,8 @@ __device__ __forceinline__ void InStreamEntry(const InStreamLaunchArgs& a) {
 
 // The entry points: arfuse_is_<dtype>_<pattern>_<algorithm>_b<bucket> (instream_image.h builds
 // the same names). C names, so the client finds them in the image without C++ mangling. Each
-// FP8 pattern has functions of its own: the static and per-group ones hold only their kind's
-// epilogue (measured faster than one function for all three, docs/performance.md); the per-token
-// ones run the kAny body (FusionParams::pattern says which), as the by-value launch does
-// (allreduce_fusion.cu's DirectEpilogueQuant says why).
+// FP8 pattern has functions of its own, holding only their kind's epilogue, as the by-value
+// kernels do (measured faster than one function for all three, docs/performance.md).
 #define ARFUSE_INSTREAM_ENTRY(dname, DT, pname, kNorm, kQuant, aname, kAlgo, b)                   \
   extern "C" __global__ void __launch_bounds__(::arfuse::device::BucketMaxThreads(b),             \
                                                ::arfuse::device::BucketMinBlocks(b))              \
@@ -107,7 +105,7 @@ ARFUSE_INSTREAM_PATTERNS(fp16, kFP16)
 ARFUSE_INSTREAM_PATTERNS(fp32, kFP32)
 ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8static, true, kStatic)
 ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8static, true, kStatic)
-ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8token, true, kAny)
-ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8token, true, kAny)
+ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8token, true, kPerToken)
+ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8token, true, kPerToken)
 ARFUSE_INSTREAM_ALGOS(bf16, kBF16, arnormfp8group, true, kPerGroup)
 ARFUSE_INSTREAM_ALGOS(fp16, kFP16, arnormfp8group, true, kPerGroup)

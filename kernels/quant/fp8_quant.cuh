@@ -155,20 +155,31 @@ __device__ __forceinline__ float AbsMaxInto(float acc, const float (&f)[kElems])
 }
 
 // Max over aligned groups of kLanes lanes of a warp (a power of two up to 32): each lane ends
-// with its group's maximum. Every lane of the warp must call it (full shuffle mask).
+// with its group's maximum. Every lane of the warp must call it. For amax values only: +0 or
+// more, or +inf, never NaN or negative (AbsMaxInto's, which start from 0 and take fmaxf of |x|).
+// Such floats order as their bit patterns do, so over the whole warp one redux.sync max over the
+// bits (sm_80 and later) gives exactly the value a shuffle butterfly of fmaxf gives, in one
+// instruction instead of five shuffles in series: the per-token scale's BlockMax, twice a row.
+// Smaller groups (the per-group scales: 16 lanes at group 128 for bf16/fp16) keep the butterfly:
+// redux.sync over a group's lanes as its member mask measured faster at 8-32 tokens but slower
+// at 512-2048 tokens on one H100 (docs/performance.md, "The per-token pattern's own kernels").
 template <int kLanes>
 __device__ __forceinline__ float LaneGroupMax(float v) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
+  if constexpr (kLanes == 32) {
+    return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+  } else {
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
   }
-  return v;
 }
 
-// Max over the block, the tree of device::BlockSum with fmaxf: lanes, then every warp reduces
-// the per-warp partials (0 beyond the last warp: amax starts at 0). blockDim.x must be a
-// multiple of 32 and every thread must call it. `scratch` holds 32 floats and is read after
+// Max over the block of amax values (LaneGroupMax's): lanes, then every warp reduces the
+// per-warp partials (0 beyond the last warp: amax starts at 0). blockDim.x must be a multiple of
+// 32 and every thread must call it. `scratch` holds 32 floats and is read after
 // the call's barrier without a trailing one: it must not be written again before every thread
 // has passed a later barrier (alternate two buffers row by row, as the fused kernels'
 // RowSumOfSquares does, or __syncthreads() before reuse).
