@@ -53,8 +53,11 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
 // instead of computing them again after it. At up to two vectors per thread (hidden up to 8192
 // at 16-bit dtypes) keeping them saves about 140 of a row's 2270-2920 cycles (`arfuse-bench
 // epilogue`, docs/performance.md); larger rows compute them twice, their kernels being at the
-// register limit their block size allows.
-template <DType DT, int kVec, bool kKeepValues = (kVec <= 2)>
+// register limit their block size allows (kKeepValuesFit).
+template <int kVec>
+inline constexpr bool kKeepValuesFit = kVec <= 2;
+
+template <DType DT, int kVec, bool kKeepValues = kKeepValuesFit<kVec>>
 __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool ok, uint32_t row,
                                             const Raw16 (&pre)[kVec], float total, uint32_t t0,
                                             uint32_t stride, uint32_t vecs_per_row,

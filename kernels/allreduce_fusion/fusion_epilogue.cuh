@@ -93,7 +93,7 @@ __device__ __forceinline__ void NormEpilogue(const FusionParams& p, bool ok, uin
     // reduction instead of keeping them (row_quant.cuh's kKeepValues): kept, its one-shot kernel
     // needed more registers than the kAny one and a stack (docs/performance.md, "One kernel per
     // FP8 pattern").
-    constexpr bool kKeepValues = kVec <= 2 && kQuant == EpilogueQuant::kAny;
+    constexpr bool kKeepValues = device::kKeepValuesFit<kVec> && kQuant == EpilogueQuant::kAny;
     device::QuantizeRow<DT, kVec, kKeepValues>(q, p.eps, ok, row, pre, total, t0, stride,
                                                vecs_per_row, g, qs->amax[parity], static_inv_scale);
   }
