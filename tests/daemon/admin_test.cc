@@ -187,7 +187,7 @@ TEST_F(AdminTest, RanksThatDisagreeAreRefusedAndKeepServing) {
 
 TEST_F(AdminTest, ABadCollectiveIdIsInvalidArgument) {
   v1::SetBackendResponse resp;
-  for (const std::string id : {std::string(), std::string(65, 'a'), std::string("a b")}) {
+  for (const std::string& id : {std::string(), std::string(65, 'a'), std::string("a b")}) {
     grpc::Status s = RawSetBackend(0, "mnnvl", id, 10s, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << id;
     EXPECT_THAT(s.error_message(), HasSubstr("collective_id must be 1-64 characters")) << id;

@@ -69,7 +69,7 @@ TEST(FdTicketBroker, AnotherUserIsDeniedAsForAnUnknownTicketAndTheTicketStaysFor
 
 TEST(FdTicketBroker, UnknownAndMalformedTicketsAreDenied) {
   FdTicketBroker broker;
-  for (const std::string t : {std::string(), std::string("nope"), NewFdTicket()}) {
+  for (const std::string& t : {std::string(), std::string("nope"), NewFdTicket()}) {
     EXPECT_EQ(broker.Claim(t, 0).status().code(), absl::StatusCode::kPermissionDenied) << t;
     EXPECT_EQ(broker.Pickup(t, 0).status().code(), absl::StatusCode::kPermissionDenied) << t;
   }

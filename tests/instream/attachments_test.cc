@@ -33,7 +33,7 @@ struct Recorder {
 
 struct FakeEngine {
   std::mutex mu;
-  InStreamProbe probe{true, 5, 0, "", 0, 0};
+  InStreamProbe probe{true, 5, 0, "", 0, 0, std::nullopt};
   InStreamProbe Get() {
     std::lock_guard<std::mutex> lock(mu);
     return probe;
@@ -144,7 +144,8 @@ TEST(InStreamAttachments, WatcherReportsPoisoningOnceAndARebuiltWorkspace) {
   EXPECT_EQ(a.launches(), 10u);
   {
     std::lock_guard<std::mutex> lock(engine.mu);
-    engine.probe = InStreamProbe{true, 6, 0, "", 3, 1};  // the group re-formed: a new workspace
+    // The group re-formed: a new workspace.
+    engine.probe = InStreamProbe{true, 6, 0, "", 3, 1, std::nullopt};
   }
   ASSERT_TRUE(WaitFor([&] { return rec.size() >= 2; }));
   EXPECT_EQ(rec.events[1].second.kind, AttachEventKind::kReinitialized);

@@ -993,7 +993,9 @@ UniqueFd Memfd(uint64_t size, int seals, bool allow_sealing = true) {
       memfd_create("arfuse-regtest", MFD_CLOEXEC | (allow_sealing ? MFD_ALLOW_SEALING : 0)));
   EXPECT_TRUE(fd.valid());
   EXPECT_EQ(ftruncate(fd.get(), static_cast<off_t>(size)), 0);
-  if (seals != 0) EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  if (seals != 0) {
+    EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 
