@@ -121,6 +121,12 @@ inline void TouchTensors(const ResolvedOp& op) {
       case TensorRole::kGamma:
         p = a.gamma;
         break;
+      case TensorRole::kQuantOut:
+        p = a.quant_out;
+        break;
+      case TensorRole::kScale:
+        p = a.scale;
+        break;
     }
     if (p == nullptr) __builtin_trap();  // every role of the pattern must be placed
     if (IsOutputRole(role)) {

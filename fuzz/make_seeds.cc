@@ -204,6 +204,64 @@ void FusionSeeds(const std::string& dir) {
     s.Add(kCreatePlan, plan, nullptr, nullptr, false);
     Write(dir, n++, s.bytes());
   }
+  // 5. The FP8 patterns, by plan and by explicit op: static (with and without norm_out),
+  // per-token, and per-group in each scale layout; then a per-group op without a layout and one
+  // whose scales overrun their region, refused.
+  {
+    struct Fp8Case {
+      v1::Pattern pattern;
+      v1::ScaleLayout layout;
+      bool norm_out;
+    };
+    const Fp8Case cases[] = {
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_STATIC, v1::SCALE_LAYOUT_UNSPECIFIED, true},
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_STATIC, v1::SCALE_LAYOUT_UNSPECIFIED, false},
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_TOKEN, v1::SCALE_LAYOUT_UNSPECIFIED, false},
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP, v1::SCALE_LAYOUT_FP32_ROW_MAJOR,
+         false},
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP, v1::SCALE_LAYOUT_FP32_MN_MAJOR,
+         true},
+        {v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP, v1::SCALE_LAYOUT_UE8M0_PACKED,
+         false},
+    };
+    for (const Fp8Case& c : cases) {
+      SeedBuilder s(MemoryKind::kHostShm);
+      uint64_t a = 0, ag = 0, b = 0, bg = 0, p = 0, pg = 0;
+      s.Add(kRegister, HostRegion("a", 65536), &a, &ag);
+      s.Add(kRegister, HostRegion("b", 65536), &b, &bg);
+      // bf16, hidden 256 (two groups of 128), 8 tokens: each [8, 256] tensor is 4096 bytes.
+      // Region b: residual_out, norm_out, the E4M3 codes (2048 bytes), then the scales.
+      v1::CreatePlanRequest plan;
+      v1::OpSpec& op = *plan.mutable_op();
+      op = NormOp(v1::DTYPE_BF16, 256, 8, a, ag, b, bg, /*in_place=*/false);
+      op.set_pattern(c.pattern);
+      if (!c.norm_out) op.clear_norm_out();
+      Ref(op.mutable_quant_out(), b, bg, 2 * 4096);
+      Ref(op.mutable_scale(), b, bg, 3 * 4096);
+      op.set_scale_layout(c.layout);
+      s.Add(kCreatePlan, plan, &p, &pg);
+      v1::ExecuteRequest ex;
+      ex.set_plan_id(p);
+      ex.set_plan_generation(pg);
+      ex.set_num_tokens(8);
+      s.Add(kExecute, ex);
+      ex.set_num_tokens(1);
+      s.Add(kExecute, ex);
+      v1::ExecuteRequest exop;
+      *exop.mutable_op() = op;
+      exop.mutable_op()->set_max_tokens(0);  // sized by num_tokens
+      exop.set_num_tokens(3);
+      s.Add(kExecute, exop);
+      if (c.pattern == v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP) {
+        op.set_scale_layout(v1::SCALE_LAYOUT_UNSPECIFIED);
+        s.Add(kCreatePlan, plan, nullptr, nullptr, /*must_succeed=*/false);
+        op.set_scale_layout(c.layout);
+        op.mutable_scale()->set_offset(65536 - 16);
+        s.Add(kCreatePlan, plan, nullptr, nullptr, /*must_succeed=*/false);
+      }
+      Write(dir, n++, s.bytes());
+    }
+  }
   std::printf("make_seeds: %d fuzz_fusion_requests seeds\n", n);
 }
 

@@ -48,14 +48,14 @@ struct Metrics::InStreamFamilies {
   prometheus::Counter& stale;
   prometheus::Family<prometheus::Counter>& ops;
   prometheus::Family<prometheus::Counter>& divergence;
-  std::mutex mu;
+  std::mutex mu{};
   uint64_t launches_seen = 0;
   uint64_t stale_seen = 0;
   // arfuse_instream_ops_total's series, made at start so that every one is exported from the
   // first scrape (a dashboard's rate() needs the zero), and the counts they last took.
   prometheus::Counter* fused[instream::kOpPatterns][instream::kOpTokenBuckets] = {};
   prometheus::Counter* declined[instream::kDeclineReasons] = {};
-  InStreamOpCounts ops_seen;
+  InStreamOpCounts ops_seen{};
 };
 
 namespace {
