@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,25 @@ v1::OpSpec NormOp(v1::DType dtype, uint32_t hidden, uint32_t tokens, uint64_t a_
   return op;
 }
 
+// Executes plan (p, pg) at each of `plan_tokens` tokens, then `op` as an explicit op at
+// `op_tokens` (its max_tokens cleared: sized by num_tokens).
+void AddExecutes(SeedBuilder& s, uint64_t p, uint64_t pg,
+                 std::initializer_list<uint32_t> plan_tokens, const v1::OpSpec& op,
+                 uint32_t op_tokens) {
+  v1::ExecuteRequest ex;
+  ex.set_plan_id(p);
+  ex.set_plan_generation(pg);
+  for (uint32_t tokens : plan_tokens) {
+    ex.set_num_tokens(tokens);
+    s.Add(kExecute, ex);
+  }
+  v1::ExecuteRequest exop;
+  *exop.mutable_op() = op;
+  exop.mutable_op()->set_max_tokens(0);
+  exop.set_num_tokens(op_tokens);
+  s.Add(kExecute, exop);
+}
+
 void FusionSeeds(const std::string& dir) {
   int n = 0;
   // 1. A whole lifecycle in one region, bf16, by plan and by explicit op.
@@ -120,18 +140,7 @@ void FusionSeeds(const std::string& dir) {
     v1::CreatePlanRequest plan;
     *plan.mutable_op() = NormOp(dtype, 256, 8, a, ag, b, bg, /*in_place=*/dtype == v1::DTYPE_FP16);
     s.Add(kCreatePlan, plan, &p, &pg);
-    v1::ExecuteRequest ex;
-    ex.set_plan_id(p);
-    ex.set_plan_generation(pg);
-    ex.set_num_tokens(8);
-    s.Add(kExecute, ex);
-    ex.set_num_tokens(3);
-    s.Add(kExecute, ex);
-    v1::ExecuteRequest exop;
-    *exop.mutable_op() = plan.op();
-    exop.mutable_op()->set_max_tokens(0);  // sized by num_tokens
-    exop.set_num_tokens(5);
-    s.Add(kExecute, exop);
+    AddExecutes(s, p, pg, {8, 3}, plan.op(), 5);
     s.AddRaw(kListRegions, "");
     v1::DestroyPlanRequest dp;
     dp.set_plan_id(p);
@@ -240,18 +249,7 @@ void FusionSeeds(const std::string& dir) {
       Ref(op.mutable_scale(), b, bg, 3 * 4096);
       op.set_scale_layout(c.layout);
       s.Add(kCreatePlan, plan, &p, &pg);
-      v1::ExecuteRequest ex;
-      ex.set_plan_id(p);
-      ex.set_plan_generation(pg);
-      ex.set_num_tokens(8);
-      s.Add(kExecute, ex);
-      ex.set_num_tokens(1);
-      s.Add(kExecute, ex);
-      v1::ExecuteRequest exop;
-      *exop.mutable_op() = op;
-      exop.mutable_op()->set_max_tokens(0);  // sized by num_tokens
-      exop.set_num_tokens(3);
-      s.Add(kExecute, exop);
+      AddExecutes(s, p, pg, {8, 1}, op, 3);
       if (c.pattern == v1::PATTERN_ALLREDUCE_RESIDUAL_RMSNORM_FP8_PER_GROUP) {
         op.set_scale_layout(v1::SCALE_LAYOUT_UNSPECIFIED);
         s.Add(kCreatePlan, plan, nullptr, nullptr, /*must_succeed=*/false);

@@ -160,14 +160,25 @@ __device__ __forceinline__ float AbsMaxInto(float acc, const float (&f)[kElems])
 // Such floats order as their bit patterns do, so over the whole warp one redux.sync max over the
 // bits (sm_80 and later) gives exactly the value a shuffle butterfly of fmaxf gives, in one
 // instruction instead of five shuffles in series: the per-token scale's BlockMax, twice a row.
-// Smaller groups (the per-group scales: 16 lanes at group 128 for bf16/fp16) keep the butterfly:
-// redux.sync over a group's lanes as its member mask measured faster at 8-32 tokens but slower
-// at 512-2048 tokens on one H100 (docs/performance.md, "The per-token pattern's own kernels").
+// Groups of 16 lanes (the per-group scales at group 128 for bf16/fp16) take two such whole-warp
+// reductions instead of four shuffles: 113-127 cycles less per row (docs/performance.md, "The
+// per-group amax in two whole-warp reductions"). redux.sync with a group's own lanes as the
+// member mask measured slower at 512-2048 tokens ("The per-token pattern's own kernels").
+// Smaller groups keep the butterfly.
 template <int kLanes>
 __device__ __forceinline__ float LaneGroupMax(float v) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
   if constexpr (kLanes == 32) {
     return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+  } else if constexpr (kLanes == 16) {
+    // Two whole-warp reductions, each over one half's values with the other half's as +0 (the
+    // identity for amax values): every lane runs both with the full member mask, so the warp
+    // never splits into two groups of 16 as a redux.sync per half's mask does.
+    const uint32_t bits = __float_as_uint(v);
+    const bool low = (threadIdx.x & 16u) == 0;
+    const uint32_t low_max = __reduce_max_sync(0xffffffffu, low ? bits : 0u);
+    const uint32_t high_max = __reduce_max_sync(0xffffffffu, low ? 0u : bits);
+    return __uint_as_float(low ? low_max : high_max);
   } else {
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
