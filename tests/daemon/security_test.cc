@@ -689,8 +689,17 @@ TEST(DaemonSecurity, OneUsersDescriptorFloodStaysInsideItsBudget) {
   EXPECT_THAT(flood, HasSubstr("main=0 "));        // not locked out of the main socket
   EXPECT_THAT(flood, HasSubstr("code=8 "));        // RESOURCE_EXHAUSTED
   EXPECT_THAT(flood, HasSubstr("budget of 32 (--max-pending-fds-per-uid)"));
-  // Its two tickets stay pending (30 s): 32 descriptors, far from the limit.
-  EXPECT_LT(OpenFdsOf(proc.pid()), baseline + 32 + 16) << "baseline " << baseline;
+  // Its two tickets stay pending (30 s): 32 descriptors, far from the limit. The 16 idle
+  // fd-channel connections and the main-socket one of its Connect close when the client exits,
+  // but the sidecar sees those hang-ups asynchronously: under load they can all still be open
+  // here, so they are bounded now and waited for after.
+  EXPECT_LE(OpenFdsOf(proc.pid()), baseline + 32 + 16 + 1) << "baseline " << baseline;
+  int settled = OpenFdsOf(proc.pid());
+  for (absl::Time until = absl::Now() + absl::Seconds(10);
+       settled >= baseline + 32 + 4 && absl::Now() < until; settled = OpenFdsOf(proc.pid())) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_LT(settled, baseline + 32 + 4) << "baseline " << baseline;
 
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status live = HealthCheck(health, "", &resp);
