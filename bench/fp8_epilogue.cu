@@ -33,13 +33,12 @@ struct EpilogueArgs {
   long long* cycles;
 };
 
-// The variants that leave a step out (kCodesOnly, kPerTokenWarpAmax, kPerTokenMultiply): the
-// per-token pattern's steps with one of them changed.
+// The variants that leave a step out (kCodesOnly, kPerTokenWarpAmax): the per-token pattern's
+// steps with one of them changed.
 template <EpilogueVariant kV>
 __device__ __forceinline__ void PartialEpilogue(const EpilogueArgs& a, uint32_t row,
                                                 const Raw16 (&pre)[kVec], float total,
-                                                uint32_t vecs, const Raw16 (&g)[kVec],
-                                                float* amax_scratch) {
+                                                uint32_t vecs, const Raw16 (&g)[kVec]) {
   const uint32_t t0 = threadIdx.x;
   const uint32_t stride = blockDim.x;
   const float inv_rms =
@@ -54,20 +53,10 @@ __device__ __forceinline__ void PartialEpilogue(const EpilogueArgs& a, uint32_t 
   }
   float inv_scale = 1.0f;
   if constexpr (kV != EpilogueVariant::kCodesOnly) {
-    const float amax = kV == EpilogueVariant::kPerTokenWarpAmax ? f8::LaneGroupMax<32>(local)
-                                                                : f8::BlockMax(local, amax_scratch);
-    const float scale = f8::DynamicTokenScale(amax);
+    // kPerTokenWarpAmax: each warp's amax, no block reduction.
+    const float scale = f8::DynamicTokenScale(f8::LaneGroupMax<32>(local));
     if (threadIdx.x == 0) static_cast<float*>(a.scales)[row] = scale;
-    const f8::ScaleDivisor divisor(scale);
-    if constexpr (kV == EpilogueVariant::kPerTokenWarpAmax) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const uint32_t v = t0 + k * stride;
-        if (v < vecs) f8::StoreE4m3Divided<kElems>(x[k], divisor, q_row + v * kElems);
-      }
-      return;
-    }
-    inv_scale = divisor.inv;
+    inv_scale = f8::InvScale(scale);
   }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
@@ -85,7 +74,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(0)) EpilogueKernel(Ep
   const uint32_t stride = blockDim.x;
   Raw16 g[kVec];
   device::LoadRowVectors<kVec>(g, a.gamma, t0, stride, vecs);
-  const float static_inv_scale = f8::StaticInvScale(*a.static_scale);
+  const float static_inv_scale = f8::InvScale(*a.static_scale);
   long long cycles = 0;
   for (uint32_t row = 0; row < a.num_rows; ++row) {
     Raw16 pre[kVec];
@@ -116,9 +105,8 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(0)) EpilogueKernel(Ep
       device::NormRowStore<kDT, kVec>(pre, total, t0, stride, vecs, a.hidden, 1e-6f, g,
                                       a.norm_out + static_cast<uint64_t>(row) * a.hidden * 2);
     } else if constexpr (kV == EpilogueVariant::kCodesOnly ||
-                         kV == EpilogueVariant::kPerTokenWarpAmax ||
-                         kV == EpilogueVariant::kPerTokenMultiply) {
-      PartialEpilogue<kV>(a, row, pre, total, vecs, g, amax_scratch);
+                         kV == EpilogueVariant::kPerTokenWarpAmax) {
+      PartialEpilogue<kV>(a, row, pre, total, vecs, g);
     } else {
       const QuantKind kind =
           kV == EpilogueVariant::kStatic ? QuantKind::kStatic
@@ -163,8 +151,6 @@ void LaunchVariant(EpilogueVariant v, const EpilogueArgs& a, unsigned threads) {
       return Launch<EpilogueVariant::kCodesOnly>(a, threads);
     case EpilogueVariant::kPerTokenWarpAmax:
       return Launch<EpilogueVariant::kPerTokenWarpAmax>(a, threads);
-    case EpilogueVariant::kPerTokenMultiply:
-      return Launch<EpilogueVariant::kPerTokenMultiply>(a, threads);
   }
 }
 
@@ -202,8 +188,6 @@ const char* EpilogueVariantName(EpilogueVariant v) {
       return "part: codes only";
     case EpilogueVariant::kPerTokenWarpAmax:
       return "part: per-token, warp amax";
-    case EpilogueVariant::kPerTokenMultiply:
-      return "part: per-token, multiply";
   }
   return "?";
 }

@@ -11,7 +11,7 @@ namespace arfuse::bench {
 
 // What one timed kernel does after the row's sum of squares. The first six are the kernels'
 // own device functions (kernels/add_rmsnorm/row_math.cuh's NormRowStore,
-// row_quant.cuh's QuantizeRow); the last three leave a step out to show what it costs, and their
+// row_quant.cuh's QuantizeRow); the last two leave a step out to show what it costs, and their
 // outputs are not the op's.
 enum class EpilogueVariant : int {
   kUnquantized = 0,   // NormRowStore: bf16 norm_out
@@ -22,9 +22,8 @@ enum class EpilogueVariant : int {
   kPerGroupUe8m0,     // QuantizeRow, group 128, packed UE8M0 scales
   kCodesOnly,         // the codes of x * 1: no amax, no scale
   kPerTokenWarpAmax,  // per-token with each warp's amax (no block reduction)
-  kPerTokenMultiply,  // per-token multiplying by RN(1 / scale) instead of dividing
 };
-inline constexpr int kEpilogueVariants = 9;
+inline constexpr int kEpilogueVariants = 8;
 
 const char* EpilogueVariantName(EpilogueVariant v);
 

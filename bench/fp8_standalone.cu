@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
     }
   }
   if constexpr (kKind == QuantKind::kStatic) {
-    const float inv = device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
+    const float inv = device::fp8::InvScale(*static_cast<const float*>(p.scale));
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
@@ -50,11 +50,11 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
     for (int k = 0; k < kVec; ++k) local = device::fp8::AbsMaxInto<kElems>(local, x[k]);
     const float scale = device::fp8::DynamicTokenScale(device::fp8::BlockMax(local, scratch));
     if (threadIdx.x == 0) static_cast<float*>(p.scale)[row] = scale;
-    const device::fp8::ScaleDivisor divisor(scale);
+    const float inv = device::fp8::InvScale(scale);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
-      if (v < vecs) device::fp8::StoreE4m3Divided<kElems>(x[k], divisor, q + v * kElems);
+      if (v < vecs) device::fp8::StoreE4m3Multiplied<kElems>(x[k], inv, q + v * kElems);
     }
   } else {
     constexpr uint32_t kLanes = device::fp8::kGroupLanes<fp8::kGroupSize, kElems>;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
         device::fp8::StoreGroupScale(fp8::GroupScaleLayout::kFp32RowMajor, p.scale, row, v / kLanes,
                                      p.tokens, groups, scale, 0);
       }
-      device::fp8::StoreE4m3Divided<kElems>(x[k], device::fp8::ScaleDivisor(scale), q + v * kElems);
+      device::fp8::StoreE4m3Multiplied<kElems>(x[k], device::fp8::InvScale(scale), q + v * kElems);
     }
   }
 }

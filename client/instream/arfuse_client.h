@@ -162,17 +162,17 @@ int arfuse_fused_allreduce_residual_rmsnorm(arfuse_ctx* ctx, void* stream, const
                                             uint32_t hidden, int dtype, float eps);
 
 /* The same op with FP8 E4M3 output (C ABI 4; attach ABI 4 blobs list the FP8 patterns' kernel
- * entries, and arfuse_supports takes patterns 3 to 5): quant_out = e4m3(x / scale), x the
- * normalized value (rmsnorm(residual_out) * gamma) in fp32 before its rounding to dtype
- * (docs/kernels.md, "FP8 outputs"). quant: ARFUSE_QUANT_FP8_*; scale_layout: ARFUSE_SCALE_* for
- * ARFUSE_QUANT_FP8_PER_GROUP, 0 otherwise (a bad value of either: INVALID_ARGUMENT). dtype bf16
- * or fp16 (fp32: OUT_OF_RANGE), per group hidden a multiple of 128 (else OUT_OF_RANGE).
- * quant_out: [tokens, hidden] bytes of E4M3 codes, 16-byte aligned. scale, 4-byte aligned: the
- * static scale (one fp32, read), per token fp32 [tokens] (written), per group the layout's extent
- * (written, padding bytes 0). norm_out may be NULL (only the codes and scales are written); when
- * given it is the pattern-2 norm_out. residual_out as above. No output may overlap another tensor
- * (residual_out may be residual_in). The fused op counters count these ops as
- * allreduce_residual_rmsnorm. */
+ * entries, and arfuse_supports takes patterns 3 to 5): quant_out = e4m3(x * (1 / scale)), at
+ * most one E4M3 step from e4m3(x / scale), x the normalized value (rmsnorm(residual_out) *
+ * gamma) in fp32 before its rounding to dtype (docs/kernels.md, "FP8 outputs"). quant:
+ * ARFUSE_QUANT_FP8_*; scale_layout: ARFUSE_SCALE_* for ARFUSE_QUANT_FP8_PER_GROUP, 0 otherwise (a
+ * bad value of either: INVALID_ARGUMENT). dtype bf16 or fp16 (fp32: OUT_OF_RANGE), per group hidden
+ * a multiple of 128 (else OUT_OF_RANGE). quant_out: [tokens, hidden] bytes of E4M3 codes, 16-byte
+ * aligned. scale, 4-byte aligned: the static scale (one fp32, read), per token fp32 [tokens]
+ * (written), per group the layout's extent (written, padding bytes 0). norm_out may be NULL (only
+ * the codes and scales are written); when given it is the pattern-2 norm_out. residual_out as
+ * above. No output may overlap another tensor (residual_out may be residual_in). The fused op
+ * counters count these ops as allreduce_residual_rmsnorm. */
 int arfuse_fused_allreduce_residual_rmsnorm_fp8(arfuse_ctx* ctx, void* stream, const void* input,
                                                 const void* residual_in, void* residual_out,
                                                 void* norm_out, void* quant_out, void* scale,

@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(device::BucketMaxThreads(kBucket))
   if constexpr (kQuant) {
     // Read once per block, as the fused kernels read it once per launch.
     if (p.quant == QuantKind::kStatic) {
-      static_inv_scale = device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
+      static_inv_scale = device::fp8::InvScale(*static_cast<const float*>(p.scale));
     }
   }
   for (uint32_t row = blockIdx.x; row < p.num_tokens; row += gridDim.x) {

@@ -100,17 +100,17 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
     if (!ok) return;
     const float scale = fp8::DynamicTokenScale(amax);
     if (threadIdx.x == 0) static_cast<float*>(q.scale)[row] = scale;
-    const fp8::ScaleDivisor divisor(scale);
+    const float inv_scale = fp8::InvScale(scale);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v >= vecs_per_row) continue;
       if constexpr (kKeepValues) {
-        fp8::StoreE4m3Divided<kElems>(kept[k], divisor, q_row + v * kElems);
+        fp8::StoreE4m3Multiplied<kElems>(kept[k], inv_scale, q_row + v * kElems);
       } else {
         float x[kElems];
         NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-        fp8::StoreE4m3Divided<kElems>(x, divisor, q_row + v * kElems);
+        fp8::StoreE4m3Multiplied<kElems>(x, inv_scale, q_row + v * kElems);
       }
     }
   } else {
@@ -146,7 +146,7 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
         if (v % kLanes == 0) {
           fp8::StoreGroupScale(layout, q.scale, row, group, q.num_tokens, groups, scale, 0);
         }
-        fp8::StoreE4m3Divided<kElems>(x, fp8::ScaleDivisor(scale), q_row + v * kElems);
+        fp8::StoreE4m3Multiplied<kElems>(x, fp8::InvScale(scale), q_row + v * kElems);
       }
     }
     if (ok) fp8::ZeroGroupScalePadding(layout, q.scale, row, q.num_tokens, groups, t0, stride);

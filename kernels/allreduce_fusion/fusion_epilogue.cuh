@@ -54,7 +54,7 @@ template <EpilogueQuant kQuant>
 __device__ __forceinline__ float StaticInvScaleOf(const FusionParams& p) {
   if constexpr (kQuant != EpilogueQuant::kNone) {
     if (QuantKindOf<kQuant>(p) == QuantKind::kStatic) {
-      return device::fp8::StaticInvScale(*static_cast<const float*>(p.scale));
+      return device::fp8::InvScale(*static_cast<const float*>(p.scale));
     }
   }
   return 0.0f;

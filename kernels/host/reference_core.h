@@ -19,8 +19,8 @@
 //   6. The FP8 patterns (3-5) quantize x = (y_i * inv) * float(gamma[i]) of step 5 in fp32, before
 //      its rounding to the dtype, to E4M3 codes with kernels/quant/fp8_reference.h's functions
 //      (the GPU epilogue's math, bit for bit): static q = e4m3(x * (1 / scale[0])); per token
-//      scale[t] = DynamicTokenScale(amax of row t), q = e4m3(x / scale[t]); per group of 128
-//      QuantizeRowsPerGroup in the op's scale_layout. norm_out, when given, is step 5's.
+//      scale[t] = DynamicTokenScale(amax of row t), q = e4m3(x * (1 / scale[t])); per group of
+//      128 QuantizeRowsPerGroup in the op's scale_layout. norm_out, when given, is step 5's.
 // Steps 1-4 are bit-exact between CPU and GPU. The order of the adds in the sum of squares (5)
 // differs: the GPU adds per-thread partial sums in a shuffle tree, the CPU adds sequentially,
 // and the GPU may contract y*y+acc into an FMA. So norm_out may differ from the GPU in the last

@@ -4,7 +4,7 @@
 // only. kernels/quant/fp8_reference.h computes the same bits on the CPU; the formulas and the
 // special values: docs/kernels.md, "FP8 outputs (quantization math)".
 //
-// Every arithmetic step is an explicitly rounded intrinsic (__fdiv_rn, __fmul_rn), so no
+// Every arithmetic step is an explicitly rounded intrinsic (__frcp_rn, __fmul_rn, __fmaf_rn), so no
 // compiler flag (--use_fast_math, FMA contraction) changes a result.
 #pragma once
 
@@ -22,14 +22,6 @@ using ::arfuse::fp8::GroupScaleLayout;
 using ::arfuse::fp8::kE4m3Max;
 using ::arfuse::fp8::kGroupEps;
 using ::arfuse::fp8::kMinScalingFactor;
-
-__host__ __device__ __forceinline__ float DivRn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
 
 __host__ __device__ __forceinline__ float MulRn(float a, float b) {
 #ifdef __CUDA_ARCH__
@@ -52,14 +44,6 @@ __host__ __device__ __forceinline__ uint32_t BitsOf(float x) {
   uint32_t bits;
   memcpy(&bits, &x, sizeof(bits));
   return bits;
-}
-
-__host__ __device__ __forceinline__ float CopySign(float magnitude, float sign) {
-#ifdef __CUDA_ARCH__
-  return copysignf(magnitude, sign);
-#else
-  return std::copysign(magnitude, sign);
-#endif
 }
 
 // RN(1 / a), correctly rounded.
@@ -90,10 +74,12 @@ __host__ __device__ __forceinline__ uint32_t E4m3QuadFromFloats(float a, float b
 }
 
 // amax / 448 for an amax (>= 0, or inf), correctly rounded without a division (one per row or
-// group in the epilogue): Markstein's correction with the constant RN(1 / 448), as
-// DivideByScale below argues. It is exact wherever the residual is normal, amax >= 2^-100, and
-// every formula floors smaller quotients far above that (kMinScalingFactor, kGroupEps); an
-// infinite amax gives inf (its residual would be NaN).
+// group in the epilogue): q0 = RN(amax * RN(1 / 448)) is within one ulp of the quotient, the
+// residual amax - q0 * 448 is exact in one fma, and RN(q0 + residual * RN(1 / 448)) is then the
+// correctly rounded quotient (Markstein's theorem) wherever the residual and the quotient are
+// normal: for amax >= 2^-100, and every formula floors smaller quotients far above that
+// (kMinScalingFactor, kGroupEps). An infinite amax gives inf (its residual would be NaN).
+// tests/kernels/fp8_quant_host_test.cu checks it against the IEEE quotient.
 __host__ __device__ __forceinline__ float AmaxOver448(float amax) {
   constexpr float kInv448 = 1.0f / kE4m3Max;  // folded by the compiler: RN(1 / 448)
   const float q0 = MulRn(amax, kInv448);
@@ -102,7 +88,10 @@ __host__ __device__ __forceinline__ float AmaxOver448(float amax) {
 }
 
 // Scale formulas (fp8_reference.h states each; these give the same bits).
-__host__ __device__ __forceinline__ float StaticInvScale(float scale) { return DivRn(1.0f, scale); }
+// RN(1 / scale), what every pattern but UE8M0 multiplies by: the static scale once per launch,
+// a per-token or fp32 group scale once per row or group. __frcp_rn is correctly rounded, so it
+// has the bits of the host's 1.0f / scale without a division's subroutine.
+__host__ __device__ __forceinline__ float InvScale(float scale) { return RcpRn(scale); }
 __host__ __device__ __forceinline__ float DynamicTokenScale(float amax) {
   return fmaxf(AmaxOver448(amax), kMinScalingFactor);
 }
@@ -237,59 +226,21 @@ __device__ __forceinline__ void StoreE4m3(const float (&scaled)[kElems], void* d
   }
 }
 
-// q = E4M3(f * inv_scale): the static pattern (inv_scale = StaticInvScale(*scale)) and UE8M0
-// groups (inv_scale = Ue8m0Reciprocal(byte)).
+// q = E4M3(f * inv_scale), the codes of every pattern: inv_scale = InvScale(scale) for the
+// static, per-token and fp32 group scales, Ue8m0Reciprocal(byte) for UE8M0 groups. Against the
+// exact quotient's E4M3(f / scale) a code is at most one E4M3 step away (docs/kernels.md, "How
+// the codes are computed"; tests/kernels/fp8_quant_gpu_test.cu checks every fp32 f): f * inv
+// is within about one fp32 ulp of f / scale, so the two straddle at most one rounding boundary.
+// An infinite scale (a row or group holding +-inf) has inv = +0: finite values give +-0 and an
+// infinity NaN, what f / inf gives. One multiply per element and no division: the division's
+// Markstein correction cost 260-430 cycles per per-token row of the epilogue (docs/
+// performance.md, "Codes from the reciprocal for every scale").
 template <int kElems>
 __device__ __forceinline__ void StoreE4m3Multiplied(const float (&f)[kElems], float inv_scale,
                                                     void* dst) {
   float s[kElems];
 #pragma unroll
   for (int j = 0; j < kElems; ++j) s[j] = MulRn(f[j], inv_scale);
-  StoreE4m3<kElems>(s, dst);
-}
-
-// Division by a per-token or per-group scale without a division per element. IEEE division
-// (__fdiv_rn) is a subroutine with a slow-path branch per call, and the epilogue's 8-16 calls per
-// thread run in series at decode sizes. Built once per scale: inv = RN(1 / scale) (__frcp_rn).
-// Per element, q0 = RN(x * inv) is within one ulp of x / scale, the residual x - q0 * scale is
-// exact in one fma, and RN(q0 + residual * inv) is then the correctly rounded quotient
-// (Markstein's theorem) whenever nothing overflows and the residual and the quotient are normal
-// floats. The epilogue's quotients are at most about 448 (the scale's amax covers x) and its
-// scales finite and at least kGroupEps / 448 (about 2^-42), so a residual can be subnormal only
-// for |x| < 2^-100; then, as for any quotient below 2^-126, the code is 0x00 or 0x80 either way
-// (E4M3's smallest step is 2^-9), and a zero quotient takes x's sign (x = -0 gives -0, as
-// -0 / scale does). An infinite scale (a row or group holding +-inf) is kept as scale 1 with
-// reciprocal 0: then q0 = +-0 for a finite x (NaN for +-inf or NaN), the residual is x, and the
-// result +-0 (NaN), what x / inf gives. So no element branches, and the codes are those of
-// E4M3(x / scale), the quotient vLLM's and FlashInfer's kernels and the CPU reference take:
-// tests/kernels/fp8_quant_host_test.cu (host) and fp8_quant_gpu_test.cu (device, every fp32 x)
-// check it for every x whose quotient is at most 2^100 in magnitude (and the quotient's bits
-// where it and x are normal, |x| >= 2^-100).
-struct ScaleDivisor {
-  float scale;  // the scale, or 1 for an infinite one
-  float inv;    // RN(1 / scale), or 0 for an infinite scale
-  __host__ __device__ explicit ScaleDivisor(float s) {
-    const bool infinite = (BitsOf(s) & 0x7fffffffu) == 0x7f800000u;
-    scale = infinite ? 1.0f : s;
-    inv = infinite ? 0.0f : RcpRn(s);
-  }
-};
-
-__host__ __device__ __forceinline__ float DivideByScale(float x, const ScaleDivisor& d) {
-  const float q0 = MulRn(x, d.inv);
-  const float residual = FmaRn(-q0, d.scale, x);
-  const float q = FmaRn(residual, d.inv, q0);
-  // The quotient's sign is x's (the scale is positive), but a zero can come out as +0.
-  return q == 0.0f ? CopySign(0.0f, x) : q;
-}
-
-// q = E4M3(f / scale): per-token dynamic and fp32 group scales, with DivideByScale's codes.
-template <int kElems>
-__device__ __forceinline__ void StoreE4m3Divided(const float (&f)[kElems], const ScaleDivisor& d,
-                                                 void* dst) {
-  float s[kElems];
-#pragma unroll
-  for (int j = 0; j < kElems; ++j) s[j] = DivideByScale(f[j], d);
   StoreE4m3<kElems>(s, dst);
 }
 

@@ -81,7 +81,7 @@ float E4m3ToFloat(uint8_t code) {
   return negative ? -v : v;
 }
 
-float StaticInvScale(float scale) { return 1.0f / scale; }
+float InvScale(float scale) { return 1.0f / scale; }
 
 float AbsMax(const float* x, size_t n) {
   float m = 0.0f;
@@ -112,7 +112,7 @@ plain::Status QuantizeRowsStatic(const float* x, uint32_t tokens, uint32_t hidde
                                  uint8_t* q) {
   plain::Status status;
   if (!ValidRows(x, tokens, hidden, q, &status)) return status;
-  const float inv = StaticInvScale(scale);
+  const float inv = InvScale(scale);
   const uint64_t n = static_cast<uint64_t>(tokens) * hidden;
   for (uint64_t i = 0; i < n; ++i) q[i] = E4m3FromFloat(x[i] * inv);
   return plain::OkStatus();
@@ -130,7 +130,8 @@ plain::Status QuantizeRowsPerToken(const float* x, uint32_t tokens, uint32_t hid
     uint8_t* out = q + static_cast<uint64_t>(t) * hidden;
     const float s = DynamicTokenScale(AbsMax(row, hidden));
     scales[t] = s;
-    for (uint32_t i = 0; i < hidden; ++i) out[i] = E4m3FromFloat(row[i] / s);
+    const float inv = InvScale(s);
+    for (uint32_t i = 0; i < hidden; ++i) out[i] = E4m3FromFloat(row[i] * inv);
   }
   return plain::OkStatus();
 }
@@ -170,7 +171,9 @@ plain::Status QuantizeRowsPerGroup(const float* x, uint32_t tokens, uint32_t hid
         s = GroupScaleFp32(amax);
         std::memcpy(scale_bytes + at, &s, sizeof(s));
       }
-      for (uint32_t i = 0; i < group_size; ++i) q[first + i] = E4m3FromFloat(x[first + i] / s);
+      // UE8M0: 1 / 2^e is exact (the kernel's exponent field), so this is x / 2^e.
+      const float inv = InvScale(s);
+      for (uint32_t i = 0; i < group_size; ++i) q[first + i] = E4m3FromFloat(x[first + i] * inv);
     }
   }
   return plain::OkStatus();

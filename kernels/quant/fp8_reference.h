@@ -25,9 +25,10 @@ uint8_t E4m3FromFloat(float x);
 // The exact value of an E4M3 code; 0x7f and 0xff are NaN.
 float E4m3ToFloat(uint8_t code);
 
-// Static per-tensor scale: the kernel multiplies by its IEEE reciprocal, 1.0f / scale, as
-// FlashInfer's kARResidualRMSNormFP8Quant and vLLM's static_scaled_fp8_quant do.
-float StaticInvScale(float scale);
+// The IEEE reciprocal 1.0f / scale every pattern multiplies by (E4M3(x * InvScale(scale))): as
+// FlashInfer's kARResidualRMSNormFP8Quant and vLLM's static_scaled_fp8_quant do for the static
+// scale. Against E4M3(x / scale) a code is at most one E4M3 step away.
+float InvScale(float scale);
 
 // max |x_i| over n values, from 0: NaNs are ignored (fmax), +-inf gives inf.
 float AbsMax(const float* x, size_t n);
@@ -46,16 +47,17 @@ uint8_t Ue8m0FromAmax(float amax);
 float Ue8m0ToFloat(uint8_t byte);
 
 // Row-major [tokens, hidden] fp32 values in, [tokens, hidden] E4M3 codes out.
-// q = E4M3(x * StaticInvScale(scale)), scale used as given.
+// q = E4M3(x * InvScale(scale)), scale used as given.
 plain::Status QuantizeRowsStatic(const float* x, uint32_t tokens, uint32_t hidden, float scale,
                                  uint8_t* q);
 
-// Per token t: scales[t] = DynamicTokenScale(AbsMax(row t)); q = E4M3(x / scales[t]).
+// Per token t: scales[t] = DynamicTokenScale(AbsMax(row t)); q = E4M3(x * InvScale(scales[t])).
 plain::Status QuantizeRowsPerToken(const float* x, uint32_t tokens, uint32_t hidden, uint8_t* q,
                                    float* scales);
 
 // Per group of group_size consecutive elements of a row: the group's amax, its scale
-// (GroupScaleFp32, or the value of Ue8m0FromAmax for kUe8m0Packed) and q = E4M3(x / scale).
+// (GroupScaleFp32, or the value of Ue8m0FromAmax for kUe8m0Packed) and
+// q = E4M3(x * InvScale(scale)) (for UE8M0 the reciprocal is exact: x / scale).
 // `scales` spans GroupScaleBytes(layout, tokens, hidden / group_size) bytes; every byte of it
 // that holds no group's scale (TMA padding, unused bytes of a packed word) is written as 0.
 plain::Status QuantizeRowsPerGroup(const float* x, uint32_t tokens, uint32_t hidden,

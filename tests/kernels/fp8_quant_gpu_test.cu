@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -106,32 +107,44 @@ TEST(Fp8QuantGpu, EveryFloatConvertsAsTheReference) {
   }
 }
 
-// ---- the division by a scale ------------------------------------------------------------------
+// ---- the reciprocal against the quotient ------------------------------------------------------
+
+// How far apart two E4M3 codes are in steps of the format (codes ordered by value, +0 and -0 the
+// same point); 255 when one of them is NaN and the other not.
+__host__ __device__ inline uint32_t E4m3StepsApart(uint8_t a, uint8_t b) {
+  const bool nan_a = (a & 0x7fu) == 0x7fu, nan_b = (b & 0x7fu) == 0x7fu;
+  if (nan_a || nan_b) return nan_a == nan_b ? 0u : 255u;
+  const int oa = a & 0x80u ? -(a & 0x7f) : a, ob = b & 0x80u ? -(b & 0x7f) : b;
+  return static_cast<uint32_t>(oa > ob ? oa - ob : ob - oa);
+}
 
 // For every x of base .. base + n - 1 whose IEEE quotient by `scale` is at most 2^100 in
-// magnitude (the epilogue's are at most about 448; NaN x included), counts the x whose code through
-// DivideByScale differs from the code of __fdiv_rn(x, scale), and those whose quotient's bits
-// differ where |x| >= 2^-100 and the quotient is normal.
-__global__ void DivideEveryPattern(uint64_t base, uint64_t n, float scale, dq::ScaleDivisor d,
-                                   unsigned long long* code_bad, unsigned long long* bits_bad) {
-  unsigned long long codes = 0, bits = 0;
+// magnitude (the epilogue's are at most about 448; NaN x included), compares the epilogue's code
+// E4M3(x * InvScale(scale)) with the quotient's E4M3(__fdiv_rn(x, scale)): counts the x whose
+// codes differ, and those more than one E4M3 step apart (or of another sign, NaN-ness).
+__global__ void ReciprocalEveryPattern(uint64_t base, uint64_t n, float scale,
+                                       unsigned long long* differ, unsigned long long* too_far) {
+  const float inv = dq::InvScale(scale);
+  unsigned long long d = 0, far = 0;
   for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const float x = __uint_as_float(static_cast<uint32_t>(base + i));
     const float want = __fdiv_rn(x, scale);
     if (fabsf(want) > 0x1p100f || (isinf(x) && !isinf(scale))) continue;
-    const float got = dq::DivideByScale(x, d);
-    codes += dq::E4m3FromFloat(got) != dq::E4m3FromFloat(want);
-    bits += fabsf(x) >= 0x1p-100f && fabsf(want) >= 0x1p-126f &&
-            __float_as_uint(got) != __float_as_uint(want);
+    const uint8_t got_code = dq::E4m3FromFloat(dq::MulRn(x, inv));
+    const uint8_t want_code = dq::E4m3FromFloat(want);
+    d += got_code != want_code;
+    far += E4m3StepsApart(got_code, want_code) > 1u || ((got_code ^ want_code) & 0x80u) != 0u;
   }
-  if (codes != 0) atomicAdd(code_bad, codes);
-  if (bits != 0) atomicAdd(bits_bad, bits);
+  if (d != 0) atomicAdd(differ, d);
+  if (far != 0) atomicAdd(too_far, far);
 }
 
-// The device's DivideByScale over all 2^32 patterns of x, for the scales the formulas give at
-// their edges (the floors, an all-ones significand, the largest finite), powers of two and
-// random ones; and an infinite scale (finite x give +-0, an infinity NaN, as x / inf).
-TEST(Fp8QuantGpu, DivideByScaleGivesTheQuotientsCodeForEveryFloat) {
+// The codes the epilogue takes for a per-token or fp32 group scale, over all 2^32 patterns of x,
+// for the scales the formulas give at their edges (the floors, an all-ones significand, the
+// largest finite), powers of two and random ones; and an infinite scale (finite x give +-0, an
+// infinity NaN, as x / inf): at most one E4M3 step from the quotient's, with x's sign. Powers of
+// two and an infinite scale give the quotient's code exactly (the reciprocal is exact).
+TEST(Fp8QuantGpu, TheReciprocalsCodeIsWithinOneStepOfTheQuotientsForEveryFloat) {
   std::vector<float> scales = {fp8::kMinScalingFactor,
                                fp8::GroupScaleFp32(0.0f),
                                1.0f,
@@ -148,17 +161,23 @@ TEST(Fp8QuantGpu, DivideByScaleGivesTheQuotientsCodeForEveryFloat) {
   for (int i = 0; i < 6; ++i) scales.push_back(std::exp2(exponent(rng)));
   DeviceBuffer counts(2 * sizeof(unsigned long long));
   ASSERT_NE(counts.ptr, nullptr);
+  unsigned long long differ_in_all = 0;
   for (const float scale : scales) {
     CUDA_OK(cudaMemset(counts.ptr, 0, counts.bytes));
-    const dq::ScaleDivisor d(scale);
     auto* c = counts.as<unsigned long long>();
-    DivideEveryPattern<<<4096, 256>>>(0, 1ull << 32, scale, d, c, c + 1);
+    ReciprocalEveryPattern<<<4096, 256>>>(0, 1ull << 32, scale, c, c + 1);
     CUDA_OK(cudaGetLastError());
     unsigned long long got[2] = {1, 1};
     CUDA_OK(cudaMemcpy(got, counts.ptr, sizeof(got), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(got[0], 0u) << std::hexfloat << "codes differ for scale " << scale;
-    EXPECT_EQ(got[1], 0u) << std::hexfloat << "quotients differ for scale " << scale;
+    EXPECT_EQ(got[1], 0u) << std::hexfloat << "codes over one step apart for scale " << scale;
+    const bool exact_reciprocal = std::isinf(scale) || std::exp2(std::ilogb(scale)) == scale;
+    if (exact_reciprocal) EXPECT_EQ(got[0], 0u) << std::hexfloat << "scale " << scale;
+    differ_in_all += got[0];
   }
+  // Some codes do differ, so the comparison is not vacuous; the count is printed for the record.
+  EXPECT_GT(differ_in_all, 0u);
+  std::printf("codes differing by one step from the quotient's, over %zu scales x 2^32 x: %llu\n",
+              scales.size(), differ_in_all);
 }
 
 // ---- rows in the row layout -------------------------------------------------------------------
@@ -190,7 +209,7 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
   const uint32_t groups = a.hidden / kGroupSize;
   const uint32_t stride = blockDim.x;
   const uint32_t t0 = threadIdx.x;
-  const float inv_static = dq::StaticInvScale(*a.static_scale);
+  const float inv_static = dq::InvScale(*a.static_scale);
   uint32_t parity = 0;
   for (uint32_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
     const uint64_t row_at = static_cast<uint64_t>(row) * a.hidden;
@@ -218,12 +237,12 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
     parity ^= 1u;
     const float token_scale = dq::DynamicTokenScale(amax);
     if (t0 == 0) a.token_scales[row] = token_scale;
-    const dq::ScaleDivisor token_divisor(token_scale);
+    const float token_inv = dq::InvScale(token_scale);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
       if (v < vecs)
-        dq::StoreE4m3Divided<kElems>(f[k], token_divisor, a.q_token + row_at + v * kElems);
+        dq::StoreE4m3Multiplied<kElems>(f[k], token_inv, a.q_token + row_at + v * kElems);
     }
     // Per-group scales: every lane reduces for every k (the shuffle needs the whole warp).
 #pragma unroll
@@ -242,8 +261,7 @@ __global__ void __launch_bounds__(1024) QuantizeRowsKernel(RowArgs a) {
           dq::StoreGroupScale(GroupScaleLayout::kUe8m0Packed, a.scales_ue8m0, row, g, a.tokens,
                               groups, scale, e);
         }
-        dq::StoreE4m3Divided<kElems>(f[k], dq::ScaleDivisor(scale),
-                                     a.q_group + row_at + v * kElems);
+        dq::StoreE4m3Multiplied<kElems>(f[k], dq::InvScale(scale), a.q_group + row_at + v * kElems);
         dq::StoreE4m3Multiplied<kElems>(f[k], dq::Ue8m0Reciprocal(e),
                                         a.q_group_ue8m0 + row_at + v * kElems);
       }

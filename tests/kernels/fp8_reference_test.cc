@@ -196,8 +196,8 @@ TEST(Fp8Reference, StructuredAndRandomFloatsMatchTheNearestValueSearch) {
 TEST(Fp8Reference, ScaleFormulas) {
   EXPECT_EQ(kMinScalingFactor, 1.0f / (448.0f * 512.0f));
   EXPECT_EQ(ToBits(kMinScalingFactor), 0x36924925u);
-  EXPECT_EQ(StaticInvScale(0.5f), 2.0f);
-  EXPECT_EQ(StaticInvScale(3.0f), 1.0f / 3.0f);
+  EXPECT_EQ(InvScale(0.5f), 2.0f);
+  EXPECT_EQ(InvScale(3.0f), 1.0f / 3.0f);
   EXPECT_EQ(DynamicTokenScale(0.0f), kMinScalingFactor);  // all-zero row: the floor
   EXPECT_EQ(DynamicTokenScale(1e-6f), kMinScalingFactor);
   EXPECT_EQ(DynamicTokenScale(448.0f), 1.0f);
