@@ -20,6 +20,7 @@
 #include "kernels/host/reference_op.h"
 #include "kernels/quant/fp8_format.h"
 #include "kernels/quant/fp8_reference.h"
+#include "tests/kernels/fp8_steps.h"
 #include "tests/kernels/fusion_gpu_util.h"
 
 namespace arfuse {
@@ -29,10 +30,7 @@ using ::arfuse::fp8::GroupScaleLayout;
 using ::arfuse::fusion_test::DeviceBuffer;
 using ::arfuse::fusion_test::Download;
 
-int E4m3Steps(uint8_t a, uint8_t b) {
-  auto ordinal = [](uint8_t c) { return (c & 0x80) ? -static_cast<int>(c & 0x7f) : (c & 0x7f); };
-  return std::abs(ordinal(a) - ordinal(b));
-}
+using ::arfuse::fp8_test::E4m3Steps;
 
 struct Case {
   DType dtype;

@@ -21,6 +21,7 @@
 #include "kernels/add_rmsnorm/row_math.cuh"
 #include "kernels/quant/fp8_quant.cuh"
 #include "kernels/quant/fp8_reference.h"
+#include "tests/kernels/fp8_steps.h"
 
 namespace arfuse {
 namespace {
@@ -109,15 +110,6 @@ TEST(Fp8QuantGpu, EveryFloatConvertsAsTheReference) {
 
 // ---- the reciprocal against the quotient ------------------------------------------------------
 
-// How far apart two E4M3 codes are in steps of the format (codes ordered by value, +0 and -0 the
-// same point); 255 when one of them is NaN and the other not.
-__host__ __device__ inline uint32_t E4m3StepsApart(uint8_t a, uint8_t b) {
-  const bool nan_a = (a & 0x7fu) == 0x7fu, nan_b = (b & 0x7fu) == 0x7fu;
-  if (nan_a || nan_b) return nan_a == nan_b ? 0u : 255u;
-  const int oa = a & 0x80u ? -(a & 0x7f) : a, ob = b & 0x80u ? -(b & 0x7f) : b;
-  return static_cast<uint32_t>(oa > ob ? oa - ob : ob - oa);
-}
-
 // For every x of base .. base + n - 1 whose IEEE quotient by `scale` is at most 2^100 in
 // magnitude (the epilogue's are at most about 448; NaN x included), compares the epilogue's code
 // E4M3(x * InvScale(scale)) with the quotient's E4M3(__fdiv_rn(x, scale)): counts the x whose
@@ -133,7 +125,7 @@ __global__ void ReciprocalEveryPattern(uint64_t base, uint64_t n, float scale,
     const uint8_t got_code = dq::E4m3FromFloat(dq::MulRn(x, inv));
     const uint8_t want_code = dq::E4m3FromFloat(want);
     d += got_code != want_code;
-    far += E4m3StepsApart(got_code, want_code) > 1u || ((got_code ^ want_code) & 0x80u) != 0u;
+    far += !fp8_test::E4m3WithinOneStepSameSign(got_code, want_code);
   }
   if (d != 0) atomicAdd(differ, d);
   if (far != 0) atomicAdd(too_far, far);

@@ -13,6 +13,7 @@
 
 #include "kernels/quant/fp8_quant.cuh"
 #include "kernels/quant/fp8_reference.h"
+#include "tests/kernels/fp8_steps.h"
 
 namespace arfuse {
 namespace {
@@ -86,9 +87,6 @@ TEST(Fp8QuantHost, ScaleFormulasMatchTheReference) {
   }
 }
 
-// E4M3 codes ordered by value (+0 and -0 the same point), for counting steps between two codes.
-int E4m3Ordinal(uint8_t code) { return code & 0x80u ? -(code & 0x7f) : code; }
-
 // The epilogue's codes for a per-token or fp32 group scale, E4M3(x * InvScale(scale)), against
 // the IEEE quotient's E4M3(x / scale): for every scale the formulas can give at the edges (the
 // floors, an all-ones significand, a power of two, the largest finite) and random ones, every
@@ -117,10 +115,7 @@ TEST(Fp8QuantHost, TheReciprocalsCodeIsWithinOneStepOfTheQuotients) {
     const uint8_t got = fp8::E4m3FromFloat(x * dq::InvScale(scale));
     const uint8_t code = fp8::E4m3FromFloat(want);
     differ += got != code;
-    const bool nan_got = got == fp8::kE4m3NanCode, nan_want = code == fp8::kE4m3NanCode;
-    const bool far =
-        nan_got != nan_want || (!nan_got && (std::abs(E4m3Ordinal(got) - E4m3Ordinal(code)) > 1 ||
-                                             ((got ^ code) & 0x80u) != 0u));
+    const bool far = !fp8_test::E4m3WithinOneStepSameSign(got, code);
     if (far && ++too_far <= 5) {
       ADD_FAILURE() << std::hexfloat << "x " << x << " / " << scale << ": code 0x" << std::hex
                     << int{got} << ", the quotient's 0x" << int{code};

@@ -22,6 +22,7 @@
 #include "kernels/host/reference_op.h"
 #include "kernels/quant/fp8_format.h"
 #include "kernels/quant/fp8_reference.h"
+#include "tests/kernels/fp8_steps.h"
 #include "tests/kernels/fusion_gpu_util.h"
 
 namespace arfuse {
@@ -30,11 +31,7 @@ namespace {
 using namespace ::arfuse::fusion_test;  // NOLINT(build/namespaces): the simulated group
 using fp8::GroupScaleLayout;
 
-// Distance of two E4M3 codes in steps of the format (sign-magnitude; +0 and -0 are both 0).
-int E4m3Steps(uint8_t a, uint8_t b) {
-  auto ordinal = [](uint8_t c) { return (c & 0x80) ? -static_cast<int>(c & 0x7f) : (c & 0x7f); };
-  return std::abs(ordinal(a) - ordinal(b));
-}
+using ::arfuse::fp8_test::E4m3Steps;
 
 // What the FP8 epilogue quantizes, from the CPU's residual_out: x = (y * inv_rms) * gamma in fp32
 // with the reference's IEEE operations (the sum of squares added in element order).
