@@ -48,7 +48,7 @@ __device__ __forceinline__ void NormalizedVector(const Raw16 (&pre)[kVec], const
 // failed thread stores nothing). Every thread of the block calls it for every row, failed or not:
 // the per-token scale is a block reduction (fp8::BlockMax over `amax_scratch`, 32 floats, which
 // must not be written again before every thread passed a later barrier) and the per-group one a
-// warp shuffle. `static_inv_scale`: fp8::StaticInvScale of the static scale (kStatic only).
+// warp shuffle. `static_inv_scale`: fp8::InvScale of the static scale (kStatic only).
 // kKeepValues (per-token): keep the normalized values in registers across the block reduction
 // instead of computing them again after it. At up to two vectors per thread (hidden up to 8192
 // at 16-bit dtypes) keeping them saves about 140 of a row's 2270-2920 cycles (`arfuse-bench
@@ -81,16 +81,22 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
       fp8::StoreE4m3Multiplied<kElems>(x, static_inv_scale, q_row + v * kElems);
     }
   } else if (q.kind == QuantKind::kPerToken) {
-    // The values are needed before the block reduction (amax) and after it (codes).
+    // The values are needed before the block reduction (amax) and after it (codes). At up to
+    // kKeepValuesFit's two vectors per thread every k is computed whether its vector lies in the
+    // row or not (only an in-row vector's amax counts and its codes are stored): with no branch
+    // around each k, the arithmetic of the thread's vectors overlaps. Larger rows branch, so as
+    // not to add to their kernels' registers.
+    constexpr bool kEveryK = kKeepValuesFit<kVec>;
     float kept[kKeepValues ? kVec : 1][kElems];
     float local = 0.0f;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const uint32_t v = t0 + k * stride;
-      if (!ok || v >= vecs_per_row) continue;
+      const bool in_row = ok && t0 + k * stride < vecs_per_row;
+      if (!kEveryK && !in_row) continue;
       float x[kElems];
       NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-      local = fp8::AbsMaxInto<kElems>(local, x);
+      const float with_k = fp8::AbsMaxInto<kElems>(local, x);
+      local = in_row ? with_k : local;
       if constexpr (kKeepValues) {
 #pragma unroll
         for (int j = 0; j < kElems; ++j) kept[k][j] = x[j];
@@ -104,14 +110,15 @@ __device__ __forceinline__ void QuantizeRow(const QuantRowOp& q, float eps, bool
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const uint32_t v = t0 + k * stride;
-      if (v >= vecs_per_row) continue;
+      if (!kEveryK && v >= vecs_per_row) continue;
+      float x[kElems];
       if constexpr (kKeepValues) {
-        fp8::StoreE4m3Multiplied<kElems>(kept[k], inv_scale, q_row + v * kElems);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) x[j] = kept[k][j];
       } else {
-        float x[kElems];
         NormalizedVector<DT, kVec>(pre, g, k, inv_rms, x);
-        fp8::StoreE4m3Multiplied<kElems>(x, inv_scale, q_row + v * kElems);
       }
+      if (v < vecs_per_row) fp8::StoreE4m3Multiplied<kElems>(x, inv_scale, q_row + v * kElems);
     }
   } else {
     // Per group of fp8::kGroupSize elements: kLanes consecutive, aligned lanes of one warp hold

@@ -135,12 +135,23 @@ __host__ __device__ __forceinline__ float Ue8m0Reciprocal(uint8_t byte) {
 // non-negative values |x| (NaN is never returned while another operand is a number), so any
 // tree gives the CPU's bits.
 
-// max(acc, |f[j]|) over the kElems values of one vector.
+// max(acc, |f[j]|) over the kElems values of one vector, for an acc of +0 or more (not NaN).
+// The values meet in a tree, log2 kElems fmaxf deep, and then acc: as a chain of kElems from
+// acc, the 16 fmaxf over a per-token row's two vectors lay in series on the row's way to its
+// amax reduction (docs/performance.md, "The per-token amax as a tree"). A NaN loses to any
+// number at every step, and a vector of NaNs alone leaves acc, as the chain from acc does.
 template <int kElems>
 __device__ __forceinline__ float AbsMaxInto(float acc, const float (&f)[kElems]) {
+  static_assert(kElems >= 1 && (kElems & (kElems - 1)) == 0, "a power-of-two vector");
+  float m[kElems];
 #pragma unroll
-  for (int j = 0; j < kElems; ++j) acc = fmaxf(acc, fabsf(f[j]));
-  return acc;
+  for (int j = 0; j < kElems; ++j) m[j] = fabsf(f[j]);
+#pragma unroll
+  for (int width = kElems / 2; width > 0; width /= 2) {
+#pragma unroll
+    for (int j = 0; j < width; ++j) m[j] = fmaxf(m[j], m[j + width]);
+  }
+  return fmaxf(acc, m[0]);
 }
 
 // Max over aligned groups of kLanes lanes of a warp (a power of two up to 32): each lane ends

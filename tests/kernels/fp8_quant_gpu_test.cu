@@ -319,6 +319,12 @@ std::vector<float> TestRows(uint32_t tokens, uint32_t hidden, uint32_t seed) {
       row(5)[i + 1] = -std::nanf("");
     }
   }
+  if (tokens > 6 && hidden >= 64) {
+    // Row 6: NaN but for element i of the i-th 8 elements (i < 8): a vector's one number sits
+    // at every leaf of the amax tree in turn (bf16/fp16 vectors), or vectors of NaNs alone lie
+    // between vectors with one number (fp32 vectors of 4).
+    for (uint32_t i = 0; i < 64; ++i) row(6)[i] = i % 8 == i / 8 ? 0.5f + i : std::nanf("");
+  }
   return x;
 }
 
