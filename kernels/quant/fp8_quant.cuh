@@ -197,9 +197,14 @@ __device__ __forceinline__ float LaneGroupMax(float v) {
 __device__ __forceinline__ float BlockMax(float v, float* scratch) {
   v = LaneGroupMax<32>(v);
   const uint32_t lane = threadIdx.x & 31u;
-  if (lane == 0) scratch[threadIdx.x >> 5] = v;
+  // Every lane stores its warp's maximum (one value, to one word) and loads a word, those past
+  // the last warp's discarded: with no branch around the store or the load, their addresses are
+  // formed off the row's path. Behind `lane == 0` and `lane < warps` branches each address (an
+  // S2R and about eight instructions) was formed after the redux.sync and after the barrier.
+  scratch[threadIdx.x >> 5] = v;
   __syncthreads();
-  return LaneGroupMax<32>(lane < (blockDim.x >> 5) ? scratch[lane] : 0.0f);
+  const float partial = scratch[lane];
+  return LaneGroupMax<32>(lane < (blockDim.x >> 5) ? partial : 0.0f);
 }
 
 // Row threads that share one group of kGroupElems elements: the group is kGroupElems / kElems
